@@ -1,0 +1,47 @@
+"""The attention layer: writes this step's K/V into the paged cache, then attends.
+
+The backend is chosen by `atom.platform` (torch reference on a CPU, the Triton unified
+kernel on a GPU). The layer reads the per-forward `AttentionMetadata`; the `ModelRunner`
+assigns `k_cache` / `v_cache` after it allocates the cache.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.model_ops.attention.metadata import (AttentionMetadata, forward_context,
+                                               get_forward_context, set_forward_context)
+from atom.model_ops.attention import torch_native
+
+__all__ = ["Attention", "AttentionMetadata", "forward_context", "get_forward_context",
+           "set_forward_context"]
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.backend = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+        meta = get_forward_context()
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.backend == "triton":
+            from atom.model_ops.attention import triton_backend
+            out = triton_backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        else:
+            torch_native.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = torch_native.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return out.view(T, -1)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"backend={self.backend}, cache={tuple(self.k_cache.shape)}")

@@ -1,0 +1,182 @@
+"""`ModelRunner`: the model, its paged KV cache, and one step = prepare, forward, sample.
+
+    runner = ModelRunner(config)          # builds the model, loads weights, allocates KV
+    tokens = runner.run(batch)            # batch: the Scheduler's ScheduledBatch
+
+Inputs of a step are built once, vectorized over the batch with numpy (positions, slot
+mapping, block tables), and handed to the attention backend as `AttentionMetadata`.
+Logits are computed only for the rows that sample; sampling runs on the device.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from atom import platform
+from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.sequence import Sequence
+from atom.model_loader.loader import init_dummy_weights, load_weights
+from atom.model_ops.attention import Attention, AttentionMetadata, forward_context
+from atom.model_ops.sampler import Sampler, SamplingTensors
+from atom.models.registry import resolve_architecture
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 4 << 30  # KV budget on a CPU when num_kvcache_blocks is -1
+
+
+class ModelRunner:
+    def __init__(self, config, device: torch.device | str | None = None):
+        self.config = config
+        self.device = torch.device(device) if device is not None else platform.default_device()
+        self.block_size = config.kv_cache_block_size
+        hf = config.hf_config
+        self.dtype = config.torch_dtype if isinstance(config.torch_dtype, torch.dtype) else torch.bfloat16
+        model_cls = resolve_architecture(hf)  # before anything expensive
+        t0 = time.perf_counter()
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_cls(hf, getattr(config, "quant_config", None))
+        finally:
+            torch.set_default_dtype(prev)
+        if config.load_dummy:
+            init_dummy_weights(self.model, config.load_dummy)
+        else:
+            load_weights(self.model, config.model)
+        self.model.eval()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = "triton" if self.device.type == "cuda" and platform.kernel_backend() != "torch" else "torch"
+        for layer in self.attn_layers:
+            layer.backend = backend
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}
+        logger.info("loaded %s (%s, %s) in %.1f s", type(self.model).__name__, self.dtype,
+                    self.device, time.perf_counter() - t0)
+        self.num_blocks = self.allocate_kv_cache()
+
+    # --- KV cache --------------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        a = self.attn_layers[0]
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def get_num_blocks(self) -> int:
+        if self.config.num_kvcache_blocks > 0:
+            return self.config.num_kvcache_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * self.config.gpu_memory_utilization - used
+            budget -= self.profile_activation_bytes()
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        # never more than max_num_seqs full-length sequences need
+        cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        n = min(int(budget // self.kv_bytes_per_block), cap)
+        if n < 1:
+            raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no "
+                             "memory for the KV cache: raise it or lower max_num_batched_tokens")
+        return n
+
+    def profile_activation_bytes(self) -> int:
+        """Peak extra memory of a forward at max_num_batched_tokens (a dummy prefill)."""
+        return 0
+
+    def allocate_kv_cache(self) -> int:
+        n = self.get_num_blocks()
+        a = self.attn_layers[0]
+        shape = (2, len(self.attn_layers), n, self.block_size, a.num_kv_heads, a.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", n, self.block_size,
+                    self.kv_cache.numel() * self.dtype.itemsize / 2**30)
+        return n
+
+    # --- one step --------------------------------------------------------------------
+    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """input ids, positions, attention metadata, and the batch rows that sample."""
+        bs = self.block_size
+        qlens = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+        seq_lens = starts + qlens
+        cu = np.zeros(len(seqs) + 1, np.int64)
+        np.cumsum(qlens, out=cu[1:])
+        total = int(cu[-1])
+        ids: list[int] = []
+        for s in seqs:
+            ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens])
+        row_of_token = np.repeat(np.arange(len(seqs)), qlens)
+        positions = np.arange(total) - cu[:-1][row_of_token] + starts[row_of_token]
+        max_blocks = int(-(-seq_lens.max() // bs))
+        tables = np.full((len(seqs), max_blocks), -1, np.int64)
+        for i, s in enumerate(seqs):
+            n = min(len(s.block_table), max_blocks)
+            tables[i, :n] = s.block_table[:n]
+        slots = tables[row_of_token, positions // bs] * bs + positions % bs
+        sample_rows = [i for i, s in enumerate(seqs) if s.samples_this_step]
+        dev = self.device
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            max_query_len=int(qlens.max()), max_seq_len=int(seq_lens.max()),
+            query_lens_host=qlens.tolist(), seq_lens_host=seq_lens.tolist())
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.from_numpy(positions).to(dev, non_blocking=True)
+        return input_ids, pos, meta, sample_rows
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        sps = [s.sampling_params for s in seqs]
+        temps = [sp.temperature for sp in sps]
+        st = SamplingTensors(torch.tensor(temps, dtype=torch.float32, device=self.device))
+        st.all_greedy = all(t == 0 for t in temps)
+        if st.all_greedy:
+            return st
+        if any(sp.top_k not in (-1, 0, None) for sp in sps):
+            st.top_ks = torch.tensor([sp.top_k if sp.top_k and sp.top_k > 0 else 0 for sp in sps],
+                                     dtype=torch.int64, device=self.device)
+        if any(sp.top_p < 1.0 for sp in sps):
+            st.top_ps = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=self.device)
+        for row, s in enumerate(seqs):
+            if s.sampling_params.seed is not None and s.sampling_params.temperature > 0:
+                gen = self.generators.get(s.seq_id)
+                if gen is None:
+                    gen = torch.Generator(device=self.device).manual_seed(s.sampling_params.seed)
+                    self.generators[s.seq_id] = gen
+                st.generators[row] = gen
+        return st
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        with forward_context(meta):
+            return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch | list[Sequence]) -> list[int | None]:
+        """Run one step; returns the sampled token per sequence (None: chunk mid-prompt)."""
+        seqs = batch.seqs if isinstance(batch, ScheduledBatch) else batch
+        input_ids, positions, meta, rows = self.prepare(seqs)
+        hidden = self.forward(input_ids, positions, meta)
+        out: list[int | None] = [None] * len(seqs)
+        if not rows:
+            return out
+        last = (meta.cu_seqlens_q[1:] - 1)[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden[last])
+        tokens = self.sampler(logits, self.sampling_tensors([seqs[r] for r in rows])).tolist()
+        for r, t in zip(rows, tokens):
+            out[r] = t
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-request state (its sampling generator) once it finished."""
+        self.generators.pop(seq.seq_id, None)
+
+    def __repr__(self) -> str:
+        return (f"ModelRunner({type(self.model).__name__}, device={self.device}, dtype={self.dtype}, "
+                f"kv_blocks={self.num_blocks}x{self.block_size}, attention={self.attn_layers[0].backend})")

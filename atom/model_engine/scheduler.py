@@ -1,0 +1,211 @@
+"""`Scheduler`: which sequences run in the next step, and how many tokens each.
+
+One step carries at most `max_num_seqs` sequences and `max_num_batched_tokens` tokens.
+Running sequences go first, in arrival order: a decode takes one token, an unfinished
+prefill takes the next chunk that fits the remaining token budget (chunked prefill), so
+prefills and decodes share a batch. Waiting sequences are then admitted while budget,
+sequence slots and KV blocks last. When a running sequence needs a block and none is
+free, the most recently admitted running sequence is preempted: its blocks are freed and
+it is recomputed later from its tokens (prompt + what it generated), which leaves its
+output unchanged.
+
+The scheduler is handed its `BlockManager`; it never touches tensors.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from atom.model_engine.block_manager import BlockManager
+from atom.model_engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    """The sequences of one step; `seq.num_new_tokens` says how many tokens each runs."""
+    seqs: list[Sequence] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs if s.num_new_tokens > 1 or not s.samples_this_step)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_tokens - self.num_prefill_tokens
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+    def __repr__(self) -> str:
+        return (f"ScheduledBatch(seqs={len(self.seqs)}, tokens={self.num_tokens} "
+                f"(prefill {self.num_prefill_tokens}, decode {self.num_decode_tokens}), "
+                f"preempted={self.num_preempted})")
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 512,
+                 max_num_batched_tokens: int = 16384, max_model_len: int = 4096,
+                 scheduler_delay_factor: float = 0.0):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.scheduler_delay_factor = scheduler_delay_factor
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the model
+        # scheduler_delay_factor bookkeeping
+        self._last_prompt_time = 0.0
+        self._last_prompt_latency = 0.0
+
+    @classmethod
+    def from_config(cls, config, block_manager: BlockManager) -> "Scheduler":
+        return cls(block_manager, max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_model_len=config.max_model_len,
+                   scheduler_delay_factor=config.scheduler_delay_factor)
+
+    def __repr__(self) -> str:
+        return (f"Scheduler(waiting={len(self.waiting)}, running={len(self.running)}, "
+                f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}, "
+                f"max_model_len={self.max_model_len}, preemptions={self.num_preemptions})")
+
+    # --- requests --------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {seq.num_tokens} tokens, more than "
+                             f"max_model_len={self.max_model_len}: shorten it or raise max_model_len")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence (stop, length, abort) and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    # --- one step ------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        logger.debug("preempted %s", seq)
+
+    def _admit_allowed(self, now: float) -> bool:
+        if self.scheduler_delay_factor <= 0 or not self.running:
+            return True
+        return now - self._last_prompt_time >= self.scheduler_delay_factor * self._last_prompt_latency
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1) running sequences: decodes and prefill continuations
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # preempted itself: nothing else fits either
+            bm.append_slots(seq, n)
+            seq.num_new_tokens = n
+            batch.seqs.append(seq)
+            budget -= n
+            i += 1
+
+        # 2) waiting sequences, if nothing had to be preempted
+        now = time.perf_counter()
+        admitted = False
+        while (self.waiting and budget > 0 and not batch.num_preempted
+               and len(self.running) < self.max_num_seqs and self._admit_allowed(now)):
+            seq = self.waiting[0]
+            if not seq.block_table:
+                bm.allocate_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_append(seq, n) and not self.running:
+                # nothing running will free blocks: prefill the chunk that fits now
+                fits = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+                n = min(n, fits)
+            if n <= 0 or not bm.can_append(seq, n):
+                bm.free(seq)  # hand back its prefix hits; it is retried next step
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            bm.append_slots(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_new_tokens = n
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            budget -= n
+            admitted = True
+        if admitted:
+            self._last_prompt_time = now
+        if not batch.seqs and self.waiting and not self.running:
+            seq = self.waiting[0]
+            raise RuntimeError(f"cannot schedule {seq}: the KV cache ({bm.num_blocks} blocks of "
+                               f"{bm.block_size}) is too small for it; raise num_kvcache_blocks")
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int] | list[int | None],
+                    step_latency: float | None = None) -> list[Sequence]:
+        """Advance the batch by what ran; append sampled tokens; return newly finished seqs.
+
+        `sampled` holds one entry per sequence of the batch (None where nothing was sampled).
+        Stops handled here: EOS (unless ignore_eos), `stop_token_ids`, `max_tokens`,
+        `max_model_len`. Stop strings need text and are checked by the engine.
+        """
+        finished = []
+        if step_latency is not None and any(s.num_new_tokens > 1 for s in batch.seqs):
+            self._last_prompt_latency = step_latency
+        for seq, token in zip(batch.seqs, sampled):
+            seq.num_computed_tokens += seq.num_new_tokens
+            seq.num_new_tokens = 0
+            self.block_manager.publish_full_blocks(seq)
+            if token is None or seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.append_token(token)
+            reason = self.stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def stop_reason(self, seq: Sequence, token: int) -> str | None:
+        sp = seq.sampling_params
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if sp.stop_token_ids and token in sp.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,114 @@
+"""`Sequence`: one request's tokens, its KV blocks and its progress through the engine.
+
+A sequence moves WAITING -> RUNNING -> FINISHED (and back to WAITING when preempted).
+Its progress is a single number, `num_computed_tokens`: how many of its tokens already
+have their K/V in the paged cache. Each step the scheduler gives it `num_new_tokens`
+more; when that reaches the end of `token_ids` the model's output at the last position
+is sampled and appended. A prefill, a chunk of a prefill and a decode step are all the
+same thing seen this way (a decode is a chunk of one token).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum, auto
+
+from atom.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, prompt: str | None = None):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.sampling_params = sampling_params or SamplingParams()
+        self.status = SequenceStatus.WAITING
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0   # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0     # of those, how many came from the prefix cache
+        self.num_new_tokens = 0        # scheduled for the current step
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
+        self.num_published_blocks = 0      # leading blocks already offered to the prefix cache
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+        self.num_preemptions = 0
+        # timing (host clock, seconds)
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        # detokenization state
+        self.output_text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    # --- sizes -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token still lacks K/V: a (possibly chunked) prefill."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def samples_this_step(self) -> bool:
+        """This step's chunk reaches the end of the known tokens, so a token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size:(i + 1) * block_size]
+
+    # --- transitions -------------------------------------------------------------
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop all cached K/V; generated tokens are kept."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_new_tokens = 0
+        self.block_table = []
+        self.num_published_blocks = 0
+        self.num_preemptions += 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={len(self.token_ids)} "
+                f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, "
+                f"cached={self.num_cached_tokens}, blocks={self.block_table})")

@@ -1,0 +1,73 @@
+"""What the engine records: one row per step and one per finished request.
+
+Cheap enough to stay on (a dict append per step); `Config`-level switch
+`LLMEngine(..., record_stats=False)` turns it off. `steps()` / `requests()` return
+pandas DataFrames for notebooks and plots (`atom.viz`). The periodic engine-status line
+of `enable_log_stats` is produced here too.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+logger = logging.getLogger("atom.engine")
+
+
+class EngineStats:
+    def __init__(self, enabled: bool = True, log_stats: bool = True, log_interval: float = 10.0,
+                 hit_rate_window: int = 1000):
+        self.enabled = enabled
+        self.log_stats = log_stats
+        self.log_interval = log_interval
+        self.step_rows: list[dict] = []
+        self.request_rows: list[dict] = []
+        self._window: deque[tuple[int, int]] = deque(maxlen=hit_rate_window)  # (hit, query) tokens
+        self._last_log = time.perf_counter()
+        self._tokens_since_log = [0, 0]  # prompt, generation
+        self.num_steps = 0
+
+    def record_step(self, row: dict) -> None:
+        self.num_steps += 1
+        self._tokens_since_log[0] += row["prefill_tokens"]
+        self._tokens_since_log[1] += row["num_sampled"]
+        if self.enabled:
+            row["step"] = self.num_steps
+            self.step_rows.append(row)
+
+    def record_request(self, row: dict, hit_tokens: int, query_tokens: int) -> None:
+        self._window.append((hit_tokens, query_tokens))
+        if self.enabled:
+            self.request_rows.append(row)
+
+    @property
+    def windowed_hit_rate(self) -> float:
+        q = sum(x[1] for x in self._window)
+        return sum(x[0] for x in self._window) / q if q else 0.0
+
+    def maybe_log(self, running: int, waiting: int, kv_usage: float, force: bool = False) -> str | None:
+        if not self.log_stats:
+            return None
+        now = time.perf_counter()
+        dt = now - self._last_log
+        if dt < self.log_interval and not force:
+            return None
+        line = (f"Engine: running {running} reqs, waiting {waiting} reqs, KV usage {kv_usage:.1%}, "
+                f"prefix-cache hit rate {self.windowed_hit_rate:.1%}, "
+                f"prompt {self._tokens_since_log[0] / max(dt, 1e-9):.1f} tok/s, "
+                f"generation {self._tokens_since_log[1] / max(dt, 1e-9):.1f} tok/s")
+        logger.info(line)
+        self._last_log, self._tokens_since_log = now, [0, 0]
+        return line
+
+    def steps(self):
+        import pandas as pd
+        return pd.DataFrame(self.step_rows)
+
+    def requests(self):
+        import pandas as pd
+        return pd.DataFrame(self.request_rows)
+
+    def clear(self) -> None:
+        self.step_rows.clear()
+        self.request_rows.clear()

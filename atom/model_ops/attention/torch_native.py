@@ -1,0 +1,81 @@
+"""Torch reference attention over the paged KV cache (the CPU backend).
+
+Decodes are done together: every decoding sequence's context is gathered through its
+block table into one padded tensor and attended in a single masked SDPA call. Prefills
+(and chunked continuations) are done one sequence at a time, each with a causal mask
+offset by its cached context length.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from atom.model_ops.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at `slot_mapping`."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    kc.index_copy_(0, slot_mapping, key.to(kc.dtype))
+    vc.index_copy_(0, slot_mapping, value.to(vc.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[L, Hkv, D] context of one sequence."""
+    bs = cache.shape[1]
+    nb = -(-length // bs)
+    return cache[block_table[:nb]].flatten(0, 1)[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] -> out [T, Hq, D]; the new tokens' K/V must already be in the cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    qlens = meta.query_lens_host or (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
+    slens = meta.seq_lens_host or meta.seq_lens.tolist()
+    starts = [0, *itertools.accumulate(qlens)]
+    decodes = [i for i, n in enumerate(qlens) if n == 1]
+    if decodes:
+        _decode_batch(q, k_cache, v_cache, meta, scale, out, decodes, starts, slens)
+    for i, n in enumerate(qlens):
+        if n <= 1:
+            continue
+        s, L = starts[i], slens[i]
+        k = _gather(k_cache, meta.block_tables[i], L).to(q.dtype)
+        v = _gather(v_cache, meta.block_tables[i], L).to(q.dtype)
+        qi = q[s:s + n].transpose(0, 1)  # [Hq, n, D]
+        ki, vi = k.transpose(0, 1), v.transpose(0, 1)
+        if L == n:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # causal, offset by the L - n cached tokens
+            qpos = torch.arange(L - n, L, device=q.device)
+            mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s:s + n] = o.transpose(0, 1)
+    return out
+
+
+def _decode_batch(q, k_cache, v_cache, meta, scale, out, idx, starts, slens):
+    bs = k_cache.shape[1]
+    lens = [slens[i] for i in idx]
+    max_len = max(lens)
+    nb = -(-max_len // bs)
+    rows = torch.tensor(idx, device=q.device)
+    tables = meta.block_tables[rows, :nb].clamp_min(0)
+    k = k_cache[tables].flatten(1, 2).to(q.dtype)  # [B, nb*bs, Hkv, D]
+    v = v_cache[tables].flatten(1, 2).to(q.dtype)
+    lens_t = torch.tensor(lens, device=q.device)
+    mask = torch.arange(nb * bs, device=q.device)[None, :] < lens_t[:, None]  # [B, L]
+    tok = torch.tensor([starts[i] for i in idx], device=q.device)
+    qd = q[tok].unsqueeze(2)  # [B, Hq, 1, D]
+    o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    out[tok] = o.squeeze(2)

@@ -1,0 +1,58 @@
+"""Sampling for the whole batch on the model's device; only the chosen ids come back.
+
+Rows with temperature 0 take the argmax. Other rows divide by their temperature, keep
+their top-k and top-p (nucleus) set, and sample by the exponential race
+(argmax of p / E with E ~ Exp(1), which draws from p). A request with a seed draws its
+noise from its own generator, so its tokens do not depend on its batch neighbours.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SamplingTensors:
+    """Per-row sampling parameters of one step, as device tensors."""
+
+    def __init__(self, temperatures, top_ks=None, top_ps=None, generators=None):
+        self.temperatures = temperatures          # float32 [S]
+        self.top_ks = top_ks                      # int64 [S] (0 = off) or None
+        self.top_ps = top_ps                      # float32 [S] (1.0 = off) or None
+        self.generators = generators or {}        # row -> torch.Generator
+        self.all_greedy = False
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
+                      top_ps: torch.Tensor | None) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p set to -inf."""
+    if top_ks is None and top_ps is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    if top_ks is not None:
+        k = torch.where(top_ks > 0, top_ks, logits.shape[-1])
+        drop |= ranks[None, :] >= k[:, None]
+    if top_ps is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        drop |= before > top_ps[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if st.all_greedy:
+            return greedy
+        temps = st.temperatures
+        scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+        scaled = apply_top_k_top_p(scaled, st.top_ks, st.top_ps)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, gen in st.generators.items():
+            noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(temps > 0, sampled, greedy)

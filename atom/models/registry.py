@@ -1,0 +1,29 @@
+"""Model registry keyed by the HF config's `architectures` entry."""
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("atom.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("atom.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("atom.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_architecture(hf_config) -> type:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(f"architectures={archs} is not supported: this build runs "
+                     f"{', '.join(supported_architectures())}")
+
+
+def register_model(architecture: str, module: str, class_name: str) -> None:
+    """Add a model class (e.g. from a notebook) under an HF architecture name."""
+    _MODELS[architecture] = (module, class_name)

@@ -1,0 +1,53 @@
+"""Which device the engine runs on and which kernel backend serves it.
+
+- CPU: the torch reference kernels.
+- NVIDIA GPU: the Triton kernels (attention over the paged cache, norm, rotary, ...).
+- AMD GPU (ROCm): the same Triton kernels; "aiter" is reported when `aiter` imports, and
+  its kernels are preferred by the layers that have an AITER path.
+The choice is logged once; `ATOM_KERNEL_BACKEND=torch|triton|aiter` forces one.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("aiter", "triton", "torch")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def is_rocm() -> bool:
+    return torch.version.hip is not None
+
+
+@functools.cache
+def kernel_backend() -> str:
+    forced = os.environ.get("ATOM_KERNEL_BACKEND")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"ATOM_KERNEL_BACKEND={forced!r} is invalid: choose one of {', '.join(BACKENDS)}")
+        choice, why = forced, "forced by ATOM_KERNEL_BACKEND"
+    elif not torch.cuda.is_available():
+        choice, why = "torch", "no GPU: torch reference kernels"
+    elif is_rocm() and importlib.util.find_spec("aiter") is not None:
+        choice, why = "aiter", "ROCm with aiter installed"
+    elif importlib.util.find_spec("triton") is not None:
+        choice, why = "triton", f"{'ROCm' if is_rocm() else 'CUDA'} GPU with Triton"
+    else:
+        choice, why = "torch", "GPU without Triton: torch reference kernels"
+    logger.info("kernel backend: %s (%s)", choice, why)
+    return choice
+
+
+def describe() -> str:
+    dev = default_device()
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
+    return f"{name} ({dev.type}), torch {torch.__version__}, kernels: {kernel_backend()}"

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random HF models written to temp folders (nothing downloaded)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            initializer_range=0.45)
+
+
+def make_tiny_model(path, arch: str = "llama", **overrides) -> str:
+    """Save a random-weight Llama or Qwen3 (fp32, safetensors) and return its folder."""
+    import transformers
+    kw = {**TINY, **overrides}
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(rope_theta=10000.0, tie_word_embeddings=False, **kw)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "llama3":
+        cfg = transformers.LlamaConfig(
+            rope_theta=500000.0, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256}, **kw)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=32, rope_theta=1e6, tie_word_embeddings=True,
+                                       rms_norm_eps=1e-6, **kw)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    cfg.eos_token_id = 2
+    cfg.bos_token_id = 1
+    torch.manual_seed(0)
+    model = cls(cfg).to(torch.float32).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama3"), "llama3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
