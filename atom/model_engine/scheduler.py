@@ -26,21 +26,25 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ScheduledBatch:
-    """The sequences of one step; `seq.num_new_tokens` says how many tokens each runs."""
+    """The sequences of one step and how many tokens each runs (`num_new_tokens`)."""
     seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    num_prefill_tokens: int = 0   # tokens of sequences with more than one uncomputed token
+    num_decode_tokens: int = 0
+
+    def add(self, seq: Sequence, n: int) -> None:
+        if seq.is_prefill:
+            self.num_prefill_tokens += n
+        else:
+            self.num_decode_tokens += n
+        seq.num_new_tokens = n
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs if s.num_new_tokens > 1 or not s.samples_this_step)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_tokens - self.num_prefill_tokens
+        return self.num_prefill_tokens + self.num_decode_tokens
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -67,6 +71,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the model
+        self.finished_outside_step: list[Sequence] = []  # finished while scheduling
         # scheduler_delay_factor bookkeeping
         self._last_prompt_time = 0.0
         self._last_prompt_latency = 0.0
@@ -131,6 +136,12 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_append(seq, n):
                 victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    logger.warning("request %s outgrew the whole KV cache (%d blocks): finished as "
+                                   "'length'; raise num_kvcache_blocks", seq.request_id, bm.num_blocks)
+                    self.finish(seq, "length")
+                    self.finished_outside_step.append(seq)
+                    break
                 self._preempt(victim)
                 batch.num_preempted += 1
                 if victim is seq:
@@ -138,8 +149,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 break  # preempted itself: nothing else fits either
             bm.append_slots(seq, n)
-            seq.num_new_tokens = n
-            batch.seqs.append(seq)
+            batch.add(seq, n)
             budget -= n
             i += 1
 
@@ -163,9 +173,8 @@ class Scheduler:
             self.waiting.popleft()
             bm.append_slots(seq, n)
             seq.status = SequenceStatus.RUNNING
-            seq.num_new_tokens = n
             self.running.append(seq)
-            batch.seqs.append(seq)
+            batch.add(seq, n)
             budget -= n
             admitted = True
         if admitted:
@@ -184,7 +193,7 @@ class Scheduler:
         Stops handled here: EOS (unless ignore_eos), `stop_token_ids`, `max_tokens`,
         `max_model_len`. Stop strings need text and are checked by the engine.
         """
-        finished = []
+        finished, self.finished_outside_step = self.finished_outside_step, []
         if step_latency is not None and any(s.num_new_tokens > 1 for s in batch.seqs):
             self._last_prompt_latency = step_latency
         for seq, token in zip(batch.seqs, sampled):

@@ -1,0 +1,103 @@
+"""The physical floor of a workload: bytes over HBM bandwidth, FLOPs over peak.
+
+Decode steps are bound by bytes: every step reads the weights once plus the KV of every
+active sequence. Prefill is bound by FLOPs (2 x params x tokens, plus attention).
+The floor assumes every sequence is admitted at once (the best case for batching).
+
+    python -m atom.benchmarks.roofline --model qwen3-0.6b [--bandwidth 4.3e12 --flops 790e12]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+from atom.benchmarks.workloads import MODEL_CONFIGS, nano_vllm_workload
+
+H200_BANDWIDTH = 4.3e12   # B/s, device-to-device copy measured on the lent H200
+H200_BF16_FLOPS = 790e12  # FLOP/s, 8192^3 bf16 GEMM measured there
+
+
+@dataclass
+class ModelCost:
+    params: int              # all weights read per step (embedding counted once if tied)
+    matmul_params: int       # weights multiplied per token (incl. the lm head)
+    kv_bytes_per_token: int
+    layers: int
+    q_heads: int
+    head_dim: int
+
+
+def model_cost(cfg: dict, dtype_bytes: int = 2) -> ModelCost:
+    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // hq
+    per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i
+    embed = cfg["vocab_size"] * h
+    tied = cfg.get("tie_word_embeddings", False)
+    body = L * per_layer
+    read = body + embed * (1 if tied else 2)
+    return ModelCost(read, body + embed, 2 * L * hkv * d * dtype_bytes, L, hq, d)
+
+
+@dataclass
+class Floor:
+    seconds: float
+    decode_seconds: float
+    prefill_seconds: float
+    output_tokens: int
+    tokens_per_s: float
+
+
+def workload_floor(cfg: dict, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
+                   bandwidth: float = H200_BANDWIDTH, flops: float = H200_BF16_FLOPS) -> Floor:
+    c = model_cost(cfg, dtype_bytes)
+    weight_bytes = c.params * dtype_bytes
+    # prefill: linear FLOPs + causal attention FLOPs (QK^T and PV: 2 * 2 * n^2/2 * heads * d)
+    pf = sum(2 * c.matmul_params * n + 2 * c.layers * c.q_heads * c.head_dim * n * n for n in prompt_lens)
+    prefill_s = pf / flops
+    # decode: step t reads the weights and the KV of every sequence still running
+    decode_s = 0.0
+    steps = max(output_lens)
+    alive = sorted(zip(output_lens, prompt_lens))
+    for t in range(1, steps):
+        alive = [(o, p) for o, p in alive if o > t]
+        kv = sum(p + t for _, p in alive) * c.kv_bytes_per_token
+        step_flops = 2 * c.matmul_params * len(alive)
+        decode_s += max((weight_bytes + kv) / bandwidth, step_flops / flops)
+    total = prefill_s + decode_s
+    out = sum(output_lens)
+    return Floor(total, decode_s, prefill_s, out, out / total)
+
+
+def decode_floor_ms(cfg: dict, batch: int, context: int, dtype_bytes: int = 2,
+                    bandwidth: float = H200_BANDWIDTH) -> float:
+    """Lower bound of one decode step's time at `batch` sequences of `context` tokens."""
+    c = model_cost(cfg, dtype_bytes)
+    return (c.params * dtype_bytes + batch * context * c.kv_bytes_per_token) / bandwidth * 1e3
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_CONFIGS))
+    ap.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH)
+    ap.add_argument("--flops", type=float, default=H200_BF16_FLOPS)
+    ap.add_argument("--out", help="write JSON here")
+    args = ap.parse_args(argv)
+    w = nano_vllm_workload()
+    cfg = MODEL_CONFIGS[args.model]
+    f = workload_floor(cfg, [len(r.prompt_token_ids) for r in w], [r.max_tokens for r in w],
+                       bandwidth=args.bandwidth, flops=args.flops)
+    c = model_cost(cfg)
+    from rich.console import Console
+    Console().print(f"[bold]{args.model}[/] weights {c.params / 1e9:.2f} B params, KV {c.kv_bytes_per_token / 1024:.0f} KiB/token\n"
+                    f"nano-vllm workload floor: {f.seconds:.2f} s = {f.tokens_per_s:,.0f} tok/s "
+                    f"(decode {f.decode_seconds:.2f} s, prefill {f.prefill_seconds:.2f} s)\n"
+                    f"batch-1 decode floor at 640 tokens of context: {decode_floor_ms(cfg, 1, 640):.3f} ms/token")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"model": args.model, **asdict(f)}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

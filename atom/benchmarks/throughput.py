@@ -1,0 +1,186 @@
+"""Offline throughput: ATOM and a peer on the same requests, in one command.
+
+CPU (default without a GPU): the embedded SmolLM2-135M at batch 1 and on 32 mixed-length
+requests, against HF transformers' `generate` on the same weights.
+
+    python -m atom.benchmarks.throughput --device cpu
+
+GPU: the nano-vllm workload (256 sequences, lengths uniform in [100, 1024], temperature
+0.6, ignore_eos: 133,966 output tokens) on a model shape with dummy weights, against HF
+(`--peer hf`, on a subset: it pads) or vLLM (`--peer vllm`, where importable), with the
+fraction of the roofline.
+
+    python -m atom.benchmarks.throughput --device cuda --model qwen3-0.6b --peer hf --out r.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import torch
+
+from atom.benchmarks.workloads import Request, mixed_workload, nano_vllm_workload, write_model_config
+
+logger = logging.getLogger(__name__)
+
+
+def run_atom(llm, requests: list[Request], temperature: float) -> tuple[int, float]:
+    from atom import SamplingParams
+    sps = [SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in requests], sps, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return sum(o.num_output_tokens for o in outs), dt
+
+
+def run_hf(model, requests: list[Request], temperature: float, pad_id: int) -> tuple[int, float]:
+    """One batched `generate` with left padding, run to the longest request; counts only
+    the tokens each request asked for (what a user of transformers would get)."""
+    dev = model.device
+    longest = max(len(r.prompt_token_ids) for r in requests)
+    ids = torch.full((len(requests), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(requests):
+        n = len(r.prompt_token_ids)
+        ids[i, longest - n:] = torch.tensor(r.prompt_token_ids)
+        mask[i, longest - n:] = 1
+    new = max(r.max_tokens for r in requests)
+    kw = dict(do_sample=temperature > 0, max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)
+    if temperature > 0:
+        kw.update(temperature=temperature, top_k=0, top_p=1.0)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids.to(dev), attention_mask=mask.to(dev), **kw)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return sum(r.max_tokens for r in requests), time.perf_counter() - t0
+
+
+def load_hf(path: str, device: str, dtype: torch.dtype, dummy: bool):
+    import transformers
+    if dummy:
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return model.eval()
+
+
+def cpu_main(args) -> dict:
+    from atom import LLM
+    from atom.model_loader.embedded import ensure_embedded_model
+    path = ensure_embedded_model()
+    llm = LLM(path, max_model_len=1024, enable_log_stats=False, max_num_batched_tokens=2048)
+    hf = load_hf(path, "cpu", torch.float32, dummy=False)
+    vocab = llm.config.hf_config.vocab_size
+    scenarios = {
+        "batch1": mixed_workload(1, (64, 64), (128, 128), vocab, seed=1),
+        "mixed32": mixed_workload(32, (32, 256), (32, 128), vocab, seed=0),
+    }
+    warm = mixed_workload(2, (16, 16), (8, 8), vocab, seed=2)
+    run_atom(llm, warm, 0.0)
+    run_hf(hf, warm, 0.0, pad_id=0)
+    results = {}
+    for name, reqs in scenarios.items():
+        a_tok, a_s = run_atom(llm, reqs, 0.0)
+        h_tok, h_s = run_hf(hf, reqs, 0.0, pad_id=0)
+        results[name] = {"requests": len(reqs), "output_tokens": a_tok,
+                         "atom_tok_s": a_tok / a_s, "hf_tok_s": h_tok / h_s,
+                         "atom_s": a_s, "hf_s": h_s, "speedup": (a_tok / a_s) / (h_tok / h_s)}
+    return {"device": "cpu", "model": "SmolLM2-135M-Instruct (embedded, fp32)",
+            "threads": torch.get_num_threads(), "scenarios": results}
+
+
+def gpu_main(args) -> dict:
+    from atom import LLM
+    from atom.benchmarks.roofline import workload_floor
+    from atom.benchmarks.workloads import MODEL_CONFIGS
+    path = write_model_config(args.model)
+    reqs = nano_vllm_workload(args.num_seqs)
+    llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
+              enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    run_atom(llm, nano_vllm_workload(8, 128, 32, seed=1), args.temperature)  # warm-up
+    runs = [run_atom(llm, reqs, args.temperature) for _ in range(args.repeat)]
+    tok, sec = min(runs, key=lambda r: r[1])
+    floor = workload_floor(MODEL_CONFIGS[args.model], [len(r.prompt_token_ids) for r in reqs],
+                           [r.max_tokens for r in reqs])
+    res = {"device": torch.cuda.get_device_name(), "model": args.model, "num_seqs": len(reqs),
+           "output_tokens": tok, "atom_s": sec, "atom_tok_s": tok / sec,
+           "all_runs_s": [r[1] for r in runs], "roofline_tok_s": floor.tokens_per_s,
+           "roofline_fraction": (tok / sec) / floor.tokens_per_s, "enforce_eager": args.enforce_eager}
+    if args.peer == "hf":
+        del llm
+        torch.cuda.empty_cache()
+        sub = reqs[:args.hf_seqs]
+        hf = load_hf(path, "cuda", torch.bfloat16, dummy=True)
+        run_hf(hf, nano_vllm_workload(4, 128, 16, seed=1), args.temperature, pad_id=0)
+        h_tok, h_s = run_hf(hf, sub, args.temperature, pad_id=0)
+        res.update(peer="hf", peer_seqs=len(sub), peer_tok_s=h_tok / h_s, peer_s=h_s)
+        res["speedup_vs_peer"] = res["atom_tok_s"] / res["peer_tok_s"]
+    elif args.peer == "vllm":
+        from atom.benchmarks.peer_vllm import run_vllm_throughput
+        del llm
+        torch.cuda.empty_cache()
+        v = run_vllm_throughput(path, reqs, args)
+        res.update(peer="vllm", peer_tok_s=v["tok_s"], peer_s=v["seconds"])
+        res["speedup_vs_peer"] = res["atom_tok_s"] / res["peer_tok_s"]
+    return res
+
+
+def report(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"throughput — {res['model']} on {res['device']}")
+    if res["device"] == "cpu":
+        for c in ("scenario", "requests", "out tokens", "ATOM tok/s", "HF tok/s", "ATOM / HF"):
+            t.add_column(c)
+        for name, r in res["scenarios"].items():
+            t.add_row(name, str(r["requests"]), str(r["output_tokens"]), f"{r['atom_tok_s']:.1f}",
+                      f"{r['hf_tok_s']:.1f}", f"{r['speedup']:.2f}x")
+    else:
+        for c in ("engine", "out tokens", "seconds", "tok/s", "of roofline"):
+            t.add_column(c)
+        t.add_row("ATOM", str(res["output_tokens"]), f"{res['atom_s']:.2f}", f"{res['atom_tok_s']:,.0f}",
+                  f"{res['roofline_fraction']:.0%}")
+        if "peer" in res:
+            t.add_row(res["peer"], "", f"{res['peer_s']:.2f}", f"{res['peer_tok_s']:,.0f}",
+                      f"{res['peer_tok_s'] / res['roofline_tok_s']:.0%}")
+        t.add_row("roofline", "", "", f"{res['roofline_tok_s']:,.0f}", "100%")
+    Console().print(t)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="qwen3-0.6b", help="GPU: qwen3-0.6b or llama-3.1-8b (dummy weights)")
+    ap.add_argument("--peer", choices=["none", "hf", "vllm"], default="hf")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--hf-seqs", type=int, default=64, help="GPU: requests given to HF (it pads)")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    res = cpu_main(args) if args.device == "cpu" else gpu_main(args)
+    res["date"] = time.strftime("%Y-%m-%d")
+    res["command"] = "python -m atom.benchmarks.throughput " + " ".join(argv or os.sys.argv[1:])
+    report(res)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

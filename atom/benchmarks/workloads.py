@@ -1,0 +1,60 @@
+"""Benchmark workloads and model shapes, written in code (nothing is downloaded)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+
+# Model shapes from shared/REFERENCE.md, as HF config dicts.
+MODEL_CONFIGS = {
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        max_position_embeddings=40960, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
+        bos_token_id=151643, eos_token_id=151645),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
+        bos_token_id=128000, eos_token_id=128009),
+}
+
+
+def write_model_config(name: str, folder: str | None = None) -> str:
+    """A folder holding only config.json for `name` (run it with load_dummy)."""
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"model={name!r} is unknown: choose one of {', '.join(MODEL_CONFIGS)}")
+    folder = folder or os.path.join(tempfile.gettempdir(), f"atom-config-{name}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(MODEL_CONFIGS[name], f, indent=1)
+    return folder
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def nano_vllm_workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024,
+                       seed: int = 0) -> list[Request]:
+    """nano-vllm's bench: input and output lengths uniform in [100, max], token ids in
+    [0, 10000], Python's `random` seeded with 0 (256 seqs -> 133,966 output tokens)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input))] for _ in range(num_seqs)]
+    outs = [rng.randint(100, max_output) for _ in range(num_seqs)]
+    return [Request(p, o) for p, o in zip(prompts, outs)]
+
+
+def mixed_workload(num_seqs: int, input_range: tuple[int, int], output_range: tuple[int, int],
+                   vocab: int, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request([rng.randint(10, vocab - 1) for _ in range(rng.randint(*input_range))],
+                    rng.randint(*output_range)) for _ in range(num_seqs)]
