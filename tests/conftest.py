@@ -63,3 +63,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The embedded SmolLM2-135M-Instruct, converted once into the user cache (`make` does it)."""
+    from atom.model_loader.embedded import ensure_embedded_model
+    return ensure_embedded_model()
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Reference: n greedy tokens from a transformers model, EOS not treated specially
+    (what ignore_eos means in ATOM and vLLM: keep going, never suppress)."""
+    past, x, out = None, torch.tensor([prompt_ids]), []
+    with torch.inference_mode():
+        for _ in range(n):
+            o = model(input_ids=x, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            t = int(o.logits[0, -1].argmax())
+            out.append(t)
+            x = torch.tensor([[t]])
+    return out

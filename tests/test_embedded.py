@@ -18,10 +18,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
 from atom.model_loader import embedded  # noqa: E402
 
 try:

@@ -4,6 +4,7 @@ import torch
 import transformers
 
 from atom import LLM, SamplingParams
+from conftest import hf_greedy
 
 PROMPT_LENS = (3, 17, 40, 90, 130)
 
@@ -13,22 +14,16 @@ def prompts(seed=1, lens=PROMPT_LENS, vocab=512):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def hf_greedy(path, ps, n):
+def hf_reference(path, ps, n):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    for p in ps:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=0)
-        outs.append(out[0, len(p):].tolist())
-    return outs
+    return [hf_greedy(model, p, n) for p in ps]
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_llama3", "tiny_qwen3"])
 def model_and_ref(request):
     path = request.getfixturevalue(request.param)
     ps = prompts()
-    return path, ps, hf_greedy(path, ps, 16)
+    return path, ps, hf_reference(path, ps, 16)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -71,7 +66,7 @@ def test_prefix_cache_hits_keep_tokens(model_and_ref):
 def test_shared_prefix_in_one_batch(tiny_llama):
     base = prompts(seed=3, lens=(64,))[0]
     ps = [base + [5 + i, 9, 11] for i in range(4)]
-    ref = hf_greedy(tiny_llama, ps, 8)
+    ref = hf_reference(tiny_llama, ps, 8)
     llm = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=64, enable_prefix_caching=True)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     first = llm.generate(ps[:1], sp, use_tqdm=False)

@@ -1,0 +1,364 @@
+"""Triton kernels against their torch references.
+
+Two parametrizations: ``cpu`` runs the kernels under Triton's interpreter
+(small shapes, fp32/fp16: the interpreter's bf16 ``tl.dot`` is wrong) and
+``gpu`` (marked ``gpu``, skipped without CUDA) runs bigger shapes incl. bf16
+and contexts up to 8k.  Outputs are poisoned with NaN before every call so an
+element the kernel forgot to write fails the comparison.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from atom.model_ops.attention.triton_unified import (  # noqa: E402
+    AttentionWorkspace,
+    paged_attention_ref,
+    unified_attention,
+)
+from atom.model_ops.kernels import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+    rms_norm,
+    rms_norm_ref,
+    rotary_embedding,
+    rotary_embedding_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+CPU = pytest.param(
+    "cpu", id="cpu",
+    marks=pytest.mark.skipif(not _INTERPRET, reason="CPU kernels need TRITON_INTERPRET=1"))
+GPU = pytest.param(
+    "cuda", id="gpu",
+    marks=[pytest.mark.gpu,
+           pytest.mark.skipif(not torch.cuda.is_available() or _INTERPRET, reason="needs CUDA")])
+
+# (atol, rtol, max relative-norm error) per dtype
+TOL = {
+    torch.float32: (1e-4, 1e-4, 1e-5),
+    torch.float16: (5e-3, 1e-2, 2e-3),
+    torch.bfloat16: (3e-2, 3e-2, 1.2e-2),
+}
+
+
+def _check_close(out, ref, dtype, what=""):
+    atol, rtol, rel_max = TOL[dtype]
+    out, ref = out.float(), ref.float()
+    assert not torch.isnan(out).any(), f"{what}: NaN in output (unwritten elements?)"
+    rel = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    assert rel < rel_max, f"{what}: relative error {rel:.2e} >= {rel_max:.0e}"
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _make_batch(kinds, Hq, Hkv, D, block_size, dtype, device, max_ctx, seed, pad_tokens=0):
+    """A ragged batch: each kind is prefill / chunk (cached context + several
+    tokens) / decode / empty (query_len 0).  Block tables are a random
+    permutation of the pool with -1 past each sequence's blocks."""
+    rng = random.Random(seed)
+    qlens, slens = [], []
+    for kind in kinds:
+        if kind == "prefill":
+            L = rng.randint(1, max_ctx)
+            q = L
+        elif kind == "chunk":
+            L = rng.randint(3, max_ctx)
+            q = rng.randint(2, L - 1)
+        elif kind == "decode":
+            L = rng.randint(1, max_ctx)
+            q = 1
+        elif kind == "empty":
+            L = rng.randint(1, max_ctx)
+            q = 0
+        else:  # a fixed (query_len, seq_len) pair
+            q, L = kind
+        qlens.append(q)
+        slens.append(L)
+    B = len(kinds)
+    nblk = [-(-L // block_size) for L in slens]
+    max_blocks = max(nblk) + 2
+    pool = sum(nblk) + 7
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(pool, block_size, Hkv, D, generator=g).to(dtype).to(device)
+    v_cache = torch.randn(pool, block_size, Hkv, D, generator=g).to(dtype).to(device)
+    perm = torch.randperm(pool, generator=g)
+    bt = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(nblk):
+        bt[b, :n] = perm[i:i + n].int()
+        i += n
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(qlens).cumsum(0)
+    T = int(cu[-1]) + pad_tokens
+    q = torch.randn(T, Hq, D, generator=g).to(dtype).to(device)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu.to(device),
+                seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
+                block_tables=bt.to(device), softmax_scale=1.0 / math.sqrt(D),
+                max_query_len=max(qlens) if qlens else 0)
+
+
+def _run_attention(batch, dtype, what, num_kv_splits=None, workspace=None, n_valid=None):
+    q = batch["q"]
+    out = torch.full_like(q, float("nan"))
+    ref = torch.full_like(q, float("nan"))
+    args = {k: v for k, v in batch.items() if k != "q"}
+    unified_attention(q, out=out, workspace=workspace, num_kv_splits=num_kv_splits, **args)
+    paged_attention_ref(q, out=ref, **args)
+    n = int(batch["cu_seqlens_q"][-1]) if n_valid is None else n_valid
+    if n:
+        _check_close(out[:n], ref[:n], dtype, what)
+    return out
+
+
+MIXED = ["prefill", "chunk", "decode", "empty", "decode", "chunk", "decode", "prefill", "decode"]
+
+CPU_ATTN = [  # (D, Hkv, qpkv, block_size, dtype)
+    (64, 2, 1, 16, torch.float32),
+    (64, 1, 2, 32, torch.float16),
+    (128, 1, 4, 16, torch.float16),
+    (64, 1, 8, 64, torch.float32),
+    (128, 2, 8, 32, torch.float16),
+    (64, 3, 3, 16, torch.float16),  # SmolLM2's 9 q / 3 kv heads
+    (32, 2, 2, 16, torch.float32),
+    (128, 2, 2, 64, torch.float16),  # Qwen3's grouping
+    (64, 4, 1, 32, torch.float16),
+]
+GPU_ATTN = [
+    (D, Hkv, qpkv, bs, dt)
+    for D in (64, 128) for qpkv in (1, 2, 4, 8) for bs in (16, 32, 64)
+    for Hkv, dt in ((8 // qpkv if qpkv < 8 else 1, torch.bfloat16),)
+] + [
+    (128, 8, 2, 16, torch.float16), (64, 3, 3, 16, torch.bfloat16),
+    (128, 2, 4, 32, torch.float32), (256, 1, 8, 16, torch.bfloat16),
+]
+
+
+def _attn_cases():
+    cases = [pytest.param("cpu", *c, id=f"cpu-D{c[0]}-kv{c[1]}-g{c[2]}-bs{c[3]}-{str(c[4])[6:]}",
+                          marks=CPU.marks) for c in CPU_ATTN]
+    cases += [pytest.param("cuda", *c, id=f"gpu-D{c[0]}-kv{c[1]}-g{c[2]}-bs{c[3]}-{str(c[4])[6:]}",
+                           marks=GPU.marks) for c in GPU_ATTN]
+    return cases
+
+
+@pytest.mark.parametrize("device,D,Hkv,qpkv,block_size,dtype", _attn_cases())
+def test_attention_mixed_batch(device, D, Hkv, qpkv, block_size, dtype):
+    max_ctx = 100 if device == "cpu" else 3000
+    kinds = MIXED if device == "cpu" else MIXED * 3
+    batch = _make_batch(kinds, Hkv * qpkv, Hkv, D, block_size, dtype, device, max_ctx,
+                        seed=D * 7 + qpkv * 3 + block_size)
+    _run_attention(batch, dtype, "mixed")
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("kinds", [["prefill"], ["chunk", "chunk"], [(1, 1), (1, 2), (5, 5)]],
+                         ids=["one-prefill", "two-chunks", "tiny"])
+def test_attention_edge_batches(device, kinds):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    batch = _make_batch(kinds, 4, 2, 64, 16, dtype, device, 90, seed=len(kinds))
+    _run_attention(batch, dtype, str(kinds))
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("splits", [None, 2, 8])
+def test_attention_split_kv_decode(device, splits):
+    cpu = device == "cpu"
+    dtype = torch.float16 if cpu else torch.bfloat16
+    n = 3 if cpu else 6
+    kinds = ["decode"] * n + [(1, 1)]  # incl. a sequence shorter than the split count
+    for D, Hkv, qpkv, bs in ((64, 1, 4, 16), (128, 2, 2, 32)) if cpu else \
+            ((128, 8, 2, 16), (64, 1, 8, 64), (128, 2, 4, 16)):
+        batch = _make_batch(kinds, Hkv * qpkv, Hkv, D, bs, dtype, device,
+                            120 if cpu else 8192, seed=D + bs)
+        _run_attention(batch, dtype, f"split={splits} D={D}", num_kv_splits=splits)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_attention_split_kv_on_mixed_batch(device):
+    """Forced splits also serve prefills and chunks (the merge is general)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    batch = _make_batch(["chunk", "decode", "prefill", "empty"], 4, 1, 64, 16, dtype, device,
+                        80 if device == "cpu" else 2000, seed=5)
+    _run_attention(batch, dtype, "split mixed", num_kv_splits=4)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_attention_workspace_and_padding(device):
+    """Workspace reuse across batches; tokens past cu_seqlens_q[-1] stay untouched."""
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    ws = AttentionWorkspace(16, 8, 64, max_splits=8, device=device)
+    assert "AttentionWorkspace" in repr(ws)
+    for seed, kinds in enumerate((["decode"] * 3, ["decode"] * 5, ["decode", (1, 1)])):
+        batch = _make_batch(kinds, 8, 2, 64, 16, dtype, device, 70, seed=seed, pad_tokens=2)
+        out = _run_attention(batch, dtype, f"ws {seed}", num_kv_splits=8, workspace=ws)
+        assert torch.isnan(out[-2:]).all(), "padding tokens were written"
+    # too many tokens for the workspace: falls back to one pass, still right
+    batch = _make_batch(["decode"] * 20, 8, 2, 64, 16, dtype, device, 40, seed=9)
+    _run_attention(batch, dtype, "ws overflow", num_kv_splits=8, workspace=ws)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or _INTERPRET, reason="needs CUDA")
+def test_attention_long_context_gpu():
+    for kinds in ([(1, 8192), (1, 8000), (1, 4096)], [(300, 8192), (1, 6000), (2048, 2048)]):
+        batch = _make_batch(kinds, 16, 8, 128, 16, torch.bfloat16, "cuda", 8192, seed=1)
+        _run_attention(batch, torch.bfloat16, f"long {kinds}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or _INTERPRET, reason="needs CUDA")
+def test_attention_cuda_graph_replay():
+    """Captured once (split path + workspace), replayed with new lengths and tables."""
+    dtype, dev, B, Hq, Hkv, D, bs = torch.bfloat16, "cuda", 4, 16, 8, 128, 16
+    max_blocks = 64
+    ws = AttentionWorkspace(B, Hq, D, device=dev)
+    pool = B * max_blocks
+    k_cache = torch.randn(pool, bs, Hkv, D, device=dev, dtype=dtype)
+    v_cache = torch.randn(pool, bs, Hkv, D, device=dev, dtype=dtype)
+    q = torch.randn(B, Hq, D, device=dev, dtype=dtype)
+    out = torch.empty_like(q)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    seq_lens = torch.full((B,), 5, device=dev, dtype=torch.int32)
+    bt = torch.randperm(pool, device=dev).int().view(B, max_blocks)
+
+    def step():
+        unified_attention(q, k_cache, v_cache, out, cu, seq_lens, bt, D ** -0.5, 1, ws)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for lens in ([1, 17, 300, 1000], [1024, 3, 64, 999]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.normal_()
+        bt.copy_(torch.randperm(pool, device=dev).int().view(B, max_blocks))
+        out.fill_(float("nan"))
+        g.replay()
+        ref = paged_attention_ref(q, k_cache, v_cache, torch.empty_like(q), cu, seq_lens, bt,
+                                  D ** -0.5, 1)
+        _check_close(out, ref, dtype, f"graph {lens}")
+
+
+# --------------------------------------------------------------------------- small kernels
+
+
+def _dtypes(device):
+    return (torch.float32, torch.float16) if device == "cpu" else \
+        (torch.float32, torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("D", [64, 128])
+def test_reshape_and_cache(device, D):
+    for dtype in _dtypes(device):
+        T, Hq, Hkv, nb, bs = 11, 4, 2, 6, 16
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=device).to(dtype)
+        key = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)  # strided views, as a model has
+        value = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+        slots = torch.randperm(nb * bs)[:T].to(device)
+        slots[3] = -1
+        slots[7] = -5
+        kc = torch.full((nb, bs, Hkv, D), float("nan"), device=device, dtype=dtype)
+        vc = kc.clone()
+        kc_r, vc_r = kc.clone(), vc.clone()
+        reshape_and_cache(key, value, kc, vc, slots)
+        reshape_and_cache_ref(key, value, kc_r, vc_r, slots)
+        assert torch.equal(kc.isnan(), kc_r.isnan()) and torch.equal(vc.isnan(), vc_r.isnan())
+        assert torch.equal(kc.nan_to_num(0), kc_r.nan_to_num(0))
+        assert torch.equal(vc.nan_to_num(0), vc_r.nan_to_num(0))
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("N", [576, 1024, 4096, 100])
+def test_rms_norm(device, N):
+    for dtype in _dtypes(device):
+        T = 9
+        x = torch.randn(T, N, device=device).to(dtype)
+        r = torch.randn(T, N, device=device).to(dtype)
+        w = (1 + 0.1 * torch.randn(N, device=device)).to(dtype)
+        _check_close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), dtype, "rms_norm")
+        n, nr = fused_add_rms_norm(x, r, w, 1e-6)
+        n_ref, nr_ref = fused_add_rms_norm_ref(x, r, w, 1e-6)
+        _check_close(n, n_ref, dtype, "fused normed")
+        _check_close(nr, nr_ref, dtype, "fused residual")
+        x2, r2 = x.clone(), r.clone()
+        a, b = fused_add_rms_norm(x2, r2, w, 1e-6, inplace=True)
+        assert a.data_ptr() == x2.data_ptr() and b.data_ptr() == r2.data_ptr()
+        _check_close(x2, n_ref, dtype, "inplace normed")
+        _check_close(r2, nr_ref, dtype, "inplace residual")
+        x3 = torch.randn(2, 3, N, device=device).to(dtype)  # leading dims
+        _check_close(rms_norm(x3, w), rms_norm_ref(x3, w), dtype, "3-D")
+
+
+def _cos_sin(max_pos, D, theta, device):
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    f = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None]
+    return torch.cat([f.cos(), f.sin()], dim=-1).to(device)
+
+
+def _hf_rotate(x, cos, sin):  # HF Llama's apply_rotary_pos_emb on [T, H, D]
+    D = x.shape[-1]
+    c = torch.cat([cos, cos], -1)[:, None]
+    s = torch.cat([sin, sin], -1)[:, None]
+    rot = torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1)
+    return x * c + rot * s
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 16, 8)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_embedding(device, D, Hq, Hkv, norm):
+    for dtype in _dtypes(device):
+        T, max_pos = 13, 4096
+        cs = _cos_sin(max_pos, D, 1e6, device)
+        pos = torch.randint(0, max_pos, (T,), device=device)
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=device).to(dtype)
+        q, k = qkv[:, :Hq * D], qkv[:, Hq * D:(Hq + Hkv) * D]  # views into qkv
+        qw = kw = None
+        if norm:
+            qw = (1 + 0.1 * torch.randn(D, device=device)).to(dtype)
+            kw = (1 + 0.1 * torch.randn(D, device=device)).to(dtype)
+        q_r, k_r = q.clone(), k.clone()
+        v_before = qkv[:, (Hq + Hkv) * D:].clone()
+        rotary_embedding(pos, q, k, cs, D, qw, kw, 1e-6)
+        rotary_embedding_ref(pos, q_r, k_r, cs, D, qw, kw, 1e-6)
+        _check_close(q, q_r, dtype, "rope q")
+        _check_close(k, k_r, dtype, "rope k")
+        assert torch.equal(qkv[:, (Hq + Hkv) * D:], v_before), "rope wrote past k"
+        if not norm and dtype == torch.float32:  # the reference agrees with HF's formula
+            half = D // 2
+            c, s = cs[pos][:, :half], cs[pos][:, half:]
+            q0 = torch.randn(T, Hq, D, device=device)
+            q1 = q0.clone().view(T, Hq * D)
+            rotary_embedding_ref(pos, q1, torch.zeros(T, D, device=device), cs, D)
+            torch.testing.assert_close(q1.view(T, Hq, D), _hf_rotate(q0, c, s))
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("I", [1536, 3072, 100])
+def test_silu_and_mul(device, I):
+    for dtype in _dtypes(device):
+        x = (2 * torch.randn(7, 2 * I, device=device)).to(dtype)
+        _check_close(silu_and_mul(x), silu_and_mul_ref(x), dtype, "silu_and_mul")
