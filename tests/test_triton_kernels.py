@@ -140,6 +140,7 @@ CPU_ATTN = [  # (D, Hkv, qpkv, block_size, dtype)
     (32, 2, 2, 16, torch.float32),
     (128, 2, 2, 64, torch.float16),  # Qwen3's grouping
     (64, 4, 1, 32, torch.float16),
+    (80, 1, 2, 16, torch.float32),  # head dim padded to 128 inside the kernel
 ]
 GPU_ATTN = [
     (D, Hkv, qpkv, bs, dt)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,7 +26,24 @@ from atom.models.registry import resolve_architecture
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 4 << 30  # KV budget on a CPU when num_kvcache_blocks is -1
+CPU_KV_CACHE_BYTES = 1 << 30  # KV budget on a CPU when num_kvcache_blocks is -1
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the host (numpy), before they go to the device."""
+    input_ids: np.ndarray     # [T]
+    positions: np.ndarray     # [T]
+    cu_seqlens_q: np.ndarray  # [B+1]
+    seq_lens: np.ndarray      # [B]
+    block_tables: np.ndarray  # [B, max_blocks]
+    slot_mapping: np.ndarray  # [T]
+    query_lens: np.ndarray    # [B]
+    sample_rows: list[int]    # sequences whose last token is sampled
+
+    @property
+    def is_decode(self) -> bool:
+        return bool((self.query_lens == 1).all())
 
 
 class ModelRunner:
@@ -49,6 +67,9 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         self.model.eval()
+        self.model_forward = self.model  # replaced by a compiled callable at levels 1-3
+        self.compile_level = 0
+        self.graph_mode = None
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = "triton" if self.device.type == "cuda" and platform.kernel_backend() != "torch" else "torch"
         for layer in self.attn_layers:
@@ -58,6 +79,10 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1f s", type(self.model).__name__, self.dtype,
                     self.device, time.perf_counter() - t0)
         self.num_blocks = self.allocate_kv_cache()
+        self.last_graph_size: int | None = None
+        self.graphs = None
+        if self.device.type == "cuda":
+            self.setup_gpu()
 
     # --- KV cache --------------------------------------------------------------------
     @property
@@ -99,38 +124,39 @@ class ModelRunner:
         return n
 
     # --- one step --------------------------------------------------------------------
-    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """input ids, positions, attention metadata, and the batch rows that sample."""
+    def prepare_host(self, seqs: list[Sequence]) -> StepInputs:
+        """A step's inputs as numpy arrays, vectorized over the batch."""
         bs = self.block_size
         qlens = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
         seq_lens = starts + qlens
         cu = np.zeros(len(seqs) + 1, np.int64)
         np.cumsum(qlens, out=cu[1:])
-        total = int(cu[-1])
         ids: list[int] = []
         for s in seqs:
             ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens])
         row_of_token = np.repeat(np.arange(len(seqs)), qlens)
-        positions = np.arange(total) - cu[:-1][row_of_token] + starts[row_of_token]
+        positions = np.arange(int(cu[-1])) - cu[:-1][row_of_token] + starts[row_of_token]
         max_blocks = int(-(-seq_lens.max() // bs))
         tables = np.full((len(seqs), max_blocks), -1, np.int64)
         for i, s in enumerate(seqs):
             n = min(len(s.block_table), max_blocks)
             tables[i, :n] = s.block_table[:n]
         slots = tables[row_of_token, positions // bs] * bs + positions % bs
-        sample_rows = [i for i, s in enumerate(seqs) if s.samples_this_step]
+        return StepInputs(np.asarray(ids, np.int64), positions, cu, seq_lens, tables, slots, qlens,
+                          [i for i, s in enumerate(seqs) if s.samples_this_step])
+
+    def to_device(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
+
+        def t(a, dtype):
+            return torch.from_numpy(a).to(dtype=dtype).to(dev, non_blocking=True)
         meta = AttentionMetadata(
-            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            max_query_len=int(qlens.max()), max_seq_len=int(seq_lens.max()),
-            query_lens_host=qlens.tolist(), seq_lens_host=seq_lens.tolist())
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.from_numpy(positions).to(dev, non_blocking=True)
-        return input_ids, pos, meta, sample_rows
+            cu_seqlens_q=t(x.cu_seqlens_q, torch.int32), seq_lens=t(x.seq_lens, torch.int32),
+            block_tables=t(x.block_tables, torch.int32), slot_mapping=t(x.slot_mapping, torch.int64),
+            max_query_len=int(x.query_lens.max()), max_seq_len=int(x.seq_lens.max()),
+            query_lens_host=x.query_lens.tolist(), seq_lens_host=x.seq_lens.tolist())
+        return t(x.input_ids, torch.int64), t(x.positions, torch.int64), meta
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         sps = [s.sampling_params for s in seqs]
@@ -155,23 +181,35 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         with forward_context(meta):
-            return self.model(input_ids, positions)
+            return self.model_forward(input_ids, positions)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch | list[Sequence]) -> list[int | None]:
         """Run one step; returns the sampled token per sequence (None: chunk mid-prompt)."""
         seqs = batch.seqs if isinstance(batch, ScheduledBatch) else batch
-        input_ids, positions, meta, rows = self.prepare(seqs)
-        hidden = self.forward(input_ids, positions, meta)
+        host = self.prepare_host(seqs)
         out: list[int | None] = [None] * len(seqs)
-        if not rows:
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(host):
+            hidden = graphs.replay(host)
+            self.last_graph_size = graphs.last_size
+        else:
+            input_ids, positions, meta = self.to_device(host)
+            hidden = self.forward(input_ids, positions, meta)
+            self.last_graph_size = None
+        if not host.sample_rows:
             return out
-        last = (meta.cu_seqlens_q[1:] - 1)[torch.tensor(rows, device=self.device)]
+        last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[last])
-        tokens = self.sampler(logits, self.sampling_tensors([seqs[r] for r in rows])).tolist()
-        for r, t in zip(rows, tokens):
-            out[r] = t
+        tokens = self.sampler(logits, self.sampling_tensors([seqs[r] for r in host.sample_rows])).tolist()
+        for r, tok in zip(host.sample_rows, tokens):
+            out[r] = tok
         return out
+
+    # --- GPU: attention op, compilation, CUDA graphs ------------------------------------
+    def setup_gpu(self) -> None:
+        from atom.model_engine import gpu_setup
+        gpu_setup.setup(self)
 
     def release(self, seq: Sequence) -> None:
         """Forget per-request state (its sampling generator) once it finished."""

@@ -29,15 +29,15 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
-        meta = get_forward_context()
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.backend == "triton":
             from atom.model_ops.attention import triton_backend
-            out = triton_backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            out = triton_backend.forward(q, k, v, self.layer_idx)
         else:
+            meta = get_forward_context()
             torch_native.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             out = torch_native.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.view(T, -1)

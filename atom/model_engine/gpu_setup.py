@@ -1,0 +1,60 @@
+"""GPU set-up of a ModelRunner: the attention op, compilation level, CUDA graphs.
+
+Compilation (`CompilationConfig.level`, skipped under `enforce_eager`):
+  0 eager; 1 `torch.compile` as is; 2 compiled once with dynamic token counts;
+  3 piecewise: compiled with dynamic token counts, the attention custom op
+  (`atom::unified_attention_with_output`, our name for the guide's
+  `aiter.unified_attention_with_output` splitting op) left opaque so the graph is split
+  there and Inductor fuses what lies between.
+CUDA graphs (`cudagraph_mode`, `use_cudagraph`, capture sizes): decode batches replay a
+full-forward graph per capture size in every mode but NONE; batches with prefill tokens
+run without a graph. An unset mode below level 3 means FULL_DECODE_ONLY.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from atom.config import CUDAGraphMode
+
+logger = logging.getLogger(__name__)
+
+
+def effective_graph_mode(config) -> CUDAGraphMode:
+    cc = config.compilation_config
+    if config.enforce_eager or not cc.use_cudagraph or not config.capture_sizes:
+        return CUDAGraphMode.NONE
+    return cc.cudagraph_mode if cc.cudagraph_mode is not None else CUDAGraphMode.FULL_DECODE_ONLY
+
+
+def compile_model(runner) -> None:
+    config = runner.config
+    level = 0 if config.enforce_eager else config.compilation_config.level
+    runner.compile_level = level
+    if level == 0:
+        return
+    cc = config.compilation_config
+    backend = "inductor" if cc.use_inductor else "eager"
+    options = dict(cc.inductor_compile_config) if backend == "inductor" and cc.inductor_compile_config else None
+    dynamic = None if level == 1 else True
+    runner.model_forward = torch.compile(runner.model, backend=backend, dynamic=dynamic, options=options,
+                                         fullgraph=level == 3)
+    logger.info("compilation level %d (backend %s, dynamic=%s)", level, backend, dynamic)
+
+
+def setup(runner) -> None:
+    from atom.model_engine.cuda_graphs import CUDAGraphRunner
+    config = runner.config
+    if runner.attn_layers[0].backend == "triton":
+        from atom.model_ops.attention import triton_backend
+        triton_backend.register_layers(runner.attn_layers, max_num_tokens=1024)
+    compile_model(runner)
+    mode = effective_graph_mode(config)
+    runner.graph_mode = mode
+    if mode.decode_mode() == CUDAGraphMode.NONE:
+        return
+    sizes = [s for s in config.capture_sizes if s <= config.max_num_seqs] or [1]
+    max_blocks = -(-config.max_model_len // runner.block_size)
+    runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)
+    runner.graphs.capture()

@@ -1,0 +1,47 @@
+"""GPU attention: the KV-cache write and the Triton unified kernel, as one custom op.
+
+`atom::unified_attention_with_output(q, k, v, output, layer_idx)` writes this step's K/V
+into layer `layer_idx`'s cache and attends for the whole batch in one launch. Being a
+registered op, it is opaque to torch.compile: level 3 splits the graph there
+(`splitting_ops`). The layer caches and the per-forward metadata are found through
+`register_layers` and the forward context, like vLLM's attention op.
+"""
+from __future__ import annotations
+
+import torch
+
+from atom.model_ops.attention.metadata import get_forward_context
+from atom.model_ops.attention.triton_unified import AttentionWorkspace, unified_attention
+from atom.model_ops.kernels.kv_cache import reshape_and_cache
+
+OP_NAME = "atom::unified_attention_with_output"
+_LAYERS: list = []          # Attention modules, by layer index
+_WORKSPACE: list = [None]   # the split-KV scratch, shared by all layers
+
+
+def register_layers(layers: list, max_num_tokens: int) -> None:
+    """Called by the ModelRunner once the KV cache is allocated."""
+    _LAYERS[:] = layers
+    a = layers[0]
+    _WORKSPACE[0] = AttentionWorkspace(max_num_tokens, a.num_heads, a.head_dim, device=a.k_cache.device)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("output",))
+def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  output: torch.Tensor, layer_idx: int) -> None:
+    layer = _LAYERS[layer_idx]
+    meta = get_forward_context()
+    reshape_and_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+    unified_attention(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q, meta.seq_lens,
+                      meta.block_tables, layer.scale, meta.max_query_len, workspace=_WORKSPACE[0])
+
+
+@unified_attention_with_output.register_fake
+def _(q, k, v, output, layer_idx) -> None:
+    return None
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    out = torch.empty_like(q)
+    torch.ops.atom.unified_attention_with_output(q, k, v, out, layer_idx)
+    return out

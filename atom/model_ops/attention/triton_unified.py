@@ -1,0 +1,507 @@
+"""One Triton attention kernel for a whole batch over the paged KV cache.
+
+A single launch serves prefills, chunked-prefill continuations (cached context
+plus several new tokens) and decodes.  The batch is described by tensors only:
+
+* ``cu_seqlens_q`` int32 [B+1]: query token offsets of each sequence in ``q``;
+* ``seq_lens``     int32 [B]:   total context of each sequence, this step's
+  tokens included (their K/V are already in the cache);
+* ``block_tables`` int32 [B, max_blocks]: physical block of each logical block.
+
+The i-th new token of sequence b sits at absolute position
+``seq_len - query_len + i`` and attends keys ``0 .. position`` (causal).
+
+Work split: a program owns (query block, kv head[, kv segment]).  A query block
+packs ``BLOCK_Q`` query tokens times all ``QPKV`` query heads that share the kv
+head into the M dimension of the tile, so ``tl.dot`` has M >= 16 even when a
+decode brings one token.  The program walks the context ``TILE_N`` keys at a
+time through the block table (online softmax, fp32 accumulators, exp2).
+
+Query blocks are numbered ``cu_seqlens_q[b] // BLOCK_Q + b + j``; that bounds
+their count by ``T // BLOCK_Q + B`` so the grid depends only on shapes (and on
+``max_query_len``, which picks the tile), never on data: the launch can be
+captured in a CUDA graph.  A program finds its sequence by binary search.
+
+Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
+sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
+partial output and its log-sum-exp, and ``_merge_kernel`` combines them.  The
+scratch buffers come from an :class:`AttentionWorkspace` allocated once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+try:  # the torch reference below must stay importable without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - CPU installs without triton
+    HAS_TRITON = False
+
+__all__ = [
+    "AttentionWorkspace",
+    "unified_attention",
+    "paged_attention_ref",
+    "pick_attention_config",
+]
+
+_LOG2E = 1.4426950408889634
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _find_seq(cu_ptr, num_seqs, qblock, BLOCK_Q: tl.constexpr):
+        """Largest b with cu[b] // BLOCK_Q + b <= qblock (binary search)."""
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+            if first <= qblock:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _tile_step(
+        acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
+        offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
+        DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
+    ):
+        """One KV tile of online softmax. MASKED: tile crosses the diagonal or kv_end."""
+        kpos = t * TILE_N + offs_n
+        k_ok = kpos < kv_end
+        slot = kpos % BLOCK_SIZE
+        k_ptrs = k_head + (slot * stride_ks)[None, :] + offs_d[:, None]
+        v_ptrs = v_head + (slot * stride_vs)[:, None] + offs_d[None, :]
+        if MASKED:
+            # never read block-table entries past the sequence's blocks
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            k = tl.load(k_ptrs + blk[None, :] * stride_kb,
+                        mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        else:
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
+            if PAD_D:
+                k = tl.load(k_ptrs + blk[None, :] * stride_kb, mask=d_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs + blk[None, :] * stride_kb)  # [HEAD_PAD, TILE_N]
+        s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
+        if MASKED:
+            keep = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs + blk[:, None] * stride_vb,
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        elif PAD_D:
+            v = tl.load(v_ptrs + blk[:, None] * stride_vb, mask=d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs + blk[:, None] * stride_vb)  # [TILE_N, HEAD_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _unified_attn_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr,
+        cu_ptr, seq_lens_ptr, bt_ptr,
+        scale_log2, num_seqs,
+        stride_qt, stride_qh,
+        stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_bt,
+        stride_pot, stride_poh, stride_pos,
+        stride_plt, stride_plh,
+        QPKV: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        TILE_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        qblock = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        b = _find_seq(cu_ptr, num_seqs, qblock, BLOCK_Q)
+        q_start = tl.load(cu_ptr + b)
+        q_len = tl.load(cu_ptr + b + 1) - q_start
+        local = qblock - (q_start // BLOCK_Q + b)
+        if local * BLOCK_Q >= q_len:
+            return  # spare program (the grid is an upper bound)
+
+        seq_len = tl.load(seq_lens_ptr + b)
+        ctx_len = seq_len - q_len
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_PAD)
+        offs_n = tl.arange(0, TILE_N)
+        q_idx = local * BLOCK_Q + offs_m // QPKV
+        head = kvh * QPKV + offs_m % QPKV
+        row_ok = (offs_m < BLOCK_Q * QPKV) & (q_idx < q_len)
+        d_ok = offs_d < HEAD_DIM
+        tok = (q_start + q_idx).to(tl.int64)
+        q_pos = ctx_len + q_idx
+
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+
+        # keys this query block needs: [0, kv_end)
+        kv_end = ctx_len + tl.minimum(q_len, (local + 1) * BLOCK_Q)
+        n_tiles = tl.cdiv(kv_end, TILE_N)
+        if NUM_SPLITS > 1:
+            per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+            t_lo = split * per_split
+            t_hi = tl.minimum(t_lo + per_split, n_tiles)
+        else:
+            t_lo = 0
+            t_hi = n_tiles
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        bt_row = bt_ptr + b * stride_bt
+        k_head = k_ptr + kvh * stride_kh
+        v_head = v_ptr + kvh * stride_vh
+
+        # Tiles wholly below the causal diagonal of every row in the block need
+        # no masks at all; only the last few tiles (the diagonal) do.
+        n_full = (ctx_len + local * BLOCK_Q + 1) // TILE_N
+        full_hi = tl.minimum(t_hi, n_full)
+        for t in range(t_lo, full_hi):
+            acc, m_i, l_i = _tile_step(
+                acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
+                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, False)
+        for t in range(tl.maximum(t_lo, full_hi), t_hi):
+            acc, m_i, l_i = _tile_step(
+                acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
+                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, True)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        st_mask = row_ok[:, None] & d_ok[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(
+                out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=st_mask,
+            )
+        else:
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            base = tok * stride_pot + head * stride_poh + split * stride_pos
+            tl.store(po_ptr + base[:, None] + offs_d[None, :], o, mask=st_mask)
+            tl.store(plse_ptr + tok * stride_plt + head * stride_plh + split, lse, mask=row_ok)
+
+    @triton.jit
+    def _merge_kernel(
+        out_ptr, po_ptr, plse_ptr, cu_ptr, num_seqs,
+        stride_ot, stride_oh,
+        stride_pot, stride_poh, stride_pos,
+        stride_plt, stride_plh,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        if t >= tl.load(cu_ptr + num_seqs):
+            return  # padding token, left untouched like the one-pass path
+        offs_s = tl.arange(0, NUM_SPLITS)
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_DIM
+        t64 = t.to(tl.int64)
+        lse = tl.load(plse_ptr + t64 * stride_plt + h * stride_plh + offs_s)
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # empty segments: exp2(-inf) = 0
+        denom = tl.sum(w, 0)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        po = tl.load(
+            po_ptr + t64 * stride_pot + h * stride_poh
+            + offs_s[:, None] * stride_pos + offs_d[None, :],
+            mask=(w > 0.0)[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        o = tl.sum(po * w[:, None], 0) / denom
+        tl.store(
+            out_ptr + t64 * stride_ot + h * stride_oh + offs_d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=d_ok,
+        )
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H200 (only matters for the interpreter's choice)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_config(*args) -> dict:
+    return pick_attention_config(*args)
+
+
+def pick_attention_config(
+    num_tokens: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_query_len: int,
+    device: torch.device,
+    max_splits: int = 16,
+) -> dict:
+    """Tile sizes, warps and number of KV splits. Depends on shapes only."""
+    qpkv = num_q_heads // num_kv_heads
+    if max_query_len <= 1:
+        block_m = max(16, _next_pow2(qpkv))
+    else:
+        block_m = max(16, _next_pow2(qpkv), min(64, _next_pow2(max_query_len * qpkv)))
+    block_q = max(1, block_m // qpkv)
+    head_pad = max(16, _next_pow2(head_dim))
+    tile_n = 64 if head_pad <= 128 else 32
+    num_q_blocks = num_tokens // block_q + num_seqs
+    num_splits = 1
+    if max_query_len <= 1 and num_seqs > 0:
+        progs = num_q_blocks * num_kv_heads
+        sms = _sm_count(device)
+        if progs < sms:
+            num_splits = min(max_splits, _next_pow2(math.ceil(2 * sms / progs)))
+    num_warps = 4 if block_m <= 64 else 8
+    num_stages = 2 if max_query_len <= 1 else 3
+    if device.type != "cuda":
+        num_stages = 1
+    return dict(
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, HEAD_PAD=head_pad,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        num_q_blocks=num_q_blocks,
+    )
+
+
+class AttentionWorkspace:
+    """Scratch for the split-KV path, allocated once and reused (CUDA-graph safe).
+
+    ``max_num_tokens`` bounds the tokens of a batch that may take the split path;
+    a batch with more tokens (or more splits than ``max_splits``) runs unsplit,
+    which is again a decision on shapes only.
+    """
+
+    def __init__(self, max_num_tokens: int, num_q_heads: int, head_dim: int,
+                 max_splits: int = 16, device=None):
+        if max_splits < 1 or max_splits & (max_splits - 1):
+            raise ValueError(f"max_splits must be a power of two >= 1, got {max_splits}")
+        self.max_num_tokens = int(max_num_tokens)
+        self.num_q_heads = int(num_q_heads)
+        self.head_dim = int(head_dim)
+        self.max_splits = int(max_splits)
+        self.partial_out = torch.empty(
+            (self.max_num_tokens, num_q_heads, max_splits, head_dim),
+            dtype=torch.float32, device=device)
+        self.partial_lse = torch.empty(
+            (self.max_num_tokens, num_q_heads, max_splits), dtype=torch.float32, device=device)
+
+    def buffers(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
+        """Views for this batch, or ``None`` if it does not fit."""
+        if (num_tokens > self.max_num_tokens or num_q_heads != self.num_q_heads
+                or head_dim != self.head_dim or num_splits > self.max_splits):
+            return None
+        return self.partial_out[:num_tokens], self.partial_lse[:num_tokens]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.partial_out.numel() + self.partial_lse.numel()) * 4
+
+    def __repr__(self) -> str:
+        return (f"AttentionWorkspace(max_num_tokens={self.max_num_tokens}, "
+                f"num_q_heads={self.num_q_heads}, head_dim={self.head_dim}, "
+                f"max_splits={self.max_splits}, {self.nbytes / 2**20:.1f} MiB, "
+                f"device={self.partial_out.device})")
+
+
+def _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if out.shape != q.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache/v_cache must both be [num_blocks, block_size, Hkv, D]; "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    T, Hq, D = q.shape
+    _, _, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"head_dim of q ({D}) and kv cache ({Dk}) differ")
+    if Hq % Hkv:
+        raise ValueError(f"num q heads {Hq} is not a multiple of num kv heads {Hkv}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError("cu_seqlens_q must have len(seq_lens) + 1 entries")
+    if block_tables.dim() != 2 or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError("block_tables must be [B, max_blocks]")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens),
+                    ("block_tables", block_tables)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must have a contiguous last dimension")
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    softmax_scale: float,
+    max_query_len: int,
+    workspace: Optional[AttentionWorkspace] = None,
+    *,
+    num_kv_splits: Optional[int] = None,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Causal paged attention for a mixed batch; writes ``out`` in place and returns it.
+
+    ``num_kv_splits``: None picks by shape (split only for decode-only batches
+    with few programs); 1 forces one pass; a power of two forces that many
+    segments (any ``max_query_len``).  ``config`` overrides tile choices
+    (``TILE_N``, ``BLOCK_M``, ``num_warps``, ``num_stages``) for tuning.
+    Tokens past ``cu_seqlens_q[-1]`` (graph padding) are left untouched.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("unified_attention needs triton; use paged_attention_ref on CPU")
+    _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables)
+    T, Hq, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    B = seq_lens.shape[0]
+    if T == 0 or B == 0:
+        return out
+    max_query_len = max(1, int(max_query_len))
+    cfg = _cached_config(T, B, Hq, Hkv, D, max_query_len, q.device,
+                         workspace.max_splits if workspace else 16)
+    if config:
+        cfg = dict(cfg, **config)
+        if "BLOCK_M" in config and "BLOCK_Q" not in config:
+            cfg["BLOCK_Q"] = max(1, cfg["BLOCK_M"] // (Hq // Hkv))
+        cfg["num_q_blocks"] = T // cfg["BLOCK_Q"] + B
+    splits = cfg["num_splits"] if num_kv_splits is None else int(num_kv_splits)
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {splits}")
+
+    bufs = None
+    if splits > 1:
+        if workspace is not None:
+            bufs = workspace.buffers(T, Hq, D, splits)
+        else:
+            bufs = (torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device),
+                    torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device))
+        if bufs is None:
+            splits = 1
+    if splits > 1:
+        po, plse = bufs
+    else:
+        po = plse = out  # unused placeholders
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    grid = (cfg["num_q_blocks"], Hkv, splits)
+    _unified_attn_kernel[grid](
+        q, k_cache, v_cache, out, po, plse,
+        cu_seqlens_q, seq_lens, block_tables,
+        float(softmax_scale) * _LOG2E, B,
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        po.stride(0), po.stride(1), po.stride(2) if splits > 1 else 0,
+        plse.stride(0), plse.stride(1),
+        QPKV=Hq // Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
+        NUM_SPLITS=splits, DOT_PREC=dot_prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _merge_kernel[(T, Hq)](
+            out, po, plse, cu_seqlens_q, B,
+            out.stride(0), out.stride(1),
+            po.stride(0), po.stride(1), po.stride(2),
+            plse.stride(0), plse.stride(1),
+            HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], NUM_SPLITS=splits,
+            num_warps=4 if cfg["HEAD_PAD"] >= 128 else 2,
+        )
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    softmax_scale: float,
+    max_query_len: int,
+    workspace=None,
+) -> torch.Tensor:
+    """Torch reference of :func:`unified_attention` (per-sequence loop, fp32 math).
+
+    Works on any device; writes ``out`` in place and returns it.
+    """
+    _, block_size, Hkv, D = k_cache.shape
+    Hq = q.shape[1]
+    qpkv = Hq // Hkv
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, L in enumerate(lens):
+        qs, qe = cu[b], cu[b + 1]
+        n = qe - qs
+        if n == 0:
+            continue
+        nblk = -(-L // block_size)
+        blocks = block_tables[b, :nblk].long()
+        k = k_cache[blocks].reshape(-1, Hkv, D)[:L].float()
+        v = v_cache[blocks].reshape(-1, Hkv, D)[:L].float()
+        k = k.repeat_interleave(qpkv, dim=1)  # [L, Hq, D]
+        v = v.repeat_interleave(qpkv, dim=1)
+        qq = q[qs:qe].float()  # [n, Hq, D]
+        s = torch.einsum("qhd,khd->hqk", qq, k) * softmax_scale
+        qpos = torch.arange(L - n, L, device=q.device)[:, None]
+        kpos = torch.arange(L, device=q.device)[None, :]
+        s = s.masked_fill((kpos > qpos)[None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o = torch.einsum("hqk,khd->qhd", p, v)
+        out[qs:qe] = o.to(out.dtype)
+    return out

@@ -1,0 +1,113 @@
+"""RMSNorm and the fused residual-add + RMSNorm (math in fp32, output in x.dtype).
+
+``fused_add_rms_norm(x, residual, w, eps)`` returns ``(rmsnorm(x + residual), x + residual)``.
+The sum is rounded to the residual dtype first and the norm is taken of that
+rounded value, as an unfused model would.  With ``inplace=True`` the normed
+rows overwrite ``x`` and the new residual overwrites ``residual`` (each program
+reads its row before writing it); the default allocates both outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr,
+        stride_x, stride_r, stride_o, stride_ro,
+        N, eps,
+        BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            s = (x + r).to(rout_ptr.dtype.element_ty)
+            tl.store(rout_ptr + row * stride_ro + cols, s, mask=mask)
+            x = s.to(tl.float32)
+        var = tl.sum(x * x, 0) / N
+        rstd = 1.0 / tl.sqrt(var + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (x * rstd * w).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.view(-1, t.shape[-1]) if t.is_contiguous() else t.reshape(-1, t.shape[-1])
+    if t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _launch(x2, r2, w, o2, ro2, eps):
+    M, N = x2.shape
+    if M == 0:
+        return
+    BLOCK = triton.next_power_of_2(N)
+    num_warps = 1 if BLOCK <= 256 else 4 if BLOCK <= 2048 else 8 if BLOCK <= 8192 else 16
+    _rmsnorm_kernel[(M,)](
+        x2, r2 if r2 is not None else x2, w, o2, ro2 if ro2 is not None else o2,
+        x2.stride(0), r2.stride(0) if r2 is not None else 0,
+        o2.stride(0), ro2.stride(0) if ro2 is not None else 0,
+        N, float(eps), BLOCK=BLOCK, HAS_RES=r2 is not None, num_warps=num_warps,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             inplace: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` (any leading shape)."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    x2 = _rows(x)
+    if inplace:
+        if x2.data_ptr() != x.data_ptr():
+            raise ValueError("inplace rms_norm needs x whose rows are addressable as a 2-D view")
+        o2, out = x2, x
+    else:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o2 = out.view(-1, x.shape[-1])
+    _launch(x2, None, weight, o2, None, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float = 1e-6, inplace: bool = False):
+    """Returns ``(normed, new_residual)``; see the module doc for ``inplace``."""
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    x2, r2 = _rows(x), _rows(residual)
+    if inplace:
+        if x2.data_ptr() != x.data_ptr() or r2.data_ptr() != residual.data_ptr():
+            raise ValueError("inplace fused_add_rms_norm needs row-addressable x and residual")
+        o2, ro2, out, rout = x2, r2, x, residual
+    else:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rout = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
+        o2, ro2 = out.view(-1, x.shape[-1]), rout.view(-1, x.shape[-1])
+    _launch(x2, r2, weight, o2, ro2, eps)
+    return out, rout
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x, residual, weight, eps: float = 1e-6):
+    new_res = (x.float() + residual.float()).to(residual.dtype)
+    return rms_norm_ref(new_res, weight, eps).to(x.dtype), new_res

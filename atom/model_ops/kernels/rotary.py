@@ -1,0 +1,136 @@
+"""Rotary embedding (NeoX / rotate_half style, as HF Llama and Qwen3), in place.
+
+``cos_sin_cache[pos]`` holds ``cos(pos * inv_freq)`` in its first D/2 columns and
+``sin(...)`` in its last D/2 (the model builds it, llama3 scaling included).
+Optionally a per-head RMSNorm (Qwen3's q_norm/k_norm, weight [D]) is applied to
+q and k before the rotation, in the same kernel.  Math in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rope_heads(base, stride_h, w_ptr, cos, sin, eps,
+                    NH: tl.constexpr, NH_PAD: tl.constexpr,
+                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
+        h = tl.arange(0, NH_PAD)
+        d = tl.arange(0, HALF_PAD)
+        mask = (h < NH)[:, None] & (d < HALF)[None, :]
+        p1 = base + h[:, None] * stride_h + d[None, :]
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+            rstd = 1.0 / tl.sqrt(var + eps)
+            w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+            x1 = x1 * rstd[:, None] * w1[None, :]
+            x2 = x2 * rstd[:, None] * w2[None, :]
+        o1 = x1 * cos[None, :] - x2 * sin[None, :]
+        o2 = x2 * cos[None, :] + x1 * sin[None, :]
+        tl.store(p1, o1.to(base.dtype.element_ty), mask=mask)
+        tl.store(p1 + HALF, o2.to(base.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(
+        pos_ptr, q_ptr, k_ptr, cs_ptr, qw_ptr, kw_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, eps,
+        HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+        Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        d = tl.arange(0, HALF_PAD)
+        cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        _rope_heads(q_ptr + t * stride_qt, stride_qh, qw_ptr, cos, sin, eps,
+                    HQ, HQ_PAD, HALF, HALF_PAD, Q_NORM)
+        _rope_heads(k_ptr + t * stride_kt, stride_kh, kw_ptr, cos, sin, eps,
+                    HKV, HKV_PAD, HALF, HALF_PAD, K_NORM)
+
+
+def _heads_view(x: torch.Tensor, head_dim: int, name: str):
+    """(row stride, head stride, num heads) of a [T, H*D] or [T, H, D] tensor."""
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension")
+    if x.dim() == 2:
+        if x.shape[1] % head_dim:
+            raise ValueError(f"{name} width {x.shape[1]} is not a multiple of head_dim {head_dim}")
+        return x.stride(0), head_dim, x.shape[1] // head_dim
+    if x.dim() == 3 and x.shape[2] == head_dim:
+        return x.stride(0), x.stride(1), x.shape[1]
+    raise ValueError(f"{name} must be [T, H*{head_dim}] or [T, H, {head_dim}], got {tuple(x.shape)}")
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+):
+    """Rotates q [T, Hq*D] and k [T, Hkv*D] in place (views are fine); returns (q, k)."""
+    if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with an even head_dim, "
+                         f"got {tuple(cos_sin_cache.shape)}")
+    T = positions.shape[0]
+    sqt, sqh, HQ = _heads_view(q, head_dim, "q")
+    skt, skh, HKV = _heads_view(k, head_dim, "k")
+    if q.shape[0] != T or k.shape[0] != T:
+        raise ValueError(f"positions ({T}), q ({q.shape[0]}) and k ({k.shape[0]}) disagree on T")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and w.shape != (head_dim,):
+            raise ValueError(f"{name} must be [{head_dim}], got {tuple(w.shape)}")
+    if T == 0:
+        return q, k
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    half = head_dim // 2
+    np2 = triton.next_power_of_2
+    _rope_kernel[(T,)](
+        positions, q, k, cs,
+        q_norm_weight if q_norm_weight is not None else cs,
+        k_norm_weight if k_norm_weight is not None else cs,
+        sqt, sqh, skt, skh, cs.stride(0), float(eps),
+        HQ=HQ, HQ_PAD=np2(HQ), HKV=HKV, HKV_PAD=np2(HKV), HALF=half, HALF_PAD=np2(half),
+        Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None,
+        num_warps=4 if np2(HQ) * np2(half) >= 1024 else 2,
+    )
+    return q, k
+
+
+def _rope_ref_one(x, positions, cos_sin_cache, head_dim, w, eps):
+    T = x.shape[0]
+    xf = x.reshape(T, -1, head_dim).float()
+    if w is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    half = head_dim // 2
+    cs = cos_sin_cache[positions.long()].float()
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x1, x2 = xf[..., :half], xf[..., half:]
+    y = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x.copy_(y.reshape(x.shape).to(x.dtype))
+
+
+def rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim,
+                         q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
+    """Torch reference of :func:`rotary_embedding` (also in place)."""
+    _rope_ref_one(q, positions, cos_sin_cache, head_dim, q_norm_weight, eps)
+    _rope_ref_one(k, positions, cos_sin_cache, head_dim, k_norm_weight, eps)
+    return q, k

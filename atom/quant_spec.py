@@ -1,0 +1,352 @@
+"""Per-layer quantization specs and the parsers that read them from checkpoints.
+
+A :class:`LayerQuantConfig` says how one linear layer (or the model as a whole)
+is quantized: the granularity of its scales (:class:`QuantType`), the storage
+dtype of its weights, whether activation scales are computed at run time, and
+the method name the checkpoint declared.
+
+Two parsers turn the ``quantization_config`` dict of a HuggingFace config into
+specs:
+
+* :class:`QuarkParser` for AMD Quark checkpoints (``quant_method == "quark"``),
+* :class:`GenericParser` for everything else (FP8 block checkpoints,
+  compressed-tensors, GPTQ/AWQ-style ``bits`` + ``group_size``).
+
+Dtype keys follow AITER's names (``fp8``, ``fp4x2``, ``i8``, ``i4x2``). Their
+torch dtypes here:
+
+* ``fp8``   -> ``torch.float8_e4m3fn`` (OCP E4M3, the format checkpoints store;
+  a ROCm kernel backend may map it to ``float8_e4m3fnuz`` itself).
+* ``fp4x2`` -> ``torch.float4_e2m1fn_x2`` (two E2M1 values per byte) where this
+  torch has it, otherwise ``torch.uint8`` as the packed container.
+* ``i8``    -> ``torch.int8``.
+* ``i4x2``  -> ``torch.uint8``: two 4-bit integers packed per byte. An unsigned
+  container is chosen so that ``i4x2`` never collides with ``i8``
+  (``torch.int8``); the sign of each nibble is the kernel's business.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "QuantType",
+    "LayerQuantConfig",
+    "DTYPE_KEYS",
+    "dtype_from_key",
+    "key_from_dtype",
+    "QuarkParser",
+    "GenericParser",
+    "ONLINE_QUANT_FORMATS",
+    "online_quant_spec",
+]
+
+
+class QuantType(enum.Enum):
+    """Granularity of quantization scales (names follow AITER)."""
+
+    No = 0
+    per_Tensor = 1
+    per_Token = 2
+    per_1x32 = 3
+    per_1x128 = 4
+    per_128x128 = 5
+
+
+_FP4X2 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
+
+#: AITER dtype key -> torch dtype of the stored (possibly packed) weight.
+DTYPE_KEYS: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp4x2": _FP4X2,
+    "i8": torch.int8,
+    "i4x2": torch.uint8,
+}
+
+
+def dtype_from_key(key: str) -> torch.dtype:
+    """Torch dtype for an AITER dtype key (``"fp8"``, ``"fp4x2"``, ``"i8"``, ``"i4x2"``)."""
+    try:
+        return DTYPE_KEYS[key]
+    except KeyError:
+        raise ValueError(
+            f"quant dtype key {key!r} is invalid: must be one of {sorted(DTYPE_KEYS)}"
+        ) from None
+
+
+def key_from_dtype(dtype: torch.dtype) -> Optional[str]:
+    """Inverse of :func:`dtype_from_key`; ``None`` for an unquantized dtype."""
+    for key, value in DTYPE_KEYS.items():
+        if value == dtype:
+            return key
+    return None
+
+
+@dataclass(frozen=True)
+class LayerQuantConfig:
+    """How one layer (or the whole model, as the global default) is quantized."""
+
+    quant_type: QuantType = QuantType.No
+    quant_dtype: torch.dtype = torch.bfloat16
+    is_dynamic: bool = True
+    quant_method: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.quant_type, QuantType):
+            raise ValueError(
+                f"quant_type={self.quant_type!r} is invalid: must be a QuantType"
+            )
+        if not isinstance(self.quant_dtype, torch.dtype):
+            raise ValueError(
+                f"quant_dtype={self.quant_dtype!r} is invalid: must be a torch.dtype"
+            )
+        # MXFP4 always carries one E8M0 scale per 32 values. (Only checkable
+        # here when torch has a distinct fp4 dtype; the parsers force it too.)
+        if _FP4X2 is not torch.uint8 and self.quant_dtype == _FP4X2:
+            if self.quant_type is not QuantType.per_1x32:
+                object.__setattr__(self, "quant_type", QuantType.per_1x32)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quant_type is not QuantType.No
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (used for hashing and display)."""
+        return {
+            "quant_type": self.quant_type.name,
+            "quant_dtype": str(self.quant_dtype).replace("torch.", ""),
+            "is_dynamic": self.is_dynamic,
+            "quant_method": self.quant_method,
+        }
+
+
+# ---------------------------------------------------------------------------
+# dtype string recognition
+# ---------------------------------------------------------------------------
+
+
+def _spec(
+    quant_type: QuantType, key: str, is_dynamic: bool, method: str
+) -> LayerQuantConfig:
+    """Build a spec from a dtype key; MXFP4 (``fp4x2``) forces ``per_1x32``."""
+    if key == "fp4x2":
+        quant_type = QuantType.per_1x32
+    return LayerQuantConfig(quant_type, DTYPE_KEYS[key], is_dynamic, method)
+
+
+def _dtype_key_from_string(text: str) -> Optional[str]:
+    """Recognise a dtype key in a free-form string such as ``"fp8_e4m3"``."""
+    s = text.lower()
+    if "fp4" in s or "mxfp4" in s or "e2m1" in s:
+        return "fp4x2"
+    if "fp8" in s or "e4m3" in s or "float8" in s:
+        return "fp8"
+    if "int4" in s or "uint4" in s:
+        return "i4x2"
+    if "int8" in s:
+        return "i8"
+    return None
+
+
+def _dtype_key_from_bits(bits: Any, kind: Any) -> Optional[str]:
+    """``num_bits`` (+ ``type`` = ``"int"``/``"float"``) -> dtype key."""
+    try:
+        bits = int(bits)
+    except (TypeError, ValueError):
+        return None
+    is_float = str(kind).lower() == "float"
+    if bits == 8:
+        return "fp8" if is_float else "i8"
+    if bits == 4:
+        return "fp4x2" if is_float else "i4x2"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Quark
+# ---------------------------------------------------------------------------
+
+_QUARK_QSCHEME = {
+    "per_channel": QuantType.per_Token,
+    "per_tensor": QuantType.per_Tensor,
+    "per_group": QuantType.per_1x32,
+}
+
+
+class QuarkParser:
+    """Parses AMD Quark config dicts (``global_quant_config`` and each
+    ``layer_quant_config`` entry) into :class:`LayerQuantConfig`.
+
+    ``weight.qscheme`` sets the quant type (``per_channel`` -> ``per_Token``,
+    ``per_tensor`` -> ``per_Tensor``, ``per_group`` -> ``per_1x32``),
+    ``weight.dtype`` the quant dtype, and ``input_tensors.is_dynamic`` the
+    dynamic flag (``True`` when absent).
+    """
+
+    method = "quark"
+
+    def __init__(self, default_dtype: torch.dtype = torch.bfloat16):
+        self.default_dtype = default_dtype
+
+    @staticmethod
+    def _first(entry: Any) -> Optional[dict]:
+        # Quark allows a list of specs for one tensor (e.g. two-level scales).
+        if isinstance(entry, (list, tuple)):
+            entry = entry[0] if entry else None
+        return entry if isinstance(entry, dict) else None
+
+    def parse(self, cfg: Optional[dict]) -> LayerQuantConfig:
+        cfg = cfg or {}
+        weight = self._first(cfg.get("weight"))
+        inputs = self._first(cfg.get("input_tensors"))
+        is_dynamic = True
+        if inputs is not None and inputs.get("is_dynamic") is not None:
+            is_dynamic = bool(inputs["is_dynamic"])
+        if weight is None:
+            return LayerQuantConfig(
+                QuantType.No, self.default_dtype, is_dynamic, self.method
+            )
+        qscheme = str(weight.get("qscheme", "per_tensor")).lower()
+        if qscheme not in _QUARK_QSCHEME:
+            raise ValueError(
+                f"quark weight.qscheme={qscheme!r} is invalid: must be one of "
+                f"{sorted(_QUARK_QSCHEME)}"
+            )
+        dtype_name = str(weight.get("dtype", ""))
+        key = _dtype_key_from_string(dtype_name)
+        if key is None:
+            raise ValueError(
+                f"quark weight.dtype={dtype_name!r} is invalid: must name fp8, fp4, "
+                "int8 or int4"
+            )
+        return _spec(_QUARK_QSCHEME[qscheme], key, is_dynamic, self.method)
+
+
+# ---------------------------------------------------------------------------
+# Everything else
+# ---------------------------------------------------------------------------
+
+
+def _walk(obj: Any) -> Iterator[tuple[str, Any]]:
+    """Every (key, value) pair of a nested dict/list structure, depth first."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield str(key), value
+            yield from _walk(value)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _walk(item)
+
+
+class GenericParser:
+    """Parses non-Quark ``quantization_config`` dicts (FP8 block checkpoints,
+    compressed-tensors, ``bits``/``group_size`` formats).
+
+    Rules, in order:
+
+    1. quant type: ``per_Token`` for compressed-tensors or when channel
+       quantization is declared; a ``weight_block_size`` / ``group_size`` of 128
+       gives ``per_1x128`` and of 32 ``per_1x32``; otherwise ``per_Tensor``.
+    2. dtype: from ``dtype`` / ``weight_dtype`` / ``fmt`` / ``quant_method``
+       strings (fp8, fp4, mxfp4, int8, int4), else from ``num_bits``/``bits``.
+    3. ``activation_scheme == "static"`` (or ``input_activations.dynamic ==
+       False``) makes ``is_dynamic`` False.
+    4. excluded layers come from ``ignore`` (see :meth:`exclude_layers`).
+    """
+
+    _DTYPE_FIELDS = ("dtype", "weight_dtype", "fmt", "quant_method")
+
+    def parse(self, cfg: dict) -> LayerQuantConfig:
+        method = str(cfg.get("quant_method", "") or "")
+        pairs = list(_walk(cfg))
+
+        quant_type = QuantType.per_Tensor
+        channel = any(
+            (k == "strategy" and str(v).lower() == "channel")
+            or (isinstance(v, str) and v.lower() == "per_channel")
+            for k, v in pairs
+        )
+        if method == "compressed-tensors" or channel:
+            quant_type = QuantType.per_Token
+        group = self._group_size(pairs)
+        if group == 128:
+            quant_type = QuantType.per_1x128
+        elif group == 32:
+            quant_type = QuantType.per_1x32
+
+        key = self._dtype_key(pairs)
+        if key is None:
+            raise ValueError(
+                f"quantization_config={cfg!r} is invalid: cannot tell the weight dtype; "
+                "expected one of the fields dtype/weight_dtype/fmt/quant_method naming "
+                "fp8, fp4, mxfp4, int8 or int4, or num_bits/bits of 8 or 4"
+            )
+
+        is_dynamic = True
+        if str(cfg.get("activation_scheme", "")).lower() == "static":
+            is_dynamic = False
+        for k, v in pairs:
+            if k == "input_activations" and isinstance(v, dict):
+                if v.get("dynamic") is False:
+                    is_dynamic = False
+        return _spec(quant_type, key, is_dynamic, method)
+
+    @staticmethod
+    def _group_size(pairs: list[tuple[str, Any]]) -> Optional[int]:
+        for k, v in pairs:
+            if k == "weight_block_size" and isinstance(v, (list, tuple)) and v:
+                return int(v[-1])
+            if k == "group_size" and isinstance(v, int) and v > 0:
+                return v
+        return None
+
+    def _dtype_key(self, pairs: list[tuple[str, Any]]) -> Optional[str]:
+        for field_name in self._DTYPE_FIELDS:
+            for k, v in pairs:
+                if k == field_name and isinstance(v, str):
+                    key = _dtype_key_from_string(v)
+                    if key is not None:
+                        return key
+        for k, v in pairs:
+            if k in ("num_bits", "bits"):
+                kind = next((val for key, val in pairs if key == "type"), "int")
+                key = _dtype_key_from_bits(v, kind)
+                if key is not None:
+                    return key
+        return None
+
+    @staticmethod
+    def exclude_layers(cfg: dict) -> list[str]:
+        ignore = cfg.get("ignore") or []
+        return [ignore] if isinstance(ignore, str) else list(ignore)
+
+
+# ---------------------------------------------------------------------------
+# Online (load-time) quantization targets
+# ---------------------------------------------------------------------------
+
+#: Target format name of ``--online_quant_config`` -> spec.
+ONLINE_QUANT_FORMATS: dict[str, LayerQuantConfig] = {
+    "ptpc_fp8": LayerQuantConfig(
+        QuantType.per_Token, DTYPE_KEYS["fp8"], True, "online"
+    ),
+    "mxfp4": LayerQuantConfig(QuantType.per_1x32, DTYPE_KEYS["fp4x2"], True, "online"),
+}
+
+
+def online_quant_spec(name: str) -> LayerQuantConfig:
+    """Spec for an online-quantization target format (``ptpc_fp8`` or ``mxfp4``)."""
+    try:
+        return ONLINE_QUANT_FORMATS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"online quant format {name!r} is invalid: must be one of "
+            f"{sorted(ONLINE_QUANT_FORMATS)}"
+        ) from None
