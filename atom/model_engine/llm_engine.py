@@ -134,7 +134,9 @@ class LLMEngine:
                     seq.stopped_by_string = True
                     finished.append(seq)
         outputs = [self._finish(seq) for seq in finished]
+        t3 = time.perf_counter()
         self.stats.record_step({
+            **self.runner.last_timing, "post_s": t3 - t2,
             "time": t0, "latency": time.perf_counter() - t0, "schedule_s": t1 - t0, "run_s": t2 - t1,
             "num_seqs": len(batch), "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens,
             "num_sampled": sum(t is not None for t in sampled), "chunk_sizes": chunks,

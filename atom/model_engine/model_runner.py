@@ -80,6 +80,7 @@ class ModelRunner:
                     self.device, time.perf_counter() - t0)
         self.num_blocks = self.allocate_kv_cache()
         self.last_graph_size: int | None = None
+        self.last_timing: dict[str, float] = {}
         self.graphs = None
         if self.device.type == "cuda":
             self.setup_gpu()
@@ -187,7 +188,9 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch | list[Sequence]) -> list[int | None]:
         """Run one step; returns the sampled token per sequence (None: chunk mid-prompt)."""
         seqs = batch.seqs if isinstance(batch, ScheduledBatch) else batch
+        t0 = time.perf_counter()
         host = self.prepare_host(seqs)
+        t1 = time.perf_counter()
         out: list[int | None] = [None] * len(seqs)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(host):
@@ -197,6 +200,8 @@ class ModelRunner:
             input_ids, positions, meta = self.to_device(host)
             hidden = self.forward(input_ids, positions, meta)
             self.last_graph_size = None
+        t2 = time.perf_counter()
+        self.last_timing = {"prepare_s": t1 - t0, "launch_s": t2 - t1, "sample_s": 0.0}
         if not host.sample_rows:
             return out
         last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
@@ -204,6 +209,7 @@ class ModelRunner:
         tokens = self.sampler(logits, self.sampling_tensors([seqs[r] for r in host.sample_rows])).tolist()
         for r, tok in zip(host.sample_rows, tokens):
             out[r] = tok
+        self.last_timing["sample_s"] = time.perf_counter() - t2  # includes waiting for the GPU
         return out
 
     # --- GPU: attention op, compilation, CUDA graphs ------------------------------------

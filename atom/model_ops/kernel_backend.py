@@ -6,6 +6,8 @@ Triton backend, else None (the layer then runs its torch reference). Set once by
 """
 from __future__ import annotations
 
+import torch
+
 _enabled = True
 _kernels = None
 
@@ -16,8 +18,9 @@ def use_kernels(enabled: bool) -> None:
 
 
 def get(x):
+    """Under torch.compile the torch code is returned (None): Inductor fuses it itself."""
     global _kernels
-    if not (_enabled and x.is_cuda):
+    if not (_enabled and x.is_cuda) or torch.compiler.is_compiling():
         return None
     if _kernels is None:
         from atom import platform

@@ -30,6 +30,8 @@ if HAS_TRITON:
 
 def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., 2I] -> [..., I]; math in fp32, output in x.dtype (or ``out``)."""
+    if not HAS_TRITON:
+        raise RuntimeError("silu_and_mul needs triton; use silu_and_mul_ref without it")
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
     I = x.shape[-1] // 2

@@ -47,6 +47,8 @@ if HAS_TRITON:
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value [T, Hkv, D] (views with a contiguous last dim are fine) into the caches."""
+    if not HAS_TRITON:
+        raise RuntimeError("reshape_and_cache needs triton; use reshape_and_cache_ref without it")
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"key/value must be [T, Hkv, D], got {tuple(key.shape)}, {tuple(value.shape)}")
     T, H, D = key.shape

@@ -52,6 +52,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2, r2, w, o2, ro2, eps):
+    if not HAS_TRITON:
+        raise RuntimeError("rms_norm needs triton; use rms_norm_ref without it")
     M, N = x2.shape
     if M == 0:
         return

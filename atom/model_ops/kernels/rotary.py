@@ -87,6 +87,8 @@ def rotary_embedding(
     eps: float = 1e-6,
 ):
     """Rotates q [T, Hq*D] and k [T, Hkv*D] in place (views are fine); returns (q, k)."""
+    if not HAS_TRITON:
+        raise RuntimeError("rotary_embedding needs triton; use rotary_embedding_ref without it")
     if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim:
         raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with an even head_dim, "
                          f"got {tuple(cos_sin_cache.shape)}")

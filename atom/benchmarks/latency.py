@@ -1,0 +1,93 @@
+"""Decode latency: ms per step at batch 1, 8, 64 (128-token prompts, 512 greedy tokens),
+eager against CUDA graphs, next to the bandwidth floor (weights + KV read per step).
+
+    python -m atom.benchmarks.latency --model qwen3-0.6b [--batches 1 8 64] [--profile]
+
+`--profile` adds a per-step host profile: scheduling, input preparation, launch or graph
+replay + sampling, output processing (from the engine's step records).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import torch
+
+from atom.benchmarks.roofline import decode_floor_ms
+from atom.benchmarks.workloads import MODEL_CONFIGS, mixed_workload, write_model_config
+
+
+PROFILE = ("schedule_s", "prepare_s", "launch_s", "sample_s", "post_s")
+
+
+def measure(llm, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+    from atom import SamplingParams
+    reqs = mixed_workload(batch, (prompt_len, prompt_len), (new_tokens, new_tokens), vocab, seed=batch)
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    prompts = [r.prompt_token_ids for r in reqs]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    llm.stats.clear()
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    total = time.perf_counter() - t0
+    steps = llm.stats.steps()
+    dec = steps[(steps.prefill_tokens == 0) & (steps.num_seqs == batch)]
+    ms = float(dec.latency.median() * 1e3)
+    prof = {k: float(dec[k].median() * 1e3) for k in PROFILE if k in dec}
+    return {"batch": batch, "ms_per_step": ms, "total_s": total, "decode_steps": len(dec), "profile_ms": prof}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_CONFIGS))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"])
+    ap.add_argument("--level", type=int, default=0, help="compilation level for the graphs mode")
+    ap.add_argument("--profile", action="store_true", help="print the per-step host profile")
+    ap.add_argument("--out", help="write JSON here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from atom import LLM
+    from rich.console import Console
+    from rich.table import Table
+    cfg = MODEL_CONFIGS[args.model]
+    path = write_model_config(args.model)
+    results = []
+    for mode in args.modes:
+        kw = dict(enforce_eager=True) if mode == "eager" else dict(
+            compilation_config={"level": args.level, "cudagraph_capture_sizes": sorted(set(args.batches))})
+        llm = LLM(path, load_dummy="xavier", max_model_len=2048, enable_log_stats=False,
+                  max_num_seqs=max(args.batches), **kw)
+        for b in args.batches:
+            r = measure(llm, b, args.prompt_len, args.new_tokens, cfg["vocab_size"])
+            ctx = args.prompt_len + args.new_tokens // 2
+            r.update(mode=mode, floor_ms=decode_floor_ms(cfg, b, ctx))
+            results.append(r)
+        del llm
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    t = Table(title=f"decode latency — {args.model}")
+    cols = ["mode", "batch", "ms/step", "floor ms", "of floor"] + (
+        ["schedule", "prepare", "launch", "sample+wait", "post"] if args.profile else [])
+    for c in cols:
+        t.add_column(c)
+    for r in results:
+        row = [r["mode"], str(r["batch"]), f"{r['ms_per_step']:.3f}", f"{r['floor_ms']:.3f}",
+               f"{r['floor_ms'] / r['ms_per_step']:.0%}"]
+        if args.profile:
+            row += [f"{r['profile_ms'].get(k, float('nan')):.3f}" for k in PROFILE]
+        t.add_row(*row)
+    Console().print(t)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "date": time.strftime("%Y-%m-%d"),
+                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

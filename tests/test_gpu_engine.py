@@ -1,0 +1,126 @@
+"""The engine on a GPU (Triton kernels, CUDA graphs, compilation levels) against
+transformers and against eager. Skipped without a GPU; run on the lent H200."""
+import pytest
+import torch
+import transformers
+
+from atom import LLM, SamplingParams
+from conftest import TINY, hf_greedy
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {
+    "qwen3": dict(arch="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=128),
+    "llama": dict(arch="llama3", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4),
+}
+
+
+def make(path, spec):
+    from conftest import make_tiny_model
+    spec = dict(spec)
+    arch = spec.pop("arch")
+    return make_tiny_model(path, arch, **{**TINY, "vocab_size": 1024, "max_position_embeddings": 4096, **spec})
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def model_path(request, tmp_path_factory):
+    return make(tmp_path_factory.mktemp(request.param), SHAPES[request.param])
+
+
+def prompts(lens=(1, 7, 33, 130, 600), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1024, (n,), generator=g).tolist() for n in lens]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_ref(model_path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda().eval()
+    ps = prompts()
+    out = []
+    for p in ps:
+        ids = hf_greedy_cuda(hf, p, 24)
+        out.append(ids)
+    del hf
+    torch.cuda.empty_cache()
+    return ps, out
+
+
+def hf_greedy_cuda(model, p, n):
+    past, x, out = None, torch.tensor([p], device="cuda"), []
+    with torch.inference_mode():
+        for _ in range(n):
+            o = model(input_ids=x, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            t = int(o.logits[0, -1].argmax())
+            out.append(t)
+            x = torch.tensor([[t]], device="cuda")
+    return out
+
+
+SETTINGS = {
+    "eager": dict(enforce_eager=True),
+    "graphs": dict(),
+    "chunked+prefix": dict(enforce_eager=True, max_num_batched_tokens=64, enable_prefix_caching=True),
+    "preemption_graphs": dict(num_kvcache_blocks=30, kv_cache_block_size=32),
+    "block64": dict(kv_cache_block_size=64),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_fp32_greedy_equals_transformers(model_path, hf_ref, setting):
+    ps, ref = hf_ref
+    llm = LLM(model_path, enable_log_stats=False, max_model_len=2048, max_num_seqs=16,
+              **{"num_kvcache_blocks": 256, **SETTINGS[setting]})
+    assert llm.engine.runner.attn_layers[0].backend == "triton"
+    outs = llm.generate(ps, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    if setting == "graphs":
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    if setting == "preemption_graphs":
+        assert llm.stats.steps()["preemptions"].sum() > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+MODES = ["NONE", "TR_HYBRID", "FULL", "FULL_DECODE_ONLY", "FULL_AND_TR_HYBRID"]
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_levels_and_graph_modes_match_eager(model_path, hf_ref, level):
+    ps, ref = hf_ref
+    modes = MODES if level in (0, 3) else ["FULL_DECODE_ONLY"]
+    for mode in modes:
+        llm = LLM(model_path, enable_log_stats=False, max_model_len=2048, num_kvcache_blocks=256,
+                  max_num_seqs=16, compilation_config={"level": level, "cudagraph_mode": mode,
+                                                       "cudagraph_capture_sizes": [1, 2, 4, 8]})
+        outs = llm.generate(ps, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == ref, f"level {level} mode {mode}"
+        del llm
+
+
+def test_bf16_teacher_forced_top1_agreement(model_path):
+    import json, os, shutil, tempfile
+    tmp = tempfile.mkdtemp()
+    for f in os.listdir(model_path):
+        shutil.copy(os.path.join(model_path, f), tmp)
+    cfg = json.load(open(os.path.join(tmp, "config.json")))
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    json.dump(cfg, open(os.path.join(tmp, "config.json"), "w"))
+    llm = LLM(tmp, enable_log_stats=False, max_model_len=2048, num_kvcache_blocks=256)
+    assert llm.engine.runner.dtype == torch.bfloat16
+    ps = prompts(lens=(5, 40, 300, 800), seed=3)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).cuda().eval()
+    agree = total = 0
+    for p, o in zip(ps, outs):
+        seq = torch.tensor([p + o.token_ids], device="cuda")
+        with torch.inference_mode():
+            pred = hf(seq).logits[0, len(p) - 1:-1].argmax(-1).tolist()
+        agree += sum(a == b for a, b in zip(pred, o.token_ids))
+        total += len(o.token_ids)
+    assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
