@@ -31,8 +31,8 @@ def make_tiny_model(path, arch: str = "llama", **overrides) -> str:
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 256}, **kw)
         cls = transformers.LlamaForCausalLM
     elif arch == "qwen3":
-        cfg = transformers.Qwen3Config(head_dim=32, rope_theta=1e6, tie_word_embeddings=True,
-                                       rms_norm_eps=1e-6, **kw)
+        kw.setdefault("head_dim", 32)
+        cfg = transformers.Qwen3Config(rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6, **kw)
         cls = transformers.Qwen3ForCausalLM
     else:
         raise ValueError(arch)

@@ -106,7 +106,8 @@ def gpu_main(args) -> dict:
     llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    run_atom(llm, nano_vllm_workload(8, 128, 32, seed=1), args.temperature)  # warm-up
+    vocab = MODEL_CONFIGS[args.model]["vocab_size"]
+    run_atom(llm, mixed_workload(16, (64, 512), (16, 64), vocab, seed=1), args.temperature)  # warm-up
     runs = [run_atom(llm, reqs, args.temperature) for _ in range(args.repeat)]
     tok, sec = min(runs, key=lambda r: r[1])
     floor = workload_floor(MODEL_CONFIGS[args.model], [len(r.prompt_token_ids) for r in reqs],
@@ -120,7 +121,7 @@ def gpu_main(args) -> dict:
         torch.cuda.empty_cache()
         sub = reqs[:args.hf_seqs]
         hf = load_hf(path, "cuda", torch.bfloat16, dummy=True)
-        run_hf(hf, nano_vllm_workload(4, 128, 16, seed=1), args.temperature, pad_id=0)
+        run_hf(hf, mixed_workload(4, (64, 128), (8, 16), vocab, seed=1), args.temperature, pad_id=0)
         h_tok, h_s = run_hf(hf, sub, args.temperature, pad_id=0)
         res.update(peer="hf", peer_seqs=len(sub), peer_tok_s=h_tok / h_s, peer_s=h_s)
         res["speedup_vs_peer"] = res["atom_tok_s"] / res["peer_tok_s"]

@@ -9,6 +9,7 @@ Logits are computed only for the rows that sample; sampling runs on the device.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -138,11 +139,13 @@ class ModelRunner:
             ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens])
         row_of_token = np.repeat(np.arange(len(seqs)), qlens)
         positions = np.arange(int(cu[-1])) - cu[:-1][row_of_token] + starts[row_of_token]
-        max_blocks = int(-(-seq_lens.max() // bs))
-        tables = np.full((len(seqs), max_blocks), -1, np.int64)
-        for i, s in enumerate(seqs):
-            n = min(len(s.block_table), max_blocks)
-            tables[i, :n] = s.block_table[:n]
+        # block tables: one flat copy, scattered into a padded [B, max_blocks] array
+        nblocks = np.fromiter((len(s.block_table) for s in seqs), np.int64, len(seqs))
+        flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), np.int64, int(nblocks.sum()))
+        tables = np.full((len(seqs), int(nblocks.max())), -1, np.int64)
+        row_of_block = np.repeat(np.arange(len(seqs)), nblocks)
+        first_block = np.cumsum(nblocks) - nblocks
+        tables[row_of_block, np.arange(len(flat)) - first_block[row_of_block]] = flat
         slots = tables[row_of_token, positions // bs] * bs + positions % bs
         return StepInputs(np.asarray(ids, np.int64), positions, cu, seq_lens, tables, slots, qlens,
                           [i for i, s in enumerate(seqs) if s.samples_this_step])

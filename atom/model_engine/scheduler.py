@@ -134,6 +134,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if n == 1 and seq.num_computed_tokens < len(seq.block_table) * bm.block_size:
+                batch.add(seq, 1)  # decode fast path: its last block has room
+                budget -= 1
+                i += 1
+                continue
             while not bm.can_append(seq, n):
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:

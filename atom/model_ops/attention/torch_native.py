@@ -63,19 +63,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], slens: list[int],
+                 block_size: int, device) -> tuple:
+    """Gather indices and mask for the decode rows, built once per step (all layers share it)."""
+    plan = getattr(meta, "_decode_plan", None)
+    if plan is None:
+        lens = [slens[i] for i in idx]
+        nb = -(-max(lens) // block_size)
+        rows = torch.tensor(idx, device=device)
+        tables = meta.block_tables[rows, :nb].clamp_min(0)
+        lens_t = torch.tensor(lens, device=device)
+        mask = (torch.arange(nb * block_size, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        tok = torch.tensor([starts[i] for i in idx], device=device)
+        plan = meta._decode_plan = (tables, mask, tok)
+    return plan
+
+
 def _decode_batch(q, k_cache, v_cache, meta, scale, out, idx, starts, slens):
-    bs = k_cache.shape[1]
-    lens = [slens[i] for i in idx]
-    max_len = max(lens)
-    nb = -(-max_len // bs)
-    rows = torch.tensor(idx, device=q.device)
-    tables = meta.block_tables[rows, :nb].clamp_min(0)
+    tables, mask, tok = _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device)
     k = k_cache[tables].flatten(1, 2).to(q.dtype)  # [B, nb*bs, Hkv, D]
     v = v_cache[tables].flatten(1, 2).to(q.dtype)
-    lens_t = torch.tensor(lens, device=q.device)
-    mask = torch.arange(nb * bs, device=q.device)[None, :] < lens_t[:, None]  # [B, L]
-    tok = torch.tensor([starts[i] for i in idx], device=q.device)
     qd = q[tok].unsqueeze(2)  # [B, Hq, 1, D]
     o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
     out[tok] = o.squeeze(2)

@@ -1,0 +1,299 @@
+"""Cells of notebooks 05-07: quantization dispatch, CUDA graphs, roofline (see _build.py)."""
+
+from _cells_engine import SETUP
+
+QUANT = [
+    ("md", """
+# 05 · Quantization dispatch: which layer gets which `LayerQuantConfig`
+
+`QuantizationConfig` reads `hf_config.quantization_config` and answers, per layer name,
+how that layer is quantized: exclusions first, then per-layer patterns, then the global
+spec. Here on two hand-written configs, an AMD Quark one and a compressed-tensors one --
+no checkpoint needed.
+"""),
+    ("code", SETUP + """
+import pandas as pd
+import transformers
+from atom.config import Config, QuantizationConfig
+from atom.quant_spec import QuantType
+
+LAYERS = ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_up_proj",
+          "model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.o_proj", "model.layers.3.mlp.gate",
+          "model.layers.3.mlp.experts.w13", "model.layers.3.mlp.down_proj", "lm_head"]
+
+def dispatch(qc, layers=LAYERS):
+    rows = []
+    for name in layers:
+        spec = qc.get_layer_quant_config(name)
+        rows.append({"layer": name, "quant_type": spec.quant_type.name, "dtype": str(spec.quant_dtype).replace("torch.", ""),
+                     "dynamic": spec.is_dynamic, "excluded": qc.is_excluded(name)})
+    return pd.DataFrame(rows).set_index("layer")
+"""),
+    ("md", "## Quark: a global spec, per-layer patterns, exclusions"),
+    ("code", """
+QUARK = {
+    "quant_method": "quark",
+    "global_quant_config": {
+        "weight": {"dtype": "fp8_e4m3", "qscheme": "per_channel", "is_dynamic": False},
+        "input_tensors": {"dtype": "fp8_e4m3", "qscheme": "per_channel", "is_dynamic": False},
+    },
+    "layer_quant_config": {
+        "*.mlp.experts.*": {"weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32},
+                            "input_tensors": {"dtype": "fp4", "qscheme": "per_group"}},
+        "*.self_attn.o_proj": {"weight": {"dtype": "int8", "qscheme": "per_tensor"}},
+    },
+    "exclude": ["lm_head", "model.layers.0.mlp", "re:.*\\\\.mlp\\\\.gate$"],
+}
+quark = QuantizationConfig(transformers.PretrainedConfig(quantization_config=QUARK))
+print(quark.get_name(), "| global:", quark.global_quant_config)
+quark_table = dispatch(quark)
+quark_table
+"""),
+    ("code", """
+q = quark_table
+assert q.loc["model.layers.3.self_attn.q_proj", "quant_type"] == "per_Token"          # global: per-channel fp8
+assert not q.loc["model.layers.3.self_attn.q_proj", "dynamic"]
+assert q.loc["model.layers.3.self_attn.o_proj", "dtype"] == "int8"                    # pattern *.self_attn.o_proj
+assert q.loc["model.layers.3.mlp.experts.w13", "quant_type"] == "per_1x32"            # fp4 forces 1x32 groups
+assert q.loc["model.layers.0.mlp.gate_up_proj", "excluded"]                            # parent module excluded
+assert q.loc["model.layers.3.mlp.gate", "excluded"] and q.loc["lm_head", "excluded"]  # regex, exact name
+assert q.loc["model.layers.0.self_attn.o_proj", "dtype"] == "int8"                    # layer 0 attention is not excluded
+"""),
+    ("md", "## compressed-tensors: config groups and an ignore list"),
+    ("code", """
+COMPRESSED = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+}
+ct = QuantizationConfig(transformers.PretrainedConfig(quantization_config=COMPRESSED))
+ct_table = dispatch(ct)
+ct_table
+"""),
+    ("code", """
+c = ct_table
+quantized = c[~c["excluded"]]
+assert set(quantized["quant_type"]) == {"per_Token"} and set(quantized["dtype"]) == {"float8_e4m3fn"}
+assert quantized["dynamic"].all()                    # activations: dynamic per-token scales
+assert c.loc["lm_head", "quant_type"] == "No" and c.loc["model.layers.3.mlp.gate", "excluded"]
+"""),
+    ("md", "## Checkpoint names vs ATOM's packed layers\nA checkpoint excludes `q_proj`; ATOM's layer is `qkv_proj`. `remap_layer_name` adds the packed names."),
+    ("code", """
+shard = QuantizationConfig(transformers.PretrainedConfig(quantization_config={**COMPRESSED, "ignore": ["model.layers.1.self_attn.q_proj"]}))
+before = shard.is_excluded("model.layers.1.self_attn.qkv_proj")
+shard.remap_layer_name()
+after = shard.is_excluded("model.layers.1.self_attn.qkv_proj")
+print("qkv_proj excluded before remap:", before, "| after:", after, "|", shard.exclude_layers)
+assert (before, after) == (False, True)
+"""),
+    ("md", "## Through `Config`\n`Config` builds the `QuantizationConfig` from the model's config; the model's layers ask it for their spec."),
+    ("code", """
+hf = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=128, quantization_config=QUARK)
+cfg = Config(model="quark-llama", hf_config=hf)
+assert cfg.quant_config.get_name() == "quark"
+layers = [f"model.layers.{i}.{m}" for i in range(4) for m in
+          ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")] + ["lm_head"]
+full = dispatch(cfg.quant_config, layers)
+counts = full.groupby(["quant_type", "dtype"]).size().rename("layers")
+counts.to_frame()
+"""),
+    ("code", """
+from matplotlib.figure import Figure
+fig = Figure(figsize=(6.4, 3.0), layout="constrained")
+ax = fig.add_subplot()
+labels = [f"{t}\\n{d}" for t, d in counts.index]
+ax.bar(labels, counts.values, color="tab:blue")
+ax.set_ylabel("linear layers"); ax.set_title("quark config on a 4-layer Llama: layers per spec")
+assert counts.sum() == len(layers) and counts[("No", "bfloat16")] == 3   # lm_head + layer 0's two MLP layers
+fig
+"""),
+]
+
+GRAPHS = [
+    ("md", """
+# 06 · CUDA-graph capture sizes and padding waste
+
+On a GPU, a decode batch of `n` sequences replays the captured graph of the smallest size
+`>= n`; the rows in between are padding. Which sizes to capture trades capture time and
+memory against that waste. The plan needs no GPU: `CompilationConfig.capture_sizes` and
+`.padded_size(n)`.
+"""),
+    ("code", SETUP + """
+import pandas as pd
+import torch
+from atom.config import CompilationConfig
+from atom.viz import graph_usage, plot_graph_capture_sizes
+default = CompilationConfig()
+print(len(default.capture_sizes), "sizes:", default.capture_sizes[:12], "...", default.capture_sizes[-1])
+{n: default.padded_size(n) for n in (1, 7, 9, 17, 100, 500, 513)}
+"""),
+    ("code", """
+assert default.capture_sizes[:8] == list(range(1, 9)) and default.capture_sizes[8:11] == [16, 32, 48]
+assert default.padded_size(9) == 16 and default.padded_size(100) == 112 and default.padded_size(513) is None
+plot_graph_capture_sizes(config=default)
+"""),
+    ("md", """
+## A batch-size trace
+nano-vllm's workload with 64 requests, all admitted at once: the decode batch shrinks as
+requests finish (output lengths uniform in [100, 512]). Each decode step replays a graph.
+"""),
+    ("code", """
+from atom.benchmarks.workloads import nano_vllm_workload
+reqs = nano_vllm_workload(64, max_input=512, max_output=512)
+outs = [r.max_tokens for r in reqs]
+trace = [sum(o > t for o in outs) for t in range(1, max(outs))]   # sequences alive at decode step t
+plans = {
+    "default (1..8, then every 16)": default.capture_sizes,
+    "powers of two": [1, 2, 4, 8, 16, 32, 64],
+    "every size 1..64": list(range(1, 65)),
+}
+usage = {name: graph_usage(trace, sizes) for name, sizes in plans.items()}
+pd.DataFrame({name: {"graphs": len(plans[name]), **{k: u.totals[k] for k in ("graph_steps", "real_tokens", "padded_tokens", "padding_fraction")}}
+              for name, u in usage.items()}).T
+"""),
+    ("code", """
+d = usage["default (1..8, then every 16)"]
+by_hand = sum(default.padded_size(n) - n for n in trace)
+assert d.totals["padded_tokens"] == by_hand and d.totals["graph_steps"] == len(trace)
+assert usage["every size 1..64"].totals["padded_tokens"] == 0
+assert usage["powers of two"].totals["padded_tokens"] >= d.totals["padded_tokens"]
+plot_graph_capture_sizes(trace, plans["powers of two"])
+"""),
+    ("code", "plot_graph_capture_sizes(trace, default.capture_sizes)"),
+    ("md", """
+## On a GPU: the real replays
+With CUDA, the engine records the graph size each step replayed (`graph_size` in the steps
+frame), and `llm.engine.runner.graphs` counts replays and padded rows. Without a GPU this
+section shows what it would run.
+"""),
+    ("code", """
+if torch.cuda.is_available():
+    from atom import LLM, SamplingParams
+    from atom.viz import steps_frame
+    sizes = [1, 2, 4, 8, 16]
+    llm = LLM("embedded", max_model_len=512, max_num_seqs=16, capture_sizes=sizes, enable_log_stats=False)
+    lens = [8 + 6 * i for i in range(12)]
+    llm.generate([[100 + i] * 16 for i in range(12)], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens], use_tqdm=False)
+    g = llm.engine.runner.graphs
+    real = graph_usage(llm, sizes)
+    print(g)
+    assert {s: n for s, n in g.replays.items() if n} == {int(r.graph_size): int(r.replays) for r in real.by_size.itertuples() if r.replays}
+    assert g.padded_tokens == real.totals["padded_tokens"]
+    display(plot_graph_capture_sizes(llm, sizes))
+else:
+    print("no GPU: the plan above is all there is to see here (torch.cuda.is_available() is False)")
+"""),
+]
+
+ROOFLINE = [
+    ("md", """
+# 07 · Roofline: how fast could it be?
+
+A decode step reads every weight once plus the KV of every running sequence: its floor is
+bytes / memory bandwidth. Prefill is bound by FLOPs / peak. `atom.benchmarks.roofline`
+computes these floors for a workload; benchmarks report the measured figure as a fraction.
+"""),
+    ("code", SETUP + """
+import json, pathlib, time
+import pandas as pd
+import torch
+import atom
+from atom.benchmarks.roofline import H200_BANDWIDTH, H200_BF16_FLOPS, decode_floor_ms, model_cost, workload_floor
+from atom.benchmarks.workloads import MODEL_CONFIGS, nano_vllm_workload
+from atom.viz import plot_roofline, roofline_frame
+costs = {name: model_cost(cfg) for name, cfg in MODEL_CONFIGS.items()}
+pd.DataFrame({name: {"params (B)": c.params / 1e9, "weights bf16 (GB)": 2 * c.params / 1e9,
+                     "KV per token (KiB)": c.kv_bytes_per_token / 1024, "layers": c.layers} for name, c in costs.items()}).T
+"""),
+    ("md", "## Floors of the nano-vllm workload on one H200\n256 requests, input and output lengths uniform in [100, 1024]; 4.3 TB/s and 790 TFLOP/s (measured on the lent H200)."),
+    ("code", """
+w = nano_vllm_workload()
+plens, olens = [len(r.prompt_token_ids) for r in w], [r.max_tokens for r in w]
+floors = {name: workload_floor(cfg, plens, olens) for name, cfg in MODEL_CONFIGS.items()}
+table = pd.DataFrame({name: {"output tokens": f.output_tokens, "floor (s)": f.seconds, "decode (s)": f.decode_seconds,
+                             "prefill (s)": f.prefill_seconds, "tok/s ceiling": f.tokens_per_s,
+                             "batch-1 decode floor (ms/token)": decode_floor_ms(MODEL_CONFIGS[name], 1, 640)}
+                      for name, f in floors.items()}).T
+table
+"""),
+    ("code", """
+q, l = floors["qwen3-0.6b"], floors["llama-3.1-8b"]
+assert sum(olens) == 133_966 == q.output_tokens
+assert q.tokens_per_s > l.tokens_per_s > 0
+# batch-1 decode floor by hand: weights (+ a little KV) over bandwidth
+by_hand = 2 * costs["llama-3.1-8b"].params / H200_BANDWIDTH * 1e3
+assert by_hand < decode_floor_ms(MODEL_CONFIGS["llama-3.1-8b"], 1, 640) < by_hand * 1.02
+"""),
+    ("md", "The recipes' targets against these bounds (`recipes/qwen3-0.6b-throughput-h200.yaml`, `recipes/llama-3.1-8b-latency-h200.yaml`):"),
+    ("code", """
+targets = [
+    {"name": "qwen3-0.6b nano-vllm (recipe: >= 25k)", "measured": 25_000, "bound": q.tokens_per_s, "unit": "tok/s"},
+    {"name": "llama-3.1-8b batch-1 (recipe: <= 4.3)", "measured": 4.3,
+     "bound": decode_floor_ms(MODEL_CONFIGS["llama-3.1-8b"], 1, 128 + 256), "unit": "ms/token"},
+]
+plot_roofline(targets)
+"""),
+    ("md", """
+## A CPU measurement against its own roofline
+The same reasoning on this machine: measure the memory bandwidth here (a large tensor
+copy reads and writes every byte), then time batch-1 decode of the embedded model (fp32
+weights) and compare.
+"""),
+    ("code", """
+x = torch.empty(64 * 2**20, dtype=torch.float32)   # 256 MiB, far beyond any cache
+y = torch.empty_like(x)
+y.copy_(x)
+times = []
+for _ in range(5):
+    t0 = time.perf_counter(); y.copy_(x); times.append(time.perf_counter() - t0)
+cpu_bandwidth = 2 * x.numel() * x.element_size() / min(times)   # read + write
+del x, y
+print(f"CPU copy bandwidth: {cpu_bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
+"""),
+    ("code", """
+from atom import LLM, SamplingParams
+from atom.viz import steps_frame
+llm = LLM("embedded", max_model_len=512, enable_log_stats=False)
+cfg = llm.config.hf_config.to_dict()
+dtype_bytes = llm.engine.runner.dtype.itemsize
+llm.generate([[200 + i for i in range(32)]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+llm.stats.clear()
+llm.generate([[300 + i for i in range(32)]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+steps = steps_frame(llm)
+measured_ms = steps.loc[steps["is_decode"], "latency_ms"].median()
+floor_ms = decode_floor_ms(cfg, 1, 32 + 12, dtype_bytes=dtype_bytes, bandwidth=cpu_bandwidth)
+c = model_cost(cfg, dtype_bytes)
+print(f"SmolLM2-135M: {c.params / 1e6:.0f} M params read per step ({dtype_bytes} bytes each); "
+      f"floor {floor_ms:.1f} ms/token, measured {measured_ms:.1f} ms/token ({floor_ms / measured_ms:.0%} of roofline)")
+"""),
+    ("code", """
+assert dtype_bytes == 4 and 100e6 < c.params < 170e6
+assert abs(floor_ms - (c.params * 4 + 44 * c.kv_bytes_per_token) / cpu_bandwidth * 1e3) < 1e-9
+assert measured_ms > 0 and (steps["is_decode"]).sum() >= 20
+plot_roofline([{"name": "SmolLM2-135M batch-1 decode (this CPU)", "measured": measured_ms, "bound": floor_ms, "unit": "ms/token"}])
+"""),
+    ("md", "## Measured GPU results, if any\n`python -m atom.benchmarks.throughput --out docs/perf/NAME.json` writes these; they are plotted against their roofline."),
+    ("code", """
+perf_dir = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf"
+results = [json.loads(p.read_text()) for p in sorted(perf_dir.glob("*.json"))]
+gpu = [r for r in results if "atom_tok_s" in r and "roofline_tok_s" in r]
+cpu = [(name, s) for r in results for name, s in r.get("scenarios", {}).items()]
+print(f"{len(results)} result files in {perf_dir}: {len(gpu)} with a roofline, {len(cpu)} CPU scenarios")
+if cpu:
+    display(pd.DataFrame([{"scenario": n, **{k: v for k, v in s.items() if not isinstance(v, dict)}} for n, s in cpu]))
+if gpu:
+    frame = roofline_frame(gpu)
+    assert ((frame["fraction"] > 0) & (frame["fraction"] < 1.5)).all()
+    display(plot_roofline(gpu))
+"""),
+]
+
+NOTEBOOKS = {
+    "05_quantization_dispatch": QUANT,
+    "06_cuda_graph_capture_sizes": GRAPHS,
+    "07_benchmark_roofline": ROOFLINE,
+}
