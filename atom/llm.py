@@ -6,6 +6,8 @@
 `generate` returns one `RequestOutput` per prompt, in input order. A prompt that cannot be
 served (empty, too long, bad token ids, bad sampling parameters) comes back with
 `finish_reason="error"` and the reason in `.error`; the other prompts complete.
+Per-step records (`llm.stats`) are on by default; `LLM(..., record_stats=False)` turns
+them off.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str = "embedded", **kwargs):
+    def __init__(self, model: str = "embedded", record_stats: bool = True, **kwargs):
         from atom.config import Config
         from atom.model_engine.llm_engine import LLMEngine
         known = {f.name for f in dataclasses.fields(Config) if f.init}
@@ -31,7 +33,7 @@ class LLM:
             raise TypeError(f"LLM() got unknown keyword argument(s) {unknown}: "
                             f"valid ones are the fields of atom.Config")
         self.config = Config(model=model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, record_stats=record_stats)
         self.tokenizer = self.engine.tokenizer
 
     @property
@@ -41,6 +43,13 @@ class LLM:
 
     def __repr__(self) -> str:
         return f"LLM({self.config.model!r}, {self.engine!r})"
+
+    def start_profile(self) -> None:
+        """Start the torch profiler; traces go to `torch_profiler_dir` (see the guide)."""
+        self.engine.runner.start_profile()
+
+    def stop_profile(self) -> None:
+        self.engine.runner.stop_profile()
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -220,6 +220,28 @@ class ModelRunner:
         from atom.model_engine import gpu_setup
         gpu_setup.setup(self)
 
+    # --- torch profiler (torch_profiler_dir / ATOM_TORCH_PROFILER_DIR, ATOM_PROFILER_MORE) ------
+    def start_profile(self) -> None:
+        from atom.utils import envs
+        folder = self.config.torch_profiler_dir
+        if not folder:
+            raise ValueError("torch_profiler_dir is not set: pass it or set ATOM_TORCH_PROFILER_DIR")
+        more = bool(envs.ATOM_PROFILER_MORE)
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(
+            activities=acts, record_shapes=more, with_stack=more, profile_memory=more,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(folder, use_gzip=True))
+        self.profiler.start()
+        logger.info("torch profiler started (detailed=%s), traces go to %s", more, folder)
+
+    def stop_profile(self) -> None:
+        if getattr(self, "profiler", None) is None:
+            raise RuntimeError("stop_profile() without start_profile()")
+        self.profiler.stop()
+        self.profiler = None
+
     def release(self, seq: Sequence) -> None:
         """Forget per-request state (its sampling generator) once it finished."""
         self.generators.pop(seq.seq_id, None)

@@ -1,0 +1,44 @@
+"""LLMEngine step by step, the engine-status line, records, output fields."""
+import logging
+
+from atom import LLM, SamplingParams
+from atom.model_engine.llm_engine import LLMEngine
+
+
+def test_step_by_step(tiny_llama):
+    llm = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=32)
+    engine: LLMEngine = llm.engine
+    a = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    b = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), request_id="b")
+    assert b == "b" and not engine.is_finished()
+    done = {}
+    steps = 0
+    while not engine.is_finished():
+        for out in engine.step():
+            done[out.request_id] = out
+        steps += 1
+    assert set(done) == {a, "b"} and steps == 5
+    assert done[a].num_output_tokens == 3 and done["b"].num_output_tokens == 5
+    assert done["b"].ttft is not None and done["b"].tpot is not None
+    assert done[a]["token_ids"] == done[a].token_ids
+    assert "LLMEngine(" in repr(engine) and "Scheduler(" in repr(engine)
+
+
+def test_status_line_and_records(tiny_llama, caplog):
+    llm = LLM(tiny_llama, num_kvcache_blocks=32, enable_log_stats=True, throughput_log_interval=1e-6,
+              enable_prefix_caching=True)
+    with caplog.at_level(logging.INFO, logger="atom.engine"):
+        llm.generate([[5] * 40, [5] * 40 + [6]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "atom.engine"]
+    assert lines and "running" in lines[-1] and "KV usage" in lines[-1] and "prefix-cache hit rate" in lines[-1]
+    steps, reqs = llm.stats.steps(), llm.stats.requests()
+    assert {"latency", "prefill_tokens", "decode_tokens", "kv_usage", "prefix_hit_tokens"} <= set(steps.columns)
+    assert len(reqs) == 2 and reqs.output_tokens.tolist() == [4, 4]
+    # every prompt token not served from the cache, plus 3 decode tokens per request
+    assert steps.prefill_tokens.sum() + steps.decode_tokens.sum() == 40 + 41 - reqs.cached_tokens.sum() + 6
+
+
+def test_records_can_be_turned_off(tiny_llama):
+    llm = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=32, record_stats=False)
+    llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.stats.steps().empty and llm.stats.num_steps > 0
