@@ -1,10 +1,11 @@
 """Cells of notebooks 01-04: the engine and its components (see _build.py)."""
 
 SETUP = """
-import logging, os
-os.environ.setdefault("MPLBACKEND", "Agg")
+import logging, os, warnings
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message="IProgress not found")
 logging.basicConfig(level=logging.WARNING)
+import atom.viz  # also shows matplotlib Figures returned by a cell as images
 from rich.console import Console
 console = Console(width=100)
 """

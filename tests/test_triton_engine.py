@@ -16,7 +16,7 @@ def test_triton_attention_op_in_the_engine(tiny_qwen3):
     runner = llm.engine.runner
     for layer in runner.attn_layers:
         layer.backend = "triton"
-    triton_backend.register_layers(runner.attn_layers, 64)
+    triton_backend.register_layers(runner.attn_layers, 64, runner.device)
     ps = [[5, 6, 7, 8, 9], list(range(10, 50))]  # the second is chunked: 32 + 8 tokens
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()

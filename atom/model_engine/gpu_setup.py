@@ -46,9 +46,6 @@ def compile_model(runner) -> None:
 def setup(runner) -> None:
     from atom.model_engine.cuda_graphs import CUDAGraphRunner
     config = runner.config
-    if runner.attn_layers[0].backend == "triton":
-        from atom.model_ops.attention import triton_backend
-        triton_backend.register_layers(runner.attn_layers, max_num_tokens=1024)
     compile_model(runner)
     mode = effective_graph_mode(config)
     runner.graph_mode = mode

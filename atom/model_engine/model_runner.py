@@ -75,6 +75,9 @@ class ModelRunner:
         backend = "triton" if self.device.type == "cuda" and platform.kernel_backend() != "torch" else "torch"
         for layer in self.attn_layers:
             layer.backend = backend
+        if backend == "triton":  # registers the attention op over these layers' caches
+            from atom.model_ops.attention import triton_backend
+            triton_backend.register_layers(self.attn_layers, max_num_tokens=1024, device=self.device)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         logger.info("loaded %s (%s, %s) in %.1f s", type(self.model).__name__, self.dtype,
@@ -96,10 +99,9 @@ class ModelRunner:
         if self.config.num_kvcache_blocks > 0:
             return self.config.num_kvcache_blocks
         if self.device.type == "cuda":
+            activations = self.profile_activation_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * self.config.gpu_memory_utilization - used
-            budget -= self.profile_activation_bytes()
+            budget = total * self.config.gpu_memory_utilization - (total - free) - activations
         else:
             budget = CPU_KV_CACHE_BYTES
         # never more than max_num_seqs full-length sequences need
@@ -111,16 +113,49 @@ class ModelRunner:
         return n
 
     def profile_activation_bytes(self) -> int:
-        """Peak extra memory of a forward at max_num_batched_tokens (a dummy prefill)."""
-        return 0
+        """Peak memory of a dummy prefill of max_num_batched_tokens tokens (GPU only).
 
-    def allocate_kv_cache(self) -> int:
-        n = self.get_num_blocks()
+        Runs the forward and the LM head on sequences of at most max_model_len tokens,
+        against a temporary KV cache just big enough for them, and measures the peak of
+        what the forward allocated on top of that."""
+        cfg, bs = self.config, self.block_size
+        total = cfg.max_num_batched_tokens
+        lens = [min(cfg.max_model_len, total - i) for i in range(0, total, cfg.max_model_len)]
+        seqs = []
+        for n in lens:
+            s = Sequence(list(range(n)))
+            s.block_table = list(range(sum(len(x.block_table) for x in seqs),
+                                       sum(len(x.block_table) for x in seqs) + -(-n // bs)))
+            s.num_new_tokens = n
+            seqs.append(s)
+        num_blocks = sum(len(s.block_table) for s in seqs)
+        self._assign_kv_cache(num_blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            host = self.prepare_host(seqs)
+            input_ids, positions, meta = self.to_device(host)
+            hidden = self.forward(torch.zeros_like(input_ids), positions, meta)
+            self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1]).float().softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_cache = None
+        del hidden
+        torch.cuda.empty_cache()
+        logger.info("profiling forward of %d tokens: peak %.2f GiB of activations", total, peak / 2**30)
+        return peak
+
+    def _assign_kv_cache(self, num_blocks: int) -> None:
         a = self.attn_layers[0]
-        shape = (2, len(self.attn_layers), n, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = (2, len(self.attn_layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def allocate_kv_cache(self) -> int:
+        n = self.get_num_blocks()
+        self._assign_kv_cache(n)
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", n, self.block_size,
                     self.kv_cache.numel() * self.dtype.itemsize / 2**30)
         return n

@@ -18,6 +18,39 @@ from atom.viz.frames import graph_usage, requests_frame, roofline_frame, steps_f
 logger = logging.getLogger(__name__)
 
 
+def register_ipython_display() -> bool:
+    """Show `Figure`s returned by a notebook cell as PNG, whatever the matplotlib backend.
+
+    Figures built without pyplot have no inline display of their own; this registers one
+    with the running IPython (once; a formatter already there, e.g. from the inline
+    backend, is kept). Called when `atom.viz` is imported. Returns True if registered.
+    """
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    if ip is None or not hasattr(ip, "display_formatter"):
+        return False
+    png = ip.display_formatter.formatters["image/png"]
+    if _has_printer(png):
+        return False
+    from IPython.core.pylabtools import print_figure
+    png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
+    return True
+
+
+def _has_printer(formatter) -> bool:
+    try:
+        formatter.lookup_by_type(Figure)
+        return True
+    except KeyError:
+        return False
+
+
+register_ipython_display()
+
+
 def _axes(ax: Axes | None, figsize=(6.4, 4.0)) -> tuple[Figure, Axes]:
     if ax is not None:
         return ax.figure, ax

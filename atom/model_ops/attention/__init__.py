@@ -33,9 +33,9 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.backend == "triton":
-            from atom.model_ops.attention import triton_backend
-            out = triton_backend.forward(q, k, v, self.layer_idx)
+        if self.backend == "triton":  # the custom op registered by attention.triton_backend
+            out = torch.empty_like(q)
+            torch.ops.atom.unified_attention_with_output(q, k, v, out, self.layer_idx)
         else:
             meta = get_forward_context()
             torch_native.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)

@@ -19,11 +19,11 @@ _LAYERS: list = []          # Attention modules, by layer index
 _WORKSPACE: list = [None]   # the split-KV scratch, shared by all layers
 
 
-def register_layers(layers: list, max_num_tokens: int) -> None:
-    """Called by the ModelRunner once the KV cache is allocated."""
+def register_layers(layers: list, max_num_tokens: int, device) -> None:
+    """Called by the ModelRunner with its attention layers (their caches are read per call)."""
     _LAYERS[:] = layers
     a = layers[0]
-    _WORKSPACE[0] = AttentionWorkspace(max_num_tokens, a.num_heads, a.head_dim, device=a.k_cache.device)
+    _WORKSPACE[0] = AttentionWorkspace(max_num_tokens, a.num_heads, a.head_dim, device=device)
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=("output",))
@@ -39,9 +39,3 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 @unified_attention_with_output.register_fake
 def _(q, k, v, output, layer_idx) -> None:
     return None
-
-
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    out = torch.empty_like(q)
-    torch.ops.atom.unified_attention_with_output(q, k, v, out, layer_idx)
-    return out
