@@ -118,9 +118,9 @@ args = parser.parse_args(["--model", path, "--max-num-seqs", "8", "--enable-pref
                           "--enforce-eager", "--max-model-len", "2048"])
 ea = EngineArgs.from_cli_args(args)
 cfg_cli = ea.create_engine_config()
-flags = pd.DataFrame([(f.name, getattr(ea, f.name), f.default) for f in dataclasses.fields(EngineArgs)],
-                     columns=["field", "value", "default"])
-flags[flags["value"].astype(str) != flags["default"].astype(str)]
+changed = [(f.name, getattr(ea, f.name), f.default) for f in dataclasses.fields(EngineArgs)
+           if getattr(ea, f.name) != f.default]
+pd.DataFrame(changed, columns=["field", "value", "default"])  # the flags given above
 """),
     ("code", """
 assert (cfg_cli.max_num_seqs, cfg_cli.enable_prefix_caching, cfg_cli.max_model_len) == (8, True, 2048)

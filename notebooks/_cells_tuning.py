@@ -235,7 +235,7 @@ targets = [
     {"name": "llama-3.1-8b batch-1 (recipe: <= 4.3)", "measured": 4.3,
      "bound": decode_floor_ms(MODEL_CONFIGS["llama-3.1-8b"], 1, 128 + 256), "unit": "ms/token"},
 ]
-plot_roofline(targets)
+plot_roofline(targets, label="recipe target")
 """),
     ("md", """
 ## A CPU measurement against its own roofline

@@ -193,8 +193,9 @@ def test_plot_graph_capture_sizes_from_config_and_steps(steps_df):
     assert len(fig.axes) == 2
     bottom = fig.axes[1]
     heights = [p.get_height() for p in bottom.patches]
-    # decode steps seen at batch 1, 2, 3, 5 (once each), then padded rows at graph 1, 2, 4
-    assert heights == [1, 1, 1, 1, 0, 0, 1]
+    # real rows at graphs 1, 2, 4; padding rows stacked on them; the batch of 5 ran eagerly
+    assert heights == [1, 2, 3, 0, 0, 1, 5]
+    assert [t.get_text() for t in bottom.get_xticklabels()] == ["1", "2", "4", "no graph"]
     assert "3 graph steps" in bottom.get_title()
     with pytest.raises(ValueError, match="capture_sizes or a config"):
         plot_graph_capture_sizes(steps_df)
@@ -221,6 +222,9 @@ def test_plot_roofline():
     widths = [p.get_width() for p in ax.patches]
     assert widths == [10, 30, 20, 40]  # measured bars, then bound bars
     assert [t.get_text().strip() for t in ax.texts] == ["50% of roofline", "75% of roofline"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["measured", "roofline ceiling"]
+    fig = plot_roofline([{"name": "a", "measured": 10, "bound": 20}], label="recipe target")
+    assert fig.axes[0].get_legend().get_texts()[0].get_text() == "recipe target"
     fig = plot_roofline([{"name": "a", "measured": 10, "bound": 20},
                          {"name": "b", "measured": 5, "bound": 4, "unit": "ms/token"}])
     assert len(fig.axes) == 2 and fig.axes[1].get_xlabel() == "ms/token"

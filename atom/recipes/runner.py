@@ -159,6 +159,8 @@ def _run_once(config, runner, tokenizer, reqs: list[Req], prime_first: bool) -> 
         else _drive(engine, reqs)
     _sync(runner)
     wall = time.perf_counter() - t0
+    logger.info("%d requests in %.2f s (prefix caching %s)", len(reqs), wall,
+                "on" if config.enable_prefix_caching else "off")
     return RunRecord(wall, outs, steps_frame(engine.stats), requests_frame(engine.stats))
 
 
@@ -226,6 +228,7 @@ def run_recipe(recipe: Recipe, out_dir: str | None = None, force: bool = False) 
     except (ValueError, RuntimeError) as e:
         raise RecipeError(f"{recipe.source}: the run failed: {type(e).__name__}: {e}") from None
     best = min(runs, key=lambda r: r.wall_s)
+    logger.info("recipe %s: best of %d runs %.2f s", recipe.name, len(runs), best.wall_s)
     metrics = compute_metrics(recipe, best, reqs, min(runs_off, key=lambda r: r.wall_s) if runs_off else None)
     result = _result(recipe, hw, metrics, best, reqs, runs, runs_off, time.perf_counter() - t_start)
     if out_dir:

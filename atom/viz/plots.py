@@ -141,21 +141,22 @@ def plot_graph_capture_sizes(steps: Any = None, capture_sizes: Iterable[int] | N
     ax.grid(alpha=0.3)
     if usage is not None:
         ax2 = axes[1]
-        seen = usage.steps[usage.steps["is_decode"]]["batch_size"].value_counts().sort_index()
-        ax2.bar(seen.index - 0.2, seen.values, width=0.4, color="tab:blue", label="decode steps at batch size")
         used = usage.by_size[usage.by_size["replays"] > 0]
-        ax2.bar(used["graph_size"] + 0.2, used["padded_tokens"], width=0.4, color="tab:red", alpha=0.6,
-                label="padded rows at graph size")
-        for s in shown:
-            ax2.axvline(s, color="gray", lw=0.5, alpha=0.5)
-        ax2.set_xlim(0.5, top + 0.5)
+        labels = [str(g) for g in used["graph_size"]]
+        ax2.bar(labels, used["real_tokens"], color="tab:blue", label="real rows")
+        ax2.bar(labels, used["padded_tokens"], bottom=used["real_tokens"], color="tab:red", alpha=0.6,
+                label="padding rows")
+        eager = usage.steps[usage.steps["graph_size"].isna() & usage.steps["is_decode"]]
+        if len(eager):
+            ax2.bar(["no graph"], [int(eager["batch_size"].sum())], color="tab:gray",
+                    label="decode rows run eagerly")
         t = usage.totals
         ax2.set_title(f"{t['graph_steps']} graph steps, {t['eager_steps']} eager; "
-                      f"padding {t['padded_tokens']} tokens ({t['padding_fraction']:.1%})")
-        ax2.set_xlabel("batch size")
-        ax2.set_ylabel("count")
+                      f"padding {t['padded_tokens']} rows ({t['padding_fraction']:.1%})")
+        ax2.set_xlabel("graph size replayed")
+        ax2.set_ylabel("rows computed (all steps)")
         ax2.legend(fontsize="small")
-        ax2.grid(alpha=0.3)
+        ax2.grid(alpha=0.3, axis="y")
     return fig
 
 
@@ -182,19 +183,20 @@ def plot_kv_usage(src: Any, x: str = "step", ax: Axes | None = None) -> Figure:
     return fig
 
 
-def plot_roofline(points: Any, ax: Axes | None = None) -> Figure:
+def plot_roofline(points: Any, ax: Axes | None = None, label: str = "measured") -> Figure:
     """Measured figures against the bound from `atom.benchmarks.roofline`: one pair of bars
     per row (measured, bound), annotated with the fraction of the bound reached.
 
     `points`: rows for `roofline_frame` (name, measured, bound, unit), throughput JSONs,
-    or a DataFrame of them. Rows of different units get one panel each.
+    or a DataFrame of them. Rows of different units get one panel each. `label` names the
+    first bar of each pair (e.g. "recipe target" for figures that were not measured).
     """
     df = roofline_frame(points)
     units = list(dict.fromkeys(df["unit"])) or ["tok/s"]
     if ax is not None and len(units) > 1:
         raise ValueError(f"points mix units {units}: plot them without ax (one panel per unit)")
     if ax is None:
-        fig = Figure(figsize=(7.0, 1.2 + 0.9 * max(1, len(df)) * (1 if len(units) == 1 else 1.2)),
+        fig = Figure(figsize=(8.5, 1.2 + 0.9 * max(1, len(df)) * (1 if len(units) == 1 else 1.2)),
                      layout="constrained")
         axes = fig.subplots(len(units), 1, squeeze=False)[:, 0]
     else:
@@ -202,15 +204,16 @@ def plot_roofline(points: Any, ax: Axes | None = None) -> Figure:
     for a, unit in zip(axes, units):
         d = df[df["unit"] == unit].reset_index(drop=True)
         y = np.arange(len(d))
-        a.barh(y - 0.2, d["measured"], height=0.38, color="tab:blue", label="measured")
+        a.barh(y - 0.2, d["measured"], height=0.38, color="tab:blue", label=label)
         a.barh(y + 0.2, d["bound"], height=0.38, color="tab:gray", alpha=0.6,
                label="roofline " + ("ceiling" if unit == "tok/s" else "floor"))
         for i, r in d.iterrows():
-            a.text(r["measured"], i - 0.2, f"  {r['fraction']:.0%} of roofline", va="center", fontsize="small")
+            a.text(r["measured"], i - 0.2, f" {r['fraction']:.0%} of roofline", va="center", fontsize="small")
         a.set_yticks(y, d["name"])
         a.invert_yaxis()
         a.set_xlabel(unit)
-        a.set_title("measured vs roofline (" + ("higher is better" if unit == "tok/s" else "lower is better") + ")")
-        a.legend(fontsize="small", loc="lower right")
+        a.set_title(f"{label} vs roofline (" + ("higher is better" if unit == "tok/s" else "lower is better") + ")")
+        a.set_xlim(0, 1.45 * float(max(d["measured"].max(), d["bound"].max())))
+        a.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         a.grid(alpha=0.3, axis="x")
     return fig
