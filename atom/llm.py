@@ -7,7 +7,8 @@
 served (empty, too long, bad token ids, bad sampling parameters) comes back with
 `finish_reason="error"` and the reason in `.error`; the other prompts complete.
 Per-step records (`llm.stats`) are on by default; `LLM(..., record_stats=False)` turns
-them off.
+them off. `async_scheduling` (default: on a GPU) launches the next decode step before the
+current one's tokens reach the host.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str = "embedded", record_stats: bool = True, **kwargs):
+    def __init__(self, model: str = "embedded", record_stats: bool = True,
+                 async_scheduling: bool | None = None, **kwargs):
         from atom.config import Config
         from atom.model_engine.llm_engine import LLMEngine
         known = {f.name for f in dataclasses.fields(Config) if f.init}
@@ -33,7 +35,7 @@ class LLM:
             raise TypeError(f"LLM() got unknown keyword argument(s) {unknown}: "
                             f"valid ones are the fields of atom.Config")
         self.config = Config(model=model, **kwargs)
-        self.engine = LLMEngine(self.config, record_stats=record_stats)
+        self.engine = LLMEngine(self.config, record_stats=record_stats, async_scheduling=async_scheduling)
         self.tokenizer = self.engine.tokenizer
 
     @property

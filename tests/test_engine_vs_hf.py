@@ -34,6 +34,8 @@ SETTINGS = {
     "chunked_prefill": dict(max_num_batched_tokens=32),
     "preemption": dict(num_kvcache_blocks=14, kv_cache_block_size=16),
     "block_32": dict(kv_cache_block_size=32),
+    "async_scheduling": dict(async_scheduling=True, max_num_batched_tokens=48),
+    "async_preemption": dict(async_scheduling=True, num_kvcache_blocks=14, kv_cache_block_size=16),
 }
 
 

@@ -71,11 +71,13 @@ class CUDAGraphRunner:
     def can_run(self, host) -> bool:
         return host.is_decode and len(host.query_lens) <= self.max_bs
 
-    def replay(self, host) -> torch.Tensor:
+    def replay(self, host, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay for a decode step; `input_ids` (device) replaces the host's token ids."""
         n = len(host.query_lens)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         w = host.block_tables.shape[1]
-        self.input_ids[:n].copy_(torch.from_numpy(host.input_ids), non_blocking=True)
+        self.input_ids[:n].copy_(input_ids if input_ids is not None else torch.from_numpy(host.input_ids),
+                                 non_blocking=True)
         self.positions[:n].copy_(torch.from_numpy(host.positions), non_blocking=True)
         self.slot_mapping[:n].copy_(torch.from_numpy(host.slot_mapping), non_blocking=True)
         self.seq_lens[:n].copy_(torch.from_numpy(host.seq_lens.astype(np.int32)), non_blocking=True)

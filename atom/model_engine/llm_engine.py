@@ -5,7 +5,10 @@
     while not engine.is_finished():
         for out in engine.step(): print(out.text)
 
-A step: schedule -> run the model -> advance sequences, check stops -> detokenize.
+A step: schedule -> launch the model -> advance sequences -> (look-ahead: schedule and
+launch the next decode step, its input tokens fed on the device) -> wait for the sampled
+tokens -> check stops -> detokenize. With `async_scheduling` (on by default on a GPU) the
+host work of step N+1 overlaps the device running step N.
 A request that cannot be served is refused in `add_request` with a ValueError that says
 why; nothing of it reaches the scheduler, so other requests never notice.
 """
@@ -38,7 +41,7 @@ def load_tokenizer(path: str):
 
 class LLMEngine:
     def __init__(self, config, model_runner: ModelRunner | None = None, tokenizer=None,
-                 record_stats: bool = True):
+                 record_stats: bool = True, async_scheduling: bool | None = None):
         self.config = config
         self.runner = model_runner or ModelRunner(config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
@@ -49,6 +52,10 @@ class LLMEngine:
         self.scheduler.eos_token_ids = frozenset(eos | set(config.stop_token_ids or []))
         self.vocab_size = config.hf_config.vocab_size
         self.requests: dict[str, Sequence] = {}
+        # overlap: launch decode step N+1 before step N's tokens reach the host (GPU default)
+        self.async_scheduling = (self.runner.device.type == "cuda" if async_scheduling is None
+                                 else async_scheduling)
+        self._ahead = None  # (batch, handle) of a launched look-ahead step
         self.stats = EngineStats(record_stats, config.enable_log_stats, config.throughput_log_interval,
                                  config.cache_hit_rate_window)
 
@@ -114,15 +121,26 @@ class LLMEngine:
         bm = self.block_manager
         hits0, queries0 = bm.num_hit_tokens, bm.num_query_tokens
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
+        if self._ahead is not None:  # launched during the previous step
+            (batch, handle), self._ahead = self._ahead, None
+            t1 = t0
+        else:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            t1 = time.perf_counter()
+            handle = self.runner.launch(batch)
         prefill_tokens, decode_tokens = batch.num_prefill_tokens, batch.num_decode_tokens
-        chunks = [s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1]
-        t1 = time.perf_counter()
-        sampled = self.runner.run(batch)
+        chunks = [n for n in batch.num_new_tokens if n > 1]
+        self.scheduler.advance(batch)
+        if self.async_scheduling:  # enqueue the next decode step before waiting for this one
+            nxt = self.scheduler.schedule_lookahead(batch)
+            if nxt is not None:
+                self._ahead = (nxt, self.runner.launch(nxt, prev=handle))
+        sampled = self.runner.collect(handle)
         t2 = time.perf_counter()
-        finished = self.scheduler.postprocess(batch, sampled, step_latency=t2 - t1)
+        self.scheduler.note_step_latency(batch, t2 - t1)
+        finished = self.scheduler.commit(batch, sampled)
         for seq, tok in zip(batch.seqs, sampled):
             if tok is None or seq.is_finished:
                 continue

@@ -19,7 +19,7 @@ import torch
 
 from atom import platform
 from atom.model_engine.scheduler import ScheduledBatch
-from atom.model_engine.sequence import Sequence
+from atom.model_engine.sequence import PLACEHOLDER, Sequence
 from atom.model_loader.loader import init_dummy_weights, load_weights
 from atom.model_ops.attention import Attention, AttentionMetadata, forward_context
 from atom.model_ops.sampler import Sampler, SamplingTensors
@@ -45,6 +45,17 @@ class StepInputs:
     @property
     def is_decode(self) -> bool:
         return bool((self.query_lens == 1).all())
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its sampled tokens on the device, and how to get them back."""
+    num_seqs: int
+    sample_rows: list[int]
+    row_of_seq: dict[int, int]          # seq_id -> row of `tokens`
+    tokens: torch.Tensor | None = None  # device, one per sample row
+    host_tokens: torch.Tensor | None = None
+    event: "torch.cuda.Event | None" = None
 
 
 class ModelRunner:
@@ -85,6 +96,8 @@ class ModelRunner:
         self.num_blocks = self.allocate_kv_cache()
         self.last_graph_size: int | None = None
         self.last_timing: dict[str, float] = {}
+        self._pinned: list[torch.Tensor | None] = [None, None]  # sampled-token copies, alternating
+        self._pinned_turn = 0
         self.graphs = None
         if self.device.type == "cuda":
             self.setup_gpu()
@@ -225,29 +238,61 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch | list[Sequence]) -> list[int | None]:
         """Run one step; returns the sampled token per sequence (None: chunk mid-prompt)."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch | list[Sequence], prev: "StepHandle | None" = None) -> "StepHandle":
+        """Enqueue a step's forward and sampling on the device without waiting for it.
+
+        With `prev`, placeholder input tokens (a look-ahead step) are taken on the device
+        from the tokens `prev` sampled, so no host round trip separates the two steps."""
         seqs = batch.seqs if isinstance(batch, ScheduledBatch) else batch
         t0 = time.perf_counter()
         host = self.prepare_host(seqs)
         t1 = time.perf_counter()
-        out: list[int | None] = [None] * len(seqs)
+        fed = None
+        if prev is not None and (host.input_ids == PLACEHOLDER).any():
+            src = [prev.row_of_seq[s.seq_id] for s in seqs]  # one placeholder per row
+            fed = prev.tokens[torch.tensor(src, device=self.device)]
         graphs = self.graphs
         if graphs is not None and graphs.can_run(host):
-            hidden = graphs.replay(host)
+            hidden = graphs.replay(host, fed)
             self.last_graph_size = graphs.last_size
         else:
             input_ids, positions, meta = self.to_device(host)
-            hidden = self.forward(input_ids, positions, meta)
+            hidden = self.forward(fed if fed is not None else input_ids, positions, meta)
             self.last_graph_size = None
-        t2 = time.perf_counter()
-        self.last_timing = {"prepare_s": t1 - t0, "launch_s": t2 - t1, "sample_s": 0.0}
-        if not host.sample_rows:
-            return out
-        last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[last])
-        tokens = self.sampler(logits, self.sampling_tensors([seqs[r] for r in host.sample_rows])).tolist()
-        for r, tok in zip(host.sample_rows, tokens):
-            out[r] = tok
-        self.last_timing["sample_s"] = time.perf_counter() - t2  # includes waiting for the GPU
+        handle = StepHandle(len(seqs), host.sample_rows, {seqs[r].seq_id: i for i, r in enumerate(host.sample_rows)})
+        if host.sample_rows:
+            last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[last])
+            handle.tokens = self.sampler(logits, self.sampling_tensors([seqs[r] for r in host.sample_rows]))
+            if self.device.type == "cuda":  # copy back into pinned memory, signalled by an event
+                self._pinned_turn ^= 1
+                buf = self._pinned[self._pinned_turn]
+                if buf is None or buf.numel() < len(host.sample_rows):
+                    buf = self._pinned[self._pinned_turn] = torch.empty(
+                        max(len(host.sample_rows), self.config.max_num_seqs), dtype=torch.int64, pin_memory=True)
+                handle.host_tokens = buf[:len(host.sample_rows)]
+                handle.host_tokens.copy_(handle.tokens, non_blocking=True)
+                handle.event = torch.cuda.Event()
+                handle.event.record()
+        self.last_timing = {"prepare_s": t1 - t0, "launch_s": time.perf_counter() - t1, "sample_s": 0.0}
+        return handle
+
+    def collect(self, handle: "StepHandle") -> list[int | None]:
+        """Wait for a launched step; the sampled token per sequence (None: nothing sampled)."""
+        t0 = time.perf_counter()
+        out: list[int | None] = [None] * handle.num_seqs
+        if handle.sample_rows:
+            if handle.event is not None:
+                handle.event.synchronize()
+                tokens = handle.host_tokens.tolist()
+            else:
+                tokens = handle.tokens.tolist()
+            for r, tok in zip(handle.sample_rows, tokens):
+                out[r] = tok
+        self.last_timing["sample_s"] = time.perf_counter() - t0  # waiting for the device
         return out
 
     # --- GPU: attention op, compilation, CUDA graphs ------------------------------------

@@ -32,8 +32,10 @@ class ScheduledBatch:
     num_preempted: int = 0
     num_prefill_tokens: int = 0   # tokens of sequences with more than one uncomputed token
     num_decode_tokens: int = 0
+    sample_index: list[int] = field(default_factory=list)  # where the sampled token lands, -1: none
 
     def add(self, seq: Sequence, n: int) -> None:
+        self.sample_index.append(seq.num_tokens if seq.num_computed_tokens + n == seq.num_tokens else -1)
         if seq.is_prefill:
             self.num_prefill_tokens += n
         else:
@@ -101,6 +103,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish a sequence (stop, length, abort) and free its blocks."""
+        seq.drop_placeholders()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
@@ -190,29 +193,74 @@ class Scheduler:
                                f"{bm.block_size}) is too small for it; raise num_kvcache_blocks")
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int] | list[int | None],
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None],
                     step_latency: float | None = None) -> list[Sequence]:
-        """Advance the batch by what ran; append sampled tokens; return newly finished seqs.
+        """`advance` then `commit`: the synchronous end of a step."""
+        self.advance(batch)
+        if step_latency is not None:
+            self.note_step_latency(batch, step_latency)
+        return self.commit(batch, sampled)
+
+    def note_step_latency(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Prompt steps' latency, which `scheduler_delay_factor` multiplies."""
+        if batch.num_prefill_tokens:
+            self._last_prompt_latency = seconds
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The batch's tokens now have K/V: move each sequence on (no sampled token needed)."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += n
+            seq.num_new_tokens = 0
+            self.block_manager.publish_full_blocks(seq)
+
+    def commit(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Put the sampled tokens in place and check stops; returns newly finished sequences.
 
         `sampled` holds one entry per sequence of the batch (None where nothing was sampled).
+        A token fills the placeholder a look-ahead step left at its index, or is appended.
         Stops handled here: EOS (unless ignore_eos), `stop_token_ids`, `max_tokens`,
         `max_model_len`. Stop strings need text and are checked by the engine.
         """
         finished, self.finished_outside_step = self.finished_outside_step, []
-        if step_latency is not None and any(s.num_new_tokens > 1 for s in batch.seqs):
-            self._last_prompt_latency = step_latency
-        for seq, token in zip(batch.seqs, sampled):
-            seq.num_computed_tokens += seq.num_new_tokens
-            seq.num_new_tokens = 0
-            self.block_manager.publish_full_blocks(seq)
+        for seq, token, idx in zip(batch.seqs, sampled, batch.sample_index):
             if token is None or seq.status != SequenceStatus.RUNNING:
                 continue
-            seq.append_token(token)
+            seq.set_token(idx, token)
             reason = self.stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def schedule_lookahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode step, scheduled before this step's tokens are known.
+
+        Only in the steady state: nothing waiting, every running sequence in `batch` and
+        sampling in it, a free slot for each next token. Each sequence gets a placeholder
+        token (its id comes from the device); one that will stop by length is left out,
+        one that stops on EOS runs one extra step whose token is dropped. Returns None
+        when the state is not steady: the engine then schedules after the tokens arrive.
+        """
+        live = [s for s in batch.seqs if s.status == SequenceStatus.RUNNING]
+        if self.waiting or len(live) != len(self.running) or -1 in batch.sample_index:
+            return None
+        bm = self.block_manager
+        # this step's token is not on the host yet: after it, a sequence has one more
+        nxt = [s for s in live
+               if s.num_output_tokens + 1 < s.sampling_params.max_tokens and s.num_tokens + 1 < self.max_model_len]
+        if not nxt:
+            return None
+        new_blocks = sum(1 for s in nxt if s.num_tokens + 1 > len(s.block_table) * bm.block_size)
+        if new_blocks > bm.num_free_blocks:
+            return None
+        ahead = ScheduledBatch()
+        for s in nxt:
+            s.add_placeholder()
+            bm.append_slots(s, 1)
+            ahead.add(s, 1)
+        return ahead
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling_params
@@ -220,6 +268,6 @@ class Scheduler:
             return "stop"
         if sp.stop_token_ids and token in sp.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_prompt_tokens + seq.num_output_tokens >= self.max_model_len:
             return "length"
         return None

@@ -16,6 +16,9 @@ from enum import Enum, auto
 from atom.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # a token id not yet copied back from the device
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -40,6 +43,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
         self.num_published_blocks = 0      # leading blocks already offered to the prefix cache
+        self.num_pending = 0               # trailing placeholder tokens (look-ahead steps)
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.num_preemptions = 0
@@ -62,11 +66,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens known on the host (placeholders not counted)."""
+        return len(self.token_ids) - self.num_pending - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def last_token(self) -> int:
@@ -95,9 +100,28 @@ class Sequence:
 
     # --- transitions -------------------------------------------------------------
     def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+        self.set_token(len(self.token_ids), token_id)
+
+    def set_token(self, index: int, token_id: int) -> None:
+        """A sampled token: fills the placeholder at `index`, or is appended."""
+        if index < len(self.token_ids):
+            assert self.token_ids[index] == PLACEHOLDER, f"token {index} of {self} is not a placeholder"
+            self.token_ids[index] = token_id
+            self.num_pending -= 1
+        else:
+            self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+
+    def add_placeholder(self) -> None:
+        """A token whose id the device will supply (look-ahead scheduling)."""
+        self.token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+
+    def drop_placeholders(self) -> None:
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: drop all cached K/V; generated tokens are kept."""

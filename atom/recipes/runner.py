@@ -196,7 +196,10 @@ def build_engine_parts(recipe: Recipe):
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{recipe.source}: engine: {e}") from None
     device = "cpu" if recipe.hardware.device == "cpu" else None
-    runner = ModelRunner(config, device=device)
+    try:
+        runner = ModelRunner(config, device=device)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise RecipeError(f"{recipe.source}: the model did not load: {type(e).__name__}: {e}") from None
     return config, runner, load_tokenizer(config.model)
 
 
@@ -220,11 +223,12 @@ def run_recipe(recipe: Recipe, out_dir: str | None = None, force: bool = False) 
             _run_once(config, runner, tokenizer, warm, False)
         off_cfg = dataclasses.replace(config, enable_prefix_caching=False) \
             if "time_saved_vs_no_prefix_cache" in recipe.metrics else None
+        prime = w.kind == "shared-prefix" and w.prime_first
         runs, runs_off = [], []
         for _ in range(w.repeat):
             if off_cfg is not None:
-                runs_off.append(_run_once(off_cfg, runner, tokenizer, reqs, w.kind == "shared-prefix" and w.prime_first))
-            runs.append(_run_once(config, runner, tokenizer, reqs, w.kind == "shared-prefix" and w.prime_first))
+                runs_off.append(_run_once(off_cfg, runner, tokenizer, reqs, prime))
+            runs.append(_run_once(config, runner, tokenizer, reqs, prime))
     except (ValueError, RuntimeError) as e:
         raise RecipeError(f"{recipe.source}: the run failed: {type(e).__name__}: {e}") from None
     best = min(runs, key=lambda r: r.wall_s)
@@ -313,6 +317,7 @@ def write_outputs(recipe: Recipe, result: dict, run: RunRecord, config, out_dir:
     """results.json, results.md, the run's frames (JSON lines) and its plots."""
     from atom.viz import plots
     from atom.viz.frames import Frames, save_frames
+    from atom.viz.tables import recipe_markdown
     os.makedirs(out_dir, exist_ok=True)
     files = save_frames(Frames(run.steps, run.requests, {}), out_dir, meta={"recipe": recipe.name})
     figs = {"chunk_latency": lambda: plots.plot_chunk_latency(run.steps),
@@ -323,7 +328,7 @@ def write_outputs(recipe: Recipe, result: dict, run: RunRecord, config, out_dir:
     if config.capture_sizes and recipe.hardware.device != "cpu":
         figs["graph_capture_sizes"] = lambda: plots.plot_graph_capture_sizes(run.steps, config.capture_sizes)
     m = result["metrics"]
-    if "roofline_tok_s" in m or "roofline_fraction" in m:
+    if "throughput_tok_s" in m and ("roofline_tok_s" in m or "roofline_fraction" in m):
         bound = m.get("roofline_tok_s") or m["throughput_tok_s"] / m["roofline_fraction"]
         figs["roofline"] = lambda: plots.plot_roofline(
             [{"name": recipe.name, "measured": m["throughput_tok_s"], "bound": bound, "unit": "tok/s"}])
@@ -336,37 +341,13 @@ def write_outputs(recipe: Recipe, result: dict, run: RunRecord, config, out_dir:
         make().savefig(path, dpi=100)
         files.append(path)
     result["plots"] = [os.path.basename(f) for f in files if f.endswith(".png")]
-    for path, text in ((os.path.join(out_dir, "results.md"), markdown_report(result)),):
-        with open(path, "w") as f:
-            f.write(text)
-        files.append(path)
-    path = os.path.join(out_dir, "results.json")
-    files.append(path)
+    md, js = os.path.join(out_dir, "results.md"), os.path.join(out_dir, "results.json")
+    with open(md, "w") as f:
+        f.write(recipe_markdown(result))
+    files += [md, js]
     result["files"] = files
-    save_result(result, path)
+    save_result(result, js)
     return files
-
-
-def markdown_report(result: dict) -> str:
-    from atom.viz.tables import format_expected, format_value
-    checks = {c["metric"]: c for c in result["checks"]}
-    hw = result["hardware"]["found"]
-    lines = [f"# {result['name']}: {result['status'].upper()}", "", result["description"].strip(), "",
-             f"- model: {result['model']}", f"- hardware: {hw['name']} ({hw['device']}, {hw['gpus']} GPUs)",
-             f"- engine: `{json.dumps(result['engine'])}`", f"- requests: {result['requests']}, "
-             f"runs: {', '.join(f'{s:.2f} s' for s in result['runs_s'])}", f"- date: {result['date']}", "",
-             "| metric | value | unit | expected | check |", "| --- | ---: | --- | --- | --- |"]
-    for k, v in result["metrics"].items():
-        c = checks.get(k)
-        mark = "" if c is None else ("ok" if c["ok"] else f"**FAIL** ({c['why']})")
-        lines.append(f"| {k} | {format_value(v)} | {result['units'].get(k, '')} | "
-                     f"{format_expected(c and c['expected'])} | {mark} |")
-    if result.get("outputs"):
-        lines += ["", "## Answers", ""]
-    for o in result.get("outputs", []):
-        lines.append(f"- *{o['prompt']}* → {o['text']!r}" + ("" if o["ok"] is None else f" ({'ok' if o['ok'] else 'wrong'})"))
-    lines += [""] + [f"![{p}]({p})" for p in result.get("plots", [])]
-    return "\n".join(lines) + "\n"
 
 
 def save_result(result: dict, path: str) -> None:

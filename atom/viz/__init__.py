@@ -7,10 +7,10 @@ from atom.viz.frames import (GraphUsage, Frames, graph_usage, load_frames, reque
                              save_frames, steps_frame, windowed_hit_rate)
 from atom.viz.plots import (plot_chunk_latency, plot_graph_capture_sizes, plot_kv_usage,
                             plot_prefix_cache_hit_rate, plot_roofline)
-from atom.viz.tables import recipe_table, run_summary, summary_table
+from atom.viz.tables import recipe_markdown, recipe_table, run_summary, summary_table
 
 __all__ = [
     "Frames", "GraphUsage", "graph_usage", "load_frames", "requests_frame", "roofline_frame", "save_frames",
     "steps_frame", "windowed_hit_rate", "plot_chunk_latency", "plot_graph_capture_sizes", "plot_kv_usage",
-    "plot_prefix_cache_hit_rate", "plot_roofline", "recipe_table", "run_summary", "summary_table",
+    "plot_prefix_cache_hit_rate", "plot_roofline", "recipe_markdown", "recipe_table", "run_summary", "summary_table",
 ]

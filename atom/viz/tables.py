@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -106,3 +107,26 @@ def recipe_table(results: dict) -> Table:
         mark = "-" if c is None else ("[green]ok[/]" if c["ok"] else "[red]FAIL[/]")
         t.add_row(name, format_value(value), units.get(name, ""), format_expected(c and c.get("expected")), mark)
     return t
+
+
+def recipe_markdown(result: dict) -> str:
+    """A recipe result as a Markdown report (what `run` writes to results.md)."""
+    checks = {c["metric"]: c for c in result["checks"]}
+    hw = result["hardware"]["found"]
+    lines = [f"# {result['name']}: {result['status'].upper()}", "", result["description"].strip(), "",
+             f"- model: {result['model']}", f"- hardware: {hw['name']} ({hw['device']}, {hw['gpus']} GPUs)",
+             f"- engine: `{json.dumps(result['engine'])}`", f"- requests: {result['requests']}, "
+             f"runs: {', '.join(f'{s:.2f} s' for s in result['runs_s'])}", f"- date: {result['date']}", "",
+             "| metric | value | unit | expected | check |", "| --- | ---: | --- | --- | --- |"]
+    for k, v in result["metrics"].items():
+        c = checks.get(k)
+        mark = "" if c is None else ("ok" if c["ok"] else f"**FAIL** ({c['why']})")
+        lines.append(f"| {k} | {format_value(v)} | {result['units'].get(k, '')} | "
+                     f"{format_expected(c and c['expected'])} | {mark} |")
+    if result.get("outputs"):
+        lines += ["", "## Answers", ""]
+    for o in result.get("outputs", []):
+        verdict = "" if o["ok"] is None else (" (ok)" if o["ok"] else " (wrong)")
+        lines.append(f"- *{o['prompt']}* → {o['text']!r}{verdict}")
+    lines += [""] + [f"![{p}]({p})" for p in result.get("plots", [])]
+    return "\n".join(lines) + "\n"
