@@ -42,3 +42,25 @@ def test_records_can_be_turned_off(tiny_llama):
     llm = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=32, record_stats=False)
     llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.stats.steps().empty and llm.stats.num_steps > 0
+
+
+def test_async_scheduling_matches_sync_with_stops(tiny_llama):
+    """Look-ahead steps (launched before the previous tokens reach the host) change
+    nothing: same tokens, finish reasons and freed blocks, also when requests stop early."""
+    prompts = [[5, 6, 7], list(range(10, 60)), [9] * 20, [300, 301]]
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sync = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=32, async_scheduling=False)
+    ref = sync.generate(prompts, base, use_tqdm=False)
+    stop = ref[1].token_ids[4]  # a token that really occurs: some requests stop on it
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop_token_ids=[stop])
+           for n in (12, 12, 3, 7)]
+    expected = sync.generate(prompts, sps, use_tqdm=False)
+    fast = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=32, async_scheduling=True)
+    for _ in range(2):  # twice: a look-ahead step left over from the first call is harmless
+        got = fast.generate(prompts, sps, use_tqdm=False)
+        assert [(o.token_ids, o.finish_reason) for o in got] == \
+               [(o.token_ids, o.finish_reason) for o in expected]
+    assert any(o.finish_reason == "stop" for o in got) and any(o.finish_reason == "length" for o in got)
+    bm = fast.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert fast.engine.num_lookahead_steps >= 10 and sync.engine.num_lookahead_steps == 0

@@ -56,6 +56,7 @@ class LLMEngine:
         self.async_scheduling = (self.runner.device.type == "cuda" if async_scheduling is None
                                  else async_scheduling)
         self._ahead = None  # (batch, handle) of a launched look-ahead step
+        self.num_lookahead_steps = 0
         self.stats = EngineStats(record_stats, config.enable_log_stats, config.throughput_log_interval,
                                  config.cache_hit_rate_window)
 
@@ -137,6 +138,7 @@ class LLMEngine:
             nxt = self.scheduler.schedule_lookahead(batch)
             if nxt is not None:
                 self._ahead = (nxt, self.runner.launch(nxt, prev=handle))
+                self.num_lookahead_steps += 1
         sampled = self.runner.collect(handle)
         t2 = time.perf_counter()
         self.scheduler.note_step_latency(batch, t2 - t1)
