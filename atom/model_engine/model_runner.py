@@ -210,18 +210,22 @@ class ModelRunner:
             query_lens_host=x.query_lens.tolist(), seq_lens_host=x.seq_lens.tolist())
         return t(x.input_ids, torch.int64), t(x.positions, torch.int64), meta
 
+    def _to_device(self, array, dtype=None) -> torch.Tensor:
+        """Host data to the device without a stream sync (the host never waits on the GPU)."""
+        t = torch.as_tensor(array, dtype=dtype)
+        return t.to(self.device, non_blocking=True)
+
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         sps = [s.sampling_params for s in seqs]
         temps = [sp.temperature for sp in sps]
-        st = SamplingTensors(torch.tensor(temps, dtype=torch.float32, device=self.device))
+        st = SamplingTensors(self._to_device(temps, torch.float32))
         st.all_greedy = all(t == 0 for t in temps)
         if st.all_greedy:
             return st
         if any(sp.top_k not in (-1, 0, None) for sp in sps):
-            st.top_ks = torch.tensor([sp.top_k if sp.top_k and sp.top_k > 0 else 0 for sp in sps],
-                                     dtype=torch.int64, device=self.device)
+            st.top_ks = self._to_device([sp.top_k if sp.top_k and sp.top_k > 0 else 0 for sp in sps], torch.int64)
         if any(sp.top_p < 1.0 for sp in sps):
-            st.top_ps = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=self.device)
+            st.top_ps = self._to_device([sp.top_p for sp in sps], torch.float32)
         for row, s in enumerate(seqs):
             if s.sampling_params.seed is not None and s.sampling_params.temperature > 0:
                 gen = self.generators.get(s.seq_id)
@@ -253,7 +257,7 @@ class ModelRunner:
         fed = None
         if prev is not None and (host.input_ids == PLACEHOLDER).any():
             src = [prev.row_of_seq[s.seq_id] for s in seqs]  # one placeholder per row
-            fed = prev.tokens[torch.tensor(src, device=self.device)]
+            fed = prev.tokens[self._to_device(np.asarray(src, np.int64))]
         graphs = self.graphs
         if graphs is not None and graphs.can_run(host):
             hidden = graphs.replay(host, fed)
