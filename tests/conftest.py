@@ -78,12 +78,13 @@ def smollm2_path() -> str:
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     """Reference: n greedy tokens from a transformers model, EOS not treated specially
     (what ignore_eos means in ATOM and vLLM: keep going, never suppress)."""
-    past, x, out = None, torch.tensor([prompt_ids]), []
+    dev = model.device
+    past, x, out = None, torch.tensor([prompt_ids], device=dev), []
     with torch.inference_mode():
         for _ in range(n):
             o = model(input_ids=x, past_key_values=past, use_cache=True)
             past = o.past_key_values
             t = int(o.logits[0, -1].argmax())
             out.append(t)
-            x = torch.tensor([[t]])
+            x = torch.tensor([[t]], device=dev)
     return out

@@ -43,23 +43,11 @@ def hf_ref(model_path):
     ps = prompts()
     out = []
     for p in ps:
-        ids = hf_greedy_cuda(hf, p, 24)
+        ids = hf_greedy(hf, p, 24)
         out.append(ids)
     del hf
     torch.cuda.empty_cache()
     return ps, out
-
-
-def hf_greedy_cuda(model, p, n):
-    past, x, out = None, torch.tensor([p], device="cuda"), []
-    with torch.inference_mode():
-        for _ in range(n):
-            o = model(input_ids=x, past_key_values=past, use_cache=True)
-            past = o.past_key_values
-            t = int(o.logits[0, -1].argmax())
-            out.append(t)
-            x = torch.tensor([[t]], device="cuda")
-    return out
 
 
 SETTINGS = {

@@ -36,13 +36,7 @@ from typing import Optional
 
 import torch
 
-try:  # the torch reference below must stay importable without triton
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - CPU installs without triton
-    HAS_TRITON = False
+from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton  # None without triton
 
 __all__ = [
     "AttentionWorkspace",

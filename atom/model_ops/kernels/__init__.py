@@ -15,12 +15,7 @@ from atom.model_ops.kernels.rmsnorm import (
 )
 from atom.model_ops.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
+from atom.model_ops.kernels.triton_import import HAS_TRITON
 
 __all__ = [
     "HAS_TRITON",

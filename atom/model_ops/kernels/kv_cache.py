@@ -8,13 +8,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
+from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
 

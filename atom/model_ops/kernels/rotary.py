@@ -12,13 +12,7 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
+from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
 
