@@ -134,14 +134,13 @@ class ModelRunner:
         cfg, bs = self.config, self.block_size
         total = cfg.max_num_batched_tokens
         lens = [min(cfg.max_model_len, total - i) for i in range(0, total, cfg.max_model_len)]
-        seqs = []
+        seqs, num_blocks = [], 0
         for n in lens:
             s = Sequence(list(range(n)))
-            s.block_table = list(range(sum(len(x.block_table) for x in seqs),
-                                       sum(len(x.block_table) for x in seqs) + -(-n // bs)))
+            s.block_table = list(range(num_blocks, num_blocks + -(-n // bs)))
             s.num_new_tokens = n
+            num_blocks += len(s.block_table)
             seqs.append(s)
-        num_blocks = sum(len(s.block_table) for s in seqs)
         self._assign_kv_cache(num_blocks)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
