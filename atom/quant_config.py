@@ -1,0 +1,233 @@
+"""`QuantizationConfig`: the layer-wise quantization dispatcher (re-exported by `atom.config`)."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from atom.quant_spec import GenericParser, LayerQuantConfig, QuantType, QuarkParser
+
+from atom.config_checks import _invalid
+from atom.hf_config import _config_dtype
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------
+# quantization
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _ParsedQuantConfig:
+    global_spec: LayerQuantConfig
+    layer_pattern_specs: list[tuple[str, LayerQuantConfig]] = field(default_factory=list)
+    exclude_layers: list[str] = field(default_factory=list)
+
+
+# shard name -> packed name, when no packed_modules_mapping is given.
+_DEFAULT_PACKED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+_DEEPSEEK_PACKED = {"q_a_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"}
+
+
+class QuantizationConfig:
+    """Layer-wise quantization, auto-detected from ``hf_config.quantization_config``.
+
+    ``get_layer_quant_config(name)`` checks, in order: the exclude list (exact
+    name, a parent module name, an fnmatch glob, or ``"re:<regex>"`` matched
+    from the start of the name), the per-layer fnmatch patterns, then the global
+    spec.
+    """
+
+    def __init__(self, hf_config: Optional[Any] = None):
+        self.torch_dtype: torch.dtype = (
+            _config_dtype(hf_config) if hf_config is not None else None
+        ) or torch.bfloat16
+        raw = getattr(hf_config, "quantization_config", None) if hf_config is not None else None
+        if raw is None and hf_config is not None:
+            text = getattr(hf_config, "text_config", None)
+            raw = getattr(text, "quantization_config", None) if text is not None else None
+        if raw is not None and not isinstance(raw, dict):
+            raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(raw)
+        self.hf_quant_config: Optional[dict] = raw or None
+        self.quant_method: str = str((raw or {}).get("quant_method", "") or "")
+        self._parsed = self._parse(self.hf_quant_config)
+        self._compile_excludes()
+
+    # -- parsing ----------------------------------------------------------
+
+    def _unquantized(self) -> LayerQuantConfig:
+        return LayerQuantConfig(QuantType.No, self.torch_dtype, True, "")
+
+    def _parse(self, cfg: Optional[dict]) -> _ParsedQuantConfig:
+        if not cfg:
+            return _ParsedQuantConfig(self._unquantized())
+        if self.quant_method.lower() == "quark":
+            parser = QuarkParser(self.torch_dtype)
+            layers = cfg.get("layer_quant_config") or {}
+            exclude = cfg.get("exclude") or []
+            return _ParsedQuantConfig(
+                parser.parse(cfg.get("global_quant_config")),
+                [(pattern, parser.parse(spec)) for pattern, spec in layers.items()],
+                [exclude] if isinstance(exclude, str) else list(exclude),
+            )
+        exclude = GenericParser.exclude_layers(cfg)
+        for name in cfg.get("modules_to_not_convert") or []:
+            if name not in exclude:
+                exclude.append(name)
+        return _ParsedQuantConfig(GenericParser().parse(cfg), [], exclude)
+
+    def _compile_excludes(self):
+        self._exclude_regexes = []
+        for entry in self._parsed.exclude_layers:
+            if not isinstance(entry, str) or not entry:
+                raise _invalid("exclude_layers", entry, "entries must be non-empty strings")
+            if entry.startswith("re:"):
+                try:
+                    self._exclude_regexes.append(re.compile(entry[3:]))
+                except re.error as exc:
+                    raise _invalid("exclude_layers", entry, f"bad regex ({exc})") from None
+
+    # -- public attributes --------------------------------------------------
+
+    @property
+    def global_quant_config(self) -> LayerQuantConfig:
+        return self._parsed.global_spec
+
+    @property
+    def exclude_layers(self) -> list[str]:
+        return self._parsed.exclude_layers
+
+    @property
+    def layer_pattern_specs(self) -> list[tuple[str, LayerQuantConfig]]:
+        return self._parsed.layer_pattern_specs
+
+    def get_name(self) -> str:
+        """The quantization method name (``""`` for an unquantized model)."""
+        return self.quant_method
+
+    # -- dispatch -------------------------------------------------------------
+
+    def is_excluded(self, layer_name: str) -> bool:
+        if any(rx.match(layer_name) for rx in self._exclude_regexes):
+            return True
+        for entry in self._parsed.exclude_layers:
+            if entry.startswith("re:"):
+                continue
+            if any(c in entry for c in "*?["):
+                if fnmatch.fnmatchcase(layer_name, entry):
+                    return True
+            elif layer_name == entry or layer_name.startswith(entry + "."):
+                return True
+        return False
+
+    def get_layer_quant_config(self, layer_name: str) -> LayerQuantConfig:
+        """Spec for ``layer_name``: exclusions, then per-layer patterns, then global."""
+        if self.is_excluded(layer_name):
+            return self._unquantized()
+        for pattern, spec in self._parsed.layer_pattern_specs:
+            if fnmatch.fnmatchcase(layer_name, pattern):
+                return spec
+        return self._parsed.global_spec
+
+    def remap_layer_name(
+        self, hf_config: Any = None, packed_modules_mapping: Optional[dict] = None
+    ) -> "QuantizationConfig":
+        """Add packed/fused names to the exclude list and per-layer patterns.
+
+        A checkpoint names shards (``q_proj``); ATOM's layers are packed
+        (``qkv_proj``). ``packed_modules_mapping`` may map shard -> ``(packed,
+        shard_id)`` (nano-vllm style), shard -> ``packed``, or packed -> list of
+        shards (vLLM style). Without it, q/k/v -> ``qkv_proj`` and gate/up ->
+        ``gate_up_proj``; DeepSeek-style configs with a ``q_lora_rank`` also map
+        ``q_a_proj`` / ``kv_a_proj_with_mqa`` -> ``fused_qkv_a_proj``.
+        Original names are kept. Returns ``self``.
+        """
+        shard_to_packed = self._shard_map(hf_config, packed_modules_mapping)
+        if not shard_to_packed:
+            return self
+
+        def rename(name: str) -> str:
+            for shard, packed in shard_to_packed.items():
+                name = re.sub(rf"(?<![A-Za-z0-9_]){re.escape(shard)}(?![A-Za-z0-9_])", packed, name)
+            return name
+
+        excludes: list[str] = []
+        for entry in self._parsed.exclude_layers:
+            for name in (entry, rename(entry)):
+                if name not in excludes:
+                    excludes.append(name)
+        patterns: list[tuple[str, LayerQuantConfig]] = []
+        seen: set[str] = set()
+        for pattern, spec in self._parsed.layer_pattern_specs:
+            for name in (pattern, rename(pattern)):
+                if name not in seen:
+                    seen.add(name)
+                    patterns.append((name, spec))
+        self._parsed.exclude_layers = excludes
+        self._parsed.layer_pattern_specs = patterns
+        self._compile_excludes()
+        return self
+
+    @staticmethod
+    def _shard_map(hf_config: Any, mapping: Optional[dict]) -> dict[str, str]:
+        if mapping is None:
+            out = dict(_DEFAULT_PACKED)
+            model_type = str(getattr(hf_config, "model_type", "") or "")
+            if (
+                "deepseek" in model_type or model_type in ("kimi_k2", "glm_moe_dsa")
+            ) and getattr(hf_config, "q_lora_rank", None) is not None:
+                out.update(_DEEPSEEK_PACKED)
+            return out
+        out = {}
+        for key, value in mapping.items():
+            if isinstance(value, str):
+                out[key] = value
+            elif isinstance(value, tuple) and value and isinstance(value[0], str):
+                out[key] = value[0]
+            elif isinstance(value, list):
+                for shard in value:
+                    out[str(shard)] = key
+            else:
+                raise _invalid(
+                    "packed_modules_mapping",
+                    {key: value},
+                    "values must be (packed_name, shard_id), a packed name, "
+                    "or a list of shard names",
+                )
+        return out
+
+    def compute_hash(self) -> str:
+        """SHA-256 over the parsed config, for compilation-cache invalidation."""
+        payload = {
+            "quant_method": self.quant_method,
+            "torch_dtype": str(self.torch_dtype),
+            "global": self._parsed.global_spec.to_dict(),
+            "layers": [[p, s.to_dict()] for p, s in self._parsed.layer_pattern_specs],
+            "exclude": list(self._parsed.exclude_layers),
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        g = self._parsed.global_spec
+        return (
+            f"QuantizationConfig(method={self.quant_method!r}, "
+            f"global={g.quant_type.name}/{str(g.quant_dtype).replace('torch.', '')}"
+            f"{'/dynamic' if g.is_dynamic else '/static'}, "
+            f"layer_overrides={len(self._parsed.layer_pattern_specs)}, "
+            f"exclude={self._parsed.exclude_layers!r})"
+        )
+
+
