@@ -156,13 +156,13 @@ class LLMEngine:
         outputs = [self._finish(seq) for seq in finished]
         t3 = time.perf_counter()
         self.stats.record_step({
-            **self.runner.last_timing, "post_s": t3 - t2,
+            **handle.timing, "post_s": t3 - t2,
             "time": t0, "latency": time.perf_counter() - t0, "schedule_s": t1 - t0, "run_s": t2 - t1,
             "num_seqs": len(batch), "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens,
             "num_sampled": sum(t is not None for t in sampled), "chunk_sizes": chunks,
             "kv_usage": bm.usage, "prefix_hit_tokens": bm.num_hit_tokens - hits0,
             "prefix_query_tokens": bm.num_query_tokens - queries0,
-            "preemptions": batch.num_preempted, "graph_size": getattr(self.runner, "last_graph_size", None),
+            "preemptions": batch.num_preempted, "graph_size": handle.graph_size,
         })
         self.stats.maybe_log(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage)
         return outputs

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,6 +56,8 @@ class StepHandle:
     tokens: torch.Tensor | None = None  # device, one per sample row
     host_tokens: torch.Tensor | None = None
     event: "torch.cuda.Event | None" = None
+    graph_size: int | None = None       # the CUDA graph replayed, None: no graph
+    timing: dict = field(default_factory=dict)  # prepare_s, launch_s, sample_s (host seconds)
 
 
 class ModelRunner:
@@ -94,8 +96,6 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1f s", type(self.model).__name__, self.dtype,
                     self.device, time.perf_counter() - t0)
         self.num_blocks = self.allocate_kv_cache()
-        self.last_graph_size: int | None = None
-        self.last_timing: dict[str, float] = {}
         self._pinned: list[torch.Tensor | None] = [None, None]  # sampled-token copies, alternating
         self._pinned_turn = 0
         self.graphs = None
@@ -260,12 +260,13 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and graphs.can_run(host):
             hidden = graphs.replay(host, fed)
-            self.last_graph_size = graphs.last_size
+            graph_size = graphs.last_size
         else:
             input_ids, positions, meta = self.to_device(host)
             hidden = self.forward(fed if fed is not None else input_ids, positions, meta)
-            self.last_graph_size = None
-        handle = StepHandle(len(seqs), host.sample_rows, {seqs[r].seq_id: i for i, r in enumerate(host.sample_rows)})
+            graph_size = None
+        handle = StepHandle(len(seqs), host.sample_rows, {seqs[r].seq_id: i for i, r in enumerate(host.sample_rows)},
+                            graph_size=graph_size)
         if host.sample_rows:
             last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[last])
@@ -280,7 +281,7 @@ class ModelRunner:
                 handle.host_tokens.copy_(handle.tokens, non_blocking=True)
                 handle.event = torch.cuda.Event()
                 handle.event.record()
-        self.last_timing = {"prepare_s": t1 - t0, "launch_s": time.perf_counter() - t1, "sample_s": 0.0}
+        handle.timing = {"prepare_s": t1 - t0, "launch_s": time.perf_counter() - t1}
         return handle
 
     def collect(self, handle: "StepHandle") -> list[int | None]:
@@ -295,7 +296,7 @@ class ModelRunner:
                 tokens = handle.tokens.tolist()
             for r, tok in zip(handle.sample_rows, tokens):
                 out[r] = tok
-        self.last_timing["sample_s"] = time.perf_counter() - t0  # waiting for the device
+        handle.timing["sample_s"] = time.perf_counter() - t0  # waiting for the device
         return out
 
     # --- GPU: attention op, compilation, CUDA graphs ------------------------------------
