@@ -95,7 +95,6 @@ def test_unhashed_blocks_reused_before_cached_ones():
     a = seq([1, 2, 3])
     run_all(bm, a)                     # block0 full+published, block1 partial
     bm.free(a)
-    partial = a.block_table or None
     s = seq([8])
     bm.append_slots(s, 1)
     assert bm.blocks[s.block_table[0]].hash is None  # took a block without cached content
