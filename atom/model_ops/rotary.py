@@ -62,6 +62,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_frequencies(head_dim, params).float())
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self._last = None  # (positions, cos, sin) of the latest forward
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm=None, k_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +78,17 @@ class RotaryEmbedding(nn.Module):
         qh, kh = q.view(T, -1, D), k.view(T, -1, D)
         if q_norm is not None:
             qh, kh = q_norm(qh), k_norm(kh)
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        cos, sin = self.cos_sin(positions)
         return apply_rotary_ref(qh, cos, sin).view(T, -1), apply_rotary_ref(kh, cos, sin).view(T, -1)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D/2] of `positions`; the layers of one forward share one lookup."""
+        if torch.compiler.is_compiling():
+            return self.cos_sin_cache[positions].chunk(2, dim=-1)
+        if self._last is None or self._last[0] is not positions:
+            self._last = (positions, *self.cos_sin_cache[positions].chunk(2, dim=-1))
+        return self._last[1], self._last[2]
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, {self.params}"
+

@@ -25,7 +25,7 @@ def head_dim_of(cfg) -> int:
 class LlamaAttention(nn.Module):
     qk_norm = False  # Qwen3 turns this on
 
-    def __init__(self, cfg, layer_idx: int, quant_config=None, prefix: str = ""):
+    def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, quant_config=None, prefix: str = ""):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = head_dim_of(cfg)
@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size,
                              bias=bias,
                              quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.rotary_emb = rotary_emb  # one table for all layers
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -70,9 +70,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, cfg, layer_idx: int, quant_config=None, prefix: str = ""):
+    def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, quant_config=None, prefix: str = ""):
         super().__init__()
-        self.self_attn = self.attention_cls(cfg, layer_idx, quant_config, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(cfg, layer_idx, rotary_emb, quant_config, f"{prefix}.self_attn")
         self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -94,7 +94,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg, quant_config=None, prefix: str = "model"):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, i, quant_config, f"{prefix}.layers.{i}")
+        rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i, rotary_emb, quant_config, f"{prefix}.layers.{i}")
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -64,26 +64,40 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], slens: list[int],
-                 block_size: int, device) -> tuple:
-    """Gather indices and mask for the decode rows, built once per step (all layers share it)."""
+                 block_size: int, device) -> list[tuple]:
+    """Gather indices and masks for the decode rows, built once per step (all layers share
+    it). Rows are grouped by context length so that short contexts are not padded to the
+    longest one: a new group starts where the length falls below 3/4 of the group's longest."""
     plan = getattr(meta, "_decode_plan", None)
-    if plan is None:
-        lens = [slens[i] for i in idx]
-        nb = -(-max(lens) // block_size)
-        rows = torch.tensor(idx, device=device)
-        tables = meta.block_tables[rows, :nb].clamp_min(0)
-        lens_t = torch.tensor(lens, device=device)
-        mask = (torch.arange(nb * block_size, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
-        tok = torch.tensor([starts[i] for i in idx], device=device)
-        plan = meta._decode_plan = (tables, mask, tok)
+    if plan is not None:
+        return plan
+    order = sorted(idx, key=lambda i: slens[i], reverse=True)
+    groups, group = [], [order[0]]
+    for i in order[1:]:
+        if slens[i] < 0.75 * slens[group[0]] and len(groups) < 3:
+            groups.append(group)
+            group = []
+        group.append(i)
+    groups.append(group)
+    plan = []
+    for g in groups:
+        lens = [slens[i] for i in g]
+        nb = -(-lens[0] // block_size)
+        tables = meta.block_tables[torch.tensor(g, device=device), :nb].clamp_min(0)
+        mask = None
+        if min(lens) < nb * block_size:
+            lens_t = torch.tensor(lens, device=device)
+            mask = (torch.arange(nb * block_size, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        plan.append((tables, mask, torch.tensor([starts[i] for i in g], device=device)))
+    meta._decode_plan = plan
     return plan
 
 
 def _decode_batch(q, k_cache, v_cache, meta, scale, out, idx, starts, slens):
-    tables, mask, tok = _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device)
-    k = k_cache[tables].flatten(1, 2).to(q.dtype)  # [B, nb*bs, Hkv, D]
-    v = v_cache[tables].flatten(1, 2).to(q.dtype)
-    qd = q[tok].unsqueeze(2)  # [B, Hq, 1, D]
-    o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
-    out[tok] = o.squeeze(2)
+    for tables, mask, tok in _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device):
+        k = k_cache[tables].flatten(1, 2).to(q.dtype)  # [B, nb*bs, Hkv, D]
+        v = v_cache[tables].flatten(1, 2).to(q.dtype)
+        qd = q[tok].unsqueeze(2)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[tok] = o.squeeze(2)
