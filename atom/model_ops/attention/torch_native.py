@@ -27,11 +27,17 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     vc.index_copy_(0, slot_mapping, value.to(vc.dtype))
 
 
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, bs, Hkv, D] at block ids `tables` [..., nb] -> [..., nb * bs, Hkv, D].
+    (index_select copies whole blocks; several times faster than advanced indexing on CPU)"""
+    rows = cache.view(cache.shape[0], -1).index_select(0, tables.reshape(-1))
+    return rows.view(*tables.shape[:-1], tables.shape[-1] * cache.shape[1], *cache.shape[2:])
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """[L, Hkv, D] context of one sequence."""
-    bs = cache.shape[1]
-    nb = -(-length // bs)
-    return cache[block_table[:nb]].flatten(0, 1)[:length]
+    nb = -(-length // cache.shape[1])
+    return gather_blocks(cache, block_table[:nb])[:length]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -95,8 +101,8 @@ def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], sle
 
 def _decode_batch(q, k_cache, v_cache, meta, scale, out, idx, starts, slens):
     for tables, mask, tok in _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device):
-        k = k_cache[tables].flatten(1, 2).to(q.dtype)  # [B, nb*bs, Hkv, D]
-        v = v_cache[tables].flatten(1, 2).to(q.dtype)
+        k = gather_blocks(k_cache, tables).to(q.dtype)  # [B, nb*bs, Hkv, D]
+        v = gather_blocks(v_cache, tables).to(q.dtype)
         qd = q[tok].unsqueeze(2)  # [B, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
