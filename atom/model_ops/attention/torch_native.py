@@ -57,15 +57,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         s, L = starts[i], slens[i]
         k = _gather(k_cache, meta.block_tables[i], L).to(q.dtype)
         v = _gather(v_cache, meta.block_tables[i], L).to(q.dtype)
-        qi = q[s:s + n].transpose(0, 1)  # [Hq, n, D]
-        ki, vi = k.transpose(0, 1), v.transpose(0, 1)
+        # 4-D inputs: CPU SDPA takes its flash kernel (3-D GQA inputs fall back to the slow math path)
+        qi = q[s:s + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+        ki, vi = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if L == n:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:  # causal, offset by the L - n cached tokens
             qpos = torch.arange(L - n, L, device=q.device)
             mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[s:s + n] = o.transpose(0, 1)
+        out[s:s + n] = o[0].transpose(0, 1)
     return out
 
 
