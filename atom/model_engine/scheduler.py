@@ -9,6 +9,10 @@ free, the most recently admitted running sequence is preempted: its blocks are f
 it is recomputed later from its tokens (prompt + what it generated), which leaves its
 output unchanged.
 
+A step ends in two halves: `advance` (the batch's K/V now exist) and `commit` (sampled
+tokens in place, stops checked). Between them, `schedule_lookahead` may already hand out
+the next decode step, with placeholder tokens the device fills in (async scheduling).
+
 The scheduler is handed its `BlockManager`; it never touches tensors.
 """
 from __future__ import annotations
