@@ -92,18 +92,18 @@ def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], sle
         nb = -(-lens[0] // block_size)
         tables = meta.block_tables[torch.tensor(g, device=device), :nb].clamp_min(0)
         mask = None
-        if min(lens) < nb * block_size:
+        if min(lens) < lens[0]:  # lens[0] is the longest: K/V are cut to it
             lens_t = torch.tensor(lens, device=device)
-            mask = (torch.arange(nb * block_size, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
-        plan.append((tables, mask, torch.tensor([starts[i] for i in g], device=device)))
+            mask = (torch.arange(lens[0], device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        plan.append((tables, mask, lens[0], torch.tensor([starts[i] for i in g], device=device)))
     meta._decode_plan = plan
     return plan
 
 
 def _decode_batch(q, k_cache, v_cache, meta, scale, out, idx, starts, slens):
-    for tables, mask, tok in _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device):
-        k = gather_blocks(k_cache, tables).to(q.dtype)  # [B, nb*bs, Hkv, D]
-        v = gather_blocks(v_cache, tables).to(q.dtype)
+    for tables, mask, longest, tok in _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device):
+        k = gather_blocks(k_cache, tables)[:, :longest].to(q.dtype)  # [B, L, Hkv, D]
+        v = gather_blocks(v_cache, tables)[:, :longest].to(q.dtype)
         qd = q[tok].unsqueeze(2)  # [B, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
