@@ -91,19 +91,20 @@ def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], sle
         lens = [slens[i] for i in g]
         nb = -(-lens[0] // block_size)
         tables = meta.block_tables[torch.tensor(g, device=device), :nb].clamp_min(0)
-        mask = None
-        if min(lens) < lens[0]:  # lens[0] is the longest: K/V are cut to it
+        # a group of one is cut to its length; a larger group is masked (slicing it is slower)
+        width, mask = (lens[0] if len(g) == 1 else nb * block_size), None
+        if min(lens) < width:
             lens_t = torch.tensor(lens, device=device)
-            mask = (torch.arange(lens[0], device=device)[None, :] < lens_t[:, None])[:, None, None, :]
-        plan.append((tables, mask, lens[0], torch.tensor([starts[i] for i in g], device=device)))
+            mask = (torch.arange(width, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        plan.append((tables, mask, width, torch.tensor([starts[i] for i in g], device=device)))
     meta._decode_plan = plan
     return plan
 
 
 def _decode_batch(q, k_cache, v_cache, meta, scale, out, idx, starts, slens):
-    for tables, mask, longest, tok in _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device):
-        k = gather_blocks(k_cache, tables)[:, :longest].to(q.dtype)  # [B, L, Hkv, D]
-        v = gather_blocks(v_cache, tables)[:, :longest].to(q.dtype)
+    for tables, mask, width, tok in _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device):
+        k = gather_blocks(k_cache, tables)[:, :width].to(q.dtype)  # [B, width, Hkv, D]
+        v = gather_blocks(v_cache, tables)[:, :width].to(q.dtype)
         qd = q[tok].unsqueeze(2)  # [B, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
