@@ -50,3 +50,11 @@ def test_write_kv_cache_skips_padding_slots():
     write_kv_cache(k, v, kc, vc, torch.tensor([17, -1, 63]))
     assert torch.equal(kc[1, 1], k[0]) and torch.equal(vc[3, 15], v[2])
     assert int((kc != 0).any(-1).any(-1).sum()) == 2  # the padding row wrote nothing
+
+
+def test_single_decode_fast_path_matches_reference():
+    q, kc, vc, meta = ragged_batch([1], [77], 9, 3, 64, 16)
+    out = paged_attention(q, kc, vc, meta, scale=0.125)
+    ref = paged_attention_ref(q, kc, vc, torch.full_like(q, float("nan")), meta.cu_seqlens_q, meta.seq_lens,
+                              meta.block_tables, 0.125, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)

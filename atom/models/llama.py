@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.model_ops import kernel_backend
 from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.attention import Attention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
@@ -48,6 +49,9 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if self.qk_norm:
             q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        elif kernel_backend.get(qkv) is None:  # torch path: rotate q and k heads in one go
+            qk = self.rotary_emb.rotate(positions, qkv[:, :q_size + kv_size])
+            q, k = qk[:, :q_size], qk[:, q_size:]
         else:
             q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))

@@ -43,12 +43,16 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; the new tokens' K/V must already be in the cache."""
-    num_tokens, num_heads, head_dim = q.shape
+    host = getattr(meta, "_host_lists", None)
+    if host is None:  # once per step, shared by all layers
+        qlens = meta.query_lens_host or (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
+        slens = meta.seq_lens_host or meta.seq_lens.tolist()
+        host = meta._host_lists = (qlens, slens, [0, *itertools.accumulate(qlens)],
+                                   [i for i, n in enumerate(qlens) if n == 1])
+    qlens, slens, starts, decodes = host
+    if len(decodes) == 1 == len(qlens):  # one decoding sequence: no row bookkeeping
+        return _decode_one(q, k_cache, v_cache, meta.block_tables[0], slens[0], scale)
     out = torch.empty_like(q)
-    qlens = meta.query_lens_host or (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
-    slens = meta.seq_lens_host or meta.seq_lens.tolist()
-    starts = [0, *itertools.accumulate(qlens)]
-    decodes = [i for i, n in enumerate(qlens) if n == 1]
     if decodes:
         _decode_batch(q, k_cache, v_cache, meta, scale, out, decodes, starts, slens)
     for i, n in enumerate(qlens):
@@ -68,6 +72,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:s + n] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_one(q, k_cache, v_cache, block_table, length, scale) -> torch.Tensor:
+    k = _gather(k_cache, block_table, length).to(q.dtype)[None].transpose(1, 2)  # [1, Hkv, L, D]
+    v = _gather(v_cache, block_table, length).to(q.dtype)[None].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)  # [1, Hq, 1, D]
+    return o[:, :, 0]
 
 
 def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], slens: list[int],
