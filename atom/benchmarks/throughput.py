@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
+import sys
 import time
 
 import torch
@@ -181,7 +181,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING)
     res = cpu_main(args) if args.device == "cpu" else gpu_main(args)
     res["date"] = time.strftime("%Y-%m-%d")
-    res["command"] = "python -m atom.benchmarks.throughput " + " ".join(argv or os.sys.argv[1:])
+    res["command"] = "python -m atom.benchmarks.throughput " + " ".join(argv or sys.argv[1:])
     report(res)
     if args.out:
         with open(args.out, "w") as f:

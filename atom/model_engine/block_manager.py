@@ -101,16 +101,22 @@ class BlockManager:
             seq.block_hashes.append(chain_hash(prev, seq.block_tokens(j, self.block_size)))
         return seq.block_hashes[i]
 
+    def cacheable_tokens(self, num_tokens: int) -> int:
+        """Tokens of a prompt that prefix caching may serve: its full blocks before the last
+        token (which must be computed to have logits). 0 with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return 0
+        return (num_tokens - 1) // self.block_size * self.block_size
+
     # --- the sequence-level API ----------------------------------------------------
     def allocate_prefix(self, seq: Sequence) -> int:
         """Give a sequence without blocks its prefix-cache hits; returns the cached tokens."""
         assert not seq.block_table, f"{seq} already has blocks"
         if not self.enable_prefix_caching:
             return 0
-        # the last token must be computed to have logits: only blocks before it can hit
-        num_full = (seq.num_tokens - 1) // self.block_size
-        self.num_query_tokens += num_full * self.block_size
-        for i in range(num_full):
+        lookup = self.cacheable_tokens(seq.num_tokens)
+        self.num_query_tokens += lookup
+        for i in range(lookup // self.block_size):
             h = self._seq_block_hash(seq, i)
             block_id = self.hash_to_block.get(h)
             if block_id is None:

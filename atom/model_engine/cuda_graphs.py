@@ -30,7 +30,8 @@ class CUDAGraphRunner:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = self.arange.clone()
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -88,14 +89,9 @@ class CUDAGraphRunner:
             self.seq_lens[n:bs].zero_()
         self.graphs[bs].replay()
         if bs > n:
-            self.cu_seqlens_q[n + 1:bs + 1].copy_(self._arange[n + 1:bs + 1])
+            self.cu_seqlens_q[n + 1:bs + 1].copy_(self.arange[n + 1:bs + 1])
         self.replays[bs] += 1
         self.padded_tokens += bs - n
         self.last_size = bs
         return self.outputs[bs][:n]
 
-    @property
-    def _arange(self) -> torch.Tensor:
-        if not hasattr(self, "_arange_buf"):
-            self._arange_buf = torch.arange(self.max_bs + 1, dtype=torch.int32, device=self.runner.device)
-        return self._arange_buf

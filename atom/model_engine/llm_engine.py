@@ -177,8 +177,7 @@ class LLMEngine:
             "preemptions": seq.num_preemptions, "ttft": out.ttft, "tpot": out.tpot,
             "e2e": (seq.finish_time or time.perf_counter()) - seq.arrival_time,
             "finish_reason": seq.finish_reason,
-        }, seq.num_cached_tokens, (seq.num_prompt_tokens - 1) // self.block_manager.block_size
-            * self.block_manager.block_size if self.block_manager.enable_prefix_caching else 0)
+        }, seq.num_cached_tokens, self.block_manager.cacheable_tokens(seq.num_prompt_tokens))
         return out
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -198,10 +198,7 @@ class ModelRunner:
                           [i for i, s in enumerate(seqs) if s.samples_this_step])
 
     def to_device(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        dev = self.device
-
-        def t(a, dtype):
-            return torch.from_numpy(a).to(dtype=dtype).to(dev, non_blocking=True)
+        t = self._to_device
         meta = AttentionMetadata(
             cu_seqlens_q=t(x.cu_seqlens_q, torch.int32), seq_lens=t(x.seq_lens, torch.int32),
             block_tables=t(x.block_tables, torch.int32), slot_mapping=t(x.slot_mapping, torch.int64),

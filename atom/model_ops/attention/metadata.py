@@ -9,7 +9,7 @@ objects) and published as the per-forward context, the one global the model read
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,14 +25,12 @@ class AttentionMetadata:
     # host copies, for backends that loop on the host (the torch reference)
     query_lens_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # what a backend derives once per step and every layer reuses (host lists, gather plans)
+    step_cache: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -43,11 +43,11 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; the new tokens' K/V must already be in the cache."""
-    host = getattr(meta, "_host_lists", None)
+    host = meta.step_cache.get("host_lists")
     if host is None:  # once per step, shared by all layers
         qlens = meta.query_lens_host or (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
         slens = meta.seq_lens_host or meta.seq_lens.tolist()
-        host = meta._host_lists = (qlens, slens, [0, *itertools.accumulate(qlens)],
+        host = meta.step_cache["host_lists"] = (qlens, slens, [0, *itertools.accumulate(qlens)],
                                    [i for i, n in enumerate(qlens) if n == 1])
     qlens, slens, starts, decodes = host
     if len(decodes) == 1 == len(qlens):  # one decoding sequence: no row bookkeeping
@@ -86,7 +86,7 @@ def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], sle
     """Gather indices and masks for the decode rows, built once per step (all layers share
     it). Rows are grouped by context length so that short contexts are not padded to the
     longest one: a new group starts where the length falls below 3/4 of the group's longest."""
-    plan = getattr(meta, "_decode_plan", None)
+    plan = meta.step_cache.get("decode_plan")
     if plan is not None:
         return plan
     order = sorted(idx, key=lambda i: slens[i], reverse=True)
@@ -108,7 +108,7 @@ def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], sle
             lens_t = torch.tensor(lens, device=device)
             mask = (torch.arange(width, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
         plan.append((tables, mask, width, torch.tensor([starts[i] for i in g], device=device)))
-    meta._decode_plan = plan
+    meta.step_cache["decode_plan"] = plan
     return plan
 
 
