@@ -52,6 +52,21 @@ def test_write_kv_cache_skips_padding_slots():
     assert int((kc != 0).any(-1).any(-1).sum()) == 2  # the padding row wrote nothing
 
 
+def test_write_kv_cache_checks_padding_once_per_step():
+    kc, vc = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    step = {}
+    slots = torch.tensor([17, -1, 63])
+    for layer in range(2):  # the second layer reuses the first one's padding mask
+        k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+        write_kv_cache(k, v, kc, vc, slots, step)
+        assert torch.equal(step["kv_valid"], slots >= 0)
+        assert torch.equal(kc[1, 1], k[0]) and torch.equal(vc[3, 15], v[2])
+    assert int((kc != 0).any(-1).any(-1).sum()) == 2
+    full = {}
+    write_kv_cache(k, v, kc, vc, torch.tensor([1, 2, 3]), full)
+    assert full["kv_valid"] is None and torch.equal(kc[0, 3], k[2])
+
+
 def test_single_decode_fast_path_matches_reference():
     q, kc, vc, meta = ragged_batch([1], [77], 9, 3, 64, 16)
     out = paged_attention(q, kc, vc, meta, scale=0.125)

@@ -21,3 +21,27 @@ def test_triton_attention_op_in_the_engine(tiny_qwen3):
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in ps]
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_llama"])
+def test_all_triton_kernels_in_the_engine(model, request, monkeypatch):
+    """Every layer on its Triton kernel, as on a GPU: fused add+norm, SiLU-mul, and the rotary
+    kernel that also writes k and v into the paged cache (the attention op then only reads)."""
+    from atom.model_ops import kernel_backend, kernels
+    from atom.model_ops.attention import triton_backend
+    path = request.getfixturevalue(model)
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
+    runner = llm.engine.runner
+    for layer in runner.attn_layers:
+        layer.backend = "triton"
+    triton_backend.register_layers(runner.attn_layers, 64, runner.device)
+    monkeypatch.setattr(kernel_backend, "get", lambda x: kernels)
+    calls = []
+    real = kernels.rotary_embedding
+    monkeypatch.setattr(kernels, "rotary_embedding",
+                        lambda *a, **kw: calls.append(kw.get("kv_cache") is not None) or real(*a, **kw))
+    ps = [[5, 6, 7, 8, 9], list(range(10, 50))]
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert calls and all(calls), "the rotary kernel did not write the KV cache"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in ps]

@@ -362,6 +362,53 @@ def test_rotary_embedding(device, D, Hq, Hkv, norm):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("D,Hq,Hkv,bs", [(64, 9, 3, 16), (128, 16, 8, 32)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_embedding_writes_kv_cache(device, D, Hq, Hkv, bs, norm):
+    """rope(+norm) with the cache write fused == rope, then reshape_and_cache (two launches)."""
+    for dtype in _dtypes(device):
+        T, max_pos, nblk = 11, 2048, 6
+        cs = _cos_sin(max_pos, D, 1e4, device)
+        pos = torch.randint(0, max_pos, (T,), device=device)
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=device).to(dtype)
+        qw = kw = None
+        if norm:
+            qw = (1 + 0.1 * torch.randn(D, device=device)).to(dtype)
+            kw = (1 + 0.1 * torch.randn(D, device=device)).to(dtype)
+        slots = torch.randperm(nblk * bs, device=device)[:T].to(torch.int64)
+        slots[3] = -1  # a padding row: must write nothing
+        split = lambda t: (t[:, :Hq * D], t[:, Hq * D:(Hq + Hkv) * D], t[:, (Hq + Hkv) * D:])  # noqa: E731
+        caches = [torch.full((nblk, bs, Hkv, D), float("nan"), device=device, dtype=dtype) for _ in range(4)]
+        q, k, v = split(qkv.clone())
+        rotary_embedding(pos, q, k, cs, D, qw, kw, 1e-6, kv_cache=(v, caches[0], caches[1], slots))
+        q_r, k_r, v_r = split(qkv.clone())
+        rotary_embedding_ref(pos, q_r, k_r, cs, D, qw, kw, 1e-6, kv_cache=(v_r, caches[2], caches[3], slots))
+        _check_close(q, q_r, dtype, "fused rope q")
+        _check_close(k, k_r, dtype, "fused rope k")
+        written = torch.zeros(nblk * bs, dtype=torch.bool, device=device)
+        written[slots[slots >= 0]] = True
+        for got, ref, name in ((caches[0], caches[2], "k_cache"), (caches[1], caches[3], "v_cache")):
+            flat_got, flat_ref = got.view(nblk * bs, -1), ref.view(nblk * bs, -1)
+            assert torch.isnan(flat_got[~written]).all(), f"{name}: a slot outside the mapping was written"
+            _check_close(flat_got[written], flat_ref[written], dtype, name)
+        kc2, vc2 = caches[2].clone(), caches[3].clone()  # the two-launch path gives the same cache
+        reshape_and_cache_ref(k_r.view(T, Hkv, D), v_r.view(T, Hkv, D), kc2, vc2, slots)
+        assert torch.equal(kc2.nan_to_num(), caches[2].nan_to_num())
+
+
+def test_rotary_embedding_kv_cache_shape_errors():
+    T, D = 3, 64
+    q, k, v = torch.zeros(T, 2 * D), torch.zeros(T, D), torch.zeros(T, D)
+    cs, pos, slots = torch.zeros(16, D), torch.zeros(T, dtype=torch.long), torch.arange(T)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        rotary_embedding(pos, q, k, cs, D, kv_cache=(v, torch.zeros(2, 16, 2, D), torch.zeros(2, 16, 2, D), slots))
+    with pytest.raises(ValueError, match="slot_mapping has 2 entries"):
+        rotary_embedding(pos, q, k, cs, D, kv_cache=(v, torch.zeros(2, 16, 1, D), torch.zeros(2, 16, 1, D), slots[:2]))
+    with pytest.raises(ValueError, match="value must be"):
+        rotary_embedding(pos, q, k, cs, D, kv_cache=(v[:2], torch.zeros(2, 16, 1, D), torch.zeros(2, 16, 1, D), slots))
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("I", [1536, 3072, 100])
 def test_silu_and_mul(device, I):
     for dtype in _dtypes(device):

@@ -1,7 +1,10 @@
 """Decode latency: ms per step at batch 1, 8, 64 (128-token prompts, 512 greedy tokens),
 eager against CUDA graphs, next to the bandwidth floor (weights + KV read per step).
 
-    python -m atom.benchmarks.latency --model qwen3-0.6b [--batches 1 8 64] [--profile]
+    python -m atom.benchmarks.latency --model qwen3-0.6b [--batches 1 8 64] [--profile] [--peer vllm]
+
+`--peer vllm` measures vLLM first, in a child process, on the same prompts: its ms per
+decode step is (time for N new tokens - time for 1 new token) / (N - 1).
 
 `--profile` adds a per-step host profile: scheduling, input preparation, launch or graph
 replay + sampling, output processing (from the engine's step records).
@@ -49,6 +52,8 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"])
     ap.add_argument("--level", type=int, default=0, help="compilation level for the graphs mode")
     ap.add_argument("--profile", action="store_true", help="print the per-step host profile")
+    ap.add_argument("--peer", choices=["none", "vllm"], default="none")
+    ap.add_argument("--repeat", type=int, default=2, help="peer: timed runs per batch (best kept)")
     ap.add_argument("--out", help="write JSON here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -57,27 +62,36 @@ def main(argv=None) -> None:
     from rich.table import Table
     cfg = MODEL_CONFIGS[args.model]
     path = write_model_config(args.model)
+    args.max_model_len = 2048
+    peer = {}
+    if args.peer == "vllm":
+        from atom.benchmarks.peer_vllm import run_in_child
+        peer = run_in_child("latency", path, cfg["vocab_size"], args,
+                            ["--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len),
+                             "--new-tokens", str(args.new_tokens), "--max-num-seqs", str(max(args.batches))])
     results = []
     for mode in args.modes:
         kw = dict(enforce_eager=True) if mode == "eager" else dict(
             compilation_config={"level": args.level, "cudagraph_capture_sizes": sorted(set(args.batches))})
-        llm = LLM(path, load_dummy="xavier", max_model_len=2048, enable_log_stats=False,
+        llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
                   max_num_seqs=max(args.batches), **kw)
         for b in args.batches:
             r = measure(llm, b, args.prompt_len, args.new_tokens, cfg["vocab_size"])
             ctx = args.prompt_len + args.new_tokens // 2
             r.update(mode=mode, floor_ms=decode_floor_ms(cfg, b, ctx))
+            if peer:
+                r["peer_ms"] = peer["ms_per_step"][str(b)]
             results.append(r)
         del llm
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     t = Table(title=f"decode latency — {args.model}")
-    cols = ["mode", "batch", "ms/step", "floor ms", "of floor"] + (
+    cols = ["mode", "batch", "ms/step", "floor ms", "of floor"] + (["vLLM ms/step"] if peer else []) + (
         ["schedule", "prepare", "launch", "sample+wait", "post"] if args.profile else [])
     for c in cols:
         t.add_column(c)
     for r in results:
         row = [r["mode"], str(r["batch"]), f"{r['ms_per_step']:.3f}", f"{r['floor_ms']:.3f}",
-               f"{r['floor_ms'] / r['ms_per_step']:.0%}"]
+               f"{r['floor_ms'] / r['ms_per_step']:.0%}"] + ([f"{r['peer_ms']:.3f}"] if peer else [])
         if args.profile:
             row += [f"{r['profile_ms'].get(k, float('nan')):.3f}" for k in PROFILE]
         t.add_row(*row)
@@ -86,7 +100,7 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "date": time.strftime("%Y-%m-%d"),
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       "results": results}, f, indent=1)
+                       "peer": peer and f"vLLM {peer['vllm_version']}", "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

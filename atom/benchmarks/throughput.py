@@ -108,10 +108,14 @@ def gpu_main(args) -> dict:
     from atom.benchmarks.workloads import MODEL_CONFIGS
     path = write_model_config(args.model)
     reqs = nano_vllm_workload(args.num_seqs)
+    vocab = MODEL_CONFIGS[args.model]["vocab_size"]
+    vllm_res = None
+    if args.peer == "vllm":  # first, in a child process: each engine gets the whole GPU
+        from atom.benchmarks.peer_vllm import run_in_child
+        vllm_res = run_in_child("throughput", path, vocab, args, ["--num-seqs", str(args.num_seqs)])
     llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    vocab = MODEL_CONFIGS[args.model]["vocab_size"]
     run_atom(llm, mixed_workload(16, (64, 512), (16, 64), vocab, seed=1), args.temperature)  # warm-up
     runs = [run_atom(llm, reqs, args.temperature) for _ in range(args.repeat)]
     tok, sec = min(runs, key=lambda r: r[1])
@@ -130,12 +134,9 @@ def gpu_main(args) -> dict:
         h_tok, h_s = run_hf(hf, sub, args.temperature, pad_id=0)
         res.update(peer="hf", peer_seqs=len(sub), peer_tok_s=h_tok / h_s, peer_s=h_s)
         res["speedup_vs_peer"] = res["atom_tok_s"] / res["peer_tok_s"]
-    elif args.peer == "vllm":
-        from atom.benchmarks.peer_vllm import run_vllm_throughput
-        del llm
-        torch.cuda.empty_cache()
-        v = run_vllm_throughput(path, reqs, args)
-        res.update(peer="vllm", peer_tok_s=v["tok_s"], peer_s=v["seconds"])
+    elif vllm_res is not None:
+        res.update(peer=f"vLLM {vllm_res['vllm_version']}", peer_tok_s=vllm_res["tok_s"], peer_s=vllm_res["seconds"],
+                   peer_runs_s=vllm_res["all_runs_s"])
         res["speedup_vs_peer"] = res["atom_tok_s"] / res["peer_tok_s"]
     return res
 
@@ -156,8 +157,10 @@ def report(res: dict) -> None:
         t.add_row("ATOM", str(res["output_tokens"]), f"{res['atom_s']:.2f}", f"{res['atom_tok_s']:,.0f}",
                   f"{res['roofline_fraction']:.0%}")
         if "peer" in res:
-            t.add_row(res["peer"], "", f"{res['peer_s']:.2f}", f"{res['peer_tok_s']:,.0f}",
+            t.add_row(res["peer"] + (f" ({res['peer_seqs']} seqs)" if "peer_seqs" in res else ""), "",
+                      f"{res['peer_s']:.2f}", f"{res['peer_tok_s']:,.0f}",
                       f"{res['peer_tok_s'] / res['roofline_tok_s']:.0%}")
+            t.caption = f"ATOM / {res['peer']}: {res['speedup_vs_peer']:.2f}x"
         t.add_row("roofline", "", "", f"{res['roofline_tok_s']:,.0f}", "100%")
     Console().print(t)
 

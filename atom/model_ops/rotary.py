@@ -65,15 +65,18 @@ class RotaryEmbedding(nn.Module):
         self._last = None  # (positions, cos, sin) of the latest forward
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm=None, k_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq*D], k [T, Hkv*D]; optional per-head RMSNorms (Qwen3) applied first."""
+                q_norm=None, k_norm=None, kv_cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq*D], k [T, Hkv*D]; optional per-head RMSNorms (Qwen3) applied first.
+        `kv_cache` (Triton kernels only): (v, k_cache, v_cache, slot_mapping) to write into."""
         kern = kernel_backend.get(q)
         if kern is not None:
             kern.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim,
                                   q_norm.weight if q_norm is not None else None,
                                   k_norm.weight if k_norm is not None else None,
-                                  q_norm.eps if q_norm is not None else 1e-6)
+                                  q_norm.eps if q_norm is not None else 1e-6, kv_cache=kv_cache)
             return q, k
+        if kv_cache is not None:
+            raise ValueError("kv_cache is written by the Triton rotary kernel only")
         T, D = q.shape[0], self.head_dim
         qh, kh = q.view(T, -1, D), k.view(T, -1, D)
         if q_norm is not None:

@@ -27,20 +27,29 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.backend = "torch"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]. k = v = None: this step's keys and values
+        are in the cache already (written by the rotary kernel; Triton backend only)."""
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if k is not None:
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.backend == "triton":  # the custom op registered by attention.triton_backend
             out = torch.empty_like(q)
             torch.ops.atom.unified_attention_with_output(q, k, v, out, self.layer_idx)
         else:
+            if k is None:
+                raise ValueError("the torch attention backend needs this step's k and v")
             meta = get_forward_context()
-            torch_native.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            torch_native.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.step_cache)
             out = torch_native.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.view(T, -1)
+
+    def cache_write_args(self, v: torch.Tensor) -> tuple:
+        """What a kernel that writes this step's keys and values needs: (v, k_cache, v_cache,
+        the forward's slot mapping)."""
+        return v, self.k_cache, self.v_cache, get_forward_context().slot_mapping
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

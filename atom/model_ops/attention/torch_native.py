@@ -16,10 +16,18 @@ from atom.model_ops.attention.metadata import AttentionMetadata
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at `slot_mapping`."""
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, step_cache: dict | None = None) -> None:
+    """key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at `slot_mapping`
+    (slots < 0 are padding and skipped). `step_cache`: the step's dict, where the padding
+    check is kept so that it runs once per step rather than once per layer."""
+    if step_cache is not None and "kv_valid" in step_cache:
+        valid = step_cache["kv_valid"]
+    else:
+        valid = slot_mapping >= 0
+        valid = None if bool(valid.all()) else valid
+        if step_cache is not None:
+            step_cache["kv_valid"] = valid
+    if valid is not None:
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     kc = k_cache.view(-1, *k_cache.shape[2:])
     vc = v_cache.view(-1, *v_cache.shape[2:])
@@ -74,11 +82,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def _fold_heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Decode queries [B, Hq, D] -> [B, Hkv, Hq/Hkv, D]: the query heads sharing a KV head become
+    that head's query rows, so SDPA needs no GQA expansion of K/V (a little faster on CPU)."""
+    B, Hq, D = q.shape
+    return q.reshape(B, num_kv_heads, Hq // num_kv_heads, D)
+
+
 def _decode_one(q, k_cache, v_cache, block_table, length, scale) -> torch.Tensor:
     k = _gather(k_cache, block_table, length).to(q.dtype)[None].transpose(1, 2)  # [1, Hkv, L, D]
     v = _gather(v_cache, block_table, length).to(q.dtype)[None].transpose(1, 2)
-    o = F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)  # [1, Hq, 1, D]
-    return o[:, :, 0]
+    o = F.scaled_dot_product_attention(_fold_heads(q, k.shape[1]), k, v, scale=scale)  # [1, Hkv, G, D]
+    return o.reshape(q.shape)
 
 
 def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], slens: list[int],
@@ -116,7 +131,6 @@ def _decode_batch(q, k_cache, v_cache, meta, scale, out, idx, starts, slens):
     for tables, mask, width, tok in _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device):
         k = gather_blocks(k_cache, tables)[:, :width].to(q.dtype)  # [B, width, Hkv, D]
         v = gather_blocks(v_cache, tables)[:, :width].to(q.dtype)
-        qd = q[tok].unsqueeze(2)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        out[tok] = o.squeeze(2)
+        qd = _fold_heads(q[tok], k.shape[2])  # [B, Hkv, G, D]
+        o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+        out[tok] = o.reshape(len(tok), *q.shape[1:])

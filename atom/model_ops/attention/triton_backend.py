@@ -1,12 +1,15 @@
 """GPU attention: the KV-cache write and the Triton unified kernel, as one custom op.
 
 `atom::unified_attention_with_output(q, k, v, output, layer_idx)` writes this step's K/V
-into layer `layer_idx`'s cache and attends for the whole batch in one launch. Being a
+into layer `layer_idx`'s cache and attends for the whole batch in one launch; with k and v
+None the cache already holds them (the rotary kernel wrote them, see LlamaAttention). Being a
 registered op, it is opaque to torch.compile: level 3 splits the graph there
 (`splitting_ops`). The layer caches and the per-forward metadata are found through
 `register_layers` and the forward context, like vLLM's attention op.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -27,11 +30,12 @@ def register_layers(layers: list, max_num_tokens: int, device) -> None:
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=("output",))
-def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                                   output: torch.Tensor, layer_idx: int) -> None:
     layer = _LAYERS[layer_idx]
     meta = get_forward_context()
-    reshape_and_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+    if k is not None:
+        reshape_and_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
     unified_attention(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q, meta.seq_lens,
                       meta.block_tables, layer.scale, meta.max_query_len, workspace=_WORKSPACE[0])
 

@@ -3,7 +3,8 @@
 ``cos_sin_cache[pos]`` holds ``cos(pos * inv_freq)`` in its first D/2 columns and
 ``sin(...)`` in its last D/2 (the model builds it, llama3 scaling included).
 Optionally a per-head RMSNorm (Qwen3's q_norm/k_norm, weight [D]) is applied to
-q and k before the rotation, in the same kernel.  Math in fp32.
+q and k before the rotation, and the rotated keys and the values are written into the
+paged KV cache, all in the same kernel (one launch per layer instead of three).  Math in fp32.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from atom.model_ops.kernels.kv_cache import reshape_and_cache_ref
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
@@ -37,14 +39,18 @@ if HAS_TRITON:
         o2 = x2 * cos[None, :] + x1 * sin[None, :]
         tl.store(p1, o1.to(base.dtype.element_ty), mask=mask)
         tl.store(p1 + HALF, o2.to(base.dtype.element_ty), mask=mask)
+        return o1, o2
 
     @triton.jit
     def _rope_kernel(
         pos_ptr, q_ptr, k_ptr, cs_ptr, qw_ptr, kw_ptr,
+        v_ptr, kc_ptr, vc_ptr, slot_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, eps,
+        stride_vt, stride_vh, stride_cb, stride_co, stride_ch,
         HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
         HALF: tl.constexpr, HALF_PAD: tl.constexpr,
         Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+        WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -53,9 +59,21 @@ if HAS_TRITON:
         sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
         _rope_heads(q_ptr + t * stride_qt, stride_qh, qw_ptr, cos, sin, eps,
                     HQ, HQ_PAD, HALF, HALF_PAD, Q_NORM)
-        _rope_heads(k_ptr + t * stride_kt, stride_kh, kw_ptr, cos, sin, eps,
-                    HKV, HKV_PAD, HALF, HALF_PAD, K_NORM)
-
+        k1, k2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, kw_ptr, cos, sin, eps,
+                             HKV, HKV_PAD, HALF, HALF_PAD, K_NORM)
+        if WRITE_KV:  # the rotated key and the value go straight into the paged cache
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            h = tl.arange(0, HKV_PAD)
+            mask = ((h < HKV) & (h * 0 + slot >= 0))[:, None] & (d < HALF)[None, :]
+            slot = tl.maximum(slot, 0)  # a padding row (slot < 0) is fully masked
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co \
+                + h[:, None] * stride_ch + d[None, :]
+            tl.store(kc_ptr + dst, k1.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc_ptr + dst + HALF, k2.to(kc_ptr.dtype.element_ty), mask=mask)
+            src = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+            tl.store(vc_ptr + dst, tl.load(src, mask=mask).to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc_ptr + dst + HALF, tl.load(src + HALF, mask=mask).to(vc_ptr.dtype.element_ty),
+                     mask=mask)
 
 def _heads_view(x: torch.Tensor, head_dim: int, name: str):
     """(row stride, head stride, num heads) of a [T, H*D] or [T, H, D] tensor."""
@@ -70,6 +88,21 @@ def _heads_view(x: torch.Tensor, head_dim: int, name: str):
     raise ValueError(f"{name} must be [T, H*{head_dim}] or [T, H, {head_dim}], got {tuple(x.shape)}")
 
 
+def _cache_args(kv_cache: tuple, T: int, HKV: int, head_dim: int) -> tuple:
+    """Checks the `kv_cache` argument of :func:`rotary_embedding`; returns the kernel's view."""
+    value, k_cache, v_cache, slot_mapping = kv_cache
+    svt, svh, hv = _heads_view(value, head_dim, "value")
+    if value.shape[0] != T or hv != HKV:
+        raise ValueError(f"value must be [{T}, {HKV}*{head_dim}], got {tuple(value.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (HKV, head_dim):
+        raise ValueError(f"k_cache must be [num_blocks, block_size, {HKV}, {head_dim}], got {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have the same shape and strides, with a contiguous last dim")
+    if slot_mapping.shape[0] < T:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {T} tokens")
+    return (value, k_cache, v_cache, slot_mapping, (svt, svh), k_cache.stride()[:3], k_cache.shape[1])
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -79,8 +112,13 @@ def rotary_embedding(
     q_norm_weight: Optional[torch.Tensor] = None,
     k_norm_weight: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
+    kv_cache: Optional[tuple] = None,
 ):
-    """Rotates q [T, Hq*D] and k [T, Hkv*D] in place (views are fine); returns (q, k)."""
+    """Rotates q [T, Hq*D] and k [T, Hkv*D] in place (views are fine); returns (q, k).
+
+    `kv_cache=(value, k_cache, v_cache, slot_mapping)` also writes the rotated keys and the
+    values [T, Hkv*D] into the paged caches [num_blocks, block_size, Hkv, D] at the slots
+    (negative = padding, skipped): the cache write of `reshape_and_cache` in the same launch."""
     if not HAS_TRITON:
         raise RuntimeError("rotary_embedding needs triton; use rotary_embedding_ref without it")
     if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim:
@@ -94,18 +132,23 @@ def rotary_embedding(
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None and w.shape != (head_dim,):
             raise ValueError(f"{name} must be [{head_dim}], got {tuple(w.shape)}")
+    write = _cache_args(kv_cache, T, HKV, head_dim) if kv_cache is not None else None
     if T == 0:
         return q, k
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     half = head_dim // 2
     np2 = triton.next_power_of_2
+    v, kc, vc, slots, (svt, svh), (scb, sco, sch), block_size = write or (cs, cs, cs, positions, (0, 0), (0, 0, 0), 1)
     _rope_kernel[(T,)](
         positions, q, k, cs,
         q_norm_weight if q_norm_weight is not None else cs,
         k_norm_weight if k_norm_weight is not None else cs,
+        v, kc, vc, slots,
         sqt, sqh, skt, skh, cs.stride(0), float(eps),
+        svt, svh, scb, sco, sch,
         HQ=HQ, HQ_PAD=np2(HQ), HKV=HKV, HKV_PAD=np2(HKV), HALF=half, HALF_PAD=np2(half),
         Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None,
+        WRITE_KV=write is not None, BLOCK_SIZE=block_size,
         num_warps=4 if np2(HQ) * np2(half) >= 1024 else 2,
     )
     return q, k
@@ -125,8 +168,13 @@ def _rope_ref_one(x, positions, cos_sin_cache, head_dim, w, eps):
 
 
 def rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim,
-                         q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
+                         q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6, kv_cache=None):
     """Torch reference of :func:`rotary_embedding` (also in place)."""
     _rope_ref_one(q, positions, cos_sin_cache, head_dim, q_norm_weight, eps)
     _rope_ref_one(k, positions, cos_sin_cache, head_dim, k_norm_weight, eps)
+    if kv_cache is not None:
+        value, k_cache, v_cache, slot_mapping = kv_cache
+        T = k.shape[0]
+        reshape_and_cache_ref(k.reshape(T, -1, head_dim), value.reshape(T, -1, head_dim),
+                              k_cache, v_cache, slot_mapping)
     return q, k

@@ -1,0 +1,71 @@
+"""Where a GPU run spends its time: step-kind totals from the engine's step records and the
+top CUDA kernels of a window of steps (torch profiler). A diagnosis tool, not a benchmark.
+
+    python3 scripts/gpu_profile.py --model qwen3-0.6b --scenario workload   # nano-vllm workload
+    python3 scripts/gpu_profile.py --model qwen3-0.6b --scenario bs1        # batch-1 decode
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from atom import LLM, SamplingParams
+from atom.benchmarks.workloads import MODEL_CONFIGS, mixed_workload, nano_vllm_workload, write_model_config
+
+
+def step_summary(steps) -> str:
+    kinds = {"prefill (or mixed)": steps[steps.prefill_tokens > 0], "decode": steps[steps.prefill_tokens == 0]}
+    lines = [f"{len(steps)} steps, {steps.latency.sum():.3f} s"]
+    for name, s in kinds.items():
+        host = {k: s[k].mean() * 1e3 for k in ("schedule_s", "prepare_s", "launch_s", "sample_s", "post_s") if k in s}
+        lines.append(f"  {name}: {len(s)} steps, {s.latency.sum():.3f} s, mean {s.latency.mean() * 1e3:.3f} ms, "
+                     f"mean seqs {s.num_seqs.mean():.1f}; host ms " + ", ".join(f"{k}={v:.3f}" for k, v in host.items()))
+    return "\n".join(lines)
+
+
+def kernel_table(engine, num_steps: int) -> str:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_CONFIGS))
+    ap.add_argument("--scenario", choices=["workload", "bs1"], default="workload")
+    ap.add_argument("--skip-steps", type=int, default=300, help="workload: steps run before the profiled window")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    path = write_model_config(args.model)
+    vocab = MODEL_CONFIGS[args.model]["vocab_size"]
+    if args.scenario == "workload":
+        llm = LLM(path, load_dummy="xavier", max_model_len=4096, enable_log_stats=False,
+                  max_num_seqs=512, max_num_batched_tokens=16384)
+        reqs = nano_vllm_workload(256)
+        sps = [SamplingParams(temperature=0.6, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    else:
+        llm = LLM(path, load_dummy="xavier", max_model_len=2048, enable_log_stats=False, max_num_seqs=8,
+                  compilation_config={"cudagraph_capture_sizes": [1]})
+        reqs = mixed_workload(1, (128, 128), (512, 512), vocab, seed=1)
+        sps = [SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)]
+        args.skip_steps = min(args.skip_steps, 100)
+    prompts = [r.prompt_token_ids for r in reqs]
+    llm.generate(prompts, sps, use_tqdm=False)  # warm-up and the step records
+    print(step_summary(llm.stats.steps()), flush=True)
+    engine = llm.engine
+    for p, sp in zip(prompts, sps):
+        engine.add_request(p, sp)
+    for _ in range(args.skip_steps):
+        engine.step()
+    print(f"kernels of {args.steps} steps after step {args.skip_steps}:")
+    print(kernel_table(engine, args.steps), flush=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+if __name__ == "__main__":
+    main()
