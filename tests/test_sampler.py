@@ -1,4 +1,5 @@
 """Samplers: greedy, temperature, top-k, top-p, per-request seeds; and through the engine."""
+import pytest
 import torch
 
 from atom import LLM, SamplingParams
@@ -63,3 +64,19 @@ def test_engine_seed_reproducible(tiny_llama):
     b = llm.generate([[5, 6, 7], [9, 9, 9, 9]], [sp, SamplingParams(temperature=1.0, max_tokens=12)],
                      use_tqdm=False)[0].token_ids
     assert a == b and len(a) == 12
+
+
+def test_plain_temperature_batches_take_the_fused_kernel(monkeypatch):
+    """With GPU kernels on (faked here, the kernel runs under Triton's interpreter), a batch
+    without top-k/top-p/seeds is sampled by `kernels.gumbel_sample`; others keep the torch path."""
+    pytest.importorskip("triton")
+    from atom.model_ops import kernel_backend, kernels
+    calls = []
+    real = kernels.gumbel_sample
+    monkeypatch.setattr(kernel_backend, "get", lambda x: kernels)
+    monkeypatch.setattr(kernels, "gumbel_sample", lambda *a: calls.append(a[2]) or real(*a))
+    logits = torch.randn(3, 50)
+    out = Sampler()(logits, SamplingTensors(torch.tensor([0.0, 0.9, 0.0])))
+    assert len(calls) == 1 and out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+    Sampler()(logits, SamplingTensors(torch.tensor([0.0, 0.9, 0.0]), top_ks=torch.tensor([0, 5, 0])))
+    assert len(calls) == 1  # top-k: the torch path

@@ -35,6 +35,8 @@ from atom.model_ops.kernels import (  # noqa: E402
     rms_norm_ref,
     rotary_embedding,
     rotary_embedding_ref,
+    gumbel_sample,
+    gumbel_sample_ref,
     silu_and_mul,
     silu_and_mul_ref,
 )
@@ -414,3 +416,43 @@ def test_silu_and_mul(device, I):
     for dtype in _dtypes(device):
         x = (2 * torch.randn(7, 2 * I, device=device)).to(dtype)
         _check_close(silu_and_mul(x), silu_and_mul_ref(x), dtype, "silu_and_mul")
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_gumbel_sample_distribution(device):
+    """Each row's draws follow softmax(logits / T); T = 0 rows are the argmax; bf16 logits are
+    read as they are. Frequencies over many rows against the exact probabilities."""
+    # the interpreter runs each program in Python: few rows (a looser bound) on the CPU
+    V, rows = (8, 400) if device == "cpu" else (37, 60000)
+    g = torch.Generator().manual_seed(0)
+    base = 2 * torch.randn(V, generator=g)
+    cases = ((torch.float32, 0.7),) if device == "cpu" else ((torch.float32, 0.7), (torch.bfloat16, 1.3))
+    for dtype, T in cases:
+        logits = base.to(dtype).to(device)[None].expand(rows, V).contiguous()
+        temps = torch.full((rows,), T, device=device)
+        ids = gumbel_sample(logits, temps, seed=1234)
+        assert ids.dtype == torch.int64 and ids.shape == (rows,) and int(ids.min()) >= 0 and int(ids.max()) < V
+        freq = torch.bincount(ids.cpu(), minlength=V).float() / rows
+        p = torch.softmax(base.to(dtype).float() / T, dim=-1)
+        tol = 4 * (p * (1 - p) / rows).sqrt() + 1e-3  # ~4 standard deviations per token
+        assert ((freq - p).abs() <= tol).all(), f"{dtype}: max gap {(freq - p).abs().max():.4f}"
+        ref = gumbel_sample_ref(logits.cpu(), temps.cpu(), torch.Generator().manual_seed(1))
+        freq_ref = torch.bincount(ref, minlength=V).float() / rows
+        assert ((freq_ref - p).abs() <= tol).all()  # the reference draws from the same distribution
+    assert not torch.equal(gumbel_sample(logits[:64], temps[:64], 1), gumbel_sample(logits[:64], temps[:64], 2))
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_gumbel_sample_greedy_rows_and_shapes(device):
+    V = 2100 if device == "cpu" else 151936  # more than one block of the vocab loop
+    logits = torch.randn(6, V, device=device)
+    temps = torch.tensor([0.0, 0.8, 0.0, 1.0, 0.0, 0.5], device=device)
+    ids = gumbel_sample(logits, temps, seed=7)
+    greedy = logits.argmax(-1)
+    assert torch.equal(ids[temps == 0], greedy[temps == 0])
+    logits[4, V - 1] = 1e4  # the max in the last, partial block
+    assert int(gumbel_sample(logits, temps, seed=7)[4]) == V - 1
+    wide = torch.randn(3, 2 * V, device=device)[:, :V]  # a row stride larger than V
+    assert torch.equal(gumbel_sample(wide, torch.zeros(3, device=device), 0), wide.argmax(-1))
+    with pytest.raises(ValueError, match="temperatures must be"):
+        gumbel_sample(logits, temps[:2], 0)

@@ -4,11 +4,15 @@ Rows with temperature 0 take the argmax. Other rows divide by their temperature,
 their top-k and top-p (nucleus) set, and sample by the exponential race
 (argmax of p / E with E ~ Exp(1), which draws from p). A request with a seed draws its
 noise from its own generator, so its tokens do not depend on its batch neighbours.
+On a GPU, a batch without top-k, top-p or seeds is sampled by one Triton kernel that
+reads the logits once (`kernels.sampling`: Gumbel-max, the same distribution).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from atom.model_ops import kernel_backend
 
 
 class SamplingTensors:
@@ -43,10 +47,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        if st.all_greedy:
+            return logits.argmax(dim=-1)
+        kern = kernel_backend.get(logits)
+        if kern is not None and st.top_ks is None and st.top_ps is None and not st.generators:
+            # one Triton pass (Gumbel-max), the same distribution; a fresh seed from torch's RNG
+            seed = int(torch.randint(0, 2**31 - 1, (1,)))
+            return kern.gumbel_sample(logits, st.temperatures, seed)
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
-        if st.all_greedy:
-            return greedy
         temps = st.temperatures
         scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
         scaled = apply_top_k_top_p(scaled, st.top_ks, st.top_ps)

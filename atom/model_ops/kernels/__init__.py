@@ -14,6 +14,7 @@ from atom.model_ops.kernels.rmsnorm import (
     rms_norm_ref,
 )
 from atom.model_ops.kernels.rotary import rotary_embedding, rotary_embedding_ref
+from atom.model_ops.kernels.sampling import gumbel_sample, gumbel_sample_ref
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON
 
@@ -23,4 +24,5 @@ __all__ = [
     "reshape_and_cache", "reshape_and_cache_ref",
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref",
     "rotary_embedding", "rotary_embedding_ref",
+    "gumbel_sample", "gumbel_sample_ref",
 ]
