@@ -75,8 +75,10 @@ def test_plain_temperature_batches_take_the_fused_kernel(monkeypatch):
     real = kernels.gumbel_sample
     monkeypatch.setattr(kernel_backend, "get", lambda x: kernels)
     monkeypatch.setattr(kernels, "gumbel_sample", lambda *a: calls.append(a[2]) or real(*a))
-    logits = torch.randn(3, 50)
-    out = Sampler()(logits, SamplingTensors(torch.tensor([0.0, 0.9, 0.0])))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels need GPU tensors
+    logits = torch.randn(3, 50, device=dev)
+    temps = torch.tensor([0.0, 0.9, 0.0], device=dev)
+    out = Sampler()(logits, SamplingTensors(temps))
     assert len(calls) == 1 and out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
-    Sampler()(logits, SamplingTensors(torch.tensor([0.0, 0.9, 0.0]), top_ks=torch.tensor([0, 5, 0])))
+    Sampler()(logits, SamplingTensors(temps, top_ks=torch.tensor([0, 5, 0], device=dev)))
     assert len(calls) == 1  # top-k: the torch path

@@ -37,6 +37,8 @@ from atom.model_ops.kernels import (  # noqa: E402
     rotary_embedding_ref,
     gumbel_sample,
     gumbel_sample_ref,
+    gemv,
+    gemv_ref,
     silu_and_mul,
     silu_and_mul_ref,
 )
@@ -456,3 +458,16 @@ def test_gumbel_sample_greedy_rows_and_shapes(device):
     assert torch.equal(gumbel_sample(wide, torch.zeros(3, device=device), 0), wide.argmax(-1))
     with pytest.raises(ValueError, match="temperatures must be"):
         gumbel_sample(logits, temps[:2], 0)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("N,K", [(40, 96), (130, 600), (1024, 3072), (6144, 1024)])
+def test_gemv(device, N, K):
+    if device == "cpu" and N * K > 100_000:
+        pytest.skip("large shapes on the GPU only")
+    for dtype in _dtypes(device):
+        x = torch.randn(1, K, device=device).to(dtype)
+        w = (torch.randn(N, 2 * K, device=device) / K ** 0.5).to(dtype)[:, :K]  # row stride 2K
+        _check_close(gemv(x, w), gemv_ref(x, w), dtype, "gemv")
+    with pytest.raises(ValueError, match="one row"):
+        gemv(torch.zeros(2, K, device=device), w)

@@ -6,6 +6,8 @@ format is refused at build time, before any weight loads.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,16 +15,83 @@ from torch import nn
 from atom.quant_spec import LayerQuantConfig, QuantType
 
 
+logger = logging.getLogger(__name__)
 _ONEDNN = torch.backends.mkldnn.is_available()
+# (N, K, dtype) of the weights whose one-row products run the Triton GEMV, and the timings
+# that chose it (cuBLAS us, Triton us): filled by `choose_gemv_shapes` on a GPU.
+GEMV_CHOICES: dict[tuple, tuple[float, float]] = {}
+_GEMV_SHAPES: set[tuple] = set()
+_gemv = None
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b). fp32 on the CPU goes to oneDNN's matmul: on the 2-core machine it streams
     the weights 1.3-1.7x faster than `F.linear`'s BLAS call at 1-256 rows
-    (`python -m atom.benchmarks.cpu_gemm` measures both)."""
-    if _ONEDNN and x.is_cpu and x.dtype == torch.float32 and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    (`python -m atom.benchmarks.cpu_gemm` measures both). On a GPU, a single row (batch-1
+    decode) of a weight shape where it measured faster goes to the Triton GEMV."""
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    if x.is_cpu:
+        if _ONEDNN and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    elif (_GEMV_SHAPES and bias is None and x.dim() == 2 and x.shape[0] == 1
+          and (weight.shape[0], weight.shape[1], weight.dtype) in _GEMV_SHAPES):
+        return _gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+def _graph_replay_ms(fn, reps: int = 20) -> float:
+    """GPU time of `fn` (kernel launches only, as in a CUDA graph): ms per replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.05) -> dict:
+    """Times cuBLAS against the Triton GEMV on one row for every (N, K, dtype) of the model's
+    bf16/fp16 linear weights (inside CUDA graphs, cycling through all the layers' weights of
+    the shape so that they come from HBM, not L2) and routes a shape to the GEMV where it is
+    at least `min_gain` times faster and gives the same result. Returns {shape: (cuBLAS us,
+    Triton us)}; an empty dict off the GPU."""
+    global _gemv
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, Linear) and m.bias is None and w is not None and w.is_cuda \
+                and w.dtype in (torch.bfloat16, torch.float16):
+            groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
+    if not groups:
+        return {}
+    from atom.model_ops.kernels.gemv import gemv
+    _gemv = gemv
+    out = {}
+    for key, ws in groups.items():
+        x = torch.randn(1, key[1], device=ws[0].device, dtype=key[2])
+        ref, got = F.linear(x, ws[0]), gemv(x, ws[0])
+        if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
+            logger.warning("Triton GEMV disagrees with cuBLAS on %s: not used", key)
+            continue
+        blas = _graph_replay_ms(lambda: [F.linear(x, w) for w in ws]) * 1e3 / len(ws)
+        tri = _graph_replay_ms(lambda: [gemv(x, w) for w in ws]) * 1e3 / len(ws)
+        out[key] = (blas, tri)
+        if blas >= min_gain * tri:
+            _GEMV_SHAPES.add(key)
+        else:
+            _GEMV_SHAPES.discard(key)
+        logger.info("one-row GEMM %dx%d %s: cuBLAS %.1f us, Triton GEMV %.1f us -> %s", key[0], key[1],
+                    key[2], blas, tri, "Triton" if key in _GEMV_SHAPES else "cuBLAS")
+    GEMV_CHOICES.update(out)
+    return out
 
 
 def _check_unquantized(spec: LayerQuantConfig | None, prefix: str) -> None:
