@@ -33,7 +33,8 @@ def fake_vllm(tmp_path, monkeypatch):
     pkg = tmp_path / "vllm"
     (pkg / "inputs").mkdir(parents=True)
     (pkg / "__init__.py").write_text(FAKE)
-    (pkg / "inputs" / "__init__.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    (pkg / "inputs" / "__init__.py").write_text(
+        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), root]))
 

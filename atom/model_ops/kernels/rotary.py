@@ -75,6 +75,7 @@ if HAS_TRITON:
             tl.store(vc_ptr + dst + HALF, tl.load(src + HALF, mask=mask).to(vc_ptr.dtype.element_ty),
                      mask=mask)
 
+
 def _heads_view(x: torch.Tensor, head_dim: int, name: str):
     """(row stride, head stride, num heads) of a [T, H*D] or [T, H, D] tensor."""
     if x.stride(-1) != 1:
@@ -138,7 +139,8 @@ def rotary_embedding(
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     half = head_dim // 2
     np2 = triton.next_power_of_2
-    v, kc, vc, slots, (svt, svh), (scb, sco, sch), block_size = write or (cs, cs, cs, positions, (0, 0), (0, 0, 0), 1)
+    no_write = (cs, cs, cs, positions, (0, 0), (0, 0, 0), 1)  # unused pointers and strides
+    v, kc, vc, slots, (svt, svh), (scb, sco, sch), block_size = write or no_write
     _rope_kernel[(T,)](
         positions, q, k, cs,
         q_norm_weight if q_norm_weight is not None else cs,
