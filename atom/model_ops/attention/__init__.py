@@ -1,4 +1,5 @@
-"""The attention layer: writes this step's K/V into the paged cache, then attends.
+"""The attention layer: writes this step's K/V into the paged cache, then attends (on a GPU
+the rotary kernel may have written them already: then k = v = None).
 
 The backend is chosen by `atom.platform` (torch reference on a CPU, the Triton unified
 kernel on a GPU). The layer reads the per-forward `AttentionMetadata`; the `ModelRunner`
