@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 
 import torch
+
+from atom.utils.cuda_timing import graph_time
 
 HBM_BYTES_PER_S = 4.3e12  # measured D2D copy on the H200
 BF16_FLOPS = 790e12  # measured dense bf16 GEMM on the H200
@@ -59,33 +60,6 @@ def _prefill_case(B, L, Hq=16, Hkv=8, D=128, bs=16, dtype=torch.bfloat16, dev="c
     return c
 
 
-def _graph_time(calls, iters=25):
-    """Median seconds per call, replaying all ``calls`` captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del g
-    return statistics.median(times) / len(calls)
-
-
 def _host_us(fn, n=200):
     fn()
     torch.cuda.synchronize()
@@ -105,7 +79,7 @@ def _bench(fn, rep=60):
 
 def _try(calls):
     try:
-        return _graph_time(calls, iters=10)
+        return graph_time(calls, iters=10)
     except Exception as e:  # e.g. out of shared memory for a big tile
         print(f"    config failed: {str(e).splitlines()[0][:100]}")
         return float("inf")
@@ -124,7 +98,7 @@ def _sdpa_peer(cases):
         v = case["v_cache"][bt].reshape(B, -1, Hkv, D)[:, :ctx].transpose(1, 2).contiguous()
         q = case["q"].view(B, Hq, 1, D)
         calls.append(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-    return _graph_time(calls)
+    return graph_time(calls)
 
 
 def main(argv=None):
@@ -157,7 +131,7 @@ def main(argv=None):
         cases = _decode_cases(B, ctx)
         nbytes = 2 * B * ctx * 8 * 128 * 2 + 2 * cases[0]["q"].numel() * 2
         cfg = pick_attention_config(B, B, 16, 8, 128, 1, dev, max_splits=ws.max_splits)
-        t = _graph_time([attn(c) for c in cases])
+        t = graph_time([attn(c) for c in cases])
         t_eager = _bench(attn(cases[0]))
         host = _host_us(attn(cases[0]))
         try:
@@ -179,7 +153,7 @@ def main(argv=None):
     # prefill: 4 x 2048 causal, FLOPs = 4 * B * Hq * D * L^2 / 2
     pre = _prefill_case(4, 2048)
     flops = 4 * 4 * 16 * 128 * 2048 ** 2 / 2
-    t = _graph_time([lambda: unified_attention(**pre)])
+    t = graph_time([lambda: unified_attention(**pre)])
     rows.append(dict(kind="prefill", batch=4, ctx=2048, time_us=t * 1e6,
                      tflops=flops / t / 1e12, frac_peak=flops / t / BF16_FLOPS))
     print(f"prefill 4x2048: {t * 1e6:.1f} us  {flops / t / 1e12:.1f} TFLOP/s "

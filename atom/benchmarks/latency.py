@@ -62,19 +62,19 @@ def main(argv=None) -> None:
     from rich.table import Table
     cfg = MODEL_CONFIGS[args.model]
     path = write_model_config(args.model)
-    args.max_model_len = 2048
+    args.max_model_len, args.max_num_seqs = 2048, max(args.batches)  # both engines run with these
     peer = {}
     if args.peer == "vllm":
         from atom.benchmarks.peer_vllm import run_in_child
         peer = run_in_child("latency", path, cfg["vocab_size"], args,
                             ["--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len),
-                             "--new-tokens", str(args.new_tokens), "--max-num-seqs", str(max(args.batches))])
+                             "--new-tokens", str(args.new_tokens)])
     results = []
     for mode in args.modes:
         kw = dict(enforce_eager=True) if mode == "eager" else dict(
             compilation_config={"level": args.level, "cudagraph_capture_sizes": sorted(set(args.batches))})
         llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
-                  max_num_seqs=max(args.batches), **kw)
+                  max_num_seqs=args.max_num_seqs, **kw)
         for b in args.batches:
             r = measure(llm, b, args.prompt_len, args.new_tokens, cfg["vocab_size"])
             ctx = args.prompt_len + args.new_tokens // 2

@@ -6,6 +6,7 @@ format is refused at build time, before any weight loads.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.quant_spec import LayerQuantConfig, QuantType
+from atom.utils.cuda_timing import graph_time
 
 
 logger = logging.getLogger(__name__)
@@ -25,9 +27,9 @@ _gemv = None
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b). fp32 on the CPU goes to oneDNN's matmul: on the 2-core machine it streams
-    the weights 1.3-1.7x faster than `F.linear`'s BLAS call at 1-256 rows
-    (`python -m atom.benchmarks.cpu_gemm` measures both). On a GPU, a single row (batch-1
+    """x W^T (+ b). fp32 on the CPU goes to oneDNN's matmul: on the 2-core machine, over the
+    embedded model's layers, it took 0.54x the time of `F.linear`'s BLAS call at one row,
+    0.72x at 32 rows, the same at 8 and 0.92x at 256 (`python -m atom.benchmarks.cpu_gemm`). On a GPU, a single row (batch-1
     decode) of a weight shape where it measured faster goes to the Triton GEMV."""
     if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
@@ -38,23 +40,6 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
           and (weight.shape[0], weight.shape[1], weight.dtype) in _GEMV_SHAPES):
         return _gemv(x, weight)
     return F.linear(x, weight, bias)
-
-
-def _graph_replay_ms(fn, reps: int = 20) -> float:
-    """GPU time of `fn` (kernel launches only, as in a CUDA graph): ms per replay."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.05) -> dict:
@@ -81,8 +66,8 @@ def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.05) -> dict:
         if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
             logger.warning("Triton GEMV disagrees with cuBLAS on %s: not used", key)
             continue
-        blas = _graph_replay_ms(lambda: [F.linear(x, w) for w in ws]) * 1e3 / len(ws)
-        tri = _graph_replay_ms(lambda: [gemv(x, w) for w in ws]) * 1e3 / len(ws)
+        blas = graph_time([functools.partial(F.linear, x, w) for w in ws]) * 1e6
+        tri = graph_time([functools.partial(gemv, x, w) for w in ws]) * 1e6
         out[key] = (blas, tri)
         if blas >= min_gain * tri:
             _GEMV_SHAPES.add(key)

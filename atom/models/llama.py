@@ -48,11 +48,12 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        if kernel_backend.get(qkv) is not None and self.attn.backend == "triton":
+        kern = kernel_backend.get(qkv)
+        if kern is not None and self.attn.backend == "triton":
             # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
             self.rotary_emb(positions, q, k, *norms, kv_cache=self.attn.cache_write_args(v))
             return self.o_proj(self.attn(q, None, None))
-        if self.qk_norm or kernel_backend.get(qkv) is not None:
+        if self.qk_norm or kern is not None:
             q, k = self.rotary_emb(positions, q, k, *norms)
         else:  # torch path: rotate q and k heads in one go
             qk = self.rotary_emb.rotate(positions, qkv[:, :q_size + kv_size])
