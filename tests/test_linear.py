@@ -33,22 +33,59 @@ def test_linear_layers_use_dense():
     torch.testing.assert_close(plain(x), F.linear(x, plain.weight, plain.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_norm_linear_is_norm_then_linear():
+    """Off the fused path (CPU, or no measured choice) `norm_linear` is the layers in order."""
+    from atom.model_ops.activation import silu_and_mul_ref
+    from atom.model_ops.linear import norm_linear
+    from atom.model_ops.norm import RMSNorm
+    norm, lin = RMSNorm(32), MergedLinear(32, [16, 16])
+    norm.weight.data.uniform_(0.5, 1.5)
+    lin.weight.data.normal_()
+    x, res = torch.randn(3, 32), torch.randn(3, 32)
+    h, new_res = norm(x, res)
+    y, r = norm_linear(norm, lin, x, res)
+    torch.testing.assert_close(y, lin(h)); torch.testing.assert_close(r, new_res)
+    y, r = norm_linear(norm, lin, x, res, gated=True)
+    torch.testing.assert_close(y, silu_and_mul_ref(lin(h)))
+    y, r = norm_linear(norm, lin, x, None)  # the first layer: no add, the residual is x
+    assert r is x
+    torch.testing.assert_close(y, lin(norm(x)))
+
+
 @pytest.mark.gpu
 def test_gemv_choice_keeps_results(monkeypatch):
-    """On a GPU: the per-shape choice is made, and whichever path a shape takes, dense() of
-    one row matches F.linear; forcing the Triton GEMV for every shape matches too."""
+    """On a GPU: the per-key choice is made for every variant the layers declare, and whichever
+    path a key takes, the layer call on one row matches the unfused torch layers; forcing the
+    Triton GEMV for every key matches too."""
     from atom.model_ops import linear
-    layers = torch.nn.Sequential(*[MergedLinear(1024, [3072, 3072]) for _ in range(4)],
-                                 *[Linear(3072, 1024) for _ in range(4)]).cuda().bfloat16()
+    from atom.model_ops.activation import silu_and_mul_ref
+    from atom.model_ops.norm import RMSNorm
+    bf = torch.bfloat16
+    gate_up = [MergedLinear(1024, [3072, 3072]) for _ in range(4)]
+    qkv = [Linear(1024, 4096) for _ in range(4)]
+    down = [Linear(3072, 1024) for _ in range(4)]
+    for m in gate_up:
+        m.one_row = "norm+silu"
+    for m in qkv:
+        m.one_row = "norm"
+    layers = torch.nn.Sequential(*gate_up, *qkv, *down).cuda().to(bf)
     for m in layers:
         m.weight.data.normal_(std=0.02)
-    monkeypatch.setattr(linear, "_GEMV_SHAPES", set())
+    norm = RMSNorm(1024).cuda().to(bf)
+    norm.weight.data.uniform_(0.5, 1.5)
+    monkeypatch.setattr(linear, "_GEMV_SHAPES", {})
     choices = linear.choose_gemv_shapes(layers)
-    assert set(choices) == {(6144, 1024, torch.bfloat16), (1024, 3072, torch.bfloat16)}
+    assert set(choices) == {(6144, 1024, bf, "norm+silu"), (4096, 1024, bf, "norm"), (1024, 3072, bf, "plain")}
     assert all(b > 0 and t > 0 for b, t in choices.values())
     for force in (False, True):
         if force:
-            linear._GEMV_SHAPES.update(choices)
-        for m in (layers[0], layers[4]):
-            x = torch.randn(1, m.in_features, device="cuda", dtype=torch.bfloat16)
-            torch.testing.assert_close(m(x), F.linear(x, m.weight), rtol=2e-2, atol=2e-2)
+            linear._GEMV_SHAPES.update({k: {} for k in choices})  # {}: the default configuration
+        x, res = (torch.randn(1, 1024, device="cuda", dtype=bf) for _ in range(2))
+        h, new_res = norm(x, res)
+        for m, gated in ((gate_up[0], True), (qkv[0], False)):
+            y, r = linear.norm_linear(norm, m, x, res, gated=gated)
+            ref = F.linear(h, m.weight)
+            torch.testing.assert_close(y, silu_and_mul_ref(ref) if gated else ref, rtol=2e-2, atol=2e-2)
+            assert torch.equal(r, new_res)
+        x = torch.randn(1, 3072, device="cuda", dtype=bf)
+        torch.testing.assert_close(down[0](x), F.linear(x, down[0].weight), rtol=2e-2, atol=2e-2)

@@ -38,6 +38,8 @@ from atom.model_ops.kernels import (  # noqa: E402
     gumbel_sample,
     gumbel_sample_ref,
     gemv,
+    gemv_fused,
+    gemv_fused_ref,
     gemv_ref,
     silu_and_mul,
     silu_and_mul_ref,
@@ -219,6 +221,7 @@ def test_attention_workspace_and_padding(device):
         batch = _make_batch(kinds, 8, 2, 64, 16, dtype, device, 70, seed=seed, pad_tokens=2)
         out = _run_attention(batch, dtype, f"ws {seed}", num_kv_splits=8, workspace=ws)
         assert torch.isnan(out[-2:]).all(), "padding tokens were written"
+        assert not ws.counters.any(), "the merging programs left arrival counters set"
     # too many tokens for the workspace: falls back to one pass, still right
     batch = _make_batch(["decode"] * 20, 8, 2, 64, 16, dtype, device, 40, seed=9)
     _run_attention(batch, dtype, "ws overflow", num_kv_splits=8, workspace=ws)
@@ -268,6 +271,7 @@ def test_attention_cuda_graph_replay():
         ref = paged_attention_ref(q, k_cache, v_cache, torch.empty_like(q), cu, seq_lens, bt,
                                   D ** -0.5, 1)
         _check_close(out, ref, dtype, f"graph {lens}")
+        assert not ws.counters.any()
 
 
 # --------------------------------------------------------------------------- small kernels
@@ -471,3 +475,37 @@ def test_gemv(device, N, K):
         _check_close(gemv(x, w), gemv_ref(x, w), dtype, "gemv")
     with pytest.raises(ValueError, match="one row"):
         gemv(torch.zeros(2, K, device=device), w)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("N,K", [(40, 96), (130, 600), (4096, 1024), (12288, 1024), (1024, 3072)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gemv_fused(device, N, K, gated):
+    """RMSNorm (with and without the residual add) folded into the GEMV, and the SiLU-and-mul
+    epilogue of a [gate | up] weight, against the reference and the new residual exactly."""
+    if device == "cpu" and N * K > 100_000:
+        pytest.skip("large shapes on the GPU only")
+    for dtype in _dtypes(device):
+        x = torch.randn(1, K, device=device).to(dtype)
+        res = torch.randn(1, K, device=device).to(dtype)
+        nw = (torch.rand(K, device=device) + 0.5).to(dtype)
+        w = (torch.randn(N, 2 * K, device=device) / K ** 0.5).to(dtype)[:, :K]  # row stride 2K
+        for r in (res, None):
+            y, new_res = gemv_fused(x, r, nw, 1e-6, w, gated)
+            y_ref, res_ref = gemv_fused_ref(x, r, nw, 1e-6, w, gated)
+            assert y.shape == (1, N // 2 if gated else N)
+            _check_close(y, y_ref, dtype, f"gemv_fused gated={gated} residual={r is not None}")
+            assert torch.equal(new_res, res_ref)
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv_fused(x, res, nw[:-1], 1e-6, w, gated)
+
+
+def test_gemv_fused_ref_is_the_unfused_layers():
+    """The reference composes the layers' own references: add + RMSNorm, x W^T, SiLU-and-mul."""
+    g = torch.Generator().manual_seed(3)
+    x, res = torch.randn(1, 64, generator=g).half(), torch.randn(1, 64, generator=g).half()
+    nw, w = torch.rand(64, generator=g).half() + 0.5, torch.randn(48, 64, generator=g).half() / 8
+    h, r = fused_add_rms_norm_ref(x, res, nw, 1e-6)
+    y, r2 = gemv_fused_ref(x, res, nw, 1e-6, w, gated=True)
+    assert torch.equal(r2, r)
+    torch.testing.assert_close(y, silu_and_mul_ref(gemv_ref(h, w)), atol=2e-3, rtol=2e-3)

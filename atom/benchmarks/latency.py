@@ -96,11 +96,19 @@ def main(argv=None) -> None:
             row += [f"{r['profile_ms'].get(k, float('nan')):.3f}" for k in PROFILE]
         t.add_row(*row)
     Console().print(t)
+    from atom.model_ops.linear import GEMV_CHOICES, _GEMV_SHAPES
+    choices = {f"{n}x{k} {v}": {"unfused_us": round(a, 2), "triton_us": round(b, 2),
+                                "uses_triton": (n, k, dt, v) in _GEMV_SHAPES}
+               for (n, k, dt, v), (a, b) in GEMV_CHOICES.items()}
+    for name, c in choices.items():
+        Console().print(f"one-row {name}: unfused {c['unfused_us']} us, Triton GEMV {c['triton_us']} us"
+                        f" -> {'Triton' if c['uses_triton'] else 'unfused'}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "date": time.strftime("%Y-%m-%d"),
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       "peer": peer and f"vLLM {peer['vllm_version']}", "results": results}, f, indent=1)
+                       "peer": peer and f"vLLM {peer['vllm_version']}", "results": results,
+                       "one_row_choices": choices}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ def gpu_main(args) -> dict:
         vllm_res = run_in_child("throughput", path, vocab, args, ["--num-seqs", str(args.num_seqs)])
     llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              compilation_config={"level": args.level})
     run_atom(llm, mixed_workload(16, (64, 512), (16, 64), vocab, seed=1), args.temperature)  # warm-up
     runs = [run_atom(llm, reqs, args.temperature) for _ in range(args.repeat)]
     tok, sec = min(runs, key=lambda r: r[1])
@@ -124,7 +125,8 @@ def gpu_main(args) -> dict:
     res = {"device": torch.cuda.get_device_name(), "model": args.model, "num_seqs": len(reqs),
            "output_tokens": tok, "atom_s": sec, "atom_tok_s": tok / sec,
            "all_runs_s": [r[1] for r in runs], "roofline_tok_s": floor.tokens_per_s,
-           "roofline_fraction": (tok / sec) / floor.tokens_per_s, "enforce_eager": args.enforce_eager}
+           "roofline_fraction": (tok / sec) / floor.tokens_per_s, "enforce_eager": args.enforce_eager,
+           "level": args.level}
     if args.peer == "hf":
         del llm
         torch.cuda.empty_cache()
@@ -179,6 +181,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--level", type=int, default=0, help="compilation level (0-3) of ATOM's engine")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -13,7 +13,11 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    k = kernel_backend.get(x)
+    return k.silu_and_mul(x) if k else silu_and_mul_ref(x)
+
+
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = kernel_backend.get(x)
-        return k.silu_and_mul(x) if k else silu_and_mul_ref(x)
+        return silu_and_mul(x)

@@ -13,68 +13,120 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.model_ops.activation import silu_and_mul
+from atom.model_ops.norm import RMSNorm
 from atom.quant_spec import LayerQuantConfig, QuantType
 from atom.utils.cuda_timing import graph_time
 
 
 logger = logging.getLogger(__name__)
 _ONEDNN = torch.backends.mkldnn.is_available()
-# (N, K, dtype) of the weights whose one-row products run the Triton GEMV, and the timings
-# that chose it (cuBLAS us, Triton us): filled by `choose_gemv_shapes` on a GPU.
+# One-row (batch-1 decode) products on a GPU: the keys (N, K, dtype, variant) that run a
+# Triton GEMV with the kernel configuration chosen for them, and the timings that chose it
+# ({key: (unfused us, Triton us)}), filled by `choose_gemv_shapes`. Variants: "plain"
+# (x W^T), "norm" (RMSNorm of x + residual first), "norm+silu" (the same, then SiLU-and-mul
+# of a [gate | up] product).
 GEMV_CHOICES: dict[tuple, tuple[float, float]] = {}
-_GEMV_SHAPES: set[tuple] = set()
-_gemv = None
+_GEMV_SHAPES: dict[tuple, dict] = {}
+VARIANTS = ("plain", "norm", "norm+silu")
+
+
+def _one_row_config(x: torch.Tensor, weight: torch.Tensor, variant: str):
+    """The GEMV configuration chosen for this product when `x` is one row on a GPU outside
+    torch.compile and the Triton GEMV was measured faster for it, else None."""
+    if not _GEMV_SHAPES or x.dim() != 2 or x.shape[0] != 1 or x.is_cpu or torch.compiler.is_compiling():
+        return None
+    return _GEMV_SHAPES.get((weight.shape[0], weight.shape[1], weight.dtype, variant))
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b). fp32 on the CPU goes to oneDNN's matmul: on the 2-core machine, over the
     embedded model's layers, it took 0.54x the time of `F.linear`'s BLAS call at one row,
-    0.72x at 32 rows, the same at 8 and 0.92x at 256 (`python -m atom.benchmarks.cpu_gemm`). On a GPU, a single row (batch-1
-    decode) of a weight shape where it measured faster goes to the Triton GEMV."""
-    if torch.compiler.is_compiling():
-        return F.linear(x, weight, bias)
+    0.72x at 32 rows, the same at 8 and 0.92x at 256 (`python -m atom.benchmarks.cpu_gemm`).
+    On a GPU, a single row (batch-1 decode) of a weight shape where it measured faster goes
+    to the Triton GEMV."""
     if x.is_cpu:
-        if _ONEDNN and x.dtype == torch.float32:
+        if _ONEDNN and x.dtype == torch.float32 and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    elif (_GEMV_SHAPES and bias is None and x.dim() == 2 and x.shape[0] == 1
-          and (weight.shape[0], weight.shape[1], weight.dtype) in _GEMV_SHAPES):
-        return _gemv(x, weight)
+    elif bias is None and (cfg := _one_row_config(x, weight, "plain")) is not None:
+        from atom.model_ops.kernels.gemv import gemv
+        return gemv(x, weight, cfg)
     return F.linear(x, weight, bias)
 
 
+def norm_linear(norm: RMSNorm, linear: "Linear", x: torch.Tensor, residual: torch.Tensor | None,
+                gated: bool = False):
+    """`linear(norm(x + residual))`, then SiLU-and-mul when `gated`; returns (y, x + residual)
+    like the norm (no add when `residual` is None: the residual is then x). One row on a GPU,
+    where `choose_gemv_shapes` measured it faster, runs as one fused Triton GEMV."""
+    cfg = _one_row_config(x, linear.weight, "norm+silu" if gated else "norm") if linear.bias is None else None
+    if cfg is not None:
+        from atom.model_ops.kernels.gemv import gemv_fused
+        return gemv_fused(x, residual, norm.weight, norm.eps, linear.weight, gated, cfg)
+    if residual is None:
+        h, residual = norm(x), x
+    else:
+        h, residual = norm(x, residual)
+    y = linear(h)
+    return (silu_and_mul(y) if gated else y), residual
+
+
+def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict | None = None):
+    """(unfused, Triton) callables of one variant on one row, for timing and checking."""
+    from atom.model_ops.kernels import fused_add_rms_norm, gemv, gemv_fused
+    from atom.model_ops.kernels import silu_and_mul as silu_mul
+    if variant == "plain":
+        return functools.partial(F.linear, x, w), functools.partial(gemv, x, w, config)
+    gated = variant == "norm+silu"
+    res, nw = torch.randn_like(x), torch.rand(x.shape[1], device=x.device, dtype=x.dtype) + 0.5
+
+    def unfused():
+        h, _ = fused_add_rms_norm(x, res, nw, 1e-6)
+        y = F.linear(h, w)
+        return silu_mul(y) if gated else y
+
+    return unfused, lambda: gemv_fused(x, res, nw, 1e-6, w, gated, config)[0]
+
+
 def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.05) -> dict:
-    """Times cuBLAS against the Triton GEMV on one row for every (N, K, dtype) of the model's
-    bf16/fp16 linear weights (inside CUDA graphs, cycling through all the layers' weights of
-    the shape so that they come from HBM, not L2) and routes a shape to the GEMV where it is
-    at least `min_gain` times faster and gives the same result. Returns {shape: (cuBLAS us,
-    Triton us)}; an empty dict off the GPU."""
-    global _gemv
+    """Times each one-row product of the model's bf16/fp16 linear layers, as the layer runs
+    it (`Linear.one_row`: plain, or with the norm before / SiLU-and-mul after), unfused
+    (cuBLAS and the separate kernels) against the Triton GEMV in each of its candidate
+    configurations, inside CUDA graphs and cycling through all the layers' weights of the
+    shape so that they come from HBM, not L2; a key (N, K, dtype, variant) goes to the GEMV's
+    fastest configuration where that is at least `min_gain` times faster than unfused and
+    gives the same result. Returns {key: (unfused us, Triton us)}; an empty dict off the GPU."""
+    from atom.model_ops.kernels.gemv import gemv_candidates
     groups: dict[tuple, list[torch.Tensor]] = {}
     for m in model.modules():
         w = getattr(m, "weight", None)
         if isinstance(m, Linear) and m.bias is None and w is not None and w.is_cuda \
                 and w.dtype in (torch.bfloat16, torch.float16):
-            groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
-    if not groups:
-        return {}
-    from atom.model_ops.kernels.gemv import gemv
-    _gemv = gemv
+            groups.setdefault((w.shape[0], w.shape[1], w.dtype, m.one_row), []).append(w)
     out = {}
     for key, ws in groups.items():
         x = torch.randn(1, key[1], device=ws[0].device, dtype=key[2])
-        ref, got = F.linear(x, ws[0]), gemv(x, ws[0])
-        if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
-            logger.warning("Triton GEMV disagrees with cuBLAS on %s: not used", key)
+        gated = key[3] == "norm+silu"
+        base = graph_time([_one_row_calls(key[3], x, w)[0] for w in ws]) * 1e6
+        best = None
+        for cfg in gemv_candidates(key[0] // 2 if gated else key[0], key[1], gated):
+            unfused, fused = _one_row_calls(key[3], x, ws[0], cfg)
+            ref, got = unfused(), fused()
+            if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
+                logger.warning("Triton GEMV %s disagrees with the unfused layers on %s: not used", cfg, key)
+                continue
+            t = graph_time([_one_row_calls(key[3], x, w, cfg)[1] for w in ws]) * 1e6
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        if best is None:
             continue
-        blas = graph_time([functools.partial(F.linear, x, w) for w in ws]) * 1e6
-        tri = graph_time([functools.partial(gemv, x, w) for w in ws]) * 1e6
-        out[key] = (blas, tri)
-        if blas >= min_gain * tri:
-            _GEMV_SHAPES.add(key)
+        out[key] = (base, best[0])
+        if base >= min_gain * best[0]:
+            _GEMV_SHAPES[key] = best[1]
         else:
-            _GEMV_SHAPES.discard(key)
-        logger.info("one-row GEMM %dx%d %s: cuBLAS %.1f us, Triton GEMV %.1f us -> %s", key[0], key[1],
-                    key[2], blas, tri, "Triton" if key in _GEMV_SHAPES else "cuBLAS")
+            _GEMV_SHAPES.pop(key, None)
+        logger.info("one-row %s %dx%d %s: unfused %.1f us, Triton GEMV %.1f us (%s) -> %s", key[3], key[0],
+                    key[1], key[2], base, best[0], best[1], "Triton" if key in _GEMV_SHAPES else "unfused")
     GEMV_CHOICES.update(out)
     return out
 
@@ -87,7 +139,11 @@ def _check_unquantized(spec: LayerQuantConfig | None, prefix: str) -> None:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). `weight_loader(param, tensor, shard_id)` copies a checkpoint tensor."""
+    """y = x W^T (+ b). `weight_loader(param, tensor, shard_id)` copies a checkpoint tensor.
+    `one_row` names how the model calls it at batch 1 (see `VARIANTS`): the model sets "norm"
+    or "norm+silu" on a layer it calls through `norm_linear`."""
+
+    one_row = "plain"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  quant_config=None, prefix: str = ""):

@@ -4,6 +4,8 @@ Reads like the architecture: embed -> N x (RMSNorm, attention with RoPE, residua
 RMSNorm, SiLU-gated MLP, residual) -> RMSNorm -> LM head. q/k/v and gate/up are packed
 into one matrix each; `packed_modules_mapping` tells the loader where checkpoint
 tensors go. Tokens of all sequences of a step are flattened into one [T, hidden] batch.
+Each RMSNorm and the projection after it go through `norm_linear` (and the MLP's
+activation with them), which at batch 1 on a GPU can run all three as one kernel.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from atom.model_ops import kernel_backend
 from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.attention import Attention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
-from atom.model_ops.linear import Linear, MergedLinear, QKVLinear
+from atom.model_ops.linear import Linear, MergedLinear, QKVLinear, norm_linear
 from atom.model_ops.norm import RMSNorm
 from atom.model_ops.rotary import RotaryEmbedding, rope_parameters
 
@@ -43,8 +45,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, layer_idx)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention output (after o_proj) of the packed q/k/v projection `qkv`."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
@@ -84,16 +86,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn.qkv_proj.one_row = "norm"
+        self.mlp.gate_up_proj.one_row = "norm+silu"
 
     def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(positions, qkv)
+        act, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual,
+                                    gated=True)
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):

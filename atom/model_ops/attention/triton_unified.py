@@ -24,8 +24,10 @@ captured in a CUDA graph.  A program finds its sequence by binary search.
 
 Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
 sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
-partial output and its log-sum-exp, and ``_merge_kernel`` combines them.  The
-scratch buffers come from an :class:`AttentionWorkspace` allocated once.
+partial output and its log-sum-exp and bumps an arrival counter of its (query
+block, kv head); the program that arrives last combines the segments and resets
+the counter, so the merge costs no second launch.  The scratch buffers and the
+counters come from an :class:`AttentionWorkspace` allocated once.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _unified_attn_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
         cu_ptr, seq_lens_ptr, bt_ptr,
         scale_log2, num_seqs,
         stride_qt, stride_qh,
@@ -117,7 +119,7 @@ if HAS_TRITON:
         stride_vb, stride_vs, stride_vh,
         stride_bt,
         stride_pot, stride_poh, stride_pos,
-        stride_plt, stride_plh,
+        stride_plt, stride_plh, stride_cnt,
         QPKV: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
@@ -202,46 +204,35 @@ if HAS_TRITON:
             )
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            base = tok * stride_pot + head * stride_poh + split * stride_pos
-            tl.store(po_ptr + base[:, None] + offs_d[None, :], o, mask=st_mask)
+            base = tok * stride_pot + head * stride_poh
+            tl.store(po_ptr + (base + split * stride_pos)[:, None] + offs_d[None, :], o, mask=st_mask)
             tl.store(plse_ptr + tok * stride_plt + head * stride_plh + split, lse, mask=row_ok)
-
-    @triton.jit
-    def _merge_kernel(
-        out_ptr, po_ptr, plse_ptr, cu_ptr, num_seqs,
-        stride_ot, stride_oh,
-        stride_pot, stride_poh, stride_pos,
-        stride_plt, stride_plh,
-        HEAD_DIM: tl.constexpr,
-        HEAD_PAD: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-    ):
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        if t >= tl.load(cu_ptr + num_seqs):
-            return  # padding token, left untouched like the one-pass path
-        offs_s = tl.arange(0, NUM_SPLITS)
-        offs_d = tl.arange(0, HEAD_PAD)
-        d_ok = offs_d < HEAD_DIM
-        t64 = t.to(tl.int64)
-        lse = tl.load(plse_ptr + t64 * stride_plt + h * stride_plh + offs_s)
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)  # empty segments: exp2(-inf) = 0
-        denom = tl.sum(w, 0)
-        denom = tl.where(denom == 0.0, 1.0, denom)
-        po = tl.load(
-            po_ptr + t64 * stride_pot + h * stride_poh
-            + offs_s[:, None] * stride_pos + offs_d[None, :],
-            mask=(w > 0.0)[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        o = tl.sum(po * w[:, None], 0) / denom
-        tl.store(
-            out_ptr + t64 * stride_ot + h * stride_oh + offs_d,
-            o.to(out_ptr.dtype.element_ty),
-            mask=d_ok,
-        )
+            # all threads' partials are written before the release of the counter bump
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + qblock * stride_cnt + kvh, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:  # the last segment of this block: merge
+                lse_ptrs = plse_ptr + tok * stride_plt + head * stride_plh
+                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for sp in tl.static_range(NUM_SPLITS):
+                    m = tl.maximum(m, tl.load(lse_ptrs + sp, mask=row_ok, other=float("-inf"),
+                                              cache_modifier=".cg"))
+                m = tl.where(m == float("-inf"), 0.0, m)
+                denom = tl.zeros([BLOCK_M], tl.float32)
+                merged = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+                for sp in tl.static_range(NUM_SPLITS):
+                    w = tl.exp2(tl.load(lse_ptrs + sp, mask=row_ok, other=float("-inf"),
+                                        cache_modifier=".cg") - m)  # empty segments: 0
+                    part = tl.load(po_ptr + (base + sp * stride_pos)[:, None] + offs_d[None, :],
+                                   mask=st_mask & (w > 0.0)[:, None], other=0.0, cache_modifier=".cg")
+                    merged += part * w[:, None]
+                    denom += w
+                denom = tl.where(denom == 0.0, 1.0, denom)
+                tl.store(
+                    out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                    (merged / denom[:, None]).to(out_ptr.dtype.element_ty),
+                    mask=st_mask,
+                )
+                tl.store(cnt_ptr + qblock * stride_cnt + kvh, 0)  # ready for the next launch (graphs)
 
 
 def _next_pow2(x: int) -> int:
@@ -310,7 +301,9 @@ class AttentionWorkspace:
 
     ``max_num_tokens`` bounds the tokens of a batch that may take the split path;
     a batch with more tokens (or more splits than ``max_splits``) runs unsplit,
-    which is again a decision on shapes only.
+    which is again a decision on shapes only. The arrival counters (one per query
+    block and kv head, at most ``2 * max_num_tokens`` blocks) start at zero and are
+    left at zero by every launch.
     """
 
     def __init__(self, max_num_tokens: int, num_q_heads: int, head_dim: int,
@@ -326,17 +319,20 @@ class AttentionWorkspace:
             dtype=torch.float32, device=device)
         self.partial_lse = torch.empty(
             (self.max_num_tokens, num_q_heads, max_splits), dtype=torch.float32, device=device)
+        self.counters = torch.zeros((2 * self.max_num_tokens, num_q_heads), dtype=torch.int32, device=device)
 
-    def buffers(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
-        """Views for this batch, or ``None`` if it does not fit."""
+    def buffers(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
+                num_q_blocks: int = 0):
+        """(partial out, partial lse, counters) for this batch, or ``None`` if it does not fit."""
         if (num_tokens > self.max_num_tokens or num_q_heads != self.num_q_heads
-                or head_dim != self.head_dim or num_splits > self.max_splits):
+                or head_dim != self.head_dim or num_splits > self.max_splits
+                or num_q_blocks > self.counters.shape[0]):
             return None
-        return self.partial_out[:num_tokens], self.partial_lse[:num_tokens]
+        return self.partial_out[:num_tokens], self.partial_lse[:num_tokens], self.counters
 
     @property
     def nbytes(self) -> int:
-        return (self.partial_out.numel() + self.partial_lse.numel()) * 4
+        return (self.partial_out.numel() + self.partial_lse.numel() + self.counters.numel()) * 4
 
     def __repr__(self) -> str:
         return (f"AttentionWorkspace(max_num_tokens={self.max_num_tokens}, "
@@ -420,21 +416,23 @@ def unified_attention(
     bufs = None
     if splits > 1:
         if workspace is not None:
-            bufs = workspace.buffers(T, Hq, D, splits)
+            bufs = workspace.buffers(T, Hq, D, splits, cfg["num_q_blocks"])
         else:
             bufs = (torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device),
-                    torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device))
+                    torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device),
+                    torch.zeros((cfg["num_q_blocks"], Hkv), dtype=torch.int32, device=q.device))
         if bufs is None:
             splits = 1
     if splits > 1:
-        po, plse = bufs
+        po, plse, counters = bufs
     else:
         po = plse = out  # unused placeholders
+        counters = cu_seqlens_q
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
     grid = (cfg["num_q_blocks"], Hkv, splits)
     _unified_attn_kernel[grid](
-        q, k_cache, v_cache, out, po, plse,
+        q, k_cache, v_cache, out, po, plse, counters,
         cu_seqlens_q, seq_lens, block_tables,
         float(softmax_scale) * _LOG2E, B,
         q.stride(0), q.stride(1),
@@ -443,21 +441,12 @@ def unified_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         po.stride(0), po.stride(1), po.stride(2) if splits > 1 else 0,
-        plse.stride(0), plse.stride(1),
+        plse.stride(0), plse.stride(1), counters.stride(0) if splits > 1 else 0,
         QPKV=Hq // Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if splits > 1:
-        _merge_kernel[(T, Hq)](
-            out, po, plse, cu_seqlens_q, B,
-            out.stride(0), out.stride(1),
-            po.stride(0), po.stride(1), po.stride(2),
-            plse.stride(0), plse.stride(1),
-            HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], NUM_SPLITS=splits,
-            num_warps=4 if cfg["HEAD_PAD"] >= 128 else 2,
-        )
     return out
 
 

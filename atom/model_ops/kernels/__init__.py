@@ -15,7 +15,7 @@ from atom.model_ops.kernels.rmsnorm import (
 )
 from atom.model_ops.kernels.rotary import rotary_embedding, rotary_embedding_ref
 from atom.model_ops.kernels.sampling import gumbel_sample, gumbel_sample_ref
-from atom.model_ops.kernels.gemv import gemv, gemv_ref
+from atom.model_ops.kernels.gemv import gemv, gemv_fused, gemv_fused_ref, gemv_ref
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON
 
@@ -26,5 +26,5 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref",
     "rotary_embedding", "rotary_embedding_ref",
     "gumbel_sample", "gumbel_sample_ref",
-    "gemv", "gemv_ref",
+    "gemv", "gemv_ref", "gemv_fused", "gemv_fused_ref",
 ]

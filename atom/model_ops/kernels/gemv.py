@@ -1,4 +1,5 @@
-"""y = x W^T for a single row x (batch-1 decode): a weight-streaming Triton GEMV.
+"""y = x W^T for a single row x (batch-1 decode): a weight-streaming Triton GEMV,
+optionally with the layer's RMSNorm before it and SiLU-and-mul after it.
 
 At one token per step every linear layer only streams its weight once; cuBLAS picks
 GEMM tiles for these shapes that reach about a quarter of HBM bandwidth on the 4-12 MB
@@ -6,6 +7,14 @@ matrices of a small model. Here a program owns BLOCK_N output rows and walks K i
 BLOCK_K chunks (coalesced, pipelined loads), accumulating in fp32. Whether a layer uses
 it is measured per weight shape (`atom.model_ops.linear.choose_gemv_shapes`): never slower
 than cuBLAS where it is picked.
+
+`gemv_fused` folds the two small kernels around a decoder layer's first and second
+projections into the GEMV, which at batch 1 cost as much launch and tail as the work:
+- norm prologue: every program re-reads the K activations (a few KB, from L2), adds the
+  residual, takes the RMS and normalises on the fly; program 0 also writes the new
+  residual. Each value is rounded to the activation dtype where the unfused layers round.
+- gated epilogue: for a packed [gate | up] weight of 2I rows a program accumulates gate
+  row n and up row I + n and writes silu(gate) * up, the MLP's activation, directly.
 """
 
 from __future__ import annotations
@@ -17,44 +26,132 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 if HAS_TRITON:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
+    def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, rout_ptr, N, K, stride_wn, up_rows, eps,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid = tl.program_id(0)
+        act = x_ptr.dtype.element_ty
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+        rstd = 1.0
+        if NORM:  # pass 1 over the activations: residual add and sum of squares
+            sq = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                s = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                if HAS_RES:
+                    s = (s + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(act)
+                    if pid == 0:
+                        tl.store(rout_ptr + ks, s, mask=k_ok)
+                    s = s.to(tl.float32)
+                sq += s * s
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:
+                if HAS_RES:
+                    x = (x + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(act).to(tl.float32)
+                nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                x = (x * rstd * nw).to(act).to(tl.float32)
+            w_mask = row_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
             acc += w.to(tl.float32) * x[None, :]
-        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+            if GATED:
+                wu = tl.load(w_rows + up_rows * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+                acc_up += wu.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if GATED:
+            g = y.to(act).to(tl.float32)
+            y = g / (1.0 + tl.exp(-g)) * tl.sum(acc_up, axis=1).to(act).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-def gemv_config(N: int, K: int) -> dict:
-    """Rows per program: enough programs to cover the GPU's SMs about twice."""
-    block_n = 4
-    while block_n < 32 and N // (block_n * 2) >= 256:
+def gemv_config(N: int, K: int, gated: bool = False) -> dict:
+    """Rows per program: enough programs to cover the GPU's SMs about twice (half as many
+    rows when gated: each program then streams two rows per output)."""
+    block_n, cap = 4, 16 if gated else 32
+    while block_n < cap and N // (block_n * 2) >= 256:
         block_n *= 2
     return dict(BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(K)), num_warps=4, num_stages=4)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] (or [K]), weight [N, K] with a contiguous last dim -> [1, N] in x's dtype."""
+def gemv_candidates(N: int, K: int, gated: bool = False) -> list[dict]:
+    """The configurations the start-up choice times for a shape: the default, half its rows
+    per program, and each with 8 warps."""
+    base = gemv_config(N, K, gated)
+    out = []
+    for block_n in (base["BLOCK_N"], max(2, base["BLOCK_N"] // 2)):
+        for warps in (4, 8):
+            out.append(dict(base, BLOCK_N=block_n, num_warps=warps))
+    return out
+
+
+def _check_row(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not HAS_TRITON:
         raise RuntimeError("gemv needs triton; use gemv_ref without it")
     K = weight.shape[1]
     if x.numel() != K or weight.stride(1) != 1:
         raise ValueError(f"gemv takes one row of {K} values and a row-major weight, got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)} with strides {weight.stride()}")
-    x = x.reshape(K).contiguous()
-    N = weight.shape[0]
+    return x.reshape(K).contiguous()
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [1, K] (or [K]), weight [N, K] with a contiguous last dim -> [1, N] in x's dtype.
+    `config`: tile sizes and warps (default `gemv_config`)."""
+    x = _check_row(x, weight)
+    N, K = weight.shape
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    cfg = gemv_config(N, K)
-    _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](x, weight, y, N, K, weight.stride(0), **cfg)
+    cfg = config or gemv_config(N, K)
+    _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](x, x, x, weight, y, y, N, K, weight.stride(0), 0, 0.0,
+                                                    NORM=False, HAS_RES=False, GATED=False, **cfg)
     return y
+
+
+def gemv_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+               weight: torch.Tensor, gated: bool = False, config: dict | None = None):
+    """One row: `h, res = rmsnorm(x + residual)` (no add when `residual` is None: `res` is x),
+    then `y = h W^T`, or `silu(y[:I]) * y[I:]` for a [gate | up] weight of 2I rows when `gated`.
+    Returns (y [1, N or I], res [1, K])."""
+    x = _check_row(x, weight)
+    K = x.shape[0]
+    if norm_weight.shape != (K,):
+        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} != ({K},)")
+    if residual is not None and residual.numel() != K:
+        raise ValueError(f"residual has {residual.numel()} values, x has {K}")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"a gated GEMV needs an even number of weight rows, got {weight.shape[0]}")
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    if residual is None:
+        r = rout = x
+    else:
+        r = residual.reshape(K).contiguous()
+        rout = torch.empty(K, dtype=x.dtype, device=x.device)
+    cfg = config or gemv_config(N, K, gated)
+    _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        x, r, norm_weight, weight, y, rout, N, K, weight.stride(0), N if gated else 0, float(eps),
+        NORM=True, HAS_RES=residual is not None, GATED=gated, **cfg)
+    return y, rout.view(1, K)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.reshape(1, -1).float() @ weight.float().T).to(x.dtype)
+
+
+def gemv_fused_ref(x, residual, norm_weight, eps, weight, gated: bool = False):
+    x = x.reshape(1, -1)
+    res = x if residual is None else (x.float() + residual.reshape(1, -1).float()).to(x.dtype)
+    xf = res.float()
+    h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()).to(x.dtype)
+    y = gemv_ref(h, weight)
+    if gated:
+        g, u = y.float().chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(g) * u).to(x.dtype)
+    return y, res
