@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from atom.model_ops.attention import AttentionMetadata, forward_context
+from atom.model_ops.attention.metadata import longest_first
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class CUDAGraphRunner:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = self.arange.clone()
+        self.seq_order = self.arange[:n].clone()
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -46,12 +48,16 @@ class CUDAGraphRunner:
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(self.cu_seqlens_q[:bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
                                  self.slot_mapping[:bs], max_query_len=1,
-                                 max_seq_len=self.runner.config.max_model_len)
+                                 max_seq_len=self.runner.config.max_model_len, seq_order=self.seq_order[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
         from tqdm.auto import tqdm
+        from atom.model_ops.attention import triton_backend
         t0 = time.perf_counter()
+        # the graphs keep the attention scratch they were captured with alive, even if another
+        # engine in this process registers its own
+        self.attention_workspace = triton_backend.current_workspace()
         pool = None
         self.seq_lens.fill_(1)  # warm-up/capture inputs: one token of context per row
         for bs in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph"):
@@ -83,6 +89,7 @@ class CUDAGraphRunner:
         self.slot_mapping[:n].copy_(torch.from_numpy(host.slot_mapping), non_blocking=True)
         self.seq_lens[:n].copy_(torch.from_numpy(host.seq_lens.astype(np.int32)), non_blocking=True)
         self.block_tables[:n, :w].copy_(torch.from_numpy(host.block_tables.astype(np.int32)), non_blocking=True)
+        self.seq_order[:bs].copy_(torch.from_numpy(longest_first(host.seq_lens, bs)), non_blocking=True)
         if bs > n:  # padding rows: no query tokens, no cache writes
             self.cu_seqlens_q[n + 1:bs + 1].fill_(n)
             self.slot_mapping[n:bs].fill_(-1)

@@ -29,6 +29,11 @@ def register_layers(layers: list, max_num_tokens: int, device) -> None:
     _WORKSPACE[0] = AttentionWorkspace(max_num_tokens, a.num_heads, a.head_dim, device=device)
 
 
+def current_workspace() -> Optional[AttentionWorkspace]:
+    """The split-KV scratch the op uses now (None before `register_layers`)."""
+    return _WORKSPACE[0]
+
+
 @torch.library.custom_op(OP_NAME, mutates_args=("output",))
 def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                                   output: torch.Tensor, layer_idx: int) -> None:
@@ -37,7 +42,8 @@ def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v:
     if k is not None:
         reshape_and_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
     unified_attention(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q, meta.seq_lens,
-                      meta.block_tables, layer.scale, meta.max_query_len, workspace=_WORKSPACE[0])
+                      meta.block_tables, layer.scale, meta.max_query_len, workspace=_WORKSPACE[0],
+                      seq_order=meta.seq_order)
 
 
 @unified_attention_with_output.register_fake

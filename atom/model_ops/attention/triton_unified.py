@@ -22,12 +22,17 @@ their count by ``T // BLOCK_Q + B`` so the grid depends only on shapes (and on
 ``max_query_len``, which picks the tile), never on data: the launch can be
 captured in a CUDA graph.  A program finds its sequence by binary search.
 
+Order of work: the grid's fastest axis is the kv head, so the programs of one
+sequence start together.  A decode batch may pass ``seq_order`` (int32 [B], a
+permutation, longest context first): program block i then serves sequence
+``seq_order[i]``.  The longest sequences start first and the short ones fill the
+tail; on an H200, at 64-256 sequences of ragged contexts (100-2048 tokens), this
+took the kernel from 3.8 to 4.0-4.2 TB/s of KV reads.
+
 Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
 sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
-partial output and its log-sum-exp and bumps an arrival counter of its (query
-block, kv head); the program that arrives last combines the segments and resets
-the counter, so the merge costs no second launch.  The scratch buffers and the
-counters come from an :class:`AttentionWorkspace` allocated once.
+partial output and its log-sum-exp, and ``_merge_kernel`` combines them.  The
+scratch buffers come from an :class:`AttentionWorkspace` allocated once.
 """
 
 from __future__ import annotations
@@ -110,8 +115,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _unified_attn_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
-        cu_ptr, seq_lens_ptr, bt_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr,
+        cu_ptr, seq_lens_ptr, bt_ptr, order_ptr,
         scale_log2, num_seqs,
         stride_qt, stride_qh,
         stride_ot, stride_oh,
@@ -119,7 +124,7 @@ if HAS_TRITON:
         stride_vb, stride_vs, stride_vh,
         stride_bt,
         stride_pot, stride_poh, stride_pos,
-        stride_plt, stride_plh, stride_cnt,
+        stride_plt, stride_plh,
         QPKV: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
@@ -129,15 +134,23 @@ if HAS_TRITON:
         TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        ORDERED: tl.constexpr,
     ):
-        qblock = tl.program_id(0)
-        kvh = tl.program_id(1)
+        kvh = tl.program_id(0)
+        qblock = tl.program_id(1)
         split = tl.program_id(2)
 
-        b = _find_seq(cu_ptr, num_seqs, qblock, BLOCK_Q)
+        if ORDERED:  # one query block per sequence (decode), in the given order
+            if qblock >= num_seqs:
+                return
+            b = tl.load(order_ptr + qblock)
+            local = 0
+        else:
+            b = _find_seq(cu_ptr, num_seqs, qblock, BLOCK_Q)
         q_start = tl.load(cu_ptr + b)
         q_len = tl.load(cu_ptr + b + 1) - q_start
-        local = qblock - (q_start // BLOCK_Q + b)
+        if not ORDERED:
+            local = qblock - (q_start // BLOCK_Q + b)
         if local * BLOCK_Q >= q_len:
             return  # spare program (the grid is an upper bound)
 
@@ -204,35 +217,46 @@ if HAS_TRITON:
             )
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            base = tok * stride_pot + head * stride_poh
-            tl.store(po_ptr + (base + split * stride_pos)[:, None] + offs_d[None, :], o, mask=st_mask)
+            base = tok * stride_pot + head * stride_poh + split * stride_pos
+            tl.store(po_ptr + base[:, None] + offs_d[None, :], o, mask=st_mask)
             tl.store(plse_ptr + tok * stride_plt + head * stride_plh + split, lse, mask=row_ok)
-            # all threads' partials are written before the release of the counter bump
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + qblock * stride_cnt + kvh, 1, sem="acq_rel")
-            if arrived == NUM_SPLITS - 1:  # the last segment of this block: merge
-                lse_ptrs = plse_ptr + tok * stride_plt + head * stride_plh
-                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                for sp in tl.static_range(NUM_SPLITS):
-                    m = tl.maximum(m, tl.load(lse_ptrs + sp, mask=row_ok, other=float("-inf"),
-                                              cache_modifier=".cg"))
-                m = tl.where(m == float("-inf"), 0.0, m)
-                denom = tl.zeros([BLOCK_M], tl.float32)
-                merged = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-                for sp in tl.static_range(NUM_SPLITS):
-                    w = tl.exp2(tl.load(lse_ptrs + sp, mask=row_ok, other=float("-inf"),
-                                        cache_modifier=".cg") - m)  # empty segments: 0
-                    part = tl.load(po_ptr + (base + sp * stride_pos)[:, None] + offs_d[None, :],
-                                   mask=st_mask & (w > 0.0)[:, None], other=0.0, cache_modifier=".cg")
-                    merged += part * w[:, None]
-                    denom += w
-                denom = tl.where(denom == 0.0, 1.0, denom)
-                tl.store(
-                    out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                    (merged / denom[:, None]).to(out_ptr.dtype.element_ty),
-                    mask=st_mask,
-                )
-                tl.store(cnt_ptr + qblock * stride_cnt + kvh, 0)  # ready for the next launch (graphs)
+
+    @triton.jit
+    def _merge_kernel(
+        out_ptr, po_ptr, plse_ptr, cu_ptr, num_seqs,
+        stride_ot, stride_oh,
+        stride_pot, stride_poh, stride_pos,
+        stride_plt, stride_plh,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        if t >= tl.load(cu_ptr + num_seqs):
+            return  # padding token, left untouched like the one-pass path
+        offs_s = tl.arange(0, NUM_SPLITS)
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_DIM
+        t64 = t.to(tl.int64)
+        lse = tl.load(plse_ptr + t64 * stride_plt + h * stride_plh + offs_s)
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # empty segments: exp2(-inf) = 0
+        denom = tl.sum(w, 0)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        po = tl.load(
+            po_ptr + t64 * stride_pot + h * stride_poh
+            + offs_s[:, None] * stride_pos + offs_d[None, :],
+            mask=(w > 0.0)[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        o = tl.sum(po * w[:, None], 0) / denom
+        tl.store(
+            out_ptr + t64 * stride_ot + h * stride_oh + offs_d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=d_ok,
+        )
 
 
 def _next_pow2(x: int) -> int:
@@ -301,9 +325,7 @@ class AttentionWorkspace:
 
     ``max_num_tokens`` bounds the tokens of a batch that may take the split path;
     a batch with more tokens (or more splits than ``max_splits``) runs unsplit,
-    which is again a decision on shapes only. The arrival counters (one per query
-    block and kv head, at most ``2 * max_num_tokens`` blocks) start at zero and are
-    left at zero by every launch.
+    which is again a decision on shapes only.
     """
 
     def __init__(self, max_num_tokens: int, num_q_heads: int, head_dim: int,
@@ -319,20 +341,17 @@ class AttentionWorkspace:
             dtype=torch.float32, device=device)
         self.partial_lse = torch.empty(
             (self.max_num_tokens, num_q_heads, max_splits), dtype=torch.float32, device=device)
-        self.counters = torch.zeros((2 * self.max_num_tokens, num_q_heads), dtype=torch.int32, device=device)
 
-    def buffers(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
-                num_q_blocks: int = 0):
-        """(partial out, partial lse, counters) for this batch, or ``None`` if it does not fit."""
+    def buffers(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
+        """Views for this batch, or ``None`` if it does not fit."""
         if (num_tokens > self.max_num_tokens or num_q_heads != self.num_q_heads
-                or head_dim != self.head_dim or num_splits > self.max_splits
-                or num_q_blocks > self.counters.shape[0]):
+                or head_dim != self.head_dim or num_splits > self.max_splits):
             return None
-        return self.partial_out[:num_tokens], self.partial_lse[:num_tokens], self.counters
+        return self.partial_out[:num_tokens], self.partial_lse[:num_tokens]
 
     @property
     def nbytes(self) -> int:
-        return (self.partial_out.numel() + self.partial_lse.numel() + self.counters.numel()) * 4
+        return (self.partial_out.numel() + self.partial_lse.numel()) * 4
 
     def __repr__(self) -> str:
         return (f"AttentionWorkspace(max_num_tokens={self.max_num_tokens}, "
@@ -384,6 +403,7 @@ def unified_attention(
     *,
     num_kv_splits: Optional[int] = None,
     config: Optional[dict] = None,
+    seq_order: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; writes ``out`` in place and returns it.
 
@@ -392,6 +412,8 @@ def unified_attention(
     segments (any ``max_query_len``).  ``config`` overrides tile choices
     (``TILE_N``, ``BLOCK_M``, ``num_warps``, ``num_stages``) for tuning.
     Tokens past ``cu_seqlens_q[-1]`` (graph padding) are left untouched.
+    ``seq_order``: the order to start the sequences in (see the module doc); used
+    when every sequence brings at most ``BLOCK_Q`` tokens (decode batches).
     """
     if not HAS_TRITON:
         raise RuntimeError("unified_attention needs triton; use paged_attention_ref on CPU")
@@ -416,24 +438,25 @@ def unified_attention(
     bufs = None
     if splits > 1:
         if workspace is not None:
-            bufs = workspace.buffers(T, Hq, D, splits, cfg["num_q_blocks"])
+            bufs = workspace.buffers(T, Hq, D, splits)
         else:
             bufs = (torch.empty((T, Hq, splits, D), dtype=torch.float32, device=q.device),
-                    torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device),
-                    torch.zeros((cfg["num_q_blocks"], Hkv), dtype=torch.int32, device=q.device))
+                    torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device))
         if bufs is None:
             splits = 1
     if splits > 1:
-        po, plse, counters = bufs
+        po, plse = bufs
     else:
         po = plse = out  # unused placeholders
-        counters = cu_seqlens_q
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    ordered = seq_order is not None and max_query_len <= cfg["BLOCK_Q"]
+    if ordered and (seq_order.shape != (B,) or seq_order.dtype != torch.int32):
+        raise ValueError(f"seq_order must be int32 [{B}], got {seq_order.dtype} {tuple(seq_order.shape)}")
 
-    grid = (cfg["num_q_blocks"], Hkv, splits)
+    grid = (Hkv, cfg["num_q_blocks"], splits)
     _unified_attn_kernel[grid](
-        q, k_cache, v_cache, out, po, plse, counters,
-        cu_seqlens_q, seq_lens, block_tables,
+        q, k_cache, v_cache, out, po, plse,
+        cu_seqlens_q, seq_lens, block_tables, seq_order if ordered else seq_lens,
         float(softmax_scale) * _LOG2E, B,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
@@ -441,12 +464,21 @@ def unified_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         po.stride(0), po.stride(1), po.stride(2) if splits > 1 else 0,
-        plse.stride(0), plse.stride(1), counters.stride(0) if splits > 1 else 0,
+        plse.stride(0), plse.stride(1),
         QPKV=Hq // Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
-        NUM_SPLITS=splits, DOT_PREC=dot_prec,
+        NUM_SPLITS=splits, DOT_PREC=dot_prec, ORDERED=ordered,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if splits > 1:
+        _merge_kernel[(T, Hq)](
+            out, po, plse, cu_seqlens_q, B,
+            out.stride(0), out.stride(1),
+            po.stride(0), po.stride(1), po.stride(2),
+            plse.stride(0), plse.stride(1),
+            HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], NUM_SPLITS=splits,
+            num_warps=4 if cfg["HEAD_PAD"] >= 128 else 2,
+        )
     return out
 
 

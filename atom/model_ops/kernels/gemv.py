@@ -10,9 +10,12 @@ than cuBLAS where it is picked.
 
 `gemv_fused` folds the two small kernels around a decoder layer's first and second
 projections into the GEMV, which at batch 1 cost as much launch and tail as the work:
-- norm prologue: every program re-reads the K activations (a few KB, from L2), adds the
-  residual, takes the RMS and normalises on the fly; program 0 also writes the new
-  residual. Each value is rounded to the activation dtype where the unfused layers round.
+- norm prologue: every program reads the K activations (a few KB, from L2) with the
+  weight tiles, adds the residual (rounded to the activation dtype, as the unfused add
+  is; program 0 also writes it out), multiplies by the norm weight and sums the squares
+  on the way; the row's 1 / rms, one scalar, then scales the dot products at the end.
+  So the normalised activations are not rounded before the product, unlike the unfused
+  layers: the difference is within the rounding of the activation dtype.
 - gated epilogue: for a packed [gate | up] weight of 2I rows a program accumulates gate
   row n and up row I + n and writes silu(gate) * up, the MLP's activation, directly.
 """
@@ -34,31 +37,21 @@ if HAS_TRITON:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-        rstd = 1.0
-        if NORM:  # pass 1 over the activations: residual add and sum of squares
-            sq = tl.zeros([BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                s = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    s = (s + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(act)
-                    if pid == 0:
-                        tl.store(rout_ptr + ks, s, mask=k_ok)
-                    s = s.to(tl.float32)
-                sq += s * s
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        sq = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             if NORM:
                 if HAS_RES:
-                    x = (x + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(act).to(tl.float32)
-                nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                x = (x * rstd * nw).to(act).to(tl.float32)
+                    s = (x + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(act)
+                    if pid == 0:
+                        tl.store(rout_ptr + ks, s, mask=k_ok)
+                    x = s.to(tl.float32)
+                sq += x * x
+                x = x * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             w_mask = row_ok[:, None] & k_ok[None, :]
             w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
             acc += w.to(tl.float32) * x[None, :]
@@ -66,9 +59,13 @@ if HAS_TRITON:
                 wu = tl.load(w_rows + up_rows * stride_wn + ks[None, :], mask=w_mask, other=0.0)
                 acc_up += wu.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
+        rstd = 1.0
+        if NORM:  # the row's 1 / rms scales every dot product
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+            y = y * rstd
         if GATED:
             g = y.to(act).to(tl.float32)
-            y = g / (1.0 + tl.exp(-g)) * tl.sum(acc_up, axis=1).to(act).to(tl.float32)
+            y = g / (1.0 + tl.exp(-g)) * (tl.sum(acc_up, axis=1) * rstd).to(act).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
