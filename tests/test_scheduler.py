@@ -45,6 +45,21 @@ def test_prefill_and_decode_share_a_batch():
     assert batch.seqs[0] is a and batch.seqs[1] is b
 
 
+def test_decode_batches_run_longest_context_first():
+    """A decode-only batch is ordered by descending context (ties keep their order), with its
+    per-sequence lists permuted alike; a batch with prefill tokens keeps the schedule order."""
+    sch = make(num_blocks=128, tokens=1000)
+    seqs = [Sequence(list(range(n)), sp(8)) for n in (5, 30, 12, 30)]
+    for s in seqs:
+        sch.add(s)
+    prefill, _ = step(sch)
+    assert prefill.seqs == seqs and prefill.num_new_tokens == [5, 30, 12, 30]
+    decode, _ = step(sch)
+    assert decode.seqs == [seqs[1], seqs[3], seqs[2], seqs[0]]
+    assert decode.num_new_tokens == [1] * 4
+    assert decode.sample_index == [s.num_tokens - 1 for s in decode.seqs]  # each row's own slot
+
+
 def test_max_num_seqs():
     sch = make(seqs=2, tokens=1000)
     for i in range(3):

@@ -15,8 +15,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
-
-import numpy as np  # noqa: E402
 import random  # noqa: E402
 
 import pytest  # noqa: E402
@@ -127,12 +125,12 @@ def _make_batch(kinds, Hq, Hkv, D, block_size, dtype, device, max_ctx, seed, pad
                 max_query_len=max(qlens) if qlens else 0)
 
 
-def _run_attention(batch, dtype, what, num_kv_splits=None, workspace=None, n_valid=None, seq_order=None):
+def _run_attention(batch, dtype, what, num_kv_splits=None, workspace=None, n_valid=None):
     q = batch["q"]
     out = torch.full_like(q, float("nan"))
     ref = torch.full_like(q, float("nan"))
     args = {k: v for k, v in batch.items() if k != "q"}
-    unified_attention(q, out=out, workspace=workspace, num_kv_splits=num_kv_splits, seq_order=seq_order, **args)
+    unified_attention(q, out=out, workspace=workspace, num_kv_splits=num_kv_splits, **args)
     paged_attention_ref(q, out=ref, **args)
     n = int(batch["cu_seqlens_q"][-1]) if n_valid is None else n_valid
     if n:
@@ -211,26 +209,6 @@ def test_attention_split_kv_on_mixed_batch(device):
     batch = _make_batch(["chunk", "decode", "prefill", "empty"], 4, 1, 64, 16, dtype, device,
                         80 if device == "cpu" else 2000, seed=5)
     _run_attention(batch, dtype, "split mixed", num_kv_splits=4)
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("splits", [None, 4])
-def test_attention_decode_in_given_order(device, splits):
-    """A decode batch started longest-first (`seq_order`), incl. a padding row past the last
-    sequence, gives the same output as batch order; a malformed order is refused."""
-    from atom.model_ops.attention.metadata import longest_first
-    cpu = device == "cpu"
-    dtype = torch.float16 if cpu else torch.bfloat16
-    kinds = ["decode"] * (5 if cpu else 40) + [(0, 3)]  # the last row: no query (graph padding)
-    batch = _make_batch(kinds, 4, 2, 64, 16, dtype, device, 90 if cpu else 2000, seed=11)
-    lens = batch["seq_lens"].cpu().numpy()
-    order = longest_first(lens[:-1], len(lens))
-    assert sorted(order.tolist()) == list(range(len(lens))) and order[-1] == len(lens) - 1
-    assert (np.diff(lens[order[:-1]]) <= 0).all()
-    _run_attention(batch, dtype, f"ordered splits={splits}", num_kv_splits=splits,
-                   seq_order=torch.from_numpy(order).to(device))
-    with pytest.raises(ValueError, match="seq_order"):
-        _run_attention(batch, dtype, "bad order", seq_order=torch.from_numpy(order[:-1]).to(device))
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from atom.model_ops.attention import AttentionMetadata, forward_context
-from atom.model_ops.attention.metadata import longest_first
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +32,6 @@ class CUDAGraphRunner:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = self.arange.clone()
-        self.seq_order = self.arange[:n].clone()
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -48,7 +46,7 @@ class CUDAGraphRunner:
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(self.cu_seqlens_q[:bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
                                  self.slot_mapping[:bs], max_query_len=1,
-                                 max_seq_len=self.runner.config.max_model_len, seq_order=self.seq_order[:bs])
+                                 max_seq_len=self.runner.config.max_model_len)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -89,7 +87,6 @@ class CUDAGraphRunner:
         self.slot_mapping[:n].copy_(torch.from_numpy(host.slot_mapping), non_blocking=True)
         self.seq_lens[:n].copy_(torch.from_numpy(host.seq_lens.astype(np.int32)), non_blocking=True)
         self.block_tables[:n, :w].copy_(torch.from_numpy(host.block_tables.astype(np.int32)), non_blocking=True)
-        self.seq_order[:bs].copy_(torch.from_numpy(longest_first(host.seq_lens, bs)), non_blocking=True)
         if bs > n:  # padding rows: no query tokens, no cache writes
             self.cu_seqlens_q[n + 1:bs + 1].fill_(n)
             self.slot_mapping[n:bs].fill_(-1)

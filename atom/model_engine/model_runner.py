@@ -22,7 +22,6 @@ from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER, Sequence
 from atom.model_loader.loader import init_dummy_weights, load_weights
 from atom.model_ops.attention import Attention, AttentionMetadata, forward_context
-from atom.model_ops.attention.metadata import longest_first
 from atom.model_ops.sampler import Sampler, SamplingTensors
 from atom.models.registry import resolve_architecture
 
@@ -204,8 +203,7 @@ class ModelRunner:
             cu_seqlens_q=t(x.cu_seqlens_q, torch.int32), seq_lens=t(x.seq_lens, torch.int32),
             block_tables=t(x.block_tables, torch.int32), slot_mapping=t(x.slot_mapping, torch.int64),
             max_query_len=int(x.query_lens.max()), max_seq_len=int(x.seq_lens.max()),
-            query_lens_host=x.query_lens.tolist(), seq_lens_host=x.seq_lens.tolist(),
-            seq_order=t(longest_first(x.seq_lens)) if x.is_decode and self.device.type == "cuda" else None)
+            query_lens_host=x.query_lens.tolist(), seq_lens_host=x.seq_lens.tolist())
         return t(x.input_ids, torch.int64), t(x.positions, torch.int64), meta
 
     def _to_device(self, array, dtype=None) -> torch.Tensor:

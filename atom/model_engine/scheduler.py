@@ -52,6 +52,14 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
+    def sort_longest_first(self) -> None:
+        """Reorder the sequences by descending context length (stable). The GPU attention
+        kernel starts sequences in batch order: long ones first leave short ones for the tail."""
+        order = sorted(range(len(self.seqs)), key=lambda i: -self.seqs[i].num_tokens)
+        self.seqs = [self.seqs[i] for i in order]
+        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
+        self.sample_index = [self.sample_index[i] for i in order]
+
     def __len__(self) -> int:
         return len(self.seqs)
 
@@ -191,6 +199,8 @@ class Scheduler:
             admitted = True
         if admitted:
             self._last_prompt_time = now
+        if not batch.num_prefill_tokens:
+            batch.sort_longest_first()  # look-ahead steps keep this order: all grow by one
         if not batch.seqs and self.waiting and not self.running:
             seq = self.waiting[0]
             raise RuntimeError(f"cannot schedule {seq}: the KV cache ({bm.num_blocks} blocks of "

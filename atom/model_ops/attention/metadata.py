@@ -11,7 +11,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 
@@ -26,24 +25,12 @@ class AttentionMetadata:
     # host copies, for backends that loop on the host (the torch reference)
     query_lens_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
-    # decode batches: int32 [B], the sequences longest context first (the Triton kernel
-    # starts them in this order; None: batch order)
-    seq_order: torch.Tensor | None = None
     # what a backend derives once per step and every layer reuses (host lists, gather plans)
     step_cache: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
-
-
-def longest_first(seq_lens: np.ndarray, padded: int | None = None) -> np.ndarray:
-    """int32 order of the rows by descending context length (stable), then the padding
-    rows len(seq_lens) .. padded - 1 in place."""
-    order = np.argsort(-np.asarray(seq_lens), kind="stable").astype(np.int32)
-    if padded is not None and padded > len(order):
-        order = np.concatenate([order, np.arange(len(order), padded, dtype=np.int32)])
-    return order
 
 
 _CONTEXT: AttentionMetadata | None = None

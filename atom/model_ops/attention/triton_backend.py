@@ -42,8 +42,7 @@ def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v:
     if k is not None:
         reshape_and_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
     unified_attention(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q, meta.seq_lens,
-                      meta.block_tables, layer.scale, meta.max_query_len, workspace=_WORKSPACE[0],
-                      seq_order=meta.seq_order)
+                      meta.block_tables, layer.scale, meta.max_query_len, workspace=_WORKSPACE[0])
 
 
 @unified_attention_with_output.register_fake

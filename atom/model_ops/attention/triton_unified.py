@@ -23,11 +23,11 @@ their count by ``T // BLOCK_Q + B`` so the grid depends only on shapes (and on
 captured in a CUDA graph.  A program finds its sequence by binary search.
 
 Order of work: the grid's fastest axis is the kv head, so the programs of one
-sequence start together.  A decode batch may pass ``seq_order`` (int32 [B], a
-permutation, longest context first): program block i then serves sequence
-``seq_order[i]``.  The longest sequences start first and the short ones fill the
-tail; on an H200, at 64-256 sequences of ragged contexts (100-2048 tokens), this
-took the kernel from 3.8 to 4.0-4.2 TB/s of KV reads.
+sequence start together, in batch order.  The scheduler puts a decode batch's
+sequences longest context first (`ScheduledBatch.sort_longest_first`): the long
+ones start first and the short ones fill the tail.  On an H200, at 64-256
+sequences of ragged contexts (100-2048 tokens), the two together took the kernel
+from 3.7-3.9 to 4.0-4.2 TB/s of KV reads (5-11% less time).
 
 Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
 sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
@@ -116,7 +116,7 @@ if HAS_TRITON:
     @triton.jit
     def _unified_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr,
-        cu_ptr, seq_lens_ptr, bt_ptr, order_ptr,
+        cu_ptr, seq_lens_ptr, bt_ptr,
         scale_log2, num_seqs,
         stride_qt, stride_qh,
         stride_ot, stride_oh,
@@ -134,23 +134,15 @@ if HAS_TRITON:
         TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        ORDERED: tl.constexpr,
     ):
         kvh = tl.program_id(0)
         qblock = tl.program_id(1)
         split = tl.program_id(2)
 
-        if ORDERED:  # one query block per sequence (decode), in the given order
-            if qblock >= num_seqs:
-                return
-            b = tl.load(order_ptr + qblock)
-            local = 0
-        else:
-            b = _find_seq(cu_ptr, num_seqs, qblock, BLOCK_Q)
+        b = _find_seq(cu_ptr, num_seqs, qblock, BLOCK_Q)
         q_start = tl.load(cu_ptr + b)
         q_len = tl.load(cu_ptr + b + 1) - q_start
-        if not ORDERED:
-            local = qblock - (q_start // BLOCK_Q + b)
+        local = qblock - (q_start // BLOCK_Q + b)
         if local * BLOCK_Q >= q_len:
             return  # spare program (the grid is an upper bound)
 
@@ -403,7 +395,6 @@ def unified_attention(
     *,
     num_kv_splits: Optional[int] = None,
     config: Optional[dict] = None,
-    seq_order: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; writes ``out`` in place and returns it.
 
@@ -412,8 +403,6 @@ def unified_attention(
     segments (any ``max_query_len``).  ``config`` overrides tile choices
     (``TILE_N``, ``BLOCK_M``, ``num_warps``, ``num_stages``) for tuning.
     Tokens past ``cu_seqlens_q[-1]`` (graph padding) are left untouched.
-    ``seq_order``: the order to start the sequences in (see the module doc); used
-    when every sequence brings at most ``BLOCK_Q`` tokens (decode batches).
     """
     if not HAS_TRITON:
         raise RuntimeError("unified_attention needs triton; use paged_attention_ref on CPU")
@@ -449,14 +438,11 @@ def unified_attention(
     else:
         po = plse = out  # unused placeholders
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    ordered = seq_order is not None and max_query_len <= cfg["BLOCK_Q"]
-    if ordered and (seq_order.shape != (B,) or seq_order.dtype != torch.int32):
-        raise ValueError(f"seq_order must be int32 [{B}], got {seq_order.dtype} {tuple(seq_order.shape)}")
 
     grid = (Hkv, cfg["num_q_blocks"], splits)
     _unified_attn_kernel[grid](
         q, k_cache, v_cache, out, po, plse,
-        cu_seqlens_q, seq_lens, block_tables, seq_order if ordered else seq_lens,
+        cu_seqlens_q, seq_lens, block_tables,
         float(softmax_scale) * _LOG2E, B,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
@@ -467,7 +453,7 @@ def unified_attention(
         plse.stride(0), plse.stride(1),
         QPKV=Hq // Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
-        NUM_SPLITS=splits, DOT_PREC=dot_prec, ORDERED=ordered,
+        NUM_SPLITS=splits, DOT_PREC=dot_prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
