@@ -60,6 +60,20 @@ def test_decode_batches_run_longest_context_first():
     assert decode.sample_index == [s.num_tokens - 1 for s in decode.seqs]  # each row's own slot
 
 
+def test_lookahead_steps_run_longest_context_first():
+    """The look-ahead step after a prefill batch (where all prompts completed, in schedule
+    order) is ordered longest first too: in the steady state only look-ahead steps run."""
+    sch = make(num_blocks=128, tokens=1000)
+    seqs = [Sequence(list(range(n)), sp(8)) for n in (5, 30, 12)]
+    for s in seqs:
+        sch.add(s)
+    prefill = sch.schedule()
+    assert prefill.seqs == seqs
+    sch.advance(prefill)
+    ahead = sch.schedule_lookahead(prefill)
+    assert ahead is not None and ahead.seqs == [seqs[1], seqs[2], seqs[0]]
+
+
 def test_max_num_seqs():
     sch = make(seqs=2, tokens=1000)
     for i in range(3):

@@ -200,7 +200,7 @@ class Scheduler:
         if admitted:
             self._last_prompt_time = now
         if not batch.num_prefill_tokens:
-            batch.sort_longest_first()  # look-ahead steps keep this order: all grow by one
+            batch.sort_longest_first()
         if not batch.seqs and self.waiting and not self.running:
             seq = self.waiting[0]
             raise RuntimeError(f"cannot schedule {seq}: the KV cache ({bm.num_blocks} blocks of "
@@ -264,6 +264,7 @@ class Scheduler:
         # this step's token is not on the host yet: after it, a sequence has one more
         nxt = [s for s in live
                if s.num_output_tokens + 1 < s.sampling_params.max_tokens and s.num_tokens + 1 < self.max_model_len]
+        nxt.sort(key=lambda s: -s.num_tokens)  # longest first, as `schedule` orders decode batches
         if not nxt:
             return None
         new_blocks = sum(1 for s in nxt if s.num_tokens + 1 > len(s.block_table) * bm.block_size)

@@ -25,9 +25,10 @@ captured in a CUDA graph.  A program finds its sequence by binary search.
 Order of work: the grid's fastest axis is the kv head, so the programs of one
 sequence start together, in batch order.  The scheduler puts a decode batch's
 sequences longest context first (`ScheduledBatch.sort_longest_first`): the long
-ones start first and the short ones fill the tail.  On an H200, at 64-256
+ones start first and the short ones fill the tail.  On an H200, at 128-256
 sequences of ragged contexts (100-2048 tokens), the two together took the kernel
-from 3.7-3.9 to 4.0-4.2 TB/s of KV reads (5-11% less time).
+from 3.7-3.9 to 4.0-4.2 TB/s of KV reads (6-11% less time; no change at 64
+sequences of 900-2048; `scripts/attention_order.py`).
 
 Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
 sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
