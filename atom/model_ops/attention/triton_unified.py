@@ -22,7 +22,7 @@ their count by ``T // BLOCK_Q + B`` so the grid depends only on shapes (and on
 ``max_query_len``, which picks the tile), never on data: the launch can be
 captured in a CUDA graph.  A program finds its sequence by binary search.
 
-Order of work: the grid's fastest axis is the kv head, so the programs of one
+Order of work: programs are numbered kv head fastest, so the programs of one
 sequence start together, in batch order.  The scheduler puts a decode batch's
 sequences longest context first (`ScheduledBatch.sort_longest_first`): the long
 ones start first and the short ones fill the tail.  On an H200, at 128-256
@@ -127,6 +127,7 @@ if HAS_TRITON:
         stride_pot, stride_poh, stride_pos,
         stride_plt, stride_plh,
         QPKV: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
@@ -136,9 +137,10 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
-        kvh = tl.program_id(0)
-        qblock = tl.program_id(1)
-        split = tl.program_id(2)
+        # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
+        kvh = tl.program_id(0) % NUM_KV_HEADS
+        qblock = tl.program_id(0) // NUM_KV_HEADS
+        split = tl.program_id(1)
 
         b = _find_seq(cu_ptr, num_seqs, qblock, BLOCK_Q)
         q_start = tl.load(cu_ptr + b)
@@ -440,7 +442,7 @@ def unified_attention(
         po = plse = out  # unused placeholders
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
-    grid = (Hkv, cfg["num_q_blocks"], splits)
+    grid = (Hkv * cfg["num_q_blocks"], splits)
     _unified_attn_kernel[grid](
         q, k_cache, v_cache, out, po, plse,
         cu_seqlens_q, seq_lens, block_tables,
@@ -452,7 +454,7 @@ def unified_attention(
         block_tables.stride(0),
         po.stride(0), po.stride(1), po.stride(2) if splits > 1 else 0,
         plse.stride(0), plse.stride(1),
-        QPKV=Hq // Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
+        QPKV=Hq // Hkv, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

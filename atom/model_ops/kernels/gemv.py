@@ -37,6 +37,7 @@ if HAS_TRITON:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+        w_up = w_ptr + (rows.to(tl.int64) + up_rows)[:, None] * stride_wn  # GATED: row I + n
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         sq = tl.zeros([BLOCK_K], tl.float32)
@@ -56,7 +57,7 @@ if HAS_TRITON:
             w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
             acc += w.to(tl.float32) * x[None, :]
             if GATED:
-                wu = tl.load(w_rows + up_rows * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+                wu = tl.load(w_up + ks[None, :], mask=w_mask, other=0.0)
                 acc_up += wu.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
         rstd = 1.0
