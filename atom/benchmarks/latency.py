@@ -96,10 +96,8 @@ def main(argv=None) -> None:
             row += [f"{r['profile_ms'].get(k, float('nan')):.3f}" for k in PROFILE]
         t.add_row(*row)
     Console().print(t)
-    from atom.model_ops.linear import GEMV_CHOICES, _GEMV_SHAPES
-    choices = {f"{n}x{k} {v}": {"unfused_us": round(a, 2), "triton_us": round(b, 2),
-                                "uses_triton": (n, k, dt, v) in _GEMV_SHAPES}
-               for (n, k, dt, v), (a, b) in GEMV_CHOICES.items()}
+    from atom.model_ops.linear import gemv_choices
+    choices = gemv_choices()
     for name, c in choices.items():
         Console().print(f"one-row {name}: unfused {c['unfused_us']} us, Triton GEMV {c['triton_us']} us"
                         f" -> {'Triton' if c['uses_triton'] else 'unfused'}")

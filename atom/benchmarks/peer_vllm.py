@@ -70,6 +70,15 @@ def latency(args) -> dict:
     return {"ms_per_step": out, "vllm_version": __import__("vllm").__version__}
 
 
+def add_engine_limit_args(ap: argparse.ArgumentParser) -> None:
+    """The engine limits `throughput.py` gives both engines, and this child's copy of them."""
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true")
+
+
 def run_in_child(kind: str, model_path: str, vocab_size: int, args, extra: list[str]) -> dict:
     """Runs this module in a fresh Python process; returns its result (SystemExit on failure)."""
     cmd = [sys.executable, "-m", "atom.benchmarks.peer_vllm", kind, "--model-path", model_path,
@@ -95,11 +104,7 @@ def main(argv=None) -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--enforce-eager", action="store_true")
+    add_engine_limit_args(ap)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=512)

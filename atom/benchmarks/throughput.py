@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from atom.benchmarks.peer_vllm import add_engine_limit_args
 from atom.benchmarks.workloads import Request, mixed_workload, nano_vllm_workload, write_model_config
 
 logger = logging.getLogger(__name__)
@@ -176,11 +177,7 @@ def main(argv=None) -> None:
     ap.add_argument("--hf-seqs", type=int, default=64, help="GPU: requests given to HF (it pads)")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--enforce-eager", action="store_true")
+    add_engine_limit_args(ap)
     ap.add_argument("--level", type=int, default=0, help="compilation level (0-3) of ATOM's engine")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)

@@ -53,7 +53,7 @@ def setup(runner) -> None:
         return
     if runner.attn_layers and runner.attn_layers[0].backend == "triton" and runner.compile_level == 0:
         from atom.model_ops.linear import choose_gemv_shapes
-        choose_gemv_shapes(runner.model)  # batch-1 decode graphs: a Triton GEMV where it beats cuBLAS
+        choose_gemv_shapes(runner.model)  # batch-1 graphs: a Triton GEMV where it beats the unfused layers
     sizes = [s for s in config.capture_sizes if s <= config.max_num_seqs] or [1]
     max_blocks = -(-config.max_model_len // runner.block_size)
     runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)

@@ -71,6 +71,13 @@ def norm_linear(norm: RMSNorm, linear: "Linear", x: torch.Tensor, residual: torc
     return (silu_and_mul(y) if gated else y), residual
 
 
+def gemv_choices() -> dict[str, dict]:
+    """The start-up choices so far, for reports: {"NxK variant": unfused us, Triton us, used?}."""
+    return {f"{n}x{k} {v}": {"unfused_us": round(a, 2), "triton_us": round(b, 2),
+                             "uses_triton": (n, k, dt, v) in _GEMV_SHAPES}
+            for (n, k, dt, v), (a, b) in GEMV_CHOICES.items()}
+
+
 def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict | None = None):
     """(unfused, Triton) callables of one variant on one row, for timing and checking."""
     from atom.model_ops.kernels import fused_add_rms_norm, gemv, gemv_fused
