@@ -18,6 +18,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
+    one_row = "plain"  # batch 1 goes through `dense`, so the start-up GEMV choice covers it
+
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)

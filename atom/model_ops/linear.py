@@ -96,8 +96,8 @@ def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict 
 
 
 def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.05) -> dict:
-    """Times each one-row product of the model's bf16/fp16 linear layers, as the layer runs
-    it (`Linear.one_row`: plain, or with the norm before / SiLU-and-mul after), unfused
+    """Times each one-row product of the model's bf16/fp16 linear layers and LM head, as the
+    layer runs it (`one_row`: plain, or with the norm before / SiLU-and-mul after), unfused
     (cuBLAS and the separate kernels) against the Triton GEMV in each of its candidate
     configurations, inside CUDA graphs and cycling through all the layers' weights of the
     shape so that they come from HBM, not L2; a key (N, K, dtype, variant) goes to the GEMV's
@@ -107,8 +107,8 @@ def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.05) -> dict:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if isinstance(m, Linear) and m.bias is None and w is not None and w.is_cuda \
-                and w.dtype in (torch.bfloat16, torch.float16):
+        if getattr(m, "one_row", None) in VARIANTS and getattr(m, "bias", None) is None and w is not None \
+                and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16):
             groups.setdefault((w.shape[0], w.shape[1], w.dtype, m.one_row), []).append(w)
     out = {}
     for key, ws in groups.items():
