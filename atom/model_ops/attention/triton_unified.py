@@ -44,7 +44,10 @@ from typing import Optional
 
 import torch
 
-from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton  # None without triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton  # None without triton
+
+if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
 
 __all__ = [
     "AttentionWorkspace",
@@ -136,7 +139,9 @@ if HAS_TRITON:
         TILE_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
         kvh = tl.program_id(0) % NUM_KV_HEADS
         qblock = tl.program_id(0) // NUM_KV_HEADS
@@ -225,7 +230,9 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         if t >= tl.load(cu_ptr + num_seqs):
@@ -457,7 +464,7 @@ def unified_attention(
         QPKV=Hq // Hkv, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
     )
     if splits > 1:
         _merge_kernel[(T, Hq)](
@@ -466,7 +473,7 @@ def unified_attention(
             po.stride(0), po.stride(1), po.stride(2),
             plse.stride(0), plse.stride(1),
             HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], NUM_SPLITS=splits,
-            num_warps=4 if cfg["HEAD_PAD"] >= 128 else 2,
+            num_warps=4 if cfg["HEAD_PAD"] >= 128 else 2, **pdl_args(q),
         )
     return out
 

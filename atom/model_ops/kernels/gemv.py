@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, rout_ptr, N, K, stride_wn, up_rows, eps,
-                     NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         act = x_ptr.dtype.element_ty
@@ -42,9 +43,19 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         sq = tl.zeros([BLOCK_K], tl.float32)
+        # The weight tile of each step is loaded one step ahead; the first one before waiting
+        # for the kernels in front (PDL: see triton_import), since the weights do not depend on them.
+        ks = tl.arange(0, BLOCK_K)
+        w_mask = row_ok[:, None] & (ks < K)[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(w_up + ks[None, :], mask=w_mask & GATED, other=0.0)
+        pdl_start(PDL)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
+            w_mask = row_ok[:, None] & (ks + BLOCK_K < K)[None, :]
+            w_next = tl.load(w_rows + (ks + BLOCK_K)[None, :], mask=w_mask, other=0.0)
+            wu_next = tl.load(w_up + (ks + BLOCK_K)[None, :], mask=w_mask & GATED, other=0.0)
             x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             if NORM:
                 if HAS_RES:
@@ -54,12 +65,10 @@ if HAS_TRITON:
                     x = s.to(tl.float32)
                 sq += x * x
                 x = x * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w_mask = row_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
             acc += w.to(tl.float32) * x[None, :]
             if GATED:
-                wu = tl.load(w_up + ks[None, :], mask=w_mask, other=0.0)
                 acc_up += wu.to(tl.float32) * x[None, :]
+            w, wu = w_next, wu_next
         y = tl.sum(acc, axis=1)
         rstd = 1.0
         if NORM:  # the row's 1 / rms scales every dot product
@@ -111,7 +120,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> t
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     cfg = config or gemv_config(N, K)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](x, x, x, weight, y, y, N, K, weight.stride(0), 0, 0.0,
-                                                    NORM=False, HAS_RES=False, GATED=False, **cfg)
+                                                    NORM=False, HAS_RES=False, GATED=False,
+                                                    **pdl_args(x), **cfg)
     return y
 
 
@@ -138,7 +148,7 @@ def gemv_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torc
     cfg = config or gemv_config(N, K, gated)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, r, norm_weight, weight, y, rout, N, K, weight.stride(0), N if gated else 0, float(eps),
-        NORM=True, HAS_RES=residual is not None, GATED=gated, **cfg)
+        NORM=True, HAS_RES=residual is not None, GATED=gated, **pdl_args(x), **cfg)
     return y, rout.view(1, K)
 
 

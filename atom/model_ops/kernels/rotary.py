@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 
 from atom.model_ops.kernels.kv_cache import reshape_and_cache_ref
-from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
     def _rope_heads(base, stride_h, w_ptr, cos, sin, eps,
@@ -50,8 +51,9 @@ if HAS_TRITON:
         HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
         HALF: tl.constexpr, HALF_PAD: tl.constexpr,
         Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
-        WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         d = tl.arange(0, HALF_PAD)
@@ -151,7 +153,7 @@ def rotary_embedding(
         HQ=HQ, HQ_PAD=np2(HQ), HKV=HKV, HKV_PAD=np2(HKV), HALF=half, HALF_PAD=np2(half),
         Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None,
         WRITE_KV=write is not None, BLOCK_SIZE=block_size,
-        num_warps=4 if np2(HQ) * np2(half) >= 1024 else 2,
+        num_warps=4 if np2(HQ) * np2(half) >= 1024 else 2, **pdl_args(q),
     )
     return q, k
 

@@ -1,5 +1,18 @@
 """Triton, when installed: `HAS_TRITON`, `triton`, `tl` (None without it), so that every
-kernel file stays importable (its torch reference too) on machines without Triton."""
+kernel file stays importable (its torch reference too) on machines without Triton.
+
+Also programmatic dependent launch (PDL, NVIDIA sm90+): a kernel launched with it may be
+scheduled while the kernel in front of it in the stream runs its last programs, which hides
+the launch and ramp-up between the ~10 small kernels of a decoder layer at batch 1. A kernel
+that takes part starts with `pdl_start(PDL)` (before anything that reads what earlier
+kernels wrote, and before any write or early return; what does not depend on them, such as
+weight tiles, may come first) and is launched with `**pdl_args(tensor)`."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -8,3 +21,32 @@ try:
 except ImportError:  # pragma: no cover
     triton = tl = None
     HAS_TRITON = False
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+# A switch for A/B measurements: False launches every kernel the ordinary way.
+USE_PDL = True
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        if PDL:
+            gdc_launch_dependents()  # the next kernel may be scheduled once all our programs run
+            gdc_wait()  # every kernel before this one has finished and its writes are visible
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch arguments of a PDL-aware kernel working on `t`: the kernel's `PDL` flag, and
+    Triton's `launch_pdl` where it applies (off the interpreter, on NVIDIA sm90+)."""
+    on = USE_PDL and t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else 0)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    return (gdc_wait is not None and torch.version.hip is None
+            and torch.cuda.get_device_capability(index)[0] >= 9)
