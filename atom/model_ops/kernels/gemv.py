@@ -33,7 +33,7 @@ if HAS_TRITON:
     @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, rout_ptr, N, K, stride_wn, up_rows, eps,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
         pid = tl.program_id(0)
         act = x_ptr.dtype.element_ty
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,8 +43,9 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         sq = tl.zeros([BLOCK_K], tl.float32)
-        # The weight tile of each step is loaded one step ahead; the first one before waiting
-        # for the kernels in front (PDL: see triton_import), since the weights do not depend on them.
+        # The first weight tile is loaded before waiting for the kernels in front (PDL: see
+        # triton_import), since the weights do not depend on them; with AHEAD each next tile is
+        # loaded before the current one is used (two in flight), else after.
         ks = tl.arange(0, BLOCK_K)
         w_mask = row_ok[:, None] & (ks < K)[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
@@ -53,9 +54,10 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            w_mask = row_ok[:, None] & (ks + BLOCK_K < K)[None, :]
-            w_next = tl.load(w_rows + (ks + BLOCK_K)[None, :], mask=w_mask, other=0.0)
-            wu_next = tl.load(w_up + (ks + BLOCK_K)[None, :], mask=w_mask & GATED, other=0.0)
+            nxt_mask = row_ok[:, None] & (ks + BLOCK_K < K)[None, :]
+            if AHEAD:
+                w_next = tl.load(w_rows + (ks + BLOCK_K)[None, :], mask=nxt_mask, other=0.0)
+                wu_next = tl.load(w_up + (ks + BLOCK_K)[None, :], mask=nxt_mask & GATED, other=0.0)
             x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             if NORM:
                 if HAS_RES:
@@ -68,7 +70,11 @@ if HAS_TRITON:
             acc += w.to(tl.float32) * x[None, :]
             if GATED:
                 acc_up += wu.to(tl.float32) * x[None, :]
-            w, wu = w_next, wu_next
+            if AHEAD:
+                w, wu = w_next, wu_next
+            else:
+                w = tl.load(w_rows + (ks + BLOCK_K)[None, :], mask=nxt_mask, other=0.0)
+                wu = tl.load(w_up + (ks + BLOCK_K)[None, :], mask=nxt_mask & GATED, other=0.0)
         y = tl.sum(acc, axis=1)
         rstd = 1.0
         if NORM:  # the row's 1 / rms scales every dot product
@@ -83,22 +89,26 @@ if HAS_TRITON:
 def gemv_config(N: int, K: int, gated: bool = False) -> dict:
     """Two rows per program (one when gated: it then streams two rows per output) and K in
     chunks of 1024: the fastest tiling on the H200 for every Llama-3.1-8B shape, 4 to 1002 MB
-    (`scripts/gemv_sweep.py`: 3.1-4.4 TB/s, 4-24% less time than cuBLAS; split-K, more rows per
-    program or 8 warps were slower)."""
-    return dict(BLOCK_N=1 if gated else 2, BLOCK_K=min(1024, triton.next_power_of_2(K)), num_warps=4, num_stages=3)
+    (`scripts/gemv_sweep.py`: 3.1-4.4 TB/s, 4-24% less time than cuBLAS; split-K, more rows
+    per program or 8 warps were slower). The next tile is loaded ahead except when gated,
+    where the two extra tiles in flight made the 235 MB gate-up 8% slower (65 vs 60 us)."""
+    return dict(BLOCK_N=1 if gated else 2, BLOCK_K=min(1024, triton.next_power_of_2(K)), num_warps=4,
+                num_stages=3, AHEAD=not gated)
 
 
 def gemv_candidates(N: int, K: int, gated: bool = False) -> list[dict]:
     """The configurations the start-up choice times for a shape: the default with 1, 2 or 4
-    rows per program, and the earlier 512-wide chunks with enough rows per program to cover
-    the SMs about twice (4 or 8 warps), which small matrices may still prefer."""
+    rows per program, each with and without the tile loaded ahead, and the earlier 512-wide
+    chunks with enough rows per program to cover the SMs about twice (4 or 8 warps), which
+    small matrices may still prefer."""
     base = gemv_config(N, K, gated)
-    out = [dict(base, BLOCK_N=bn) for bn in (1, 2, 4)]
+    out = [dict(base, BLOCK_N=bn, AHEAD=ahead) for bn in (1, 2, 4) for ahead in (True, False)]
     block_n, cap = 4, 16 if gated else 32
     while block_n < cap and N // (block_n * 2) >= 256:
         block_n *= 2
     for warps in (4, 8):
-        out.append(dict(BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(K)), num_warps=warps, num_stages=4))
+        out.append(dict(BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(K)), num_warps=warps,
+                        num_stages=4, AHEAD=False))
     return out
 
 
