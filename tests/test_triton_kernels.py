@@ -478,20 +478,22 @@ def test_gemv(device, N, K):
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("gated", [False, True])
 def test_gemv_every_candidate_config(device, gated):
-    """Each tiling the start-up choice may pick (1-32 rows per program, K chunks wider than K,
-    a partial last row block) gives the reference's result, plain and fused."""
+    """Each tiling the start-up choice may pick (1-4 rows per program, with and without the
+    next tile loaded ahead, K chunks of 512 and 1024 with a partial last chunk, a partial last
+    row block) gives the reference's result and residual, plain and fused."""
     from atom.model_ops.kernels.gemv import gemv_candidates
-    N, K = 130, 600
+    N, K = 130, 2600
     x = torch.randn(1, K, device=device)
+    res = torch.randn(1, K, device=device)
     w = torch.randn(N, K, device=device) / K ** 0.5
     nw = torch.rand(K, device=device) + 0.5
-    cfgs = gemv_candidates(N // 2 if gated else N, K, gated)
-    assert {c["BLOCK_N"] for c in cfgs} >= {1, 2, 4}
-    for cfg in cfgs:
+    y_ref, res_ref = gemv_fused_ref(x, res, nw, 1e-6, w, gated)
+    for cfg in gemv_candidates(N // 2 if gated else N, K, gated):
         if not gated:
             _check_close(gemv(x, w, cfg), gemv_ref(x, w), torch.float32, f"gemv {cfg}")
-        y, _ = gemv_fused(x, x, nw, 1e-6, w, gated, cfg)
-        _check_close(y, gemv_fused_ref(x, x, nw, 1e-6, w, gated)[0], torch.float32, f"gemv_fused {cfg}")
+        y, new_res = gemv_fused(x, res, nw, 1e-6, w, gated, cfg)
+        _check_close(y, y_ref, torch.float32, f"gemv_fused {cfg}")
+        assert torch.equal(new_res, res_ref), cfg
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])

@@ -91,7 +91,8 @@ def gemv_config(N: int, K: int, gated: bool = False) -> dict:
     chunks of 1024: the fastest tiling on the H200 for every Llama-3.1-8B shape, 32 to 1002 MB
     (`scripts/gemv_sweep.py`: 3.1-4.4 TB/s, 4-24% less time than cuBLAS; split-K, more rows
     per program or 8 warps were slower). The next tile is loaded ahead except when gated,
-    where the two tiles in flight per step made the 235 MB gate-up 8% slower (65 vs 60 us)."""
+    where the two tiles in flight per step made the 235 MB gate-up 8% slower in the start-up
+    choice's timing (65 vs 60 us; docs/perf, fourth session)."""
     return dict(BLOCK_N=1 if gated else 2, BLOCK_K=min(1024, triton.next_power_of_2(K)), num_warps=4,
                 num_stages=3, AHEAD=not gated)
 

@@ -5,11 +5,13 @@ Also programmatic dependent launch (PDL, NVIDIA sm90+): a kernel launched with i
 scheduled while the kernel in front of it in the stream runs its last programs, which hides
 the launch and ramp-up between the ~10 small kernels of a decoder layer at batch 1. A kernel
 that takes part starts with `pdl_start(PDL)` (before anything that reads what earlier
-kernels wrote, and before any write or early return; what does not depend on them, such as
-weight tiles, may come first) and is launched with `**pdl_args(tensor)`."""
+kernels wrote, and before any write or early return; what no kernel in the stream writes,
+such as the weights of a loaded model, may come first) and is launched with
+`**pdl_args(tensor)`."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -42,7 +44,8 @@ if HAS_TRITON:
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch arguments of a PDL-aware kernel working on `t`: the kernel's `PDL` flag, and
     Triton's `launch_pdl` where it applies (off the interpreter, on NVIDIA sm90+)."""
-    on = USE_PDL and t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else 0)
+    on = (USE_PDL and t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+          and _pdl_device(t.device.index if t.device.index is not None else 0))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
