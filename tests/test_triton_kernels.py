@@ -476,24 +476,6 @@ def test_gemv(device, N, K):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
-def test_prefetch_l2_is_a_hint(device):
-    """The L2 prefetch issues on NVIDIA sm90+ only (not on the CPU or under the interpreter),
-    skips what is too large for L2 or misaligned, and leaves values unchanged."""
-    from atom.model_ops.kernels.prefetch import prefetch_l2
-    w = torch.randn(1024, 2048, device=device).to(torch.bfloat16)
-    before = w.clone()
-    sm90 = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9 and torch.version.hip is None
-    assert prefetch_l2(w) is sm90
-    assert prefetch_l2(w[:, 1:]) is False  # not contiguous
-    assert prefetch_l2(w.view(-1)[1:]) is False  # not 16-byte aligned
-    if device == "cuda":
-        huge = torch.empty(int(torch.cuda.get_device_properties(0).L2_cache_size), dtype=torch.uint8, device=device)
-        assert prefetch_l2(huge) is False  # over 3/4 of L2: would evict itself
-        torch.cuda.synchronize()
-    assert torch.equal(w, before)
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("gated", [False, True])
 def test_gemv_every_candidate_config(device, gated):
     """Each tiling the start-up choice may pick (1-4 rows per program, with and without the

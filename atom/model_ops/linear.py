@@ -39,14 +39,6 @@ def _one_row_config(x: torch.Tensor, weight: torch.Tensor, variant: str):
     return _GEMV_SHAPES.get((weight.shape[0], weight.shape[1], weight.dtype, variant))
 
 
-def prefetch_weight(x: torch.Tensor, linear: "Linear") -> None:
-    """At one row (batch-1 decode) on a GPU outside torch.compile, start pulling `linear`'s
-    weight into L2 while the kernels in front of it run (`kernels.prefetch.prefetch_l2`)."""
-    if x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and not torch.compiler.is_compiling():
-        from atom.model_ops.kernels.prefetch import prefetch_l2
-        prefetch_l2(linear.weight)
-
-
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b). fp32 on the CPU goes to oneDNN's matmul: on the 2-core machine, over the
     embedded model's layers, it took 0.54x the time of `F.linear`'s BLAS call at one row,

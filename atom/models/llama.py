@@ -16,7 +16,7 @@ from atom.model_ops import kernel_backend
 from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.attention import Attention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
-from atom.model_ops.linear import Linear, MergedLinear, QKVLinear, norm_linear, prefetch_weight
+from atom.model_ops.linear import Linear, MergedLinear, QKVLinear, norm_linear
 from atom.model_ops.norm import RMSNorm
 from atom.model_ops.rotary import RotaryEmbedding, rope_parameters
 
@@ -52,7 +52,6 @@ class LlamaAttention(nn.Module):
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         kern = kernel_backend.get(qkv)
         if kern is not None and self.attn.backend == "triton":
-            prefetch_weight(qkv, self.o_proj)  # batch 1: HBM is idle during rotary and attention
             # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
             self.rotary_emb(positions, q, k, *norms, kv_cache=self.attn.cache_write_args(v))
             return self.o_proj(self.attn(q, None, None))
