@@ -1,0 +1,80 @@
+"""The Triton kernels' compiled path builds for an NVIDIA sm90 target on any machine.
+
+The interpreter runs the kernels' logic in CI but never compiles them, and never takes the
+branches that only a GPU takes (programmatic dependent launch: `griddepcontrol` inline PTX).
+Triton compiles ahead of time for a target without a GPU (ptxas ships with it), so this test
+builds those kernels for sm90, in a child process where TRITON_INTERPRET is unset (the
+kernels of this process may already be interpreted functions), and checks the PTX.
+
+    python tests/test_kernel_compile.py    # the child: prints one JSON line
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _signature(kernel, constexprs: dict, types: dict) -> dict:
+    """Argument types by name: constexprs as such, `types` where given, else *bf16 for a
+    pointer (`*_ptr`) and i32 for the rest."""
+    return {a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+            for a in kernel.arg_names}
+
+
+def _compile_all() -> dict:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    gemv = importlib.import_module("atom.model_ops.kernels.gemv")
+    rotary = importlib.import_module("atom.model_ops.kernels.rotary")
+    attn = importlib.import_module("atom.model_ops.attention.triton_unified")
+    f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr")}
+    cases = {
+        "gemv_fused_gated": (gemv._gemv_kernel, dict(NORM=True, HAS_RES=True, GATED=True, PDL=True, BLOCK_N=1,
+                                                     BLOCK_K=1024, AHEAD=False), f32),
+        "gemv_plain_ahead": (gemv._gemv_kernel, dict(NORM=False, HAS_RES=False, GATED=False, PDL=True, BLOCK_N=2,
+                                                     BLOCK_K=1024, AHEAD=True), f32),
+        "rope_kv_write": (rotary._rope_kernel, dict(HQ=32, HQ_PAD=32, HKV=8, HKV_PAD=8, HALF=64, HALF_PAD=64,
+                                                    Q_NORM=True, K_NORM=True, WRITE_KV=True, BLOCK_SIZE=16, PDL=True),
+                          dict(f32, pos_ptr="*i64", slot_ptr="*i64", cs_ptr="*fp32")),
+        "attention_decode_split": (attn._unified_attn_kernel,
+                                   dict(QPKV=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16,
+                                        BLOCK_Q=4, TILE_N=64, NUM_SPLITS=16, DOT_PREC="tf32", PDL=True),
+                                   dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32")),
+        "merge": (attn._merge_kernel, dict(HEAD_DIM=128, HEAD_PAD=128, NUM_SPLITS=16, PDL=True),
+                  dict(idx, po_ptr="*fp32", plse_ptr="*fp32")),
+    }
+    out = {}
+    for name, (kernel, constexprs, types) in cases.items():
+        src = ASTSource(fn=kernel, signature=_signature(kernel, constexprs, types), constexprs=constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        out[name] = {"griddepcontrol.wait": "griddepcontrol.wait" in ptx,
+                     "griddepcontrol.launch_dependents": "griddepcontrol.launch_dependents" in ptx}
+    return out
+
+
+def test_pdl_kernels_compile_for_sm90():
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no ptxas for NVIDIA targets")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-W", "ignore", os.path.abspath(__file__)], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(got) == {"gemv_fused_gated", "gemv_plain_ahead", "rope_kv_write", "attention_decode_split", "merge"}
+    for name, flags in got.items():
+        assert all(flags.values()), (name, flags)  # each kernel waits for the one in front and lets the next in
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
