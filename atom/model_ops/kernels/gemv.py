@@ -5,9 +5,8 @@ At one token per step every linear layer only streams its weight once; cuBLAS pi
 GEMM tiles for these shapes that reach about a quarter of HBM bandwidth on the 4-12 MB
 matrices of a small model, and 2.5-3.7 TB/s on the 32-235 MB ones of an 8B model. Here a
 program owns BLOCK_N output rows and walks K in BLOCK_K chunks (coalesced loads),
-accumulating in fp32. Whether a layer uses
-it is measured per weight shape (`atom.model_ops.linear.choose_gemv_shapes`): never slower
-than cuBLAS where it is picked.
+accumulating in fp32. Whether a layer uses it is measured per weight shape
+(`atom.model_ops.linear.choose_gemv_shapes`): never slower than cuBLAS where it is picked.
 
 `gemv_fused` folds the two small kernels around a decoder layer's first and second
 projections into the GEMV, which at batch 1 cost as much launch and tail as the work:
@@ -25,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from atom.model_ops.kernels.activation import silu_and_mul_ref
+from atom.model_ops.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 if HAS_TRITON:
@@ -168,12 +169,11 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_fused_ref(x, residual, norm_weight, eps, weight, gated: bool = False):
+    """The unfused layers' references in order: (add +) RMSNorm, x W^T, (SiLU-and-mul)."""
     x = x.reshape(1, -1)
-    res = x if residual is None else (x.float() + residual.reshape(1, -1).float()).to(x.dtype)
-    xf = res.float()
-    h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()).to(x.dtype)
+    if residual is None:
+        h, res = rms_norm_ref(x, norm_weight, eps), x
+    else:
+        h, res = fused_add_rms_norm_ref(x, residual.reshape(1, -1), norm_weight, eps)
     y = gemv_ref(h, weight)
-    if gated:
-        g, u = y.float().chunk(2, dim=-1)
-        y = (torch.nn.functional.silu(g) * u).to(x.dtype)
-    return y, res
+    return (silu_and_mul_ref(y) if gated else y), res
