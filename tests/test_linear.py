@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atom.model_ops.linear import Linear, MergedLinear, dense
+from atom.model_ops.linear import Linear, MergedLinear, QKVLinear, dense
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 64])
@@ -62,12 +62,12 @@ def test_gemv_choice_keeps_results(monkeypatch):
     from atom.model_ops.norm import RMSNorm
     bf = torch.bfloat16
     gate_up = [MergedLinear(1024, [3072, 3072]) for _ in range(4)]
-    qkv = [Linear(1024, 4096) for _ in range(4)]
+    qkv = [QKVLinear(1024, 128, 24, 4) for _ in range(4)]  # 4096 rows
     down = [Linear(3072, 1024) for _ in range(4)]
     for m in gate_up:
         m.one_row = "norm+silu"
     for m in qkv:
-        m.one_row = "norm"
+        m.one_row = ("norm", "norm+rope")
     layers = torch.nn.Sequential(*gate_up, *qkv, *down).cuda().to(bf)
     for m in layers:
         m.weight.data.normal_(std=0.02)
@@ -75,7 +75,8 @@ def test_gemv_choice_keeps_results(monkeypatch):
     norm.weight.data.uniform_(0.5, 1.5)
     monkeypatch.setattr(linear, "_GEMV_SHAPES", {})
     choices = linear.choose_gemv_shapes(layers)
-    assert set(choices) == {(6144, 1024, bf, "norm+silu"), (4096, 1024, bf, "norm"), (1024, 3072, bf, "plain")}
+    assert set(choices) == {(6144, 1024, bf, "norm+silu"), (4096, 1024, bf, "norm"),
+                            (4096, 1024, bf, "norm+rope"), (1024, 3072, bf, "plain")}
     assert all(b > 0 and t > 0 for b, t in choices.values())
     for force in (False, True):
         if force:
@@ -89,3 +90,25 @@ def test_gemv_choice_keeps_results(monkeypatch):
             assert torch.equal(r, new_res)
         x = torch.randn(1, 3072, device="cuda", dtype=bf)
         torch.testing.assert_close(down[0](x), F.linear(x, down[0].weight), rtol=2e-2, atol=2e-2)
+        _check_norm_linear_rope(linear, norm, qkv[0], force)
+
+
+def _check_norm_linear_rope(linear, norm, qkv, forced):
+    """`norm_linear_rope` on one row: None where the choice kept the unfused path (never when
+    forced), else the reference's rotated q, cached k / v and residual."""
+    from atom.model_ops.kernels.gemv_rope import gemv_norm_rope_ref
+    bf, dev = torch.bfloat16, "cuda"
+    x, res = (torch.randn(1, 1024, device=dev, dtype=bf) for _ in range(2))
+    pos, slot = torch.tensor([9], device=dev), torch.tensor([17], device=dev)
+    cs = torch.rand(32, 128, device=dev)
+    caches = [torch.zeros(2, 16, 4, 128, device=dev, dtype=bf) for _ in range(4)]
+    got = linear.norm_linear_rope(norm, qkv, x, res, pos, cs, caches[0], caches[1], slot)
+    if got is None:
+        assert not forced and (4096, 1024, bf, "norm+rope") not in linear._GEMV_SHAPES
+        return
+    ref = gemv_norm_rope_ref(x, res, norm.weight, norm.eps, qkv.weight, 128, qkv.q_size, pos, cs,
+                             caches[2], caches[3], slot)
+    torch.testing.assert_close(got[0][:, :qkv.q_size], ref[0][:, :qkv.q_size], rtol=2e-2, atol=2e-2)
+    assert torch.equal(got[1], ref[1])
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -45,3 +45,29 @@ def test_all_triton_kernels_in_the_engine(model, request, monkeypatch):
     assert calls and all(calls), "the rotary kernel did not write the KV cache"
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in ps]
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_llama"])
+def test_one_row_gemv_paths_in_the_engine(model, request, monkeypatch):
+    """Batch-1 decode with every one-row product forced onto the Triton GEMV, as a start-up
+    choice may set it on a GPU: the fused norm and SiLU GEMVs, and on Llama (no q/k norm) the
+    GEMV that also rotates q/k and writes the KV cache; the tokens stay transformers'."""
+    from atom.model_ops import kernel_backend, kernels, linear
+    from atom.model_ops.attention import triton_backend
+    from atom.model_ops.kernels import gemv_rope
+    path = request.getfixturevalue(model)
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
+    runner = llm.engine.runner
+    for layer in runner.attn_layers:
+        layer.backend = "triton"
+    triton_backend.register_layers(runner.attn_layers, 64, runner.device)
+    monkeypatch.setattr(kernel_backend, "get", lambda x: kernels)
+    monkeypatch.setattr(linear, "_one_row_config", lambda x, w, variant: {} if x.shape[0] == 1 else None)
+    calls = []
+    real = gemv_rope.gemv_norm_rope
+    monkeypatch.setattr(gemv_rope, "gemv_norm_rope", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    p = [5, 6, 7, 8, 9]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert bool(calls) == (model == "tiny_llama")  # Qwen3's q/k norm keeps the rotary kernel
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert out[0].token_ids == hf_greedy(hf, p, 4)

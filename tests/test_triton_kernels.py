@@ -462,6 +462,35 @@ def test_gumbel_sample_greedy_rows_and_shapes(device):
         gumbel_sample(logits, temps[:2], 0)
 
 
+def test_split_vocab_covers_the_vocab():
+    from atom.model_ops.kernels.sampling import split_vocab
+    for rows in (1, 3, 64, 200, 1000):
+        for V in (8, 2048, 2100, 128256, 151936):
+            chunk, n = split_vocab(rows, V)
+            assert chunk % 2048 == 0 and (n - 1) * chunk < V <= n * chunk, (rows, V, chunk, n)
+    assert split_vocab(1, 128256)[1] == 63 and split_vocab(512, 128256)[1] == 1
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_gumbel_sample_chunks_agree(device, monkeypatch):
+    """The vocab split over programs: greedy (no temperatures) is the argmax with ties to the
+    lowest index across chunk borders; a sampled row's draw does not depend on its neighbours
+    (the noise is counted per (row, column), not per program)."""
+    V = 4200 if device == "cpu" else 151936  # three 2048-wide chunks on the CPU
+    logits = torch.randn(2, V, device=device)
+    logits[0, 5] = logits[0, V - 3] = 50.0  # a tie across the first and last chunk
+    logits[1, 2048] = 60.0                  # the first column of the second chunk
+    assert gumbel_sample(logits, None).tolist() == [5, 2048]
+    assert torch.equal(gumbel_sample(logits, None), gumbel_sample(logits, torch.zeros(2, device=device)))
+    temps = torch.tensor([1.0, 1.0], device=device)
+    flat = torch.zeros(2, V, device=device)  # uniform rows: the draw is wherever the noise peaks
+    split = gumbel_sample(flat, temps, seed=3)
+    from atom.model_ops.kernels import sampling
+    monkeypatch.setattr(sampling, "_TARGET_PROGRAMS", 1)  # one program per row
+    assert sampling.split_vocab(2, V)[1] == 1
+    assert torch.equal(gumbel_sample(flat, temps, seed=3), split)
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("N,K", [(40, 96), (130, 600), (1024, 3072), (6144, 1024)])
 def test_gemv(device, N, K):

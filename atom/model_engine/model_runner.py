@@ -214,10 +214,11 @@ class ModelRunner:
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         sps = [s.sampling_params for s in seqs]
         temps = [sp.temperature for sp in sps]
-        st = SamplingTensors(self._to_device(temps, torch.float32))
-        st.all_greedy = all(t == 0 for t in temps)
-        if st.all_greedy:
+        if all(t == 0 for t in temps):  # argmax only: no per-row tensors to copy
+            st = SamplingTensors(None)
+            st.all_greedy = True
             return st
+        st = SamplingTensors(self._to_device(temps, torch.float32))
         if any(sp.top_k not in (-1, 0, None) for sp in sps):
             st.top_ks = self._to_device([sp.top_k if sp.top_k and sp.top_k > 0 else 0 for sp in sps], torch.int64)
         if any(sp.top_p < 1.0 for sp in sps):
@@ -265,8 +266,13 @@ class ModelRunner:
         handle = StepHandle(len(seqs), host.sample_rows, {seqs[r].seq_id: i for i, r in enumerate(host.sample_rows)},
                             graph_size=graph_size)
         if host.sample_rows:
-            last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[last])
+            n = len(seqs)
+            if len(host.sample_rows) == n and int(host.cu_seqlens_q[n]) == n:
+                rows = hidden[:n]  # one token per sequence, all sampled (decode): no gather
+            else:
+                last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
+                rows = hidden[last]
+            logits = self.model.compute_logits(rows)
             handle.tokens = self.sampler(logits, self.sampling_tensors([seqs[r] for r in host.sample_rows]))
             if self.device.type == "cuda":  # copy back into pinned memory, signalled by an event
                 self._pinned_turn ^= 1

@@ -25,10 +25,11 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 # Triton GEMV with the kernel configuration chosen for them, and the timings that chose it
 # ({key: (unfused us, Triton us)}), filled by `choose_gemv_shapes`. Variants: "plain"
 # (x W^T), "norm" (RMSNorm of x + residual first), "norm+silu" (the same, then SiLU-and-mul
-# of a [gate | up] product).
+# of a [gate | up] product), "norm+rope" (RMSNorm, a packed q/k/v product, then the rotary
+# embedding and the KV-cache write: `norm_linear_rope`).
 GEMV_CHOICES: dict[tuple, tuple[float, float]] = {}
 _GEMV_SHAPES: dict[tuple, dict] = {}
-VARIANTS = ("plain", "norm", "norm+silu")
+VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")
 
 
 def _one_row_config(x: torch.Tensor, weight: torch.Tensor, variant: str):
@@ -71,6 +72,21 @@ def norm_linear(norm: RMSNorm, linear: "Linear", x: torch.Tensor, residual: torc
     return (silu_and_mul(y) if gated else y), residual
 
 
+def norm_linear_rope(norm: RMSNorm, linear: "QKVLinear", x: torch.Tensor, residual: torch.Tensor | None,
+                     positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """One row on a GPU, where `choose_gemv_shapes` measured it faster: RMSNorm, the packed
+    q/k/v product, the rotary embedding of q and k and the write of k and v into the caches,
+    as one Triton GEMV (`kernels.gemv_rope`). Returns (qkv with q rotated, x + residual), or
+    None where that does not apply (the caller then runs `norm_linear` and its rotary)."""
+    cfg = _one_row_config(x, linear.weight, "norm+rope") if linear.bias is None else None
+    if cfg is None:
+        return None
+    from atom.model_ops.kernels.gemv_rope import gemv_norm_rope
+    return gemv_norm_rope(x, residual, norm.weight, norm.eps, linear.weight, linear.head_dim, linear.q_size,
+                          positions, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg)
+
+
 def gemv_choices() -> dict[str, dict]:
     """The start-up choices so far, for reports: {"NxK variant": unfused us, Triton us, used?}."""
     return {f"{n}x{k} {v}": {"unfused_us": round(a, 2), "triton_us": round(b, 2),
@@ -78,14 +94,18 @@ def gemv_choices() -> dict[str, dict]:
             for (n, k, dt, v), (a, b) in GEMV_CHOICES.items()}
 
 
-def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict | None = None):
-    """(unfused, Triton) callables of one variant on one row, for timing and checking."""
+def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
+                   layer: nn.Module | None = None):
+    """(unfused, Triton) callables of one variant on one row, for timing and checking
+    (`layer`: the module, for the head layout of "norm+rope")."""
     from atom.model_ops.kernels import fused_add_rms_norm, gemv, gemv_fused
     from atom.model_ops.kernels import silu_and_mul as silu_mul
     if variant == "plain":
         return functools.partial(F.linear, x, w), functools.partial(gemv, x, w, config)
     gated = variant == "norm+silu"
     res, nw = torch.randn_like(x), torch.rand(x.shape[1], device=x.device, dtype=x.dtype) + 0.5
+    if variant == "norm+rope":
+        return _rope_calls(x, res, nw, w, layer, config)
 
     def unfused():
         h, _ = fused_add_rms_norm(x, res, nw, 1e-6)
@@ -93,6 +113,32 @@ def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict 
         return silu_mul(y) if gated else y
 
     return unfused, lambda: gemv_fused(x, res, nw, 1e-6, w, gated, config)[0]
+
+
+def _rope_calls(x, res, nw, w, layer, config):
+    """"norm+rope": unfused = add + RMSNorm kernel, cuBLAS, the rotary kernel with the cache
+    write (a one-block cache, the row at position 7, slot 3)."""
+    from atom.model_ops.kernels import fused_add_rms_norm, rotary_embedding
+    from atom.model_ops.kernels.gemv_rope import gemv_norm_rope
+    D, qs, kvs = layer.head_dim, layer.q_size, layer.kv_size
+    dev = x.device
+    pos, slot = torch.tensor([7], device=dev), torch.tensor([3], device=dev)
+    cs = torch.rand(16, D, device=dev)
+    kc, vc = (torch.zeros(1, 16, kvs // D, D, dtype=x.dtype, device=dev) for _ in range(2))
+
+    def unfused():
+        h, _ = fused_add_rms_norm(x, res, nw, 1e-6)
+        y = F.linear(h, w)
+        q, k, v = y.split([qs, kvs, kvs], dim=-1)
+        rotary_embedding(pos, q, k, cs, D, kv_cache=(v, kc, vc, slot))
+        return y
+
+    return unfused, lambda: gemv_norm_rope(x, res, nw, 1e-6, w, D, qs, pos, cs, kc, vc, slot, config)[0]
+
+
+def _one_row_variants(m: nn.Module) -> tuple:
+    v = getattr(m, "one_row", None)
+    return tuple(x for x in (v if isinstance(v, tuple) else (v,)) if x in VARIANTS)
 
 
 def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.02) -> dict:
@@ -107,24 +153,29 @@ def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.02) -> dict:
     Returns {key: (unfused us, Triton us)}; an empty dict off the GPU."""
     from atom.model_ops.kernels.gemv import gemv_candidates
     groups: dict[tuple, list[torch.Tensor]] = {}
+    layers: dict[tuple, nn.Module] = {}
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if getattr(m, "one_row", None) in VARIANTS and getattr(m, "bias", None) is None and w is not None \
-                and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16):
-            groups.setdefault((w.shape[0], w.shape[1], w.dtype, m.one_row), []).append(w)
+        if getattr(m, "bias", None) is None and w is not None and w.is_cuda \
+                and w.dtype in (torch.bfloat16, torch.float16):
+            for variant in _one_row_variants(m):
+                groups.setdefault((w.shape[0], w.shape[1], w.dtype, variant), []).append(w)
+                layers.setdefault((w.shape[0], w.shape[1], w.dtype, variant), m)
     out = {}
     for key, ws in groups.items():
         x = torch.randn(1, key[1], device=ws[0].device, dtype=key[2])
-        gated = key[3] == "norm+silu"
-        base = graph_time([_one_row_calls(key[3], x, w)[0] for w in ws]) * 1e6
+        gated, layer = key[3] == "norm+silu", layers[key]
+        base = graph_time([_one_row_calls(key[3], x, w, None, layer)[0] for w in ws]) * 1e6
         best = None
         for cfg in gemv_candidates(key[0] // 2 if gated else key[0], key[1], gated):
-            unfused, fused = _one_row_calls(key[3], x, ws[0], cfg)
+            if key[3] == "norm+rope" and cfg["BLOCK_N"] % 2:
+                continue  # row pairs
+            unfused, fused = _one_row_calls(key[3], x, ws[0], cfg, layer)
             ref, got = unfused(), fused()
             if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
                 logger.warning("Triton GEMV %s disagrees with the unfused layers on %s: not used", cfg, key)
                 continue
-            t = graph_time([_one_row_calls(key[3], x, w, cfg)[1] for w in ws]) * 1e6
+            t = graph_time([_one_row_calls(key[3], x, w, cfg, layer)[1] for w in ws]) * 1e6
             if best is None or t < best[0]:
                 best = (t, cfg)
         if best is None:
@@ -149,8 +200,9 @@ def _check_unquantized(spec: LayerQuantConfig | None, prefix: str) -> None:
 
 class Linear(nn.Module):
     """y = x W^T (+ b). `weight_loader(param, tensor, shard_id)` copies a checkpoint tensor.
-    `one_row` names how the model calls it at batch 1 (see `VARIANTS`): the model sets "norm"
-    or "norm+silu" on a layer it calls through `norm_linear`."""
+    `one_row` names how the model calls it at batch 1 (see `VARIANTS`), or a tuple of the ways
+    it may: the model sets "norm" or "norm+silu" on a layer it calls through `norm_linear`,
+    and adds "norm+rope" on a q/k/v layer it first offers to `norm_linear_rope`."""
 
     one_row = "plain"
 
@@ -192,6 +244,7 @@ class QKVLinear(Linear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, quant_config=None, prefix: str = ""):
+        self.head_dim = head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, quant_config, prefix)
 

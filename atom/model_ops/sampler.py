@@ -5,7 +5,8 @@ their top-k and top-p (nucleus) set, and sample by the exponential race
 (argmax of p / E with E ~ Exp(1), which draws from p). A request with a seed draws its
 noise from its own generator, so its tokens do not depend on its batch neighbours.
 On a GPU, a batch without top-k, top-p or seeds is sampled by one Triton kernel that
-reads the logits once (`kernels.sampling`: Gumbel-max, the same distribution).
+reads the logits once (`kernels.sampling`: Gumbel-max, the same distribution); an
+all-greedy batch takes the same kernel without the noise.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class SamplingTensors:
     """Per-row sampling parameters of one step, as device tensors."""
 
     def __init__(self, temperatures, top_ks=None, top_ps=None, generators=None):
-        self.temperatures = temperatures          # float32 [S]
+        self.temperatures = temperatures          # float32 [S]; None when all rows are greedy
         self.top_ks = top_ks                      # int64 [S] (0 = off) or None
         self.top_ps = top_ps                      # float32 [S] (1.0 = off) or None
         self.generators = generators or {}        # row -> torch.Generator
@@ -47,9 +48,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        if st.all_greedy:
-            return logits.argmax(dim=-1)
         kern = kernel_backend.get(logits)
+        if st.all_greedy:
+            # on a GPU the split-vocab kernel (no noise) beats torch's one-row reduction
+            return kern.gumbel_sample(logits, None) if kern is not None else logits.argmax(dim=-1)
         if kern is not None and st.top_ks is None and st.top_ps is None and not st.generators:
             # one Triton pass (Gumbel-max), the same distribution; a fresh seed from torch's RNG
             seed = int(torch.randint(0, 2**31 - 1, (1,)))

@@ -32,13 +32,12 @@ if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
-    def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, rout_ptr, N, K, stride_wn, up_rows, eps,
+    def _gemv_stream(x_ptr, r_ptr, nw_ptr, w_ptr, rout_ptr, rows, row_ok, K, stride_wn, up_rows, eps,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
-        pid = tl.program_id(0)
+        """The dot products of weight `rows` with the (normalised) row x, in fp32: (y, y_up),
+        y_up the rows `up_rows` further down when GATED. Program 0 writes x + residual."""
         act = x_ptr.dtype.element_ty
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
         w_up = w_ptr + (rows.to(tl.int64) + up_rows)[:, None] * stride_wn  # GATED: row I + n
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -63,7 +62,7 @@ if HAS_TRITON:
             if NORM:
                 if HAS_RES:
                     s = (x + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(act)
-                    if pid == 0:
+                    if tl.program_id(0) == 0:
                         tl.store(rout_ptr + ks, s, mask=k_ok)
                     x = s.to(tl.float32)
                 sq += x * x
@@ -77,13 +76,25 @@ if HAS_TRITON:
                 w = tl.load(w_rows + (ks + BLOCK_K)[None, :], mask=nxt_mask, other=0.0)
                 wu = tl.load(w_up + (ks + BLOCK_K)[None, :], mask=nxt_mask & GATED, other=0.0)
         y = tl.sum(acc, axis=1)
-        rstd = 1.0
+        y_up = tl.sum(acc_up, axis=1)
         if NORM:  # the row's 1 / rms scales every dot product
             rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
             y = y * rstd
+            y_up = y_up * rstd
+        return y, y_up
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, rout_ptr, N, K, stride_wn, up_rows, eps,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
+        act = x_ptr.dtype.element_ty
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        y, y_up = _gemv_stream(x_ptr, r_ptr, nw_ptr, w_ptr, rout_ptr, rows, row_ok, K, stride_wn, up_rows,
+                               eps, NORM, HAS_RES, GATED, PDL, BLOCK_N, BLOCK_K, AHEAD)
         if GATED:
             g = y.to(act).to(tl.float32)
-            y = g / (1.0 + tl.exp(-g)) * (tl.sum(acc_up, axis=1) * rstd).to(act).to(tl.float32)
+            y = g / (1.0 + tl.exp(-g)) * y_up.to(act).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 

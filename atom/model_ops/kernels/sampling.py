@@ -1,10 +1,16 @@
-"""Temperature sampling in one pass over the logits (Gumbel-max), one program per row.
+"""Temperature sampling in one pass over the logits (Gumbel-max), the vocab split over programs.
 
 ``argmax(logits / T + G)`` with ``G = -log(-log(U))``, ``U ~ Uniform(0, 1)`` draws a token with
 probability ``softmax(logits / T)``; a row with ``T = 0`` takes the plain argmax. The logits
 are read once, in their own dtype (bf16 straight from the LM head), instead of the torch
 path's float copy, softmax, noise tensor, division and argmax (six passes over a
-[rows, vocab] fp32 tensor). The noise comes from Philox counters ``(seed, row * V + col)``.
+[rows, vocab] fp32 tensor). The noise comes from Philox counters ``(seed, row * V + col)``,
+so a draw does not depend on how the vocab is split.
+
+Work split: each row's vocab is cut into chunks so that rows x chunks fills the GPU (one
+program per row left 2 waves of 8-warp programs walking 63 blocks each at 200 rows x 128k
+vocab: ~200 us, latency-bound); each program keeps its chunk's best (value, index), and a
+second small kernel picks the row's winner (ties: the lowest index, like ``argmax``).
 Rows that need top-k / top-p or their own generator use the torch sampler.
 """
 
@@ -14,50 +20,90 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
+_BLOCK = 2048
+_TARGET_PROGRAMS = 512  # ~4 per SM on an H200
+
+
 if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["seed"])
-    def _gumbel_argmax_kernel(logits_ptr, stride_row, temp_ptr, out_ptr, V, seed,
-                              BLOCK: tl.constexpr):
+    def _gumbel_chunk_kernel(logits_ptr, stride_row, temp_ptr, best_v_ptr, best_i_ptr, V, seed,
+                             chunk, num_chunks, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
         row = tl.program_id(0)
-        t = tl.load(temp_ptr + row).to(tl.float32)
+        c = tl.program_id(1)
+        if GREEDY:
+            t = 0.0
+        else:
+            t = tl.load(temp_ptr + row).to(tl.float32)
         inv_t = 1.0 / tl.where(t > 0, t, 1.0)
         base = logits_ptr + row.to(tl.int64) * stride_row
         best_v = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
+        lo = c * chunk
+        hi = tl.minimum(lo + chunk, V)
+        for start in range(lo, hi, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            ok = cols < V
+            ok = cols < hi
             x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
-            u = tl.rand(seed, row * V + cols)
-            g = -tl.log(-tl.log(tl.minimum(tl.maximum(u, 1e-20), 0.99999994)))
-            x = tl.where(t > 0, x * inv_t + g, x)
+            if not GREEDY:
+                u = tl.rand(seed, row * V + cols)
+                g = -tl.log(-tl.log(tl.minimum(tl.maximum(u, 1e-20), 0.99999994)))
+                x = tl.where(t > 0, x * inv_t + g, x)
             x = tl.where(ok, x, float("-inf"))
             better = x > best_v
             best_v = tl.where(better, x, best_v)
             best_i = tl.where(better, cols, best_i)
         top = tl.max(best_v, 0)
-        idx = tl.min(tl.where(best_v == top, best_i, V), 0)  # ties: the lowest index, like argmax
+        idx = tl.min(tl.where(best_v == top, best_i, V), 0)  # ties: the lowest index
+        tl.store(best_v_ptr + row * num_chunks + c, top)
+        tl.store(best_i_ptr + row * num_chunks + c, idx)
+
+    @triton.jit
+    def _pick_chunk_kernel(best_v_ptr, best_i_ptr, out_ptr, V, num_chunks, CHUNKS_PAD: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, CHUNKS_PAD)
+        ok = offs < num_chunks
+        v = tl.load(best_v_ptr + row * num_chunks + offs, mask=ok, other=float("-inf"))
+        i = tl.load(best_i_ptr + row * num_chunks + offs, mask=ok, other=V)
+        top = tl.max(v, 0)
+        idx = tl.min(tl.where(v == top, i, V), 0)
         tl.store(out_ptr + row, idx.to(tl.int64))
 
 
-def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
-    """logits [S, V] (any float dtype, unit column stride), temperatures [S] (0 = greedy)
-    -> sampled ids [S] int64. `seed` selects the noise (a new one per step)."""
+def split_vocab(rows: int, V: int, block: int = _BLOCK, target: int | None = None) -> tuple[int, int]:
+    """(chunk, num_chunks): the vocab cut into block-aligned chunks, ~`target` programs in all."""
+    target = _TARGET_PROGRAMS if target is None else target
+    blocks = -(-V // block)
+    want = min(blocks, max(1, -(-target // max(rows, 1))))
+    chunk = -(-blocks // want) * block
+    return chunk, -(-V // chunk)
+
+
+def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: int = 0) -> torch.Tensor:
+    """logits [S, V] (any float dtype, unit column stride), temperatures [S] (0 = greedy;
+    None = all greedy, no noise computed) -> sampled ids [S] int64. `seed` selects the noise
+    (a new one per step)."""
     if not HAS_TRITON:
         raise RuntimeError("gumbel_sample needs triton; use gumbel_sample_ref without it")
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [rows, vocab] with a contiguous last dim, got {tuple(logits.shape)}")
     S, V = logits.shape
-    if temperatures.shape != (S,):
+    if temperatures is not None and temperatures.shape != (S,):
         raise ValueError(f"temperatures must be [{S}], got {tuple(temperatures.shape)}")
     if S * V >= 2**31:
         raise ValueError(f"rows x vocab = {S * V} exceeds the kernel's 32-bit noise counter")
     out = torch.empty(S, dtype=torch.int64, device=logits.device)
     if S == 0:
         return out
-    _gumbel_argmax_kernel[(S,)](logits, logits.stride(0), temperatures, out, V, int(seed) & 0x7FFFFFFF,
-                                BLOCK=2048, num_warps=8)
+    chunk, n = split_vocab(S, V)
+    best_v = torch.empty((S, n), dtype=torch.float32, device=logits.device)
+    best_i = torch.empty((S, n), dtype=torch.int32, device=logits.device)
+    greedy = temperatures is None
+    _gumbel_chunk_kernel[(S, n)](logits, logits.stride(0), logits if greedy else temperatures,
+                                 best_v, best_i, V, int(seed) & 0x7FFFFFFF, chunk, n,
+                                 BLOCK=_BLOCK, GREEDY=greedy, num_warps=8)
+    _pick_chunk_kernel[(S,)](best_v, best_i, out, V, n,
+                             CHUNKS_PAD=max(2, triton.next_power_of_2(n)), num_warps=1)
     return out
 
 
