@@ -34,6 +34,7 @@ def _compile_all() -> dict:
 
     gemv = importlib.import_module("atom.model_ops.kernels.gemv")
     rotary = importlib.import_module("atom.model_ops.kernels.rotary")
+    gemv_rope = importlib.import_module("atom.model_ops.kernels.gemv_rope")
     attn = importlib.import_module("atom.model_ops.attention.triton_unified")
     f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr")}
     cases = {
@@ -41,6 +42,9 @@ def _compile_all() -> dict:
                                                      BLOCK_K=1024, AHEAD=False), f32),
         "gemv_plain_ahead": (gemv._gemv_kernel, dict(NORM=False, HAS_RES=False, GATED=False, PDL=True, BLOCK_N=2,
                                                      BLOCK_K=1024, AHEAD=True), f32),
+        "gemv_norm_rope": (gemv_rope._gemv_rope_kernel, dict(HALF=64, BLOCK_SIZE=16, HAS_RES=True, PDL=True,
+                                                             BLOCK_N=2, BLOCK_K=1024, AHEAD=True),
+                           dict(f32, pos_ptr="*i64", slot_ptr="*i64", cs_ptr="*fp32")),
         "rope_kv_write": (rotary._rope_kernel, dict(HQ=32, HQ_PAD=32, HKV=8, HKV_PAD=8, HALF=64, HALF_PAD=64,
                                                     Q_NORM=True, K_NORM=True, WRITE_KV=True, BLOCK_SIZE=16, PDL=True),
                           dict(f32, pos_ptr="*i64", slot_ptr="*i64", cs_ptr="*fp32")),
@@ -71,7 +75,8 @@ def test_pdl_kernels_compile_for_sm90():
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(got) == {"gemv_fused_gated", "gemv_plain_ahead", "rope_kv_write", "attention_decode_split", "merge"}
+    assert set(got) == {"gemv_fused_gated", "gemv_plain_ahead", "gemv_norm_rope", "rope_kv_write",
+                        "attention_decode_split", "merge"}
     for name, flags in got.items():
         assert all(flags.values()), (name, flags)  # each kernel waits for the one in front and lets the next in
 
