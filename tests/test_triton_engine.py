@@ -56,7 +56,8 @@ def test_one_row_gemv_paths_in_the_engine(model, request, monkeypatch):
     from atom.model_ops.attention import triton_backend
     from atom.model_ops.kernels import gemv_rope
     path = request.getfixturevalue(model)
-    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
+    # eager: on a GPU a captured batch-1 graph would replay the kernels chosen at start-up
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32, enforce_eager=True)
     runner = llm.engine.runner
     for layer in runner.attn_layers:
         layer.backend = "triton"

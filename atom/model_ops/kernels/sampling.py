@@ -4,8 +4,8 @@
 probability ``softmax(logits / T)``; a row with ``T = 0`` takes the plain argmax. The logits
 are read once, in their own dtype (bf16 straight from the LM head), instead of the torch
 path's float copy, softmax, noise tensor, division and argmax (six passes over a
-[rows, vocab] fp32 tensor). The noise comes from Philox counters ``(seed, row * V + col)``,
-so a draw does not depend on how the vocab is split.
+[rows, vocab] fp32 tensor). The noise comes from Philox (four uniforms per call, counted per
+row and 2048-column block), so a draw does not depend on how the vocab is split.
 
 Work split: each row's vocab is cut into chunks so that rows x chunks fills the GPU (one
 program per row left 2 waves of 8-warp programs walking 63 blocks each at 200 rows x 128k
@@ -26,9 +26,25 @@ _TARGET_PROGRAMS = 512  # ~4 per SM on an H200
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _take(base, cols, hi, u, t, inv_t, best_v, best_i, GREEDY: tl.constexpr):
+        """Fold the columns `cols` (with uniforms `u`) into each lane's best (value, index)."""
+        ok = cols < hi
+        x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if not GREEDY:  # Gumbel noise -ln(-ln u), through log2
+            u = tl.minimum(tl.maximum(u, 1e-20), 0.99999994)
+            g = -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))
+            x = tl.where(t > 0, x * inv_t + g, x)
+        x = tl.where(ok, x, float("-inf"))
+        better = x > best_v  # strict: among equal values the first (lowest) column stays
+        return tl.where(better, x, best_v), tl.where(better, cols, best_i)
+
     @triton.jit(do_not_specialize=["seed"])
     def _gumbel_chunk_kernel(logits_ptr, stride_row, temp_ptr, best_v_ptr, best_i_ptr, V, seed,
                              chunk, num_chunks, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+        # One Philox call gives four uniforms: a BLOCK of columns is four sub-blocks of Q,
+        # counter (row, start / 4 + lane) -> columns start + {0, 1, 2, 3} * Q + lane.
+        Q: tl.constexpr = BLOCK // 4
         row = tl.program_id(0)
         c = tl.program_id(1)
         if GREEDY:
@@ -37,22 +53,24 @@ if HAS_TRITON:
             t = tl.load(temp_ptr + row).to(tl.float32)
         inv_t = 1.0 / tl.where(t > 0, t, 1.0)
         base = logits_ptr + row.to(tl.int64) * stride_row
-        best_v = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int32)
+        row_counters = row * (tl.cdiv(V, BLOCK) * Q)
+        lane = tl.arange(0, Q)
+        best_v = tl.full([Q], float("-inf"), tl.float32)
+        best_i = tl.zeros([Q], tl.int32)
         lo = c * chunk
         hi = tl.minimum(lo + chunk, V)
         for start in range(lo, hi, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            ok = cols < hi
-            x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
-            if not GREEDY:
-                u = tl.rand(seed, row * V + cols)
-                g = -tl.log(-tl.log(tl.minimum(tl.maximum(u, 1e-20), 0.99999994)))
-                x = tl.where(t > 0, x * inv_t + g, x)
-            x = tl.where(ok, x, float("-inf"))
-            better = x > best_v
-            best_v = tl.where(better, x, best_v)
-            best_i = tl.where(better, cols, best_i)
+            if GREEDY:
+                u0 = tl.zeros([Q], tl.float32)
+                u1 = u0
+                u2 = u0
+                u3 = u0
+            else:
+                u0, u1, u2, u3 = tl.rand4x(seed, row_counters + start // 4 + lane)
+            best_v, best_i = _take(base, start + lane, hi, u0, t, inv_t, best_v, best_i, GREEDY)
+            best_v, best_i = _take(base, start + Q + lane, hi, u1, t, inv_t, best_v, best_i, GREEDY)
+            best_v, best_i = _take(base, start + 2 * Q + lane, hi, u2, t, inv_t, best_v, best_i, GREEDY)
+            best_v, best_i = _take(base, start + 3 * Q + lane, hi, u3, t, inv_t, best_v, best_i, GREEDY)
         top = tl.max(best_v, 0)
         idx = tl.min(tl.where(best_v == top, best_i, V), 0)  # ties: the lowest index
         tl.store(best_v_ptr + row * num_chunks + c, top)
