@@ -39,7 +39,9 @@ if HAS_TRITON:
         better = x > best_v  # strict: among equal values the first (lowest) column stays
         return tl.where(better, x, best_v), tl.where(better, cols, best_i)
 
-    @triton.jit(do_not_specialize=["seed"])
+    # The split depends on the batch size; its numbers are not specialised on, so that a
+    # batch size seen for the first time does not compile a new kernel variant mid-run.
+    @triton.jit(do_not_specialize=["seed", "chunk", "num_chunks"])
     def _gumbel_chunk_kernel(logits_ptr, stride_row, temp_ptr, best_v_ptr, best_i_ptr, V, seed,
                              chunk, num_chunks, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
         # One Philox call gives four uniforms: a BLOCK of columns is four sub-blocks of Q,
@@ -76,7 +78,7 @@ if HAS_TRITON:
         tl.store(best_v_ptr + row * num_chunks + c, top)
         tl.store(best_i_ptr + row * num_chunks + c, idx)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_chunks"])
     def _pick_chunk_kernel(best_v_ptr, best_i_ptr, out_ptr, V, num_chunks, CHUNKS_PAD: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, CHUNKS_PAD)
@@ -121,7 +123,7 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | None, seed:
                                  best_v, best_i, V, int(seed) & 0x7FFFFFFF, chunk, n,
                                  BLOCK=_BLOCK, GREEDY=greedy, num_warps=8)
     _pick_chunk_kernel[(S,)](best_v, best_i, out, V, n,
-                             CHUNKS_PAD=max(2, triton.next_power_of_2(n)), num_warps=1)
+                             CHUNKS_PAD=max(2, triton.next_power_of_2(-(-V // _BLOCK))), num_warps=1)
     return out
 
 
