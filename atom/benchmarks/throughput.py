@@ -23,7 +23,8 @@ import time
 import torch
 
 from atom.benchmarks.peer_vllm import add_engine_limit_args
-from atom.benchmarks.workloads import Request, mixed_workload, nano_vllm_workload, write_model_config
+from atom.benchmarks.workloads import (Request, mixed_workload, nano_vllm_workload, warmup_workload,
+                                      write_model_config)
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def gpu_main(args) -> dict:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               compilation_config={"level": args.level})
     run_atom(llm, mixed_workload(16, (64, 512), (16, 64), vocab, seed=1), args.temperature)  # warm-up
+    run_atom(llm, warmup_workload(reqs), args.temperature)  # the timed run's shapes
     runs = [run_atom(llm, reqs, args.temperature) for _ in range(args.repeat)]
     tok, sec = min(runs, key=lambda r: r[1])
     floor = workload_floor(MODEL_CONFIGS[args.model], [len(r.prompt_token_ids) for r in reqs],

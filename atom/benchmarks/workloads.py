@@ -58,3 +58,12 @@ def mixed_workload(num_seqs: int, input_range: tuple[int, int], output_range: tu
     rng = random.Random(seed)
     return [Request([rng.randint(10, vocab - 1) for _ in range(rng.randint(*input_range))],
                     rng.randint(*output_range)) for _ in range(num_seqs)]
+
+
+def warmup_workload(requests: list[Request], max_tokens: int = 8) -> list[Request]:
+    """A warm-up with the timed run's shapes: the same prompt lengths (so the same prefill
+    chunks and the same kernel and GEMM variants, which a fresh machine otherwise compiles
+    or loads inside the timed run) and a full first decode batch, but other token ids, so
+    that no prompt block is in the prefix cache for the timed run, and few output tokens."""
+    return [Request([(t + 1) % 10001 for t in r.prompt_token_ids], min(r.max_tokens, max_tokens))
+            for r in requests]

@@ -254,7 +254,10 @@ class ModelRunner:
         fed = None
         if prev is not None and (host.input_ids == PLACEHOLDER).any():
             src = [prev.row_of_seq[s.seq_id] for s in seqs]  # one placeholder per row
-            fed = prev.tokens[self._to_device(np.asarray(src, np.int64))]
+            if len(src) == prev.tokens.shape[0] and src == list(range(len(src))):
+                fed = prev.tokens  # the same rows in the same order (always at batch 1): no gather
+            else:
+                fed = prev.tokens[self._to_device(np.asarray(src, np.int64))]
         graphs = self.graphs
         if graphs is not None and graphs.can_run(host):
             hidden = graphs.replay(host, fed)
