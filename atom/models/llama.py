@@ -14,9 +14,8 @@ from torch import nn
 
 from atom.model_ops import kernel_backend
 from atom.model_ops.activation import SiluAndMul
-from atom.model_ops.attention import Attention
+from atom.model_ops.attention import Attention, get_forward_context
 from atom.model_ops.embedding import LMHead, VocabEmbedding
-from atom.model_ops.attention import get_forward_context
 from atom.model_ops.linear import Linear, MergedLinear, QKVLinear, norm_linear, norm_linear_rope
 from atom.model_ops.norm import RMSNorm
 from atom.model_ops.rotary import RotaryEmbedding, rope_parameters

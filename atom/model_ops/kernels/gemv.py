@@ -135,6 +135,19 @@ def _check_row(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.reshape(K).contiguous()
 
 
+def _norm_inputs(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor):
+    """Checks the norm prologue's inputs for the row x [K]; returns (residual row to add, the
+    buffer for x + residual): (x, x) without a residual (nothing added, nothing written)."""
+    K = x.shape[0]
+    if norm_weight.shape != (K,):
+        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} != ({K},)")
+    if residual is None:
+        return x, x
+    if residual.numel() != K:
+        raise ValueError(f"residual has {residual.numel()} values, x has {K}")
+    return residual.reshape(K).contiguous(), torch.empty(K, dtype=x.dtype, device=x.device)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [1, K] (or [K]), weight [N, K] with a contiguous last dim -> [1, N] in x's dtype.
     `config`: tile sizes and warps (default `gemv_config`)."""
@@ -155,19 +168,11 @@ def gemv_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torc
     Returns (y [1, N or I], res [1, K])."""
     x = _check_row(x, weight)
     K = x.shape[0]
-    if norm_weight.shape != (K,):
-        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} != ({K},)")
-    if residual is not None and residual.numel() != K:
-        raise ValueError(f"residual has {residual.numel()} values, x has {K}")
+    r, rout = _norm_inputs(x, residual, norm_weight)
     if gated and weight.shape[0] % 2:
         raise ValueError(f"a gated GEMV needs an even number of weight rows, got {weight.shape[0]}")
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    if residual is None:
-        r = rout = x
-    else:
-        r = residual.reshape(K).contiguous()
-        rout = torch.empty(K, dtype=x.dtype, device=x.device)
     cfg = config or gemv_config(N, K, gated)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, r, norm_weight, weight, y, rout, N, K, weight.stride(0), N if gated else 0, float(eps),

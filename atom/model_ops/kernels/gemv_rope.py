@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.model_ops.kernels.gemv import _check_row, gemv_config, gemv_fused_ref
+from atom.model_ops.kernels.gemv import _check_row, _norm_inputs, gemv_config, gemv_fused_ref
 from atom.model_ops.kernels.rotary import rotary_embedding_ref
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
@@ -92,17 +92,11 @@ def gemv_norm_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: 
     N, K = weight.shape
     kv_size = _rope_cache_check(weight, head_dim, q_size, positions, cos_sin_cache, k_cache, v_cache,
                                 slot_mapping)
-    if norm_weight.shape != (K,):
-        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} != ({K},)")
+    r, rout = _norm_inputs(x, residual, norm_weight)
     cfg = dict(config or gemv_config(N, K))
     if cfg["BLOCK_N"] % 2:
         raise ValueError(f"the rotary GEMV takes row pairs: BLOCK_N must be even, got {cfg['BLOCK_N']}")
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    if residual is None:
-        r = rout = x
-    else:
-        r = residual.reshape(K).contiguous()
-        rout = torch.empty(K, dtype=x.dtype, device=x.device)
     _gemv_rope_kernel[(triton.cdiv(N // 2, cfg["BLOCK_N"] // 2),)](
         x, r, norm_weight, weight, y, rout, K, weight.stride(0), float(eps),
         positions, cos_sin_cache, cos_sin_cache.stride(0), k_cache, v_cache, slot_mapping,
