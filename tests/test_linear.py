@@ -112,3 +112,26 @@ def _check_norm_linear_rope(linear, norm, qkv, forced):
     assert torch.equal(got[1], ref[1])
     for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("norm_chosen", [False, True])
+def test_rope_choice_compares_row_and_cache(monkeypatch, norm_chosen):
+    """The start-up pair for "norm+rope" (here under Triton's interpreter on the CPU): the
+    baseline is what the layer runs without it (the chosen "norm" GEMV or the unfused layers,
+    then the rotary kernel); both return the row and the cached k / v, which agree; a wrong
+    cache write is caught."""
+    pytest.importorskip("triton")
+    from atom.model_ops import linear
+    if torch.cuda.is_available():
+        pytest.skip("the CPU (interpreter) case")
+    layer = QKVLinear(64, 16, 4, 2)  # 128 rows, head_dim 16
+    layer.weight.data.normal_(std=0.1)
+    cfg = dict(BLOCK_N=2, BLOCK_K=64, num_warps=4, num_stages=1, AHEAD=False)
+    shapes = {(128, 64, torch.float32, "norm"): cfg} if norm_chosen else {}
+    monkeypatch.setattr(linear, "_GEMV_SHAPES", shapes)
+    x = torch.randn(1, 64)
+    without, fused = linear._one_row_calls("norm+rope", x, layer.weight, cfg, layer)
+    got, ref = fused(), without()
+    assert len(got) == 3 and got[1].abs().sum() > 0 and got[2].abs().sum() > 0  # k and v were written
+    assert linear._agree(got, ref)
+    assert not linear._agree((got[0], got[1] + 1, got[2]), ref)

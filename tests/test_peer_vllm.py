@@ -18,7 +18,7 @@ FAKE = textwrap.dedent('''
             self.max_tokens = max_tokens
     class LLM:
         def __init__(self, model, load_format, **kw):
-            assert load_format == "dummy" and kw["skip_tokenizer_init"]
+            assert load_format == "dummy" and kw["skip_tokenizer_init"] and kw["enable_prefix_caching"] is False
             self.kw = kw
         def generate(self, prompts, sps, use_tqdm):
             assert len(prompts) == len(sps) and all(p["prompt_token_ids"] for p in prompts)

@@ -472,6 +472,23 @@ def test_split_vocab_covers_the_vocab():
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+def test_gumbel_sample_uses_every_uniform(device):
+    """Columns in each of the four sub-blocks that share a Philox call, and one in the next
+    block, with equal logits: each is drawn about equally often (a counter shared by two of
+    them, or a sub-block reading the wrong uniform, would skew or tie their counts)."""
+    rows = 400 if device == "cpu" else 20000
+    cols = [3, 515, 1027, 1539, 2051]
+    logits = torch.full((rows, 2100), float("-inf"), device=device)
+    logits[:, cols] = 0.0
+    ids = gumbel_sample(logits, torch.ones(rows, device=device), seed=11).cpu()
+    counts = torch.tensor([(ids == c).sum().item() for c in cols], dtype=torch.float32)
+    assert counts.sum() == rows  # only the finite columns are ever drawn
+    freq = counts / rows
+    tol = 5 * (0.2 * 0.8 / rows) ** 0.5
+    assert ((freq - 0.2).abs() <= tol).all(), freq
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 def test_gumbel_sample_chunks_agree(device, monkeypatch):
     """The vocab split over programs: greedy (no temperatures) is the argmax with ties to the
     lowest index across chunk borders; a sampled row's draw does not depend on its neighbours

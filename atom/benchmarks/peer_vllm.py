@@ -31,7 +31,9 @@ def _engine(args):
     return LLM(model=args.model_path, load_format="dummy", max_model_len=args.max_model_len,
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-               skip_tokenizer_init=True)
+               skip_tokenizer_init=True,
+               # off, as in ATOM by default: a repeated timed run must not find its prompts cached
+               enable_prefix_caching=False)
 
 
 def _run(llm, requests, temperature: float) -> tuple[int, float]:

@@ -102,7 +102,7 @@ def split_vocab(rows: int, V: int, block: int = _BLOCK, target: int | None = Non
 def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: int = 0) -> torch.Tensor:
     """logits [S, V] (any float dtype, unit column stride), temperatures [S] (0 = greedy;
     None = all greedy, no noise computed) -> sampled ids [S] int64. `seed` selects the noise
-    (a new one per step)."""
+    (a new one per step). NaN logits are never chosen (torch.argmax would return a NaN's index)."""
     if not HAS_TRITON:
         raise RuntimeError("gumbel_sample needs triton; use gumbel_sample_ref without it")
     if logits.dim() != 2 or logits.stride(1) != 1:
@@ -110,7 +110,7 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | None, seed:
     S, V = logits.shape
     if temperatures is not None and temperatures.shape != (S,):
         raise ValueError(f"temperatures must be [{S}], got {tuple(temperatures.shape)}")
-    if S * V >= 2**31:
+    if temperatures is not None and S * V >= 2**31:
         raise ValueError(f"rows x vocab = {S * V} exceeds the kernel's 32-bit noise counter")
     out = torch.empty(S, dtype=torch.int64, device=logits.device)
     if S == 0:
