@@ -177,19 +177,17 @@ def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.02, fused_min_gain:
     variants of a layer are timed in their tuple order) and the rotary kernel.
     Returns {key: (unfused us, Triton us)}; an empty dict off the GPU."""
     from atom.model_ops.kernels.gemv import gemv_candidates
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    layers: dict[tuple, nn.Module] = {}
+    groups: dict[tuple, tuple[nn.Module, list[torch.Tensor]]] = {}  # key -> (first layer, weights)
     for m in model.modules():
         w = getattr(m, "weight", None)
         if getattr(m, "bias", None) is None and w is not None and w.is_cuda \
                 and w.dtype in (torch.bfloat16, torch.float16):
             for variant in _one_row_variants(m):
-                groups.setdefault((w.shape[0], w.shape[1], w.dtype, variant), []).append(w)
-                layers.setdefault((w.shape[0], w.shape[1], w.dtype, variant), m)
+                groups.setdefault((w.shape[0], w.shape[1], w.dtype, variant), (m, []))[1].append(w)
     out = {}
-    for key, ws in groups.items():
+    for key, (layer, ws) in groups.items():
         x = torch.randn(1, key[1], device=ws[0].device, dtype=key[2])
-        gated, layer = key[3] == "norm+silu", layers[key]
+        gated = key[3] == "norm+silu"
         base = graph_time([_one_row_calls(key[3], x, w, None, layer)[0] for w in ws]) * 1e6
         best = None
         for cfg in gemv_candidates(key[0] // 2 if gated else key[0], key[1], gated):

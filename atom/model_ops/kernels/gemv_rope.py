@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from atom.model_ops.kernels.gemv import _check_row, _norm_inputs, gemv_config, gemv_fused_ref
-from atom.model_ops.kernels.rotary import rotary_embedding_ref
+from atom.model_ops.kernels.rotary import check_cache_write, rotary_embedding_ref
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 if HAS_TRITON:
@@ -71,13 +71,9 @@ def _rope_cache_check(weight, head_dim, q_size, positions, cos_sin_cache, k_cach
         raise ValueError(f"weight of {N} rows is not [q {q_size} | k | v] heads of head_dim {head_dim}")
     if cos_sin_cache.shape[-1] != head_dim or cos_sin_cache.stride(-1) != 1:
         raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] contiguous, got {tuple(cos_sin_cache.shape)}")
-    hkv = kv_size // head_dim
-    if k_cache.dim() != 4 or k_cache.shape[2:] != (hkv, head_dim) or v_cache.shape != k_cache.shape \
-            or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError(f"k_cache / v_cache must be [num_blocks, block_size, {hkv}, {head_dim}] alike, "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if positions.numel() < 1 or slot_mapping.numel() < 1:
-        raise ValueError("positions and slot_mapping need the row's entry")
+    check_cache_write(k_cache, v_cache, slot_mapping, 1, kv_size // head_dim, head_dim)
+    if positions.numel() < 1:
+        raise ValueError("positions needs the row's entry")
     return kv_size
 
 

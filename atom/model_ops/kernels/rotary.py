@@ -97,13 +97,19 @@ def _cache_args(kv_cache: tuple, T: int, HKV: int, head_dim: int) -> tuple:
     svt, svh, hv = _heads_view(value, head_dim, "value")
     if value.shape[0] != T or hv != HKV:
         raise ValueError(f"value must be [{T}, {HKV}*{head_dim}], got {tuple(value.shape)}")
+    check_cache_write(k_cache, v_cache, slot_mapping, T, HKV, head_dim)
+    return (value, k_cache, v_cache, slot_mapping, (svt, svh), k_cache.stride()[:3], k_cache.shape[1])
+
+
+def check_cache_write(k_cache, v_cache, slot_mapping, T: int, HKV: int, head_dim: int) -> None:
+    """What a kernel that writes T tokens' k and v into the paged caches needs of them (this
+    one and the rotary GEMV of `gemv_rope`)."""
     if k_cache.dim() != 4 or k_cache.shape[2:] != (HKV, head_dim):
         raise ValueError(f"k_cache must be [num_blocks, block_size, {HKV}, {head_dim}], got {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must have the same shape and strides, with a contiguous last dim")
     if slot_mapping.shape[0] < T:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {T} tokens")
-    return (value, k_cache, v_cache, slot_mapping, (svt, svh), k_cache.stride()[:3], k_cache.shape[1])
 
 
 def rotary_embedding(
