@@ -1,0 +1,107 @@
+"""Tile sizes, warps and pipeline stages of the unified attention kernel at the Llama-3.1-8B
+attention shape (32 q heads, 8 KV heads, head dim 128, bf16, block 16), on batches taken
+from the nano-vllm workload: decode batches at three points of the run (contexts of the
+requests still running, longest first as the scheduler orders them) and a prefill step
+(the first 16,384 prompt tokens). Each configuration is timed in CUDA-graph replays next to
+the default choice; decode figures come with the KV-read bandwidth (the H200 copies at
+4.3 TB/s). A diagnosis tool, not a benchmark.
+
+    python3 scripts/attention_sweep.py --out attn.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from atom.benchmarks.workloads import nano_vllm_workload
+from atom.model_ops.attention.triton_unified import AttentionWorkspace, unified_attention
+from atom.utils.cuda_timing import graph_time
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+def paged_batch(ctx, q_lens, dev):
+    """q, caches, cu_seqlens, seq_lens and block tables of a batch (random block placement)."""
+    nblk = [-(-c // BS) for c in ctx]
+    pool = sum(nblk) + 8
+    kc = torch.randn(pool, BS, HKV, D, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(pool, device=dev).int()
+    bt = torch.zeros(len(ctx), max(nblk), dtype=torch.int32, device=dev)
+    o = 0
+    for i, n in enumerate(nblk):
+        bt[i, :n] = perm[o:o + n]
+        o += n
+    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=dev)
+    q = torch.randn(int(cu[-1]), HQ, D, device=dev, dtype=torch.bfloat16)
+    sl = torch.tensor(ctx, dtype=torch.int32, device=dev)
+    return q, kc, vc, cu, sl, bt
+
+
+def sweep(batch, max_q, configs, kv_bytes=None):
+    q, kc, vc, cu, sl, bt = batch
+    out = torch.empty_like(q)
+    ws = AttentionWorkspace(q.shape[0], HQ, D, device=q.device)
+    ref = None
+    rows = []
+    for cfg in [None] + configs:
+        def call(cfg=cfg):
+            unified_attention(q, kc, vc, out, cu, sl, bt, D ** -0.5, max_q, ws, config=cfg)
+        try:
+            call()
+        except Exception as e:  # out of resources
+            rows.append(dict(config=cfg, error=type(e).__name__))
+            continue
+        if ref is None:
+            ref = out.clone()
+        elif not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
+            rows.append(dict(config=cfg, error="mismatch"))
+            continue
+        t = graph_time([call] * 4, iters=20)
+        r = dict(config=cfg or "default", us=round(t * 1e6, 1))
+        if kv_bytes:
+            r["TB/s"] = round(kv_bytes / t / 1e12, 2)
+        rows.append(r)
+    ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    return dict(default=next(r for r in rows if r["config"] == "default"), best=ok[:8],
+                errors=sum("error" in r for r in rows))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = "cuda"
+    reqs = nano_vllm_workload(256)
+    res = {}
+    dec_cfgs = [dict(TILE_N=t, num_warps=w, num_stages=s)
+                for t, w, s in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]
+    for step in (100, 300, 600):
+        live = sorted((len(r.prompt_token_ids) + step for r in reqs if r.max_tokens > step), reverse=True)
+        kv = sum(live) * HKV * D * 2 * 2
+        r = sweep(paged_batch(live, [1] * len(live), dev), 1, dec_cfgs, kv)
+        res[f"decode step {step}, {len(live)} seqs"] = r
+        print(f"decode step {step} ({len(live)} seqs): default {r['default']}; best {r['best'][:3]}", flush=True)
+    lens, total = [], 0
+    for r in reqs:
+        if total + len(r.prompt_token_ids) > 16384:
+            break
+        lens.append(len(r.prompt_token_ids))
+        total += lens[-1]
+    pre_cfgs = [dict(BLOCK_M=m, TILE_N=t, num_warps=w, num_stages=s)
+                for m, t, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
+    r = sweep(paged_batch(lens, lens, dev), max(lens), pre_cfgs)
+    flops = sum(2 * 2 * L * L / 2 * HQ * D for L in lens)
+    for row in [r["default"]] + r["best"]:
+        row["TFLOP/s"] = round(flops / row["us"] / 1e6, 1)
+    res[f"prefill {len(lens)} prompts, {total} tokens"] = r
+    print(f"prefill ({len(lens)} prompts, {total} tokens): default {r['default']}; best {r['best'][:3]}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "results": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
