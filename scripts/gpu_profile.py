@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from atom import LLM, SamplingParams
@@ -25,12 +26,30 @@ def step_summary(steps) -> str:
     return "\n".join(lines)
 
 
+def gpu_busy(prof) -> str:
+    """How much of the window's GPU timeline (first kernel start to last kernel end) had a
+    kernel or copy running: the rest is bubbles between kernels and between steps."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return "no GPU events"
+    busy, (cur_s, cur_e) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy, cur_s = busy + cur_e - cur_s, s
+        cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e in spans) - spans[0][0]
+    return f"GPU busy {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms window ({100 * busy / span:.1f}%)"
+
+
 def kernel_table(engine, num_steps: int) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             engine.step()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    return gpu_busy(prof) + "\n" + table
 
 
 def main() -> None:
