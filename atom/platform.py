@@ -2,8 +2,8 @@
 
 - CPU: the torch reference kernels.
 - NVIDIA GPU: the Triton kernels (attention over the paged cache, norm, rotary, ...).
-- AMD GPU (ROCm): the same Triton kernels; "aiter" is reported when `aiter` imports, and
-  its kernels are preferred by the layers that have an AITER path.
+- AMD GPU (ROCm): the same Triton kernels; when `aiter` imports ("aiter"), AITER's kernels
+  serve RMSNorm, add + RMSNorm and SiLU-and-mul (`model_ops.kernels_aiter`), Triton the rest.
 The choice is logged once; `ATOM_KERNEL_BACKEND=torch|triton|aiter` forces one.
 """
 from __future__ import annotations
@@ -34,6 +34,9 @@ def kernel_backend() -> str:
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"ATOM_KERNEL_BACKEND={forced!r} is invalid: choose one of {', '.join(BACKENDS)}")
+        if forced == "aiter" and importlib.util.find_spec("aiter") is None:
+            raise ValueError("ATOM_KERNEL_BACKEND='aiter' needs the aiter package, which is not installed: "
+                             "choose triton or torch")
         choice, why = forced, "forced by ATOM_KERNEL_BACKEND"
     elif not torch.cuda.is_available():
         choice, why = "torch", "no GPU: torch reference kernels"

@@ -1,0 +1,74 @@
+"""The kernels the layers call on ROCm when `aiter` imports (`atom.platform` chose "aiter").
+
+AITER's own kernels serve RMSNorm, the fused residual-add + RMSNorm and SiLU-and-mul; every
+other name (attention over the paged cache, rotary with the K/V write, GEMVs, sampling)
+resolves to the Triton kernels of `atom.model_ops.kernels`, which run on ROCm as they are.
+The functions here keep the Triton kernels' signatures and results, so a layer does not
+know which library served it.
+
+AITER's calling conventions used (its Python API, `aiter/ops/rmsnorm.py` and
+`aiter/ops/activation.py`): `rmsnorm2d_fwd(input, weight, epsilon) -> out` on 2-D input;
+`rmsnorm2d_fwd_with_add(out, input, residual_in, residual_out, weight, epsilon)` writes
+`out = rmsnorm(input + residual_in) * weight` and `residual_out = input + residual_in`;
+`silu_and_mul(out, input)` writes `silu(input[..., :d]) * input[..., d:]`. Arguments after
+`epsilon` are left to their defaults (their order changed between AITER releases).
+Not run on AMD hardware in this repository's CI: the tests drive these functions through
+a stand-in `aiter` module with those conventions.
+"""
+from __future__ import annotations
+
+import aiter
+import torch
+
+from atom.model_ops import kernels as _triton
+
+AITER_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # AITER wants the norm weight in the activations' dtype
+    return weight if weight.dtype == x.dtype else weight.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, inplace: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` (any leading shape), as `kernels.rms_norm`."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    out = aiter.rmsnorm2d_fwd(_rows(x), _weight(weight, x), eps).view(x.shape)
+    return x.copy_(out) if inplace else out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       inplace: bool = False):
+    """(RMSNorm(x + residual), x + residual), as `kernels.fused_add_rms_norm`."""
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rout = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
+    aiter.rmsnorm2d_fwd_with_add(_rows(out), _rows(x), _rows(residual).contiguous(), _rows(rout),
+                                 _weight(weight, x), eps)
+    if inplace:
+        return x.copy_(out), residual.copy_(rout)
+    return out, rout
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], as `kernels.silu_and_mul`."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
+    if out is None:
+        out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+    if out.numel():
+        aiter.silu_and_mul(out, x.contiguous())
+    return out
+
+
+def __getattr__(name: str):
+    """Everything AITER does not serve here: the Triton kernel of that name."""
+    return getattr(_triton, name)
