@@ -75,6 +75,26 @@ def test_fp32_greedy_equals_transformers(model_path, hf_ref, setting):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_fp32_greedy_with_the_triton_gemm(model_path, hf_ref, eager, monkeypatch):
+    """ATOM_USE_TRITON_GEMM=1: the linear layers' products (but the batch-1 GEMV ones) on the
+    Triton GEMM, eager and in CUDA graphs; the same tokens as transformers."""
+    import atom.model_ops.kernels.gemm as gemm_mod
+    from atom.model_ops import linear
+    calls = []
+    real = gemm_mod.gemm
+    monkeypatch.setattr(gemm_mod, "gemm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(linear, "TRITON_GEMM", False)  # restored after the test
+    monkeypatch.setenv("ATOM_USE_TRITON_GEMM", "1")
+    ps, ref = hf_ref
+    llm = LLM(model_path, enable_log_stats=False, max_model_len=2048, max_num_seqs=16, num_kvcache_blocks=256,
+              enforce_eager=eager)
+    assert linear.TRITON_GEMM
+    outs = llm.generate(ps, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    assert calls and max(calls) > 1  # prefill products went through it
+
+
 MODES = ["NONE", "TR_HYBRID", "FULL", "FULL_DECODE_ONLY", "FULL_AND_TR_HYBRID"]
 # level 0: every graph mode; compiled levels: the guide's default mode (TR_HYBRID at 3)
 LEVEL_MODES = [(0, m) for m in MODES] + [(1, "FULL_DECODE_ONLY"), (2, "FULL_DECODE_ONLY"),

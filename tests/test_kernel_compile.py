@@ -4,7 +4,8 @@ The interpreter runs the kernels' logic in CI but never compiles them, and never
 branches that only a GPU takes (programmatic dependent launch: `griddepcontrol` inline PTX).
 Triton compiles ahead of time for a target without a GPU (ptxas ships with it), so this test
 builds those kernels for sm90, in a child process where TRITON_INTERPRET is unset (the
-kernels of this process may already be interpreted functions), and checks the PTX.
+kernels of this process may already be interpreted functions), and checks the PTX (PDL's
+griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma).
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -36,6 +37,7 @@ def _compile_all() -> dict:
     rotary = importlib.import_module("atom.model_ops.kernels.rotary")
     gemv_rope = importlib.import_module("atom.model_ops.kernels.gemv_rope")
     attn = importlib.import_module("atom.model_ops.attention.triton_unified")
+    gemm = importlib.import_module("atom.model_ops.kernels.gemm")
     f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr")}
     cases = {
         "gemv_fused_gated": (gemv._gemv_kernel, dict(NORM=True, HAS_RES=True, GATED=True, PDL=True, BLOCK_N=1,
@@ -54,17 +56,22 @@ def _compile_all() -> dict:
                                    dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32")),
         "merge": (attn._merge_kernel, dict(HEAD_DIM=128, HEAD_PAD=128, NUM_SPLITS=16, PDL=True),
                   dict(idx, po_ptr="*fp32", plse_ptr="*fp32")),
+        # the Triton GEMM's TMA path: tiles through the copy engine into the tensor cores
+        "gemm_tma": (gemm._gemm_kernel, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True,
+                                             HAS_BIAS=False, DOT_PREC="tf32"),
+                     dict(x="tensordesc<bf16[64,128]>", w="tensordesc<bf16[128,128]>"),
+                     ("cp.async.bulk.tensor", "wgmma")),
     }
     out = {}
-    for name, (kernel, constexprs, types) in cases.items():
+    for name, (kernel, constexprs, types, *markers) in cases.items():
         src = ASTSource(fn=kernel, signature=_signature(kernel, constexprs, types), constexprs=constexprs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        out[name] = {"griddepcontrol.wait": "griddepcontrol.wait" in ptx,
-                     "griddepcontrol.launch_dependents": "griddepcontrol.launch_dependents" in ptx}
+        wanted = markers[0] if markers else ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+        out[name] = {m: m in ptx for m in wanted}
     return out
 
 
-def test_pdl_kernels_compile_for_sm90():
+def test_kernels_compile_for_sm90():
     triton = pytest.importorskip("triton")
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this triton has no ptxas for NVIDIA targets")
@@ -76,9 +83,10 @@ def test_pdl_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(got) == {"gemv_fused_gated", "gemv_plain_ahead", "gemv_norm_rope", "rope_kv_write",
-                        "attention_decode_split", "merge"}
+                        "attention_decode_split", "merge", "gemm_tma"}
     for name, flags in got.items():
-        assert all(flags.values()), (name, flags)  # each kernel waits for the one in front and lets the next in
+        # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma
+        assert all(flags.values()), (name, flags)
 
 
 if __name__ == "__main__":

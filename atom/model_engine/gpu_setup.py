@@ -9,6 +9,8 @@ Compilation (`CompilationConfig.level`, skipped under `enforce_eager`):
 CUDA graphs (`cudagraph_mode`, `use_cudagraph`, capture sizes): decode batches replay a
 full-forward graph per capture size in every mode but NONE; batches with prefill tokens
 run without a graph. An unset mode below level 3 means FULL_DECODE_ONLY.
+Linear layers: cuBLAS / hipBLASLt through `F.linear`, or the Triton GEMM where
+`ATOM_USE_TRITON_GEMM=1` (read here, once per engine).
 """
 from __future__ import annotations
 
@@ -46,6 +48,12 @@ def compile_model(runner) -> None:
 def setup(runner) -> None:
     from atom.model_engine.cuda_graphs import CUDAGraphRunner
     config = runner.config
+    if runner.attn_layers and runner.attn_layers[0].backend == "triton":
+        from atom.model_ops.linear import use_triton_gemm
+        from atom.utils import envs
+        use_triton_gemm(envs.ATOM_USE_TRITON_GEMM)
+        logger.info("linear layers: %s", "Triton GEMM (ATOM_USE_TRITON_GEMM=1)" if envs.ATOM_USE_TRITON_GEMM
+                    else "cuBLAS / hipBLASLt (F.linear)")
     compile_model(runner)
     mode = effective_graph_mode(config)
     runner.graph_mode = mode

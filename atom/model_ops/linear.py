@@ -30,6 +30,14 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 GEMV_CHOICES: dict[tuple, tuple[float, float]] = {}
 _GEMV_SHAPES: dict[tuple, dict] = {}
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")
+# ATOM_USE_TRITON_GEMM, read once by the GPU engine's setup (`use_triton_gemm`): products on
+# a GPU outside torch.compile go to the Triton GEMM (`kernels.gemm`) instead of cuBLAS.
+TRITON_GEMM = False
+
+
+def use_triton_gemm(enabled: bool) -> None:
+    global TRITON_GEMM
+    TRITON_GEMM = bool(enabled)
 
 
 def _one_row_config(x: torch.Tensor, weight: torch.Tensor, variant: str):
@@ -45,13 +53,17 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     embedded model's layers, it took 0.54x the time of `F.linear`'s BLAS call at one row,
     0.72x at 32 rows, the same at 8 and 0.92x at 256 (`python -m atom.benchmarks.cpu_gemm`).
     On a GPU, a single row (batch-1 decode) of a weight shape where it measured faster goes
-    to the Triton GEMV."""
+    to the Triton GEMV, and with `ATOM_USE_TRITON_GEMM=1` every other product to the Triton
+    GEMM (not under torch.compile, which generates its own)."""
     if x.is_cpu:
         if _ONEDNN and x.dtype == torch.float32 and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     elif bias is None and (cfg := _one_row_config(x, weight, "plain")) is not None:
         from atom.model_ops.kernels.gemv import gemv
         return gemv(x, weight, cfg)
+    if TRITON_GEMM and not x.is_cpu and x.dtype == weight.dtype and not torch.compiler.is_compiling():
+        from atom.model_ops.kernels.gemm import gemm
+        return gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

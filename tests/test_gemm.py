@@ -1,0 +1,92 @@
+"""The Triton GEMM behind ATOM_USE_TRITON_GEMM (`kernels.gemm`) against F.linear: TMA and
+pointer-load paths, ragged M / N / K, bias, leading dims; CPU cases under Triton's
+interpreter, GPU cases (marked gpu) over the decode and prefill tilings; and the switch in
+the linear layers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from test_triton_kernels import CPU, GPU, _check_close, _dtypes  # noqa: E402  (same parametrization)
+
+from atom.model_ops import linear  # noqa: E402
+from atom.model_ops.kernels.gemm import gemm, gemm_config  # noqa: E402
+
+SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized tiles
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("M,N,K,bias", [(1, 48, 64, False), (37, 70, 104, True), (16, 32, 32, False),
+                                        (50, 33, 96, True)])
+def test_gemm_interpreted(device, tma, M, N, K, bias):
+    """Partial tiles in every dimension (K not a multiple of BLOCK_K included) and several
+    row tiles per group."""
+    g = torch.Generator().manual_seed(M * N + K)
+    for dtype in _dtypes(device):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+        b = torch.randn(N, generator=g).to(dtype) if bias else None
+        _check_close(gemm(x, w, b, tma=tma, config=SMALL), F.linear(x.float(), w.float(),
+                     None if b is None else b.float()).to(dtype), dtype, f"{dtype} tma={tma}")
+
+
+@pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("M", [1, 8, 64, 100, 192, 256, 1000])
+def test_gemm_gpu(device, M):
+    """The tilings the engine uses (decode sizes and a prefill-sized M), default path (TMA on
+    sm90+) and pointer loads, at a Llama-like shape with a ragged N."""
+    g = torch.Generator().manual_seed(M)
+    for dtype in _dtypes(device):
+        x = torch.randn(M, 1024, generator=g).to(device, dtype)
+        w = (torch.randn(1000, 1024, generator=g) / 32).to(device, dtype)
+        ref = F.linear(x.double(), w.double()).to(dtype)
+        for tma in (None, False):
+            _check_close(gemm(x, w, tma=tma), ref, dtype, f"{dtype} M={M} tma={tma}")
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_gemm_shapes_bias_and_errors(device):
+    x = torch.randn(2, 3, 40)
+    w = torch.randn(24, 40)
+    b = torch.randn(24)
+    y = gemm(x, w, b, tma=False, config=SMALL)
+    assert y.shape == (2, 3, 24)
+    _check_close(y, F.linear(x, w, b), torch.float32, "3-D input")
+    assert gemm(torch.randn(0, 40), w, tma=False, config=SMALL).shape == (0, 24)
+    with pytest.raises(ValueError, match=r"weight must be \[N, 40\]"):
+        gemm(x, torch.randn(24, 41))
+    with pytest.raises(ValueError, match="dtype"):
+        gemm(x, w.half())
+    with pytest.raises(ValueError, match="16-byte aligned rows: K=38"):
+        gemm(torch.randn(3, 38), torch.randn(24, 38), tma=True)
+    assert gemm_config(1, True)["BLOCK_M"] == 64 and gemm_config(4096, True)["BLOCK_N"] == 256
+    assert gemm_config(128, False)["num_stages"] == 2
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_linear_layers_take_the_triton_gemm_when_switched_on(device, monkeypatch):
+    """`dense` routes GPU products to the Triton GEMM only while the switch is on (a CPU
+    tensor never); here a stand-in GEMM records what reaches it."""
+    seen = []
+    monkeypatch.setattr("atom.model_ops.kernels.gemm.gemm", lambda x, w, b=None: seen.append(x.shape) or F.linear(x, w, b))
+
+    class FakeGpuTensor(torch.Tensor):  # is_cpu False, everything else a CPU tensor
+        @property
+        def is_cpu(self):
+            return False
+
+    x = torch.randn(4, 8).as_subclass(FakeGpuTensor)
+    w = torch.randn(6, 8)
+    monkeypatch.setattr(linear, "TRITON_GEMM", False)
+    linear.dense(x, w)
+    assert seen == []
+    linear.use_triton_gemm(True)
+    try:
+        linear.dense(x, w)
+        linear.dense(torch.randn(4, 8), w)  # a real CPU tensor: oneDNN / F.linear
+    finally:
+        linear.use_triton_gemm(False)
+    assert seen == [torch.Size([4, 8])]
