@@ -34,20 +34,33 @@ def kernel_backend() -> str:
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"ATOM_KERNEL_BACKEND={forced!r} is invalid: choose one of {', '.join(BACKENDS)}")
-        if forced == "aiter" and importlib.util.find_spec("aiter") is None:
-            raise ValueError("ATOM_KERNEL_BACKEND='aiter' needs the aiter package, which is not installed: "
+        if forced == "aiter" and (err := _aiter_import_error()) is not None:
+            raise ValueError(f"ATOM_KERNEL_BACKEND='aiter' needs the aiter package, which {err}: "
                              "choose triton or torch")
         choice, why = forced, "forced by ATOM_KERNEL_BACKEND"
     elif not torch.cuda.is_available():
         choice, why = "torch", "no GPU: torch reference kernels"
-    elif is_rocm() and importlib.util.find_spec("aiter") is not None:
-        choice, why = "aiter", "ROCm with aiter installed"
+    elif is_rocm() and (aiter_err := _aiter_import_error()) is None:
+        choice, why = "aiter", "ROCm, aiter imports"
     elif importlib.util.find_spec("triton") is not None:
         choice, why = "triton", f"{'ROCm' if is_rocm() else 'CUDA'} GPU with Triton"
+        if is_rocm() and aiter_err != "is not installed":
+            logger.warning("aiter %s: using the Triton kernels", aiter_err)
     else:
         choice, why = "torch", "GPU without Triton: torch reference kernels"
     logger.info("kernel backend: %s (%s)", choice, why)
     return choice
+
+
+def _aiter_import_error() -> str | None:
+    """None when `aiter` imports, else why not (as a clause: "is not installed", ...)."""
+    if importlib.util.find_spec("aiter") is None:
+        return "is not installed"
+    try:
+        import aiter  # noqa: F401
+    except Exception as e:  # a broken build (ABI, JIT) must not take the engine down: fall back
+        return f"failed to import ({type(e).__name__}: {e})"
+    return None
 
 
 def describe() -> str:

@@ -17,21 +17,29 @@ from atom.model_ops.kernels import fused_add_rms_norm_ref, rms_norm_ref, silu_an
 
 
 def _fake_aiter(calls):
+    """AITER's conventions and the checks its Python wrappers make (2-D rows with unit last
+    stride, contiguous outputs / residual / weight, one dtype), computed in torch."""
+    def rows_ok(*ts):
+        assert all(t.dim() == 2 and t.stride(-1) == 1 for t in ts)
+
     def rmsnorm2d_fwd(input, weight, epsilon):
-        assert input.dim() == 2 and weight.dtype == input.dtype
+        rows_ok(input)
+        assert weight.dtype == input.dtype and weight.is_contiguous() and input.shape[0] > 0
         calls.append("rmsnorm2d_fwd")
         return rms_norm_ref(input, weight, epsilon)
 
     def rmsnorm2d_fwd_with_add(out, input, residual_in, residual_out, weight, epsilon):
-        assert out.dim() == input.dim() == residual_in.dim() == residual_out.dim() == 2
-        assert weight.dtype == input.dtype and residual_in.is_contiguous()
+        rows_ok(out, input, residual_in, residual_out)
+        assert out.is_contiguous() and residual_in.is_contiguous() and residual_out.is_contiguous()
+        assert weight.dtype == input.dtype == residual_in.dtype and weight.is_contiguous() and input.shape[0] > 0
         calls.append("rmsnorm2d_fwd_with_add")
         y, r = fused_add_rms_norm_ref(input, residual_in, weight, epsilon)
         out.copy_(y)
         residual_out.copy_(r)
 
     def silu_and_mul(out, input):
-        assert out.shape[-1] * 2 == input.shape[-1]
+        assert out.is_contiguous() and input.is_contiguous() and out.shape[-1] * 2 == input.shape[-1]
+        assert out.numel() > 0
         calls.append("silu_and_mul")
         out.copy_(silu_and_mul_ref(input))
 
@@ -79,6 +87,35 @@ def test_aiter_norms_and_activation_match_the_references(aiter_kernels, dtype):
     assert calls == ["rmsnorm2d_fwd", "rmsnorm2d_fwd_with_add", "rmsnorm2d_fwd_with_add", "silu_and_mul"]
 
 
+def test_aiter_edge_cases(aiter_kernels):
+    """Strided inputs and outputs, in-place norm, empty batches (no AITER call) and a residual
+    in another dtype (the Triton kernel, under the interpreter here)."""
+    k, calls = aiter_kernels
+    g = torch.Generator().manual_seed(1)
+    w = torch.rand(32, generator=g) + 0.5
+    xt = torch.randn(32, 6, generator=g).t()  # [6, 32] with a non-unit last stride
+    torch.testing.assert_close(k.rms_norm(xt, w), rms_norm_ref(xt, w))
+    xi = torch.randn(4, 32, generator=g)
+    ref = rms_norm_ref(xi, w)
+    assert k.rms_norm(xi, w, inplace=True).data_ptr() == xi.data_ptr()
+    torch.testing.assert_close(xi, ref)
+    gu = torch.randn(5, 16, generator=g)
+    out = torch.zeros(5, 16)[:, ::2]  # [5, 8], row stride 16
+    assert k.silu_and_mul(gu, out=out) is out
+    torch.testing.assert_close(out, silu_and_mul_ref(gu))
+    n = len(calls)
+    assert k.rms_norm(torch.randn(0, 32), w).shape == (0, 32)
+    assert [t.shape for t in k.fused_add_rms_norm(torch.randn(0, 32), torch.randn(0, 32), w)] == [(0, 32)] * 2
+    assert k.silu_and_mul(torch.randn(0, 16)).shape == (0, 8)
+    assert len(calls) == n
+    x16, r32 = torch.randn(3, 32, generator=g).half(), torch.randn(3, 32, generator=g)
+    y, r = k.fused_add_rms_norm(x16, r32, w.half())
+    y_ref, r_ref = fused_add_rms_norm_ref(x16, r32, w.half())
+    assert len(calls) == n and r.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(r, r_ref)
+
+
 def test_aiter_input_errors_name_the_shapes(aiter_kernels):
     k, calls = aiter_kernels
     with pytest.raises(ValueError, match="weight shape"):
@@ -121,5 +158,25 @@ def test_forcing_aiter_without_the_package_is_a_clear_error(monkeypatch):
     try:
         with pytest.raises(ValueError, match="needs the aiter package"):
             platform.kernel_backend()
+    finally:
+        platform.kernel_backend.cache_clear()
+
+
+def test_rocm_takes_aiter_only_when_it_imports(monkeypatch, caplog):
+    """On ROCm (simulated) an importable aiter is chosen; an installed one that fails to import
+    leaves the Triton kernels, with a warning that says why."""
+    monkeypatch.delenv("ATOM_KERNEL_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(platform, "is_rocm", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    try:
+        monkeypatch.setitem(sys.modules, "aiter", _fake_aiter([]))
+        platform.kernel_backend.cache_clear()
+        assert platform.kernel_backend() == "aiter"
+        monkeypatch.setitem(sys.modules, "aiter", None)  # `import aiter` now raises
+        platform.kernel_backend.cache_clear()
+        with caplog.at_level("WARNING", logger="atom.platform"):
+            assert platform.kernel_backend() == "triton"
+        assert "aiter failed to import (ModuleNotFoundError" in caplog.text
     finally:
         platform.kernel_backend.cache_clear()

@@ -20,7 +20,7 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)  # i
 @pytest.mark.parametrize("device", [CPU])
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("M,N,K,bias", [(1, 48, 64, False), (37, 70, 104, True), (16, 32, 32, False),
-                                        (50, 33, 96, True)])
+                                        (50, 33, 96, True), (300, 40, 32, False)])  # 300: 19 row tiles, 3 groups
 def test_gemm_interpreted(device, tma, M, N, K, bias):
     """Partial tiles in every dimension (K not a multiple of BLOCK_K included) and several
     row tiles per group."""
@@ -36,15 +36,20 @@ def test_gemm_interpreted(device, tma, M, N, K, bias):
 @pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("M", [1, 8, 64, 100, 192, 256, 1000])
 def test_gemm_gpu(device, M):
-    """The tilings the engine uses (decode sizes and a prefill-sized M), default path (TMA on
-    sm90+) and pointer loads, at a Llama-like shape with a ragged N."""
+    """The tilings the engine uses (decode sizes and a prefill-sized M) at a ragged N and a K
+    that is no multiple of any K tile, with a bias: the default path (TMA for 16-bit operands
+    on sm90+, checked to be taken there) and pointer loads."""
+    from atom.model_ops.kernels import gemm as gemm_mod
     g = torch.Generator().manual_seed(M)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert gemm_mod._tma_device(torch.cuda.current_device())
     for dtype in _dtypes(device):
-        x = torch.randn(M, 1024, generator=g).to(device, dtype)
-        w = (torch.randn(1000, 1024, generator=g) / 32).to(device, dtype)
-        ref = F.linear(x.double(), w.double()).to(dtype)
+        x = torch.randn(M, 1000, generator=g).to(device, dtype)
+        w = (torch.randn(1000, 1000, generator=g) / 32).to(device, dtype)
+        b = torch.randn(1000, generator=g).to(device, dtype)
+        ref = F.linear(x.double(), w.double(), b.double()).to(dtype)
         for tma in (None, False):
-            _check_close(gemm(x, w, tma=tma), ref, dtype, f"{dtype} M={M} tma={tma}")
+            _check_close(gemm(x, w, b, tma=tma), ref, dtype, f"{dtype} M={M} tma={tma}")
 
 
 @pytest.mark.parametrize("device", [CPU])
@@ -56,14 +61,22 @@ def test_gemm_shapes_bias_and_errors(device):
     assert y.shape == (2, 3, 24)
     _check_close(y, F.linear(x, w, b), torch.float32, "3-D input")
     assert gemm(torch.randn(0, 40), w, tma=False, config=SMALL).shape == (0, 24)
+    torch.testing.assert_close(gemm(torch.randn(5, 0), torch.randn(24, 0), b), b.expand(5, 24))  # K = 0
+    wide = torch.randn(48)
+    _check_close(gemm(x, w, wide[::2], tma=False, config=SMALL), F.linear(x, w, wide[::2]), torch.float32,
+                 "strided bias")
+    with pytest.raises(ValueError, match=r"bias must be \[24\]"):
+        gemm(x, w, torch.randn(23))
     with pytest.raises(ValueError, match=r"weight must be \[N, 40\]"):
         gemm(x, torch.randn(24, 41))
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="weight must be torch.float32"):
         gemm(x, w.half())
-    with pytest.raises(ValueError, match="16-byte aligned rows: K=38"):
+    with pytest.raises(ValueError, match=r"tma=True: x \(strides \(38, 1\) of 4-byte elements"):
         gemm(torch.randn(3, 38), torch.randn(24, 38), tma=True)
     assert gemm_config(1, True)["BLOCK_M"] == 64 and gemm_config(4096, True)["BLOCK_N"] == 256
     assert gemm_config(128, False)["num_stages"] == 2
+    big = gemm_config(4096, False, elem_bytes=4)  # one stage within ROCm's 64 KiB of shared memory
+    assert (big["BLOCK_M"] + big["BLOCK_N"]) * big["BLOCK_K"] * 4 <= 64 * 1024
 
 
 @pytest.mark.parametrize("device", [CPU])

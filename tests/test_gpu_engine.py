@@ -78,7 +78,8 @@ def test_fp32_greedy_equals_transformers(model_path, hf_ref, setting):
 @pytest.mark.parametrize("eager", [True, False])
 def test_fp32_greedy_with_the_triton_gemm(model_path, hf_ref, eager, monkeypatch):
     """ATOM_USE_TRITON_GEMM=1: the linear layers' products (but the batch-1 GEMV ones) on the
-    Triton GEMM, eager and in CUDA graphs; the same tokens as transformers."""
+    Triton GEMM, eager and in CUDA graphs; the same tokens as transformers. fp32 takes the
+    GEMM's pointer-load path; its bf16 TMA path is checked against F.linear in test_gemm.py."""
     import atom.model_ops.kernels.gemm as gemm_mod
     from atom.model_ops import linear
     calls = []

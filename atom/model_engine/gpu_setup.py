@@ -47,13 +47,13 @@ def compile_model(runner) -> None:
 
 def setup(runner) -> None:
     from atom.model_engine.cuda_graphs import CUDAGraphRunner
+    from atom.model_ops.linear import use_triton_gemm
+    from atom.utils import envs
     config = runner.config
-    if runner.attn_layers and runner.attn_layers[0].backend == "triton":
-        from atom.model_ops.linear import use_triton_gemm
-        from atom.utils import envs
-        use_triton_gemm(envs.ATOM_USE_TRITON_GEMM)
-        logger.info("linear layers: %s", "Triton GEMM (ATOM_USE_TRITON_GEMM=1)" if envs.ATOM_USE_TRITON_GEMM
-                    else "cuBLAS / hipBLASLt (F.linear)")
+    triton_gemm = envs.ATOM_USE_TRITON_GEMM and bool(runner.attn_layers) and runner.attn_layers[0].backend == "triton"
+    use_triton_gemm(triton_gemm)  # set by every GPU engine, so none inherits an earlier one's choice
+    logger.info("linear layers: %s", "Triton GEMM (ATOM_USE_TRITON_GEMM=1)" if triton_gemm
+                else "cuBLAS / hipBLASLt (F.linear)")
     compile_model(runner)
     mode = effective_graph_mode(config)
     runner.graph_mode = mode

@@ -26,47 +26,58 @@ AITER_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+    """2-D rows with unit last stride, as AITER asserts (a copy only where needed)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def _weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # AITER wants the norm weight in the activations' dtype
-    return weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    """The norm weight as AITER wants it: contiguous, in the activations' dtype."""
+    return weight.to(x.dtype).contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, inplace: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (any leading shape), as `kernels.rms_norm`."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    if x.numel() == 0:
+        return x if inplace else torch.empty_like(x)
     out = aiter.rmsnorm2d_fwd(_rows(x), _weight(weight, x), eps).view(x.shape)
     return x.copy_(out) if inplace else out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                        inplace: bool = False):
-    """(RMSNorm(x + residual), x + residual), as `kernels.fused_add_rms_norm`."""
+    """(RMSNorm(x + residual), x + residual), as `kernels.fused_add_rms_norm`. A residual in
+    another dtype than x (AITER requires the same) goes to the Triton kernel."""
+    if residual.dtype != x.dtype:
+        return _triton.fused_add_rms_norm(x, residual, weight, eps, inplace)
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rout = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
-    aiter.rmsnorm2d_fwd_with_add(_rows(out), _rows(x), _rows(residual).contiguous(), _rows(rout),
-                                 _weight(weight, x), eps)
+    if x.numel():
+        aiter.rmsnorm2d_fwd_with_add(_rows(out), _rows(x), _rows(residual).contiguous(), _rows(rout),
+                                     _weight(weight, x), eps)
     if inplace:
         return x.copy_(out), residual.copy_(rout)
     return out, rout
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], as `kernels.silu_and_mul`."""
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], as `kernels.silu_and_mul` (an `out`
+    that is not contiguous is filled through a contiguous buffer: AITER writes rows densely)."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
-    if out is None:
-        out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
-    if out.numel():
-        aiter.silu_and_mul(out, x.contiguous())
-    return out
+    shape = (*x.shape[:-1], x.shape[-1] // 2)
+    dense = out if out is not None and out.is_contiguous() else torch.empty(shape, dtype=x.dtype, device=x.device)
+    if dense.numel():
+        aiter.silu_and_mul(dense, x.contiguous())
+    if out is None or out is dense:
+        return dense
+    return out.copy_(dense)
 
 
 def __getattr__(name: str):

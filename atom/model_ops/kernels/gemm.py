@@ -72,10 +72,11 @@ if HAS_TRITON:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def gemm_config(M: int, tma: bool) -> dict:
+def gemm_config(M: int, tma: bool, elem_bytes: int = 2) -> dict:
     """Tiles by the number of rows: decode batches (M <= 256) from the H200 probe's best
     tilings of the Llama-3.1-8B shapes, prefills the usual large Hopper tile; without TMA
-    (ROCm's 64 KiB of shared memory among them) smaller K tiles and two stages."""
+    smaller K tiles and two stages, so that a stage of the largest tile fits ROCm's 64 KiB
+    of shared memory (48 KiB in 16-bit, 48 KiB in fp32 with K tiles of 32)."""
     if M <= 64:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     elif M <= 256:
@@ -83,7 +84,7 @@ def gemm_config(M: int, tma: bool) -> dict:
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
     if not tma:
-        cfg.update(BLOCK_K=64, num_stages=2)
+        cfg.update(BLOCK_K=64 if elem_bytes <= 2 else 32, num_stages=2)
     return cfg
 
 
@@ -94,10 +95,15 @@ def _tma_device(index: int) -> bool:
             and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
-def _tma_layout(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Laid out as TMA needs: unit last stride, 16-byte aligned rows and bases."""
-    es = x.element_size()
-    return all(t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, w))
+def _tma_layout_problem(**tensors: torch.Tensor) -> str | None:
+    """What keeps these 2-D operands from TMA (unit last stride, 16-byte aligned rows and
+    base), or None."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return (f"{name} (strides {tuple(t.stride())} of {t.element_size()}-byte elements, base address "
+                    f"{t.data_ptr() % 16} bytes past 16-byte alignment) is not laid out for TMA: it needs unit "
+                    "last stride and 16-byte aligned rows and base")
+    return None
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -110,23 +116,32 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"weight must be [N, {K}], got {tuple(weight.shape)}")
-    if weight.dtype != x.dtype or (bias is not None and bias.shape != (weight.shape[0],)):
-        raise ValueError(f"gemm needs weight in x's dtype {x.dtype} (got {weight.dtype}) and bias [N] or None")
-    lead, N = x.shape[:-1], weight.shape[0]
-    x2 = x.reshape(-1, K)
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"weight must be {x.dtype} on {x.device} like x, got {weight.dtype} on {weight.device}")
+    N = weight.shape[0]
+    if bias is not None:
+        if bias.shape != (N,) or bias.device != x.device:
+            raise ValueError(f"bias must be [{N}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
+        bias = bias.contiguous()
+    lead = x.shape[:-1]
+    M = x.numel() // K if K else int(torch.Size(lead).numel())
+    if M == 0 or N == 0 or K == 0:  # nothing to launch (K = 0: the empty sum, then the bias)
+        y = torch.zeros(M, N, dtype=x.dtype, device=x.device)
+        return (y if bias is None else y + bias.to(x.dtype)).view(*lead, N)
+    x2 = x.reshape(M, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return y.view(*lead, N)
     if tma is None:  # 16-bit operands: fp32 takes the pointer path's full-precision dot
         tma = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _tma_device(x.device.index or 0) \
-            and _tma_layout(x2, w)
-    elif tma and not _tma_layout(x2, w):
-        raise ValueError(f"tma=True needs 16-byte aligned rows: K={K} x {x.element_size()} bytes is not")
-    cfg = dict(gemm_config(M, tma), **(config or {}))
+            and _tma_layout_problem(x=x2, weight=w) is None
+    elif tma:
+        if TensorDescriptor is None:
+            raise RuntimeError("tma=True needs triton.tools.tensor_descriptor, which this triton lacks")
+        if (problem := _tma_layout_problem(x=x2, weight=w)) is not None:
+            raise ValueError(f"tma=True: {problem}")
+    cfg = dict(gemm_config(M, tma, x.element_size()), **(config or {}))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     xa, wa = (TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk])) if tma \
         else (x2, w)
