@@ -82,7 +82,8 @@ def test_gemm_shapes_bias_and_errors(device):
 @pytest.mark.parametrize("device", [CPU])
 def test_linear_layers_take_the_triton_gemm_when_switched_on(device, monkeypatch):
     """`dense` routes GPU products to the Triton GEMM only while the switch is on (a CPU
-    tensor never); here a stand-in GEMM records what reaches it."""
+    tensor never), and so does the batch-1 GEMV choice's unfused baseline; here a stand-in
+    GEMM records what reaches it."""
     seen = []
     monkeypatch.setattr("atom.model_ops.kernels.gemm.gemm", lambda x, w, b=None: seen.append(x.shape) or F.linear(x, w, b))
 
@@ -100,6 +101,9 @@ def test_linear_layers_take_the_triton_gemm_when_switched_on(device, monkeypatch
     try:
         linear.dense(x, w)
         linear.dense(torch.randn(4, 8), w)  # a real CPU tensor: oneDNN / F.linear
+        linear._library_product(torch.randn(1, 8), w)  # the batch-1 GEMV choice's baseline
     finally:
         linear.use_triton_gemm(False)
-    assert seen == [torch.Size([4, 8])]
+    assert seen == [torch.Size([4, 8]), torch.Size([1, 8])]
+    linear._library_product(torch.randn(1, 8), w)
+    assert len(seen) == 2

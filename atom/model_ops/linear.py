@@ -106,6 +106,15 @@ def gemv_choices() -> dict[str, dict]:
             for (n, k, dt, v), (a, b) in GEMV_CHOICES.items()}
 
 
+def _library_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T as the layer computes it where no GEMV is chosen: cuBLAS, or the Triton GEMM
+    under ATOM_USE_TRITON_GEMM (the start-up choice's unfused baseline)."""
+    if TRITON_GEMM:
+        from atom.model_ops.kernels.gemm import gemm
+        return gemm(x, w)
+    return F.linear(x, w)
+
+
 def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
                    layer: nn.Module | None = None):
     """(unfused, Triton) callables of one variant on one row, for timing and checking
@@ -113,7 +122,7 @@ def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict 
     from atom.model_ops.kernels import fused_add_rms_norm, gemv, gemv_fused
     from atom.model_ops.kernels import silu_and_mul as silu_mul
     if variant == "plain":
-        return functools.partial(F.linear, x, w), functools.partial(gemv, x, w, config)
+        return functools.partial(_library_product, x, w), functools.partial(gemv, x, w, config)
     gated = variant == "norm+silu"
     res, nw = torch.randn_like(x), torch.rand(x.shape[1], device=x.device, dtype=x.dtype) + 0.5
     if variant == "norm+rope":
@@ -121,7 +130,7 @@ def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict 
 
     def unfused():
         h, _ = fused_add_rms_norm(x, res, nw, 1e-6)
-        y = F.linear(h, w)
+        y = _library_product(h, w)
         return silu_mul(y) if gated else y
 
     return unfused, lambda: gemv_fused(x, res, nw, 1e-6, w, gated, config)[0]
@@ -146,7 +155,7 @@ def _rope_calls(x, res, nw, w, layer, config):
         if norm_cfg is not None:
             y = gemv_fused(x, res, nw, 1e-6, w, False, norm_cfg)[0]
         else:
-            y = F.linear(fused_add_rms_norm(x, res, nw, 1e-6)[0], w)
+            y = _library_product(fused_add_rms_norm(x, res, nw, 1e-6)[0], w)
         q, k, v = y.split([qs, kvs, kvs], dim=-1)
         rotary_embedding(pos, q, k, cs, D, kv_cache=(v, caches[0], caches[1], slot))
         return y, caches[0][0, 3], caches[1][0, 3]
@@ -174,11 +183,11 @@ def _one_row_variants(m: nn.Module) -> tuple:
 def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.02, fused_min_gain: float = 0.97) -> dict:
     """Times each one-row product of the model's bf16/fp16 linear layers and LM head, as the
     layer runs it (`one_row`: plain, or with the norm before / SiLU-and-mul after), unfused
-    (cuBLAS and the separate kernels) against the Triton GEMV in each of its candidate
-    configurations, inside CUDA graphs and cycling through all the layers' weights of the
-    shape so that they come from HBM, not L2; a key (N, K, dtype, variant) goes to the GEMV's
-    fastest configuration where that is at least `min_gain` times faster than unfused and
-    gives the same result (1.02: the Llama-3.1-8B LM head's GEMV measured 2.5-4.8% faster
+    (cuBLAS, or the Triton GEMM under ATOM_USE_TRITON_GEMM, and the separate kernels)
+    against the Triton GEMV in each of its candidate configurations, inside CUDA graphs and
+    cycling through all the layers' weights of the shape so that they come from HBM, not L2;
+    a key (N, K, dtype, variant) goes to the GEMV's fastest configuration where that is at
+    least `min_gain` times faster than unfused and gives the same result (1.02: the Llama-3.1-8B LM head's GEMV measured 2.5-4.8% faster
     than cuBLAS in all eight start-ups on the H200, where 1.05 left it on cuBLAS). A fused
     variant (norm before, SiLU or rotary after) needs only `fused_min_gain`: in a layer it
     also saves the launches and ramps of the separate kernels around it, which a graph of
