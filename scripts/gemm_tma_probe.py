@@ -1,6 +1,7 @@
 """Can a Hopper Triton GEMM with TMA loads (persistent or not, split-K, SiLU-and-mul in the
 epilogue) beat cuBLAS on decode-batch products (M = 64-256 rows against Llama-3.1-8B's
-weights)? The fourth session's pointer-load sweep (`gemm_sweep.py`) lost by 8-45% at M >= 128.
+weights)? The fourth session's pointer-load sweep (`gemm_sweep.py`, in git at 147d07c) lost
+by 8-45% at M >= 128.
 Each tiling is timed in a CUDA graph cycling through enough weight copies to miss L2, next to
 cuBLAS (and cuBLASLt, torch's other BLAS back end) and the bandwidth / FLOP floors.
 A diagnosis tool, not a benchmark.
