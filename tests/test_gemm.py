@@ -85,7 +85,8 @@ def test_linear_layers_take_the_triton_gemm_when_switched_on(device, monkeypatch
     tensor never), and so does the batch-1 GEMV choice's unfused baseline; here a stand-in
     GEMM records what reaches it."""
     seen = []
-    monkeypatch.setattr("atom.model_ops.kernels.gemm.gemm", lambda x, w, b=None: seen.append(x.shape) or F.linear(x, w, b))
+    monkeypatch.setattr("atom.model_ops.kernels.gemm.gemm",
+                        lambda x, w, b=None: seen.append(x.shape) or F.linear(x, w, b))
 
     class FakeGpuTensor(torch.Tensor):  # is_cpu False, everything else a CPU tensor
         @property
@@ -101,9 +102,9 @@ def test_linear_layers_take_the_triton_gemm_when_switched_on(device, monkeypatch
     try:
         linear.dense(x, w)
         linear.dense(torch.randn(4, 8), w)  # a real CPU tensor: oneDNN / F.linear
-        linear._library_product(torch.randn(1, 8), w)  # the batch-1 GEMV choice's baseline
+        linear._library_product(x[:1], w)  # the batch-1 GEMV choice's baseline
     finally:
         linear.use_triton_gemm(False)
     assert seen == [torch.Size([4, 8]), torch.Size([1, 8])]
-    linear._library_product(torch.randn(1, 8), w)
+    linear._library_product(x[:1], w)
     assert len(seen) == 2

@@ -21,14 +21,7 @@ import aiter
 import torch
 
 from atom.model_ops import kernels as _triton
-
-AITER_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """2-D rows with unit last stride, as AITER asserts (a copy only where needed)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+from atom.model_ops.kernels.rmsnorm import as_rows, check_norm_args
 
 
 def _weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -38,11 +31,10 @@ def _weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, inplace: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (any leading shape), as `kernels.rms_norm`."""
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    check_norm_args(x, weight)
     if x.numel() == 0:
         return x if inplace else torch.empty_like(x)
-    out = aiter.rmsnorm2d_fwd(_rows(x), _weight(weight, x), eps).view(x.shape)
+    out = aiter.rmsnorm2d_fwd(as_rows(x), _weight(weight, x), eps).view(x.shape)
     return x.copy_(out) if inplace else out
 
 
@@ -52,14 +44,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     another dtype than x (AITER requires the same) goes to the Triton kernel."""
     if residual.dtype != x.dtype:
         return _triton.fused_add_rms_norm(x, residual, weight, eps, inplace)
-    if residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    check_norm_args(x, weight, residual)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rout = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
+    rout = torch.empty_like(out)
     if x.numel():
-        aiter.rmsnorm2d_fwd_with_add(_rows(out), _rows(x), _rows(residual).contiguous(), _rows(rout),
+        aiter.rmsnorm2d_fwd_with_add(as_rows(out), as_rows(x), as_rows(residual).contiguous(), as_rows(rout),
                                      _weight(weight, x), eps)
     if inplace:
         return x.copy_(out), residual.copy_(rout)

@@ -61,10 +61,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     elif bias is None and (cfg := _one_row_config(x, weight, "plain")) is not None:
         from atom.model_ops.kernels.gemv import gemv
         return gemv(x, weight, cfg)
-    if TRITON_GEMM and not x.is_cpu and x.dtype == weight.dtype and not torch.compiler.is_compiling():
-        from atom.model_ops.kernels.gemm import gemm
-        return gemm(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return _library_product(x, weight, bias)
 
 
 def norm_linear(norm: RMSNorm, linear: "Linear", x: torch.Tensor, residual: torch.Tensor | None,
@@ -106,13 +103,14 @@ def gemv_choices() -> dict[str, dict]:
             for (n, k, dt, v), (a, b) in GEMV_CHOICES.items()}
 
 
-def _library_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x W^T as the layer computes it where no GEMV is chosen: cuBLAS, or the Triton GEMM
-    under ATOM_USE_TRITON_GEMM (the start-up choice's unfused baseline)."""
-    if TRITON_GEMM:
+def _library_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) as `dense` computes it where no GEMV is chosen (also the start-up choice's
+    unfused baseline): the Triton GEMM for GPU tensors under ATOM_USE_TRITON_GEMM (not while
+    torch.compile traces), else `F.linear` (cuBLAS / hipBLASLt on a GPU)."""
+    if TRITON_GEMM and not x.is_cpu and x.dtype == w.dtype and not torch.compiler.is_compiling():
         from atom.model_ops.kernels.gemm import gemm
-        return gemm(x, w)
-    return F.linear(x, w)
+        return gemm(x, w, bias)
+    return F.linear(x, w, bias)
 
 
 def _one_row_calls(variant: str, x: torch.Tensor, w: torch.Tensor, config: dict | None = None,
@@ -187,8 +185,9 @@ def choose_gemv_shapes(model: nn.Module, min_gain: float = 1.02, fused_min_gain:
     against the Triton GEMV in each of its candidate configurations, inside CUDA graphs and
     cycling through all the layers' weights of the shape so that they come from HBM, not L2;
     a key (N, K, dtype, variant) goes to the GEMV's fastest configuration where that is at
-    least `min_gain` times faster than unfused and gives the same result (1.02: the Llama-3.1-8B LM head's GEMV measured 2.5-4.8% faster
-    than cuBLAS in all eight start-ups on the H200, where 1.05 left it on cuBLAS). A fused
+    least `min_gain` times faster than unfused and gives the same result (1.02: the
+    Llama-3.1-8B LM head's GEMV measured 2.5-4.8% faster than cuBLAS in all eight start-ups
+    on the H200, where 1.05 left it on cuBLAS). A fused
     variant (norm before, SiLU or rotary after) needs only `fused_min_gain`: in a layer it
     also saves the launches and ramps of the separate kernels around it, which a graph of
     the same call repeated does not show (Llama-3.1-8B batch 1 on one H200 lease: the gated

@@ -19,12 +19,9 @@ weaker one.
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, tl, triton
 
 if HAS_TRITON:
     try:
@@ -88,11 +85,8 @@ def gemm_config(M: int, tma: bool, elem_bytes: int = 2) -> dict:
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
 def _tma_device(index: int) -> bool:
-    return (TensorDescriptor is not None and torch.version.hip is None
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-            and torch.cuda.get_device_capability(index)[0] >= 9)
+    return TensorDescriptor is not None and compiled_for_sm90(index)
 
 
 def _tma_layout_problem(**tensors: torch.Tensor) -> str | None:

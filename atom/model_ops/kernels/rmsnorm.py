@@ -38,11 +38,20 @@ if HAS_TRITON:
                  mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t as 2-D rows with unit last stride (a copy only where needed)."""
     t2 = t.view(-1, t.shape[-1]) if t.is_contiguous() else t.reshape(-1, t.shape[-1])
     if t2.stride(-1) != 1:
         t2 = t2.contiguous()
     return t2
+
+
+def check_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    """The shapes (add +) RMSNorm needs: a weight per feature, a residual shaped like x."""
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
 
 
 def _launch(x2, r2, w, o2, ro2, eps):
@@ -64,9 +73,8 @@ def _launch(x2, r2, w, o2, ro2, eps):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              inplace: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (any leading shape)."""
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
-    x2 = _rows(x)
+    check_norm_args(x, weight)
+    x2 = as_rows(x)
     if inplace:
         if x2.data_ptr() != x.data_ptr():
             raise ValueError("inplace rms_norm needs x whose rows are addressable as a 2-D view")
@@ -81,11 +89,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float = 1e-6, inplace: bool = False):
     """Returns ``(normed, new_residual)``; see the module doc for ``inplace``."""
-    if residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
-    x2, r2 = _rows(x), _rows(residual)
+    check_norm_args(x, weight, residual)
+    x2, r2 = as_rows(x), as_rows(residual)
     if inplace:
         if x2.data_ptr() != x.data_ptr() or r2.data_ptr() != residual.data_ptr():
             raise ValueError("inplace fused_add_rms_norm needs row-addressable x and residual")

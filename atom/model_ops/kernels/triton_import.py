@@ -44,13 +44,15 @@ if HAS_TRITON:
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch arguments of a PDL-aware kernel working on `t`: the kernel's `PDL` flag, and
     Triton's `launch_pdl` where it applies (off the interpreter, on NVIDIA sm90+)."""
-    on = USE_PDL and t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else 0)
+    on = USE_PDL and t.is_cuda and gdc_wait is not None \
+        and compiled_for_sm90(t.device.index if t.device.index is not None else 0)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_device(index: int) -> bool:
-    """Once per device (the interpreter setting is fixed when the kernels are defined)."""
-    return (gdc_wait is not None and torch.version.hip is None
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+def compiled_for_sm90(index: int) -> bool:
+    """Kernels on this device are compiled for NVIDIA sm90+ (not ROCm, not the interpreter):
+    what PDL and the GEMM's TMA loads need. Once per device (the interpreter setting is fixed
+    when the kernels are defined)."""
+    return (torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
             and torch.cuda.get_device_capability(index)[0] >= 9)
