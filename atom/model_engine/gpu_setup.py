@@ -10,7 +10,9 @@ CUDA graphs (`cudagraph_mode`, `use_cudagraph`, capture sizes): decode batches r
 full-forward graph per capture size in every mode but NONE; batches with prefill tokens
 run without a graph. An unset mode below level 3 means FULL_DECODE_ONLY.
 Linear layers: cuBLAS / hipBLASLt through `F.linear`, or the Triton GEMM where
-`ATOM_USE_TRITON_GEMM=1` (read here, once per engine).
+`ATOM_USE_TRITON_GEMM=1` (read here, once per engine). With CUDA graphs at level 0 the
+start-up also chooses the Triton GEMV for batch-1 shapes (`linear.choose_gemv_shapes`) and
+a cuBLASLt algorithm for the other capture sizes (`gemm_tuning.choose_lt_algos`).
 """
 from __future__ import annotations
 
@@ -47,11 +49,13 @@ def compile_model(runner) -> None:
 
 def setup(runner) -> None:
     from atom.model_engine.cuda_graphs import CUDAGraphRunner
+    from atom.model_ops import gemm_tuning
     from atom.model_ops.linear import use_triton_gemm
     from atom.utils import envs
     config = runner.config
     triton_gemm = envs.ATOM_USE_TRITON_GEMM and bool(runner.attn_layers) and runner.attn_layers[0].backend == "triton"
     use_triton_gemm(triton_gemm)  # set by every GPU engine, so none inherits an earlier one's choice
+    gemm_tuning.clear()  # likewise the per-shape cuBLASLt algorithms
     logger.info("linear layers: %s", "Triton GEMM (ATOM_USE_TRITON_GEMM=1)" if triton_gemm
                 else "cuBLAS / hipBLASLt (F.linear)")
     compile_model(runner)
@@ -59,10 +63,12 @@ def setup(runner) -> None:
     runner.graph_mode = mode
     if mode.decode_mode() == CUDAGraphMode.NONE:
         return
+    sizes = [s for s in config.capture_sizes if s <= config.max_num_seqs] or [1]
     if runner.attn_layers and runner.attn_layers[0].backend == "triton" and runner.compile_level == 0:
         from atom.model_ops.linear import choose_gemv_shapes
         choose_gemv_shapes(runner.model)  # batch-1 graphs: a Triton GEMV where it beats the unfused layers
-    sizes = [s for s in config.capture_sizes if s <= config.max_num_seqs] or [1]
+        if not triton_gemm:
+            gemm_tuning.choose_lt_algos(runner.model, sizes)  # the other sizes: cuBLASLt's best algorithm per shape
     max_blocks = -(-config.max_model_len // runner.block_size)
     runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)
     runner.graphs.capture()

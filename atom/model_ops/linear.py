@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.model_ops.activation import silu_and_mul
+from atom.model_ops.gemm_tuning import lt_product
 from atom.model_ops.norm import RMSNorm
 from atom.quant_spec import LayerQuantConfig, QuantType
 from atom.utils.cuda_timing import graph_time
@@ -105,11 +106,16 @@ def gemv_choices() -> dict[str, dict]:
 
 def _library_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) as `dense` computes it where no GEMV is chosen (also the start-up choice's
-    unfused baseline): the Triton GEMM for GPU tensors under ATOM_USE_TRITON_GEMM (not while
-    torch.compile traces), else `F.linear` (cuBLAS / hipBLASLt on a GPU)."""
-    if TRITON_GEMM and not x.is_cpu and x.dtype == w.dtype and not torch.compiler.is_compiling():
+    unfused baseline). On a GPU outside torch.compile: the Triton GEMM under
+    ATOM_USE_TRITON_GEMM, else the cuBLASLt algorithm `gemm_tuning` chose for this shape where
+    it chose one; otherwise `F.linear` (cuBLAS / hipBLASLt on a GPU)."""
+    if x.is_cpu or torch.compiler.is_compiling():
+        return F.linear(x, w, bias)
+    if TRITON_GEMM and x.dtype == w.dtype:
         from atom.model_ops.kernels.gemm import gemm
         return gemm(x, w, bias)
+    if bias is None and (y := lt_product(x, w)) is not None:
+        return y
     return F.linear(x, w, bias)
 
 

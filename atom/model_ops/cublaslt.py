@@ -1,0 +1,159 @@
+"""cuBLASLt through ctypes: list the algorithms cuBLASLt's heuristic offers for one product
+shape, and run the product with a chosen one.
+
+torch's `F.linear` takes cuBLAS's (or cuBLASLt's) first pick for a shape. For decode batches
+of 100-256 rows against an 8B model's weights that pick wastes a third of a wave or more
+(`docs/perf/`); the heuristic's other candidates include other tilings, split-K and
+stream-K kernels. `LtProduct` holds the descriptors of one (rows, N, K, dtype) product;
+`LtProduct.algos()` lists the candidates and `LtProduct(...)(x, w, algo)` runs one on the
+current CUDA stream (so a CUDA graph captures it like any other launch).
+
+The library is the libcublasLt that torch has loaded (its soname), so no second copy comes
+in. Nothing here runs on the CPU; `available()` says whether the GPU build has it.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# cublasLt.h / library_types.h enums
+_R_16F, _R_16BF, _R_32F = 2, 14, 0
+_COMPUTE_32F = 68
+_DESC_TRANSA = 3
+_PREF_MAX_WORKSPACE = 1
+_OP_T = 1
+_DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
+WORKSPACE_BYTES = 32 << 20
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+@functools.cache
+def _lib():
+    """(library, handle), or None where no libcublasLt loads (CPU builds, ROCm)."""
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return None
+    torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # torch loads cuBLAS(Lt)
+    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        logger.info("cuBLASLt: no libcublasLt could be opened; products stay on torch's BLAS")
+        return None
+    handle = ctypes.c_void_p()
+    _check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    return lib, handle
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"cuBLASLt: {what} returned status {status}")
+
+
+@functools.cache
+def _workspace(device_index: int) -> torch.Tensor:
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device_index}")
+
+
+class LtProduct:
+    """y[rows, N] = x[rows, K] W[N, K]^T in `dtype` (fp32 accumulation), x and W contiguous."""
+
+    def __init__(self, rows: int, n: int, k: int, dtype: torch.dtype):
+        if dtype not in _DTYPES:
+            raise ValueError(f"cuBLASLt product: dtype {dtype} is not one of {sorted(map(str, _DTYPES))}")
+        if not available():
+            raise RuntimeError("cuBLASLt products need a CUDA GPU whose torch build loads libcublasLt")
+        lib, self._handle = _lib()
+        self.rows, self.n, self.k, self.dtype = rows, n, k, dtype
+        self._lib = lib
+        self._desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _COMPUTE_32F, _R_32F), "MatmulDescCreate")
+        op_t = ctypes.c_int32(_OP_T)
+        _check(lib.cublasLtMatmulDescSetAttribute(self._desc, _DESC_TRANSA, ctypes.byref(op_t), ctypes.c_size_t(4)), "TRANSA")
+        t = _DTYPES[dtype]
+        # column-major view: D[N, rows] = op(A)[N, K] B[K, rows], A = W as [K, N], B = x as [K, rows]
+        self._a, self._b, self._d = (self._layout(t, k, n, k), self._layout(t, k, rows, k),
+                                     self._layout(t, n, rows, n))
+        self._pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self._pref)), "PreferenceCreate")
+        ws = ctypes.c_uint64(WORKSPACE_BYTES)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(self._pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), ctypes.c_size_t(8)),
+               "MAX_WORKSPACE_BYTES")
+        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def _layout(self, dtype_id: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+        layout = ctypes.c_void_p()
+        _check(self._lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype_id, ctypes.c_uint64(rows),
+                                                    ctypes.c_uint64(cols), ctypes.c_int64(ld)), "MatrixLayoutCreate")
+        return layout
+
+    def __del__(self):
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            return
+        for name in ("_a", "_b", "_d"):
+            if getattr(self, name, None) is not None:
+                lib.cublasLtMatrixLayoutDestroy(getattr(self, name))
+        if getattr(self, "_pref", None) is not None:
+            lib.cublasLtMatmulPreferenceDestroy(self._pref)
+        if getattr(self, "_desc", None) is not None:
+            lib.cublasLtMatmulDescDestroy(self._desc)
+
+    def algos(self, limit: int = 32) -> list[_Algo]:
+        """cuBLASLt's candidates for this shape, its first pick first."""
+        results = (_Heuristic * limit)()
+        count = ctypes.c_int(0)
+        _check(self._lib.cublasLtMatmulAlgoGetHeuristic(
+            self._handle, self._desc, self._a, self._b, self._d, self._d, self._pref, limit, results,
+            ctypes.byref(count)), "MatmulAlgoGetHeuristic")
+        return [results[i].algo for i in range(count.value)
+                if results[i].state == 0 and results[i].workspace_size <= WORKSPACE_BYTES]
+
+    def candidates(self, hints=(0.5, 2.0, 4.0)) -> list[_Algo]:
+        """The heuristic's candidates for this shape, then (each once) those it offers for the
+        same N and K at other row counts (`hints`: factors of this one), which often run here
+        too; `__call__` refuses one that does not (cuBLASLt checks it)."""
+        seen, out = set(), []
+        shapes = [self.rows] + [max(1, int(self.rows * f)) for f in hints]
+        for rows in shapes:
+            prod = self if rows == self.rows else LtProduct(rows, self.n, self.k, self.dtype)
+            for algo in prod.algos():
+                key = bytes(algo)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(algo)
+        return out
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, algo: _Algo, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape != (self.rows, self.k) or w.shape != (self.n, self.k) or not (x.is_contiguous() and w.is_contiguous()):
+            raise ValueError(f"cuBLASLt product for rows={self.rows}, N={self.n}, K={self.k}: got x "
+                             f"{tuple(x.shape)} and W {tuple(w.shape)} (both must be contiguous)")
+        if out is None:
+            out = torch.empty(self.rows, self.n, device=x.device, dtype=self.dtype)
+        ws = _workspace(x.device.index or 0)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
+        _check(self._lib.cublasLtMatmul(
+            self._handle, self._desc, ctypes.byref(self._alpha), ctypes.c_void_p(w.data_ptr()), self._a,
+            ctypes.c_void_p(x.data_ptr()), self._b, ctypes.byref(self._beta), ctypes.c_void_p(out.data_ptr()),
+            self._d, ctypes.c_void_p(out.data_ptr()), self._d, ctypes.byref(algo), ctypes.c_void_p(ws.data_ptr()),
+            ctypes.c_size_t(WORKSPACE_BYTES), stream), "Matmul")
+        return out

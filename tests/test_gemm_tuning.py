@@ -1,0 +1,147 @@
+"""The start-up choice of a cuBLASLt algorithm per decode-batch product (`gemm_tuning`) and
+the cuBLASLt binding under it (`cublaslt`): the choice's rules with a stand-in product and
+timer on the CPU; on a GPU (marked gpu) every candidate against F.linear, the chosen
+products inside the linear layers, and a CUDA graph replaying one."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.model_ops import cublaslt, gemm_tuning, linear
+
+GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
+                              reason="needs an NVIDIA GPU (cuBLASLt)")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices():
+    gemm_tuning.clear()
+    yield
+    gemm_tuning.clear()
+
+
+class _FakeProduct:
+    """Stands in for `cublaslt.LtProduct`: algorithm "good-N" computes x W^T, "wrong" a
+    different product, "refused" raises like an algorithm cuBLASLt rejects for the shape."""
+
+    def __init__(self, rows, n, k, dtype):
+        self.rows, self.n, self.k = rows, n, k
+
+    def candidates(self):
+        return ["good-slow", "wrong", "refused", "good-fast"]
+
+    def __call__(self, x, w, algo, out=None):
+        if algo == "refused":
+            raise RuntimeError("cuBLASLt: Matmul returned status 15")
+        y = F.linear(x, w)
+        return y * 2 if algo == "wrong" else y
+
+
+def _fake_timer(us: dict):
+    """graph_time stand-in: runs each call once and reports the time set for its algorithm
+    (F.linear: "base")."""
+    def graph_time(calls, iters=25):
+        for c in calls:
+            c()
+        c = calls[0]
+        algo = c.args[2] if isinstance(c, functools.partial) and len(c.args) > 2 else "base"
+        return us[algo] * 1e-6
+    return graph_time
+
+
+def _run_choice(monkeypatch, us, min_gain=1.02):
+    monkeypatch.setattr(gemm_tuning.cublaslt, "LtProduct", _FakeProduct)
+    monkeypatch.setattr(gemm_tuning, "graph_time", _fake_timer(us))
+    ws = [torch.randn(24, 16) for _ in range(3)]
+    gemm_tuning._choose_one(8, ws, min_gain, iters=3, max_candidates=8)
+    return (8, 24, 16, torch.float32)
+
+
+def test_choice_keeps_the_fastest_correct_candidate_when_it_wins(monkeypatch):
+    key = _run_choice(monkeypatch, {"base": 10.0, "good-slow": 9.9, "wrong": 1.0, "good-fast": 9.0})
+    base, best, tried = gemm_tuning.LT_CHOICES[key]
+    assert (base, best) == (10.0, 9.0)
+    assert tried == 2  # "wrong" failed the check, "refused" did not run
+    assert gemm_tuning._CHOSEN[key][1] == "good-fast"
+
+
+def test_choice_stays_on_f_linear_below_the_gain(monkeypatch):
+    key = _run_choice(monkeypatch, {"base": 10.0, "good-slow": 9.95, "wrong": 1.0, "good-fast": 9.9})
+    assert gemm_tuning.LT_CHOICES[key][:2] == (10.0, 9.9)
+    assert key not in gemm_tuning._CHOSEN  # 1% faster is within the timings' spread
+
+
+def test_lt_product_serves_only_chosen_shapes():
+    w = torch.randn(24, 16)
+    gemm_tuning._CHOSEN[(8, 24, 16, torch.float32)] = (_FakeProduct(8, 24, 16, torch.float32), "good-fast")
+    x = torch.randn(8, 16)
+    torch.testing.assert_close(gemm_tuning.lt_product(x, w), F.linear(x, w))
+    assert gemm_tuning.lt_product(torch.randn(7, 16), w) is None  # another row count
+    assert gemm_tuning.lt_product(torch.randn(16, 8).t(), w) is None  # not contiguous
+    assert gemm_tuning.lt_product(x.half(), w) is None  # another dtype
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")
+def test_no_choice_without_cublaslt():
+    model = nn.Sequential(linear.Linear(16, 24))
+    assert not cublaslt.available()
+    assert gemm_tuning.choose_lt_algos(model, [2, 4, 8]) == {}
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        cublaslt.LtProduct(8, 24, 16, torch.bfloat16)
+
+
+def test_lt_product_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="dtype torch.float32"):
+        cublaslt.LtProduct(8, 24, 16, torch.float32)
+
+
+@pytest.mark.gpu
+@GPU_ONLY
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 64), (16, 4096, 4096), (100, 6144, 4096), (256, 1000, 520)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_candidate_equals_f_linear(rows, n, k, dtype):
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+    ref = F.linear(x.float(), w.float())
+    prod = cublaslt.LtProduct(rows, n, k, dtype)
+    algos = prod.candidates()
+    assert len(algos) >= len(prod.algos()) >= 1
+    ran = 0
+    for algo in algos:
+        try:
+            y = prod(x, w, algo)
+        except RuntimeError:
+            continue  # offered for another row count and refused here
+        ran += 1
+        torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+    assert ran >= len(prod.algos())
+    with pytest.raises(ValueError, match="rows=%d" % rows):
+        prod(torch.randn(rows + 1, k, device="cuda", dtype=dtype), w, algos[0])
+
+
+@pytest.mark.gpu
+@GPU_ONLY
+def test_chosen_products_in_the_layers_and_a_graph():
+    torch.manual_seed(0)
+    layers = nn.ModuleList(linear.Linear(512, 1536) for _ in range(2)).to("cuda", torch.bfloat16)
+    for m in layers:
+        m.weight.data.normal_(0, 0.05)
+    res = gemm_tuning.choose_lt_algos(layers, [1, 16, 48], min_gain=0.0)  # keep the best, whatever it is
+    assert set(res) == {(r, 1536, 512, torch.bfloat16) for r in (16, 48)}
+    assert all(base > 0 and best > 0 and tried >= 1 for base, best, tried in res.values())
+    x = torch.randn(48, 512, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.float(), layers[0].weight.float())
+    assert gemm_tuning.lt_product(x, layers[0].weight) is not None
+    torch.testing.assert_close(layers[0](x).float(), ref, atol=3e-2, rtol=2e-2)
+    g = torch.cuda.CUDAGraph()
+    layers[0](x)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        y = layers[0](x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y.float(), F.linear(x.float(), layers[0].weight.float()), atol=3e-2, rtol=2e-2)
