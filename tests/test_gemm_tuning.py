@@ -4,6 +4,7 @@ timer on the CPU; on a GPU (marked gpu) every candidate against F.linear, the ch
 products inside the linear layers, and a CUDA graph replaying one."""
 
 import functools
+import json
 
 import pytest
 import torch
@@ -23,38 +24,57 @@ def _fresh_choices():
     gemm_tuning.clear()
 
 
+NAMES = ["good-slow", "wrong", "refused", "good-fast"]
+
+
+def _algo(name):
+    a = cublaslt._Algo()
+    a.data[0] = NAMES.index(name) + 1
+    return a
+
+
+def _name(algo):
+    return NAMES[algo.data[0] - 1]
+
+
 class _FakeProduct:
-    """Stands in for `cublaslt.LtProduct`: algorithm "good-N" computes x W^T, "wrong" a
+    """Stands in for `cublaslt.LtProduct`: algorithm "good-*" computes x W^T, "wrong" a
     different product, "refused" raises like an algorithm cuBLASLt rejects for the shape."""
 
     def __init__(self, rows, n, k, dtype):
         self.rows, self.n, self.k = rows, n, k
 
     def candidates(self):
-        return ["good-slow", "wrong", "refused", "good-fast"]
+        return [_algo(n) for n in NAMES]
 
     def __call__(self, x, w, algo, out=None):
-        if algo == "refused":
+        if _name(algo) == "refused":
             raise RuntimeError("cuBLASLt: Matmul returned status 15")
         y = F.linear(x, w)
-        return y * 2 if algo == "wrong" else y
+        return y * 2 if _name(algo) == "wrong" else y
 
 
-def _fake_timer(us: dict):
+def _fake_timer(us: dict, calls_seen: list | None = None):
     """graph_time stand-in: runs each call once and reports the time set for its algorithm
     (F.linear: "base")."""
     def graph_time(calls, iters=25):
         for c in calls:
             c()
         c = calls[0]
-        algo = c.args[2] if isinstance(c, functools.partial) and len(c.args) > 2 else "base"
+        algo = _name(c.args[2]) if isinstance(c, functools.partial) and len(c.args) > 2 else "base"
+        if calls_seen is not None:
+            calls_seen.append(algo)
         return us[algo] * 1e-6
     return graph_time
 
 
-def _run_choice(monkeypatch, us, min_gain=1.02):
+def _fake_cublaslt(monkeypatch, us, calls_seen=None):
     monkeypatch.setattr(gemm_tuning.cublaslt, "LtProduct", _FakeProduct)
-    monkeypatch.setattr(gemm_tuning, "graph_time", _fake_timer(us))
+    monkeypatch.setattr(gemm_tuning, "graph_time", _fake_timer(us, calls_seen))
+
+
+def _run_choice(monkeypatch, us, min_gain=1.02):
+    _fake_cublaslt(monkeypatch, us)
     ws = [torch.randn(24, 16) for _ in range(3)]
     gemm_tuning._choose_one(8, ws, min_gain, iters=3, max_candidates=8)
     return (8, 24, 16, torch.float32)
@@ -65,7 +85,7 @@ def test_choice_keeps_the_fastest_correct_candidate_when_it_wins(monkeypatch):
     base, best, tried = gemm_tuning.LT_CHOICES[key]
     assert (base, best) == (10.0, 9.0)
     assert tried == 2  # "wrong" failed the check, "refused" did not run
-    assert gemm_tuning._CHOSEN[key][1] == "good-fast"
+    assert _name(gemm_tuning._CHOSEN[key][1]) == "good-fast"
 
 
 def test_choice_stays_on_f_linear_below_the_gain(monkeypatch):
@@ -76,7 +96,7 @@ def test_choice_stays_on_f_linear_below_the_gain(monkeypatch):
 
 def test_lt_product_serves_only_chosen_shapes():
     w = torch.randn(24, 16)
-    gemm_tuning._CHOSEN[(8, 24, 16, torch.float32)] = (_FakeProduct(8, 24, 16, torch.float32), "good-fast")
+    gemm_tuning._CHOSEN[(8, 24, 16, torch.float32)] = (_FakeProduct(8, 24, 16, torch.float32), _algo("good-fast"))
     x = torch.randn(8, 16)
     torch.testing.assert_close(gemm_tuning.lt_product(x, w), F.linear(x, w))
     assert gemm_tuning.lt_product(torch.randn(7, 16), w) is None  # another row count
@@ -84,13 +104,63 @@ def test_lt_product_serves_only_chosen_shapes():
     assert gemm_tuning.lt_product(x.half(), w) is None  # another dtype
 
 
+def _cached_run(monkeypatch, tmp_path, us, fingerprint="gpu A"):
+    """choose_lt_algos over two shapes at two sizes through a cache in tmp_path (cuBLASLt and
+    the model's GPU weights stood in for); returns the algorithms timed."""
+    seen = []
+    _fake_cublaslt(monkeypatch, us, seen)
+    monkeypatch.setattr(gemm_tuning.cublaslt, "available", lambda: True)
+    monkeypatch.setattr(gemm_tuning, "_fingerprint", lambda: {"device": fingerprint})
+    monkeypatch.setattr(gemm_tuning, "_enough_weights", lambda ws: ws)
+    g = torch.Generator().manual_seed(0)
+    groups = {(24, 16, torch.float32): [torch.randn(24, 16, generator=g)],
+              (40, 16, torch.float32): [torch.randn(40, 16, generator=g)]}
+    monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: groups)
+    gemm_tuning.clear()
+    res = gemm_tuning.choose_lt_algos(nn.Identity(), [1, 4, 8], cache_dir=str(tmp_path))
+    assert set(res) == {(r, n, 16, torch.float32) for r in (4, 8) for n in (24, 40)}
+    return seen
+
+
+def test_cache_round_trip(monkeypatch, tmp_path):
+    us = {"base": 10.0, "good-slow": 9.9, "wrong": 1.0, "good-fast": 9.0}
+    assert len(_cached_run(monkeypatch, tmp_path, us)) == 4 * 3  # F.linear and two candidates per product
+    first = {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()}
+    assert len(first) == 4 and (tmp_path / gemm_tuning.CACHE_FILE).exists()
+    assert _cached_run(monkeypatch, tmp_path, us) == []  # all from the file, nothing timed
+    assert {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()} == first
+    assert gemm_tuning.LT_CHOICES[(4, 24, 16, torch.float32)] == (10.0, 9.0, 2)
+
+
+def test_cache_of_another_gpu_or_damaged_is_timed_again(monkeypatch, tmp_path):
+    us = {"base": 10.0, "good-slow": 9.9, "wrong": 1.0, "good-fast": 9.0}
+    _cached_run(monkeypatch, tmp_path, us)
+    assert len(_cached_run(monkeypatch, tmp_path, us, fingerprint="gpu B")) == 12
+    path = tmp_path / gemm_tuning.CACHE_FILE
+    data = json.loads(path.read_text())
+    data["choices"]["4 24 16 float32"]["algo"] = bytes(_algo("wrong")).hex()  # no longer agrees
+    data["choices"]["8 40 16 float32"]["algo"] = "00ff"  # not an algorithm
+    del data["choices"]["8 24 16 float32"]
+    path.write_text(json.dumps(data))
+    assert len(_cached_run(monkeypatch, tmp_path, us, fingerprint="gpu B")) == 3 * 3
+    path.write_text("{not json")
+    assert len(_cached_run(monkeypatch, tmp_path, us, fingerprint="gpu B")) == 12
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")
 def test_no_choice_without_cublaslt():
     model = nn.Sequential(linear.Linear(16, 24))
-    assert not cublaslt.available()
+    assert not cublaslt.available() and cublaslt.version() == 0
     assert gemm_tuning.choose_lt_algos(model, [2, 4, 8]) == {}
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         cublaslt.LtProduct(8, 24, 16, torch.bfloat16)
+
+
+def test_algorithm_bytes_round_trip():
+    a = _algo("good-fast")
+    assert bytes(cublaslt.algo_from_bytes(bytes(a))) == bytes(a)
+    with pytest.raises(ValueError, match="64 bytes, got 2"):
+        cublaslt.algo_from_bytes(b"\x00\xff")
 
 
 def test_lt_product_rejects_other_dtypes():
@@ -145,3 +215,23 @@ def test_chosen_products_in_the_layers_and_a_graph():
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(y.float(), F.linear(x.float(), layers[0].weight.float()), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@GPU_ONLY
+def test_cache_on_the_gpu(tmp_path):
+    """Choices saved by one start-up and taken, checked, by the next (real algorithms)."""
+    layers = nn.ModuleList(linear.Linear(256, 768) for _ in range(2)).to("cuda", torch.float16)
+    for m in layers:
+        m.weight.data.normal_(0, 0.05)  # (torch.empty's garbage would fail every check)
+    first = gemm_tuning.choose_lt_algos(layers, [8, 32], min_gain=0.0, cache_dir=str(tmp_path))
+    chosen = {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()}
+    assert len(chosen) == 2 and (tmp_path / gemm_tuning.CACHE_FILE).exists()
+    assert json.loads((tmp_path / gemm_tuning.CACHE_FILE).read_text())["fingerprint"]["cublaslt"] > 0
+    gemm_tuning.clear()
+    again = gemm_tuning.choose_lt_algos(layers, [8, 32], min_gain=0.0, cache_dir=str(tmp_path))
+    assert set(again) == set(first) and all(abs(again[k][1] - first[k][1]) < 1e-2 for k in first)
+    assert {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()} == chosen
+    x = torch.randn(32, 256, device="cuda", dtype=torch.float16)
+    torch.testing.assert_close(layers[1](x).float(), F.linear(x.float(), layers[1].weight.float()),
+                               atol=2e-2, rtol=2e-2)

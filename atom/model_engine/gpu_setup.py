@@ -68,7 +68,8 @@ def setup(runner) -> None:
         from atom.model_ops.linear import choose_gemv_shapes
         choose_gemv_shapes(runner.model)  # batch-1 graphs: a Triton GEMV where it beats the unfused layers
         if not triton_gemm:
-            gemm_tuning.choose_lt_algos(runner.model, sizes)  # the other sizes: cuBLASLt's best algorithm per shape
+            # the other sizes: cuBLASLt's best algorithm per shape (kept in the compilation cache dir)
+            gemm_tuning.choose_lt_algos(runner.model, sizes, cache_dir=config.compilation_config.cache_dir)
     max_blocks = -(-config.max_model_len // runner.block_size)
     runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)
     runner.graphs.capture()

@@ -64,6 +64,22 @@ def available() -> bool:
     return _lib() is not None
 
 
+def version() -> int:
+    """cuBLASLt's version number (e.g. 130100), 0 where it is not available."""
+    if not available():
+        return 0
+    lib = _lib()[0]
+    lib.cublasLtGetVersion.restype = ctypes.c_size_t
+    return int(lib.cublasLtGetVersion())
+
+
+def algo_from_bytes(data: bytes) -> _Algo:
+    """An algorithm saved as `bytes(algo)` (its opaque 64 bytes)."""
+    if len(data) != ctypes.sizeof(_Algo):
+        raise ValueError(f"a cuBLASLt algorithm is {ctypes.sizeof(_Algo)} bytes, got {len(data)}")
+    return _Algo.from_buffer_copy(data)
+
+
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"cuBLASLt: {what} returned status {status}")

@@ -10,12 +10,20 @@ shape (so they come from HBM, not L2), and keeps a candidate where it is at leas
 times faster and gives the same product. `lt_product` then serves those shapes (eager or
 captured alike: the choice depends on the shape only); every other product stays on
 `F.linear`.
+
+With a `cache_dir` (the guide's `CompilationConfig.cache_dir`, "directory for compilation
+caches") the choices are kept in `gemm_algorithms.json` there, for this GPU, cuBLASLt and
+torch; a later start-up takes them from the file (each chosen algorithm run once and checked
+against `F.linear`) and times only the shapes the file lacks.
 """
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -98,13 +106,70 @@ def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, 
         _CHOSEN.pop(key, None)
 
 
+CACHE_FILE = "gemm_algorithms.json"
+
+
+def _fingerprint() -> dict:
+    return {"device": torch.cuda.get_device_name(), "cublaslt": cublaslt.version(), "torch": torch.__version__}
+
+
+def _entry_name(key: tuple) -> str:
+    rows, n, k, dtype = key
+    return f"{rows} {n} {k} {str(dtype).removeprefix('torch.')}"
+
+
+def _load_cached(path: Path, work: list, fingerprint: dict) -> list:
+    """Takes the choices `path` holds for `work`'s shapes (a chosen algorithm only if it runs
+    and agrees with F.linear here); returns the work items left to time."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return work
+    if data.get("fingerprint") != fingerprint:
+        logger.info("GEMM algorithm cache %s is for %s, not %s: timing again", path, data.get("fingerprint"), fingerprint)
+        return work
+    entries, left = data.get("choices", {}), []
+    for rows, ws in work:
+        w = ws[0]
+        key = (rows, w.shape[0], w.shape[1], w.dtype)
+        e = entries.get(_entry_name(key))
+        try:
+            if e is not None and e["algo"] is not None:
+                prod = cublaslt.LtProduct(rows, w.shape[0], w.shape[1], w.dtype)
+                algo = cublaslt.algo_from_bytes(bytes.fromhex(e["algo"]))
+                x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
+                if not _agree(prod(x, w, algo), F.linear(x, w)):
+                    raise ValueError("disagrees with F.linear")
+                _CHOSEN[key] = (prod, algo)
+            if e is not None:
+                LT_CHOICES[key] = (float(e["base_us"]), float(e["best_us"]), int(e["tried"]))
+                continue
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            logger.warning("GEMM algorithm cache %s: entry %s not used (%s)", path, _entry_name(key), err)
+        left.append((rows, ws))
+    return left
+
+
+def _save(path: Path, fingerprint: dict) -> None:
+    choices = {_entry_name(k): {"base_us": round(b, 3), "best_us": round(t, 3), "tried": n,
+                                "algo": bytes(_CHOSEN[k][1]).hex() if k in _CHOSEN else None}
+               for k, (b, t, n) in LT_CHOICES.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"fingerprint": fingerprint, "choices": choices}, indent=1))
+        tmp.replace(path)
+    except OSError as err:
+        logger.warning("GEMM algorithm cache %s not written: %s", path, err)
+
+
 def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, min_rows: int = 2,
-                    iters: int = 10, max_candidates: int = 24) -> dict:
+                    iters: int = 10, max_candidates: int = 24, cache_dir: str = "") -> dict:
     """Times the model's products at each capture size >= `min_rows` (batch 1 has the GEMV
     choice) and keeps the cuBLASLt candidate that wins by `min_gain` (2%: above the spread of
-    repeated timings), trying at most `max_candidates` per shape. Returns {key: (F.linear us,
-    best candidate us, candidates run)}; an empty dict where cuBLASLt is not available (CPU,
-    ROCm)."""
+    repeated timings), trying at most `max_candidates` per shape; with `cache_dir`, through the
+    cache file there. Returns {key: (F.linear us, best candidate us, candidates run)}; an
+    empty dict where cuBLASLt is not available (CPU, ROCm)."""
     if not cublaslt.available():
         return {}
     groups = _layer_weights(model)
@@ -114,11 +179,18 @@ def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, 
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     work = [(r, _enough_weights(ws)) for r in rows_list for ws in groups.values()]
-    for rows, ws in tqdm(work, desc="Choosing GEMM algorithms", unit="shape"):
+    path, fingerprint = Path(cache_dir).expanduser() / CACHE_FILE if cache_dir else None, None
+    todo = work
+    if path is not None:
+        fingerprint = _fingerprint()
+        todo = _load_cached(path, work, fingerprint)
+    for rows, ws in tqdm(todo, desc="Choosing GEMM algorithms", unit="shape", disable=not todo):
         _choose_one(rows, ws, min_gain, iters, max_candidates)
+    if path is not None and todo:
+        _save(path, fingerprint)
     for key, (base, best, tried) in LT_CHOICES.items():
         logger.debug("rows %d, %dx%d %s: F.linear %.1f us, best of %d cuBLASLt candidates %.1f us -> %s",
                      *key, base, tried, best, "cuBLASLt" if key in _CHOSEN else "F.linear")
-    logger.info("GEMM algorithms: a cuBLASLt candidate chosen for %d of %d (rows, N, K) products (%.1f s)",
-                len(_CHOSEN), len(work), time.perf_counter() - t0)
+    logger.info("GEMM algorithms: a cuBLASLt candidate chosen for %d of %d (rows, N, K) products "
+                "(%d timed, %.1f s)", len(_CHOSEN), len(work), len(todo), time.perf_counter() - t0)
     return dict(LT_CHOICES)
