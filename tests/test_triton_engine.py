@@ -25,8 +25,10 @@ def test_triton_attention_op_in_the_engine(tiny_qwen3):
 
 @pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_llama"])
 def test_all_triton_kernels_in_the_engine(model, request, monkeypatch):
-    """Every layer on its Triton kernel, as on a GPU: fused add+norm, SiLU-mul, and the rotary
-    kernel that also writes k and v into the paged cache (the attention op then only reads)."""
+    """Every layer on its Triton kernel, as on a GPU: fused add+norm, SiLU-mul, and for
+    prefills the rotary kernel that also writes k and v into the paged cache (the attention op
+    then only reads); decode steps fold the rotary embedding and the cache write (after the
+    q / k norms: Qwen3) into the attention kernel."""
     from atom.model_ops import kernel_backend, kernels
     from atom.model_ops.attention import triton_backend
     path = request.getfixturevalue(model)
@@ -40,9 +42,17 @@ def test_all_triton_kernels_in_the_engine(model, request, monkeypatch):
     real = kernels.rotary_embedding
     monkeypatch.setattr(kernels, "rotary_embedding",
                         lambda *a, **kw: calls.append(kw.get("kv_cache") is not None) or real(*a, **kw))
+    attn_calls = []
+    real_attn = triton_backend.unified_attention
+    monkeypatch.setattr(triton_backend, "unified_attention",
+                        lambda *a, **kw: attn_calls.append((a[8], kw["rope"])) or real_attn(*a, **kw))
     ps = [[5, 6, 7, 8, 9], list(range(10, 50))]
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert calls and all(calls), "the rotary kernel did not write the KV cache"
+    assert {max_q == 1 for max_q, _ in attn_calls} == {True, False}
+    assert all((rope is not None) == (max_q == 1) for max_q, rope in attn_calls), "decode steps fold the rotary in"
+    qk_norm = runner.model.model.layers[0].self_attn.qk_norm
+    assert all((r.q_norm_weight is not None) == qk_norm for _, r in attn_calls if r is not None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in ps]
 

@@ -28,9 +28,13 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.backend = "torch"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                rotary: tuple | None = None) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]. k = v = None: this step's keys and values
-        are in the cache already (written by the rotary kernel; Triton backend only)."""
+        are in the cache already (written by the rotary kernel; Triton backend only).
+        `rotary` = (cos_sin_cache, q norm weight, k norm weight, eps) (decode steps, Triton
+        backend only): q and k are unrotated; the attention kernel rotates them, after the
+        norms where their weights are not None, and writes k and v into the cache."""
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         if k is not None:
@@ -38,8 +42,10 @@ class Attention(nn.Module):
             v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.backend == "triton":  # the custom op registered by attention.triton_backend
             out = torch.empty_like(q)
-            torch.ops.atom.unified_attention_with_output(q, k, v, out, self.layer_idx)
+            torch.ops.atom.unified_attention_with_output(q, k, v, out, self.layer_idx, *(rotary or ()))
         else:
+            if rotary is not None:
+                raise ValueError("the rotary embedding folds into the Triton attention kernel only")
             if k is None:
                 raise ValueError("the torch attention backend needs this step's k and v")
             meta = get_forward_context()

@@ -34,13 +34,19 @@ Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
 sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
 partial output and its log-sum-exp, and ``_merge_kernel`` combines them.  The
 scratch buffers come from an :class:`AttentionWorkspace` allocated once.
+
+Decode steps may fold the rotary embedding in (:class:`DecodeRope`): q arrives unrotated
+and is rotated in registers (after Qwen3's per-head q norm), and the one program of each
+(sequence, kv head) whose tiles end with this step's token rotates that token's key and
+writes it and the value into the cache before reading its tiles; the rotary kernel with
+its cache write then does not run.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -51,6 +57,7 @@ if HAS_TRITON:
 
 __all__ = [
     "AttentionWorkspace",
+    "DecodeRope",
     "unified_attention",
     "paged_attention_ref",
     "pick_attention_config",
@@ -118,6 +125,49 @@ if HAS_TRITON:
         return acc, m_new, l_i
 
     @triton.jit
+    def _rope_rows(row_ptrs, x, pos, mask, offs_d, cs_ptr, stride_cs, w_ptr, eps,
+                   HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+        """Rows x [R, HEAD_PAD] of heads (read at `row_ptrs` [R, 1]) rotated at positions
+        `pos` [R] (NeoX halves, fp32), after a per-head RMSNorm with weight `w_ptr` when NORM:
+        the rotary kernel's math, so both paths give the same values."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        low = offs_d < HALF
+        partner = tl.where(low, offs_d + HALF, offs_d - HALF)
+        x = x.to(tl.float32)
+        xp = tl.load(row_ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
+            d_ok = offs_d < HEAD_DIM
+            x = x * rstd[:, None] * tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            xp = xp * rstd[:, None] * tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        half_d = tl.where(low, offs_d, offs_d - HALF)
+        cs = cs_ptr + pos.to(tl.int64)[:, None] * stride_cs + half_d[None, :]
+        c = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
+        return tl.where(low[None, :], x * c - xp * s, x * c + xp * s)
+
+    @triton.jit
+    def _write_new_kv(kn_ptr, vn_ptr, slot_ptr, tok, pos, k_head, v_head,
+                      stride_knt, stride_vnt, stride_kb, stride_ks, stride_vb, stride_vs,
+                      offs_d, cs_ptr, stride_cs, kw_ptr, eps,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr):
+        """Decode with the rotary embedding folded in: this step's key (rotated) and value of
+        token `tok` (at `kn_ptr` / `vn_ptr` for this kv head), into the paged caches at the
+        token's slot (none if < 0)."""
+        d_ok = (offs_d < HEAD_DIM)[None, :]
+        k_row = kn_ptr + tok * stride_knt + tl.zeros([1, 1], tl.int64)
+        k = tl.load(k_row + offs_d[None, :], mask=d_ok, other=0.0)
+        k = _rope_rows(k_row, k, tl.zeros([1], tl.int32) + pos, d_ok, offs_d, cs_ptr, stride_cs, kw_ptr, eps,
+                       HEAD_DIM, NORM)
+        v = tl.load(vn_ptr + tok * stride_vnt + offs_d[None, :], mask=d_ok, other=0.0)
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        ok = d_ok & (offs_d * 0 + slot >= 0)[None, :]  # (a vector compare: the interpreter's masks)
+        slot = tl.maximum(slot, 0)
+        blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        tl.store(k_head + blk * stride_kb + off * stride_ks + offs_d[None, :], k.to(k_head.dtype.element_ty), mask=ok)
+        tl.store(v_head + blk * stride_vb + off * stride_vs + offs_d[None, :], v.to(v_head.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _unified_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr,
         cu_ptr, seq_lens_ptr, bt_ptr,
@@ -129,6 +179,8 @@ if HAS_TRITON:
         stride_bt,
         stride_pot, stride_poh, stride_pos,
         stride_plt, stride_plh,
+        cs_ptr, kn_ptr, vn_ptr, slot_ptr, qw_ptr, kw_ptr, norm_eps,
+        stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
         QPKV: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -140,6 +192,8 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr,
         DOT_PREC: tl.constexpr,
         PDL: tl.constexpr,
+        ROPE: tl.constexpr,
+        QK_NORM: tl.constexpr,
     ):
         pdl_start(PDL)
         # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
@@ -183,6 +237,17 @@ if HAS_TRITON:
         else:
             t_lo = 0
             t_hi = n_tiles
+        if ROPE:  # decode (one token per sequence): q arrives unrotated, k / v not yet cached
+            q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+            q = _rope_rows(q_rows, q, q_pos, row_ok[:, None] & d_ok[None, :], offs_d, cs_ptr, stride_cs,
+                           qw_ptr, norm_eps, HEAD_DIM, QK_NORM).to(q.dtype)
+            # the one program of (sequence, kv head) whose tiles end with the token writes it
+            if (t_lo < n_tiles) & (t_hi == n_tiles):
+                _write_new_kv(kn_ptr + kvh * stride_knh, vn_ptr + kvh * stride_vnh, slot_ptr,
+                              q_start.to(tl.int64), seq_len - 1, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
+                              stride_knt, stride_vnt, stride_kb, stride_ks, stride_vb, stride_vs,
+                              offs_d, cs_ptr, stride_cs, kw_ptr, norm_eps, HEAD_DIM, BLOCK_SIZE, QK_NORM)
+                tl.debug_barrier()  # the block's stores are visible to its loads below
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -391,6 +456,43 @@ def _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables):
         raise ValueError("block_tables must have a contiguous last dimension")
 
 
+class DecodeRope(NamedTuple):
+    """Decode steps with the rotary embedding folded into the attention kernel: q comes
+    unrotated, and the kernel rotates it, rotates this step's keys `k` [T, Hkv, D] and writes
+    them and the values `v` into the caches at `slot_mapping` (what the rotary kernel with its
+    cache write does otherwise), with Qwen3's per-head q/k RMSNorm first when its weights are
+    given. `cos_sin_cache` [max_pos, D]: cos in the first D/2 columns, sin in the last."""
+    cos_sin_cache: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm_weight: Optional[torch.Tensor] = None
+    k_norm_weight: Optional[torch.Tensor] = None
+    eps: float = 1e-6
+
+
+def _check_rope(rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int) -> None:
+    T, _, D = q.shape
+    Hkv = k_cache.shape[2]
+    if max_query_len != 1:
+        raise ValueError(f"the rotary embedding folds into decode steps only (max_query_len 1), got {max_query_len}")
+    if D % 2 or rope.cos_sin_cache.dim() != 2 or rope.cos_sin_cache.shape[1] != D \
+            or rope.cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"cos_sin_cache must be [max_pos, {D}] with a contiguous last dim and an even head_dim, "
+                         f"got {tuple(rope.cos_sin_cache.shape)}")
+    for name, t in (("k", rope.k), ("v", rope.v)):
+        if t.shape != (T, Hkv, D) or t.stride(-1) != 1:
+            raise ValueError(f"rope.{name} must be [{T}, {Hkv}, {D}] with a contiguous last dim, got {tuple(t.shape)}")
+    if rope.slot_mapping.dim() != 1 or rope.slot_mapping.shape[0] < T:
+        raise ValueError(f"rope.slot_mapping needs {T} entries, got {tuple(rope.slot_mapping.shape)}")
+    for name in ("q_norm_weight", "k_norm_weight"):
+        w = getattr(rope, name)
+        if w is not None and w.shape != (D,):
+            raise ValueError(f"rope.{name} must be [{D}], got {tuple(w.shape)}")
+    if (rope.q_norm_weight is None) != (rope.k_norm_weight is None):
+        raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -405,8 +507,11 @@ def unified_attention(
     *,
     num_kv_splits: Optional[int] = None,
     config: Optional[dict] = None,
+    rope: Optional[DecodeRope] = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; writes ``out`` in place and returns it.
+    With ``rope`` (decode steps only) q is unrotated and this step's k / v are not in the
+    cache yet: the kernel rotates and writes them (:class:`DecodeRope`).
 
     ``num_kv_splits``: None picks by shape (split only for decode-only batches
     with few programs); 1 forces one pass; a power of two forces that many
@@ -417,6 +522,8 @@ def unified_attention(
     if not HAS_TRITON:
         raise RuntimeError("unified_attention needs triton; use paged_attention_ref on CPU")
     _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables)
+    if rope is not None:
+        _check_rope(rope, q, k_cache, max(1, int(max_query_len)))
     T, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -461,9 +568,11 @@ def unified_attention(
         block_tables.stride(0),
         po.stride(0), po.stride(1), po.stride(2) if splits > 1 else 0,
         plse.stride(0), plse.stride(1),
+        *_rope_args(rope, q),
         QPKV=Hq // Hkv, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
+        ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
     )
     if splits > 1:
@@ -476,6 +585,17 @@ def unified_attention(
             num_warps=4 if cfg["HEAD_PAD"] >= 128 else 2, **pdl_args(q),
         )
     return out
+
+
+def _rope_args(rope: Optional[DecodeRope], q: torch.Tensor) -> tuple:
+    """The kernel's rotary arguments: pointers (cos/sin, new k, new v, slots, q / k norm
+    weights), eps and strides; placeholders without `rope`."""
+    if rope is None:
+        return (q,) * 6 + (1e-6,) + (0,) * 5
+    qw = rope.q_norm_weight if rope.q_norm_weight is not None else q
+    kw = rope.k_norm_weight if rope.k_norm_weight is not None else q
+    return (rope.cos_sin_cache, rope.k, rope.v, rope.slot_mapping, qw, kw, float(rope.eps),
+            rope.cos_sin_cache.stride(0), rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1))
 
 
 def paged_attention_ref(

@@ -1,0 +1,95 @@
+"""Decode attention with the rotary embedding folded in (`unified_attention(..., rope=
+DecodeRope(...))`) against the two-step reference: the rotary embedding with its cache write
+(Qwen3's q/k norm included), then paged attention. Output and the whole caches must agree,
+unsplit and split (where only one program of a sequence writes its token). CPU cases run
+under Triton's interpreter; GPU cases are marked gpu."""
+
+import pytest
+import torch
+
+from test_triton_kernels import CPU, GPU, _check_close, _make_batch  # noqa: E402  (sets TRITON_INTERPRET)
+
+from atom.model_ops.attention.triton_unified import DecodeRope, paged_attention_ref, unified_attention  # noqa: E402
+from atom.model_ops.kernels import rotary_embedding_ref  # noqa: E402
+
+
+def _cos_sin(max_pos, D):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    f = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    return torch.cat((f.cos(), f.sin()), dim=-1)
+
+
+def _case(device, D, Hkv, qpkv, bs, dtype, splits, qk_norm, kinds, max_ctx, seed):
+    Hq = Hkv * qpkv
+    batch = _make_batch(kinds, Hq, Hkv, D, bs, dtype, device, max_ctx, seed=seed)
+    T = batch["q"].shape[0]
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(device)  # packed, as the layer has it
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
+    cu, sl, bt = (batch[n].cpu() for n in ("cu_seqlens_q", "seq_lens", "block_tables"))
+    pos, slots = torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64)
+    for b in range(len(sl)):
+        for t in range(int(cu[b]), int(cu[b + 1])):  # one token per decode sequence
+            p = int(sl[b]) - 1
+            pos[t], slots[t] = p, int(bt[b, p // bs]) * bs + p % bs
+    pos, slots = pos.to(device), slots.to(device)
+    cs = _cos_sin(max_ctx + 1, D).to(device)
+    qw, kw = ((torch.rand(D, generator=g) + 0.5).to(dtype).to(device) for _ in range(2)) if qk_norm else (None, None)
+    args = dict(cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"], block_tables=batch["block_tables"],
+                softmax_scale=batch["softmax_scale"], max_query_len=1)
+
+    kc_ref, vc_ref = batch["k_cache"].clone(), batch["v_cache"].clone()
+    q_ref, k_ref = q.reshape(T, -1).clone(), k.reshape(T, -1).clone()
+    rotary_embedding_ref(pos, q_ref, k_ref, cs, D, qw, kw, 1e-6, kv_cache=(v.reshape(T, -1), kc_ref, vc_ref, slots))
+    ref = paged_attention_ref(q_ref.view(T, Hq, D), kc_ref, vc_ref, torch.full_like(q, float("nan")), **args)
+
+    kc, vc = batch["k_cache"], batch["v_cache"]
+    out = torch.full_like(q, float("nan"))
+    qkv_before = qkv.clone()
+    unified_attention(q, kc, vc, out, num_kv_splits=splits, rope=DecodeRope(cs, k, v, slots, qw, kw, 1e-6), **args)
+    n = int(cu[-1])
+    what = f"D={D} kv={Hkv} g={qpkv} bs={bs} splits={splits} norm={qk_norm}"
+    _check_close(out[:n], ref[:n], dtype, what)
+    _check_close(kc, kc_ref, dtype, what + " k cache")
+    assert torch.equal(vc, vc_ref), what + " v cache"
+    assert torch.equal(qkv, qkv_before), "q, k and v are inputs only"
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("D,Hkv,qpkv,bs,dtype,qk_norm", [(64, 2, 2, 16, torch.float32, False),
+                                                         (128, 1, 4, 32, torch.float16, True),
+                                                         (64, 2, 1, 16, torch.float16, False)])
+def test_decode_rope_interpreted(device, D, Hkv, qpkv, bs, dtype, qk_norm, splits):
+    kinds = ["decode", "decode", "empty", (1, 1), "decode", (1, 70)]  # a 1-token context; more splits than tiles
+    _case(device, D, Hkv, qpkv, bs, dtype, splits, qk_norm, kinds, 90, seed=D + bs + qpkv)
+
+
+@pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("splits", [None, 1, 8])
+@pytest.mark.parametrize("D,Hkv,qpkv,bs,qk_norm", [(128, 8, 4, 16, False), (128, 8, 2, 16, True),
+                                                   (64, 2, 8, 64, False), (128, 4, 4, 32, True)])
+def test_decode_rope_gpu(device, D, Hkv, qpkv, bs, qk_norm, splits):
+    kinds = ["decode"] * 40 + ["empty", (1, 1), (1, 4000)]
+    for dtype in (torch.bfloat16, torch.float32):
+        _case(device, D, Hkv, qpkv, bs, dtype, splits, qk_norm, kinds, 4096, seed=D + bs)
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_decode_rope_refuses_bad_input(device):
+    batch = _make_batch(["decode", "decode"], 4, 2, 64, 16, torch.float32, device, 40, seed=3)
+    q = batch.pop("q")
+    T = q.shape[0]
+    k = torch.zeros(T, 2, 64)
+    good = DecodeRope(_cos_sin(64, 64), k, k, torch.zeros(T, dtype=torch.int64))
+    out = torch.empty_like(q)
+    batch["max_query_len"] = 2
+    with pytest.raises(ValueError, match="decode steps only"):
+        unified_attention(q, out=out, rope=good, **batch)
+    batch["max_query_len"] = 1
+    for bad, msg in ((good._replace(cos_sin_cache=_cos_sin(64, 32)), "cos_sin_cache must be"),
+                     (good._replace(k=torch.zeros(T, 2, 32)), "rope.k must be"),
+                     (good._replace(slot_mapping=torch.zeros(T - 1, dtype=torch.int64)), "slot_mapping needs"),
+                     (good._replace(q_norm_weight=torch.ones(64)), "both q_norm_weight and k_norm_weight")):
+        with pytest.raises(ValueError, match=msg):
+            unified_attention(q, out=out, rope=bad, **batch)
