@@ -279,7 +279,8 @@ plot_roofline([{"name": "SmolLM2-135M batch-1 decode (this CPU)", "measured": me
     ("md", "## Measured GPU results, if any\n`python -m atom.benchmarks.throughput --out docs/perf/NAME.json` writes these; they are plotted against their roofline."),
     ("code", """
 perf_dir = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf"
-results = [json.loads(p.read_text()) for p in sorted(perf_dir.glob("*.json"))]
+# benchmark results are JSON objects; diagnosis probes (lists of rows) are left out
+results = [r for p in sorted(perf_dir.glob("*.json")) if isinstance(r := json.loads(p.read_text()), dict)]
 gpu = [r for r in results if "atom_tok_s" in r and "roofline_tok_s" in r]
 cpu = [(name, s) for r in results for name, s in r.get("scenarios", {}).items()]
 print(f"{len(results)} result files in {perf_dir}: {len(gpu)} with a roofline, {len(cpu)} CPU scenarios")

@@ -32,6 +32,7 @@ def _case(device, D, Hkv, qpkv, bs, dtype, splits, qk_norm, kinds, max_ctx, seed
         for t in range(int(cu[b]), int(cu[b + 1])):  # one token per decode sequence
             p = int(sl[b]) - 1
             pos[t], slots[t] = p, int(bt[b, p // bs]) * bs + p % bs
+    slots[0] = -1  # a token whose k / v are not written (padding's slot): both paths read the old cache entry
     pos, slots = pos.to(device), slots.to(device)
     cs = _cos_sin(max_ctx + 1, D).to(device)
     qw, kw = ((torch.rand(D, generator=g) + 0.5).to(dtype).to(device) for _ in range(2)) if qk_norm else (None, None)

@@ -47,6 +47,9 @@ class _FakeProduct:
     def candidates(self):
         return [_algo(n) for n in NAMES]
 
+    def check(self, algo):
+        return _name(algo) != "refused"
+
     def __call__(self, x, w, algo, out=None):
         if _name(algo) == "refused":
             raise RuntimeError("cuBLASLt: Matmul returned status 15")
@@ -94,17 +97,25 @@ def test_choice_stays_on_f_linear_below_the_gain(monkeypatch):
     assert key not in gemm_tuning._CHOSEN  # 1% faster is within the timings' spread
 
 
+def _aligned(rows, cols, shift=0):
+    """A [rows, cols] fp32 view whose data starts `shift` elements past a 256-byte boundary."""
+    buf = torch.randn(rows * cols + 128)
+    start = (-buf.data_ptr() % 256) // 4 + shift
+    return buf[start:start + rows * cols].view(rows, cols)
+
+
 def test_lt_product_serves_only_chosen_shapes():
-    w = torch.randn(24, 16)
+    w = _aligned(24, 16)
     gemm_tuning._CHOSEN[(8, 24, 16, torch.float32)] = (_FakeProduct(8, 24, 16, torch.float32), _algo("good-fast"))
-    x = torch.randn(8, 16)
+    x = _aligned(8, 16)
     torch.testing.assert_close(gemm_tuning.lt_product(x, w), F.linear(x, w))
     assert gemm_tuning.lt_product(torch.randn(7, 16), w) is None  # another row count
     assert gemm_tuning.lt_product(torch.randn(16, 8).t(), w) is None  # not contiguous
     assert gemm_tuning.lt_product(x.half(), w) is None  # another dtype
+    assert gemm_tuning.lt_product(_aligned(8, 16, shift=4), w) is None  # not 256-byte aligned
 
 
-def _cached_run(monkeypatch, tmp_path, us, fingerprint="gpu A"):
+def _cached_run(monkeypatch, tmp_path, us, fingerprint="gpu A", sizes=(1, 4, 8)):
     """choose_lt_algos over two shapes at two sizes through a cache in tmp_path (cuBLASLt and
     the model's GPU weights stood in for); returns the algorithms timed."""
     seen = []
@@ -117,34 +128,48 @@ def _cached_run(monkeypatch, tmp_path, us, fingerprint="gpu A"):
               (40, 16, torch.float32): [torch.randn(40, 16, generator=g)]}
     monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: groups)
     gemm_tuning.clear()
-    res = gemm_tuning.choose_lt_algos(nn.Identity(), [1, 4, 8], cache_dir=str(tmp_path))
-    assert set(res) == {(r, n, 16, torch.float32) for r in (4, 8) for n in (24, 40)}
+    res = gemm_tuning.choose_lt_algos(nn.Identity(), list(sizes), cache_dir=str(tmp_path))
+    assert set(res) == {(r, n, 16, torch.float32) for r in sizes if r > 1 for n in (24, 40)}
     return seen
 
 
+US = {"base": 10.0, "good-slow": 9.9, "wrong": 1.0, "good-fast": 9.0}
+
+
 def test_cache_round_trip(monkeypatch, tmp_path):
-    us = {"base": 10.0, "good-slow": 9.9, "wrong": 1.0, "good-fast": 9.0}
-    assert len(_cached_run(monkeypatch, tmp_path, us)) == 4 * 3  # F.linear and two candidates per product
+    assert len(_cached_run(monkeypatch, tmp_path, US)) == 4 * 3  # F.linear and two candidates per product
     first = {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()}
-    assert len(first) == 4 and (tmp_path / gemm_tuning.CACHE_FILE).exists()
-    assert _cached_run(monkeypatch, tmp_path, us) == []  # all from the file, nothing timed
+    assert len(first) == 4 and gemm_tuning.cache_path(tmp_path, {"device": "gpu A"}).exists()
+    assert _cached_run(monkeypatch, tmp_path, US) == []  # all from the file, nothing timed
     assert {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()} == first
     assert gemm_tuning.LT_CHOICES[(4, 24, 16, torch.float32)] == (10.0, 9.0, 2)
 
 
-def test_cache_of_another_gpu_or_damaged_is_timed_again(monkeypatch, tmp_path):
-    us = {"base": 10.0, "good-slow": 9.9, "wrong": 1.0, "good-fast": 9.0}
-    _cached_run(monkeypatch, tmp_path, us)
-    assert len(_cached_run(monkeypatch, tmp_path, us, fingerprint="gpu B")) == 12
-    path = tmp_path / gemm_tuning.CACHE_FILE
+def test_cache_keeps_other_shapes_and_gpus(monkeypatch, tmp_path):
+    _cached_run(monkeypatch, tmp_path, US)
+    _cached_run(monkeypatch, tmp_path, US, sizes=[16])  # another engine's capture sizes, same directory
+    _cached_run(monkeypatch, tmp_path, US, fingerprint="gpu B")  # another GPU kind, same directory
+    a = json.loads(gemm_tuning.cache_path(tmp_path, {"device": "gpu A"}).read_text())
+    assert sorted(a["choices"]) == sorted(f"{r} {n} 16 float32" for r in (4, 8, 16) for n in (24, 40))
+    assert len(list(tmp_path.glob("gemm_algorithms-*.json"))) == 2
+
+
+def test_damaged_cache_entries_are_timed_again(monkeypatch, tmp_path):
+    _cached_run(monkeypatch, tmp_path, US)
+    path = gemm_tuning.cache_path(tmp_path, {"device": "gpu A"})
     data = json.loads(path.read_text())
     data["choices"]["4 24 16 float32"]["algo"] = bytes(_algo("wrong")).hex()  # no longer agrees
+    data["choices"]["4 40 16 float32"]["algo"] = bytes(_algo("refused")).hex()  # cuBLASLt's check refuses it
     data["choices"]["8 40 16 float32"]["algo"] = "00ff"  # not an algorithm
     del data["choices"]["8 24 16 float32"]
     path.write_text(json.dumps(data))
-    assert len(_cached_run(monkeypatch, tmp_path, us, fingerprint="gpu B")) == 3 * 3
-    path.write_text("{not json")
-    assert len(_cached_run(monkeypatch, tmp_path, us, fingerprint="gpu B")) == 12
+    assert len(_cached_run(monkeypatch, tmp_path, US)) == 4 * 3
+    for text in ("{not json", "[1, 2]", '{"fingerprint": {"device": "gpu A"}, "choices": 3}'):
+        path.write_text(text)
+        assert len(_cached_run(monkeypatch, tmp_path, US)) == 12, text
+    data["fingerprint"] = {"device": "gpu C"}  # a file whose contents are for another GPU
+    path.write_text(json.dumps(data))
+    assert len(_cached_run(monkeypatch, tmp_path, US)) == 12
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")
@@ -226,8 +251,9 @@ def test_cache_on_the_gpu(tmp_path):
         m.weight.data.normal_(0, 0.05)  # (torch.empty's garbage would fail every check)
     first = gemm_tuning.choose_lt_algos(layers, [8, 32], min_gain=0.0, cache_dir=str(tmp_path))
     chosen = {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()}
-    assert len(chosen) == 2 and (tmp_path / gemm_tuning.CACHE_FILE).exists()
-    assert json.loads((tmp_path / gemm_tuning.CACHE_FILE).read_text())["fingerprint"]["cublaslt"] > 0
+    files = list(tmp_path.glob("gemm_algorithms-*.json"))
+    assert len(chosen) == 2 and len(files) == 1
+    assert json.loads(files[0].read_text())["fingerprint"]["cublaslt"] > 0
     gemm_tuning.clear()
     again = gemm_tuning.choose_lt_algos(layers, [8, 32], min_gain=0.0, cache_dir=str(tmp_path))
     assert set(again) == set(first) and all(abs(again[k][1] - first[k][1]) < 1e-2 for k in first)

@@ -10,9 +10,10 @@ CUDA graphs (`cudagraph_mode`, `use_cudagraph`, capture sizes): decode batches r
 full-forward graph per capture size in every mode but NONE; batches with prefill tokens
 run without a graph. An unset mode below level 3 means FULL_DECODE_ONLY.
 Linear layers: cuBLAS / hipBLASLt through `F.linear`, or the Triton GEMM where
-`ATOM_USE_TRITON_GEMM=1` (read here, once per engine). With CUDA graphs at level 0 the
-start-up also chooses the Triton GEMV for batch-1 shapes (`linear.choose_gemv_shapes`) and
-a cuBLASLt algorithm for the other capture sizes (`gemm_tuning.choose_lt_algos`).
+`ATOM_USE_TRITON_GEMM=1` (read here, once per engine). With CUDA graphs at level 0 and the
+Triton attention backend the start-up also chooses the Triton GEMV for batch-1 shapes
+(`linear.choose_gemv_shapes`) and, without the Triton GEMM, on NVIDIA GPUs, a cuBLASLt
+algorithm for the other capture sizes (`gemm_tuning.choose_lt_algos`).
 """
 from __future__ import annotations
 

@@ -8,14 +8,16 @@ stream-K kernels. `LtProduct` holds the descriptors of one (rows, N, K, dtype) p
 `LtProduct.algos()` lists the candidates and `LtProduct(...)(x, w, algo)` runs one on the
 current CUDA stream (so a CUDA graph captures it like any other launch).
 
-The library is the libcublasLt that torch has loaded (its soname), so no second copy comes
-in. Nothing here runs on the CPU; `available()` says whether the GPU build has it.
+The library is the libcublasLt that torch has loaded (found by soname without loading
+anything new), else the one of torch's CUDA major version. Nothing here runs on the CPU;
+`available()` says whether the GPU build has it.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
+import os
 
 import torch
 
@@ -42,21 +44,35 @@ class _Heuristic(ctypes.Structure):
 
 @functools.cache
 def _lib():
-    """(library, handle), or None where no libcublasLt loads (CPU builds, ROCm)."""
+    """(library, handle), or None where no libcublasLt loads (CPU builds, ROCm) or its
+    handle cannot be created: products then stay on torch's BLAS."""
     if not torch.cuda.is_available() or torch.version.hip is not None:
         return None
     torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # torch loads cuBLAS(Lt)
-    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+    major = (torch.version.cuda or "").split(".")[0]
+    names = list(dict.fromkeys([f"libcublasLt.so.{major}"] * bool(major) + ["libcublasLt.so.13", "libcublasLt.so.12"]))
+    lib = None
+    for name in names:  # the copy torch has loaded (dlopen with RTLD_NOLOAD loads nothing new)
         try:
-            lib = ctypes.CDLL(name)
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             break
         except OSError:
             continue
-    else:
-        logger.info("cuBLASLt: no libcublasLt could be opened; products stay on torch's BLAS")
+    if lib is None and major:  # not loaded yet: the one of torch's CUDA major version
+        try:
+            lib = ctypes.CDLL(f"libcublasLt.so.{major}")
+        except OSError:
+            pass
+    if lib is None:
+        logger.info("cuBLASLt: no libcublasLt of CUDA %s could be opened; products stay on torch's BLAS",
+                    torch.version.cuda)
         return None
     handle = ctypes.c_void_p()
-    _check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    try:
+        _check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    except (RuntimeError, AttributeError) as err:
+        logger.warning("cuBLASLt unusable (%s); products stay on torch's BLAS", err)
+        return None
     return lib, handle
 
 
@@ -144,17 +160,25 @@ class LtProduct:
         return [results[i].algo for i in range(count.value)
                 if results[i].state == 0 and results[i].workspace_size <= WORKSPACE_BYTES]
 
+    def check(self, algo: _Algo) -> bool:
+        """Whether cuBLASLt accepts `algo` for this shape (cublasLtMatmulAlgoCheck) within the
+        workspace: for algorithms offered for other shapes, or read back from a file."""
+        result = _Heuristic()
+        status = self._lib.cublasLtMatmulAlgoCheck(self._handle, self._desc, self._a, self._b, self._d, self._d,
+                                                   ctypes.byref(algo), ctypes.byref(result))
+        return status == 0 and result.state == 0 and result.workspace_size <= WORKSPACE_BYTES
+
     def candidates(self, hints=(0.5, 2.0, 4.0)) -> list[_Algo]:
         """The heuristic's candidates for this shape, then (each once) those it offers for the
-        same N and K at other row counts (`hints`: factors of this one), which often run here
-        too; `__call__` refuses one that does not (cuBLASLt checks it)."""
+        same N and K at other row counts (`hints`: factors of this one) that pass `check` for
+        this one: they often run well here too."""
         seen, out = set(), []
         shapes = [self.rows] + [max(1, int(self.rows * f)) for f in hints]
         for rows in shapes:
             prod = self if rows == self.rows else LtProduct(rows, self.n, self.k, self.dtype)
             for algo in prod.algos():
                 key = bytes(algo)
-                if key not in seen:
+                if key not in seen and (prod is self or self.check(algo)):
                     seen.add(key)
                     out.append(algo)
         return out

@@ -4,21 +4,23 @@ batch size.
 A CUDA graph replays the products of one batch size (a capture size) every decode step, so
 the product's kernel can be chosen once for that exact shape. torch's `F.linear` takes the
 BLAS heuristic's first pick; `choose_lt_algos` times it against cuBLASLt's other candidates
-(`cublaslt.LtProduct.candidates`) for every (rows, N, K) of the model's bf16/fp16 linear
-layers at the capture sizes, in CUDA graphs cycling through all the layers' weights of the
-shape (so they come from HBM, not L2), and keeps a candidate where it is at least `min_gain`
+(`cublaslt.LtProduct.candidates`) for every (rows, N, K) of the model's bias-free,
+contiguous bf16/fp16 linear layers at the capture sizes, in CUDA graphs cycling through
+enough of the layers' weights of the shape to miss L2 (three times its size), and keeps a candidate where it is at least `min_gain`
 times faster and gives the same product. `lt_product` then serves those shapes (eager or
 captured alike: the choice depends on the shape only); every other product stays on
 `F.linear`.
 
 With a `cache_dir` (the guide's `CompilationConfig.cache_dir`, "directory for compilation
-caches") the choices are kept in `gemm_algorithms.json` there, for this GPU, cuBLASLt and
-torch; a later start-up takes them from the file (each chosen algorithm run once and checked
-against `F.linear`) and times only the shapes the file lacks.
+caches") the choices are kept in a `gemm_algorithms-<tag>.json` there, one per GPU kind,
+cuBLASLt and torch version; a later start-up takes them from the file (each chosen algorithm
+checked by cuBLASLt for the shape, run once and compared with `F.linear`) and times only the
+shapes the file lacks.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -45,7 +47,8 @@ def lt_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not _CHOSEN or x.dim() != 2:
         return None
     hit = _CHOSEN.get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
-    if hit is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
+    if hit is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()) \
+            or x.data_ptr() % 256 or w.data_ptr() % 256:  # the heuristic assumes 256-byte aligned operands
         return None
     prod, algo = hit
     return prod(x, w, algo)
@@ -83,10 +86,15 @@ def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, 
     x = torch.randn(rows, k, device=ws[0].device, dtype=dtype)
     ref = F.linear(x, ws[0])
     base = graph_time([functools.partial(F.linear, x, w) for w in ws], iters) * 1e6
-    prod = cublaslt.LtProduct(rows, n, k, dtype)
+    try:
+        prod = cublaslt.LtProduct(rows, n, k, dtype)
+        algos = prod.candidates()[:max_candidates]
+    except RuntimeError as err:  # e.g. no heuristic for this shape: it stays on F.linear
+        logger.info("rows %d, %dx%d %s: no cuBLASLt candidates (%s)", rows, n, k, dtype, err)
+        return
     out = torch.empty(rows, n, device=x.device, dtype=dtype)
     best, tried = None, 0
-    for algo in prod.candidates()[:max_candidates]:
+    for algo in algos:
         try:
             if not _agree(prod(x, ws[0], algo, out), ref):
                 continue
@@ -106,11 +114,15 @@ def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, 
         _CHOSEN.pop(key, None)
 
 
-CACHE_FILE = "gemm_algorithms.json"
-
-
 def _fingerprint() -> dict:
     return {"device": torch.cuda.get_device_name(), "cublaslt": cublaslt.version(), "torch": torch.__version__}
+
+
+def cache_path(cache_dir: str | Path, fingerprint: dict) -> Path:
+    """The choices file of one GPU kind, cuBLASLt and torch in `cache_dir`: one file each, so
+    machines sharing the directory do not overwrite each other's."""
+    tag = hashlib.sha1(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:10]
+    return Path(cache_dir).expanduser() / f"gemm_algorithms-{tag}.json"
 
 
 def _entry_name(key: tuple) -> str:
@@ -125,10 +137,13 @@ def _load_cached(path: Path, work: list, fingerprint: dict) -> list:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return work
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), dict):
+        logger.warning("GEMM algorithm cache %s is not a choices file: timing again", path)
+        return work
     if data.get("fingerprint") != fingerprint:
         logger.info("GEMM algorithm cache %s is for %s, not %s: timing again", path, data.get("fingerprint"), fingerprint)
         return work
-    entries, left = data.get("choices", {}), []
+    entries, left = data["choices"], []
     for rows, ws in work:
         w = ws[0]
         key = (rows, w.shape[0], w.shape[1], w.dtype)
@@ -137,6 +152,8 @@ def _load_cached(path: Path, work: list, fingerprint: dict) -> list:
             if e is not None and e["algo"] is not None:
                 prod = cublaslt.LtProduct(rows, w.shape[0], w.shape[1], w.dtype)
                 algo = cublaslt.algo_from_bytes(bytes.fromhex(e["algo"]))
+                if not prod.check(algo):
+                    raise ValueError("cuBLASLt refuses it for this shape")
                 x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
                 if not _agree(prod(x, w, algo), F.linear(x, w)):
                     raise ValueError("disagrees with F.linear")
@@ -151,9 +168,18 @@ def _load_cached(path: Path, work: list, fingerprint: dict) -> list:
 
 
 def _save(path: Path, fingerprint: dict) -> None:
-    choices = {_entry_name(k): {"base_us": round(b, 3), "best_us": round(t, 3), "tried": n,
-                                "algo": bytes(_CHOSEN[k][1]).hex() if k in _CHOSEN else None}
-               for k, (b, t, n) in LT_CHOICES.items()}
+    """Writes this run's choices into the file, keeping the entries it has for other shapes
+    (other models, other capture sizes)."""
+    choices = {}
+    try:
+        old = json.loads(path.read_text())
+        if isinstance(old, dict) and old.get("fingerprint") == fingerprint and isinstance(old.get("choices"), dict):
+            choices = old["choices"]
+    except (OSError, ValueError):
+        pass
+    choices.update({_entry_name(k): {"base_us": round(b, 3), "best_us": round(t, 3), "tried": n,
+                                     "algo": bytes(_CHOSEN[k][1]).hex() if k in _CHOSEN else None}
+                    for k, (b, t, n) in LT_CHOICES.items()})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -179,10 +205,10 @@ def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, 
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     work = [(r, _enough_weights(ws)) for r in rows_list for ws in groups.values()]
-    path, fingerprint = Path(cache_dir).expanduser() / CACHE_FILE if cache_dir else None, None
-    todo = work
-    if path is not None:
+    path, fingerprint, todo = None, None, work
+    if cache_dir:
         fingerprint = _fingerprint()
+        path = cache_path(cache_dir, fingerprint)
         todo = _load_cached(path, work, fingerprint)
     for rows, ws in tqdm(todo, desc="Choosing GEMM algorithms", unit="shape", disable=not todo):
         _choose_one(rows, ws, min_gain, iters, max_candidates)

@@ -28,8 +28,10 @@ def head_dim_of(cfg) -> int:
 class LlamaAttention(nn.Module):
     qk_norm = False  # Qwen3 turns this on
     # decode steps on the Triton attention op (not under torch.compile): the attention kernel
-    # rotates q and k and writes k, v into the cache, instead of a rotary kernel before it
-    fold_rotary = True
+    # rotates q and k and writes k, v into the cache, instead of a rotary kernel before it.
+    # NVIDIA only: the kernel reads what it wrote after a block barrier, whose ordering of
+    # global memory has not been checked on AMD GPUs
+    fold_rotary = torch.version.hip is None
 
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, quant_config=None, prefix: str = ""):
         super().__init__()
