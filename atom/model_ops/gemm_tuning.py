@@ -6,10 +6,10 @@ the product's kernel can be chosen once for that exact shape. torch's `F.linear`
 BLAS heuristic's first pick; `choose_lt_algos` times it against cuBLASLt's other candidates
 (`cublaslt.LtProduct.candidates`) for every (rows, N, K) of the model's bias-free,
 contiguous bf16/fp16 linear layers at the capture sizes, in CUDA graphs cycling through
-enough of the layers' weights of the shape to miss L2 (three times its size), and keeps a candidate where it is at least `min_gain`
-times faster and gives the same product. `lt_product` then serves those shapes (eager or
-captured alike: the choice depends on the shape only); every other product stays on
-`F.linear`.
+enough of the layers' weights of the shape to miss L2 (three times its size), and keeps a
+candidate where it is at least `min_gain` times faster and gives the same product.
+`lt_product` then serves those shapes (eager or captured alike: the choice depends on the
+shape only); every other product stays on `F.linear`.
 
 With a `cache_dir` (the guide's `CompilationConfig.cache_dir`, "directory for compilation
 caches") the choices are kept in a `gemm_algorithms-<tag>.json` there, one per GPU kind,
