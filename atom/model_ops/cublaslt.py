@@ -50,7 +50,8 @@ def _lib():
         return None
     torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # torch loads cuBLAS(Lt)
     major = (torch.version.cuda or "").split(".")[0]
-    names = list(dict.fromkeys([f"libcublasLt.so.{major}"] * bool(major) + ["libcublasLt.so.13", "libcublasLt.so.12"]))
+    names = [f"libcublasLt.so.{major}"] if major else []
+    names += [n for n in ("libcublasLt.so.13", "libcublasLt.so.12") if n not in names]
     lib = None
     for name in names:  # the copy torch has loaded (dlopen with RTLD_NOLOAD loads nothing new)
         try:
@@ -73,6 +74,7 @@ def _lib():
     except (RuntimeError, AttributeError) as err:
         logger.warning("cuBLASLt unusable (%s); products stay on torch's BLAS", err)
         return None
+    lib.cublasLtGetVersion.restype = ctypes.c_size_t
     return lib, handle
 
 
@@ -82,11 +84,7 @@ def available() -> bool:
 
 def version() -> int:
     """cuBLASLt's version number (e.g. 130100), 0 where it is not available."""
-    if not available():
-        return 0
-    lib = _lib()[0]
-    lib.cublasLtGetVersion.restype = ctypes.c_size_t
-    return int(lib.cublasLtGetVersion())
+    return int(_lib()[0].cublasLtGetVersion()) if available() else 0
 
 
 def algo_from_bytes(data: bytes) -> _Algo:

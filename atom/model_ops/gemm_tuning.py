@@ -204,7 +204,8 @@ def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, 
         return {}
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
-    work = [(r, _enough_weights(ws)) for r in rows_list for ws in groups.values()]
+    timed_weights = [_enough_weights(ws) for ws in groups.values()]  # once per shape, not per size
+    work = [(r, ws) for r in rows_list for ws in timed_weights]
     path, fingerprint, todo = None, None, work
     if cache_dir:
         fingerprint = _fingerprint()

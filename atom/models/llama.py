@@ -69,13 +69,12 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         kern = kernel_backend.get(qkv)
-        if self.fold_rotary and kern is not None and self.attn.backend == "triton" \
-                and get_forward_context().max_query_len == 1 and not torch.compiler.is_compiling():
-            # decode: the attention kernel rotates q and k (after the q / k norms) and writes k, v
-            rotary = (self.rotary_emb.cos_sin_cache,) + ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-                                                         if self.qk_norm else ())
-            return self.o_proj(self.attn(q, k, v, rotary))
         if kern is not None and self.attn.backend == "triton":
+            if self.fold_rotary and get_forward_context().max_query_len == 1 and not torch.compiler.is_compiling():
+                # decode: the attention kernel rotates q and k (after the q / k norms) and writes k, v
+                rotary = (self.rotary_emb.cos_sin_cache,) + ((self.q_norm.weight, self.k_norm.weight,
+                                                              self.q_norm.eps) if self.qk_norm else ())
+                return self.o_proj(self.attn(q, k, v, rotary))
             # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
             self.rotary_emb(positions, q, k, *norms, kv_cache=self.attn.cache_write_args(v))
             return self.attend(qkv)
