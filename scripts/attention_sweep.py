@@ -1,5 +1,6 @@
 """Tile sizes, warps and pipeline stages of the unified attention kernel at the Llama-3.1-8B
-attention shape (32 q heads, 8 KV heads, head dim 128, bf16, block 16), on batches taken
+attention shape (32 q heads, 8 KV heads, head dim 128, bf16, KV blocks of 16 tokens or those
+of `--block-sizes`), on batches taken
 from the nano-vllm workload: decode batches at three points of the run (contexts of the
 requests still running, longest first as the scheduler orders them) and a prefill step
 (the first 16,384 prompt tokens). Each configuration is timed in CUDA-graph replays next to
@@ -7,6 +8,7 @@ the default choice; decode figures come with the KV-read bandwidth (the H200 cop
 4.3 TB/s). A diagnosis tool, not a benchmark.
 
     python3 scripts/attention_sweep.py --out attn.json
+    python3 scripts/attention_sweep.py --out attn.json --block-sizes 16 32 64 --decode-only --few
 """
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ from atom.benchmarks.workloads import nano_vllm_workload
 from atom.model_ops.attention.triton_unified import AttentionWorkspace, unified_attention
 from atom.utils.cuda_timing import graph_time
 
-HQ, HKV, D, BS = 32, 8, 128, 16
+HQ, HKV, D = 32, 8, 128
 
 
-def paged_batch(ctx, q_lens, dev):
+def paged_batch(ctx, q_lens, dev, BS=16):
     """q, caches, cu_seqlens, seq_lens and block tables of a batch (random block placement)."""
     nblk = [-(-c // BS) for c in ctx]
     pool = sum(nblk) + 8
@@ -73,18 +75,29 @@ def sweep(batch, max_q, configs, kv_bytes=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16])
+    ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--few", action="store_true", help="a handful of decode tilings, not all 27")
     args = ap.parse_args()
     dev = "cuda"
     reqs = nano_vllm_workload(256)
     res = {}
     dec_cfgs = [dict(TILE_N=t, num_warps=w, num_stages=s)
                 for t, w, s in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]
-    for step in (100, 300, 600):
-        live = sorted((len(r.prompt_token_ids) + step for r in reqs if r.max_tokens > step), reverse=True)
-        kv = sum(live) * HKV * D * 2 * 2
-        r = sweep(paged_batch(live, [1] * len(live), dev), 1, dec_cfgs, kv)
-        res[f"decode step {step}, {len(live)} seqs"] = r
-        print(f"decode step {step} ({len(live)} seqs): default {r['default']}; best {r['best'][:3]}", flush=True)
+    if args.few:
+        dec_cfgs = [dict(TILE_N=t, num_warps=4, num_stages=s) for t, s in itertools.product((32, 64, 128), (2, 3))]
+    for bs in args.block_sizes:
+        for step in (100, 300, 600):
+            live = sorted((len(r.prompt_token_ids) + step for r in reqs if r.max_tokens > step), reverse=True)
+            kv = sum(live) * HKV * D * 2 * 2
+            r = sweep(paged_batch(live, [1] * len(live), dev, bs), 1, dec_cfgs, kv)
+            res[f"block {bs}, decode step {step}, {len(live)} seqs"] = r
+            print(f"block {bs}, decode step {step} ({len(live)} seqs): default {r['default']}; best {r['best'][:3]}",
+                  flush=True)
+    if args.decode_only:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": res}, f, indent=1)
+        return
     lens, total = [], 0
     for r in reqs:
         if total + len(r.prompt_token_ids) > 16384:
