@@ -7,12 +7,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
@@ -42,7 +44,7 @@ def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
     BLOCK = min(1024, triton.next_power_of_2(I))
     grid = (T, triton.cdiv(I, BLOCK))
     _silu_and_mul_kernel[grid](x2, o2, x2.stride(0), o2.stride(0), I, BLOCK=BLOCK,
-                               num_warps=4 if BLOCK >= 512 else 2)
+                               num_warps=4 if BLOCK >= 512 else 2, **pdl_args(x2))
     return out
 
 

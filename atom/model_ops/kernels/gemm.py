@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, pdl_args, tl, triton
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
+
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # pragma: no cover - older triton: pointer loads only
@@ -33,8 +35,10 @@ if HAS_TRITON:
     def _gemm_kernel(x, w, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
-        """x, w: tensor descriptors when TMA, else pointers ([M, K] and [N, K], unit K stride)."""
+                     DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+        """x, w: tensor descriptors when TMA, else pointers ([M, K] and [N, K], unit K stride).
+        The first K step is peeled: its weight tile is loaded before waiting for the kernels in
+        front (PDL), since no kernel in the stream writes the weights."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -47,9 +51,11 @@ if HAS_TRITON:
         off_n = pid_n * BLOCK_N
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if TMA:
-            for k in tl.range(0, K, BLOCK_K):
+            b = w.load([off_n, 0])
+            pdl_start(PDL)
+            acc = tl.dot(x.load([off_m, 0]), b.T, input_precision=DOT_PREC)
+            for k in tl.range(BLOCK_K, K, BLOCK_K):
                 a = x.load([off_m, k])
                 b = w.load([off_n, k])
                 acc = tl.dot(a, b.T, acc, input_precision=DOT_PREC)
@@ -57,12 +63,16 @@ if HAS_TRITON:
             rk = tl.arange(0, BLOCK_K)
             xp = x + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
             wp = w + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
-            for k in range(0, K, BLOCK_K):
+            b = tl.load(wp, mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+            pdl_start(PDL)
+            a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            acc = tl.dot(a, b, input_precision=DOT_PREC)
+            for k in range(BLOCK_K, K, BLOCK_K):
+                xp += BLOCK_K
+                wp += BLOCK_K
                 a = tl.load(xp, mask=(rm[:, None] < M) & (rk[None, :] + k < K), other=0.0)
                 b = tl.load(wp, mask=(rn[None, :] < N) & (rk[:, None] + k < K), other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-                xp += BLOCK_K
-                wp += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -143,5 +153,5 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemm_kernel[grid](xa, wa, bias if bias is not None else y, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0),
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TMA=tma, HAS_BIAS=bias is not None,
                        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x))
     return y.view(*lead, N)

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
     def _rmsnorm_kernel(
         x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr,
         stride_x, stride_r, stride_o, stride_ro,
         N, eps,
-        BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -66,7 +68,7 @@ def _launch(x2, r2, w, o2, ro2, eps):
         x2, r2 if r2 is not None else x2, w, o2, ro2 if ro2 is not None else o2,
         x2.stride(0), r2.stride(0) if r2 is not None else 0,
         o2.stride(0), ro2.stride(0) if ro2 is not None else 0,
-        N, float(eps), BLOCK=BLOCK, HAS_RES=r2 is not None, num_warps=num_warps,
+        N, float(eps), BLOCK=BLOCK, HAS_RES=r2 is not None, num_warps=num_warps, **pdl_args(x2),
     )
 
 
