@@ -1,11 +1,13 @@
-"""Would decode-batch products on the Triton GEMM with programmatic dependent launch (PDL)
-beat cuBLAS inside a decoder layer's chain of kernels? At M rows (a decode batch) the
+"""Decode-batch products inside a decoder layer's chain of kernels: cuBLAS against the Triton
+GEMM, each with and without programmatic dependent launch (PDL) on the Triton kernels of the
+chain (RMSNorm, SiLU-and-mul; the Triton GEMM took PDL too when this probe was first run,
+see docs/perf, eighth session). At M rows (a decode batch) the
 Llama-3.1-8B MLP and projection products of 32 layers (distinct weights, so each comes from
 HBM) run in one CUDA graph as the engine runs them: add + RMSNorm, qkv, o, add + RMSNorm,
 gate-up, SiLU-and-mul, down (attention left out; o reads q's columns of the qkv output).
-Variants: cuBLAS (`F.linear`); the Triton GEMM with PDL (each shape's tiling picked first
-from a few candidates, timed the same way); the same without PDL. The norm and SiLU kernels
-take PDL when the GEMM does. A diagnosis tool, not a benchmark.
+Variants: cuBLAS (`F.linear`); the Triton GEMM (each shape's tiling picked first from a few
+candidates, timed the same way); each with PDL switched on and off
+(`triton_import.USE_PDL`). A diagnosis tool, not a benchmark.
 
     python3 scripts/layer_chain_probe.py --rows 16 64 128 192 --out chain.json
 """
@@ -85,7 +87,7 @@ def main():
         triton = chain(lambda x, w, name: gemm(x, w, config=tilings[name]))
         row = dict(M=m, isolated=isolated)
         for label, fn, pdl in (("cublas", cublas, True), ("cublas_no_pdl", cublas, False),
-                               ("triton_pdl", triton, True), ("triton_no_pdl", triton, False)):
+                               ("triton", triton, True), ("triton_no_pdl", triton, False)):
             triton_import.USE_PDL = pdl
             row[label + "_us_per_layer"] = round(graph_time([fn], 10) * 1e6 / LAYERS, 2)
         triton_import.USE_PDL = True

@@ -172,6 +172,26 @@ def test_damaged_cache_entries_are_timed_again(monkeypatch, tmp_path):
     assert len(_cached_run(monkeypatch, tmp_path, US)) == 12
 
 
+def test_prefill_rows_time_only_the_shapes_layers_share(monkeypatch):
+    seen = []
+    _fake_cublaslt(monkeypatch, US, seen)
+    monkeypatch.setattr(gemm_tuning.cublaslt, "available", lambda: True)
+    monkeypatch.setattr(gemm_tuning, "_enough_weights", lambda ws: ws)
+    groups = {(24, 16, torch.float32): [_aligned(24, 16), _aligned(24, 16)],  # two layers' weights
+              (40, 16, torch.float32): [_aligned(40, 16)]}  # one matrix (an LM head)
+    monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: groups)
+    res = gemm_tuning.choose_lt_algos(nn.Identity(), [1, 4], prefill_rows=64)
+    assert set(res) == {(4, 24, 16, torch.float32), (4, 40, 16, torch.float32), (64, 24, 16, torch.float32)}
+    x, w = _aligned(64, 16), groups[(24, 16, torch.float32)][0]
+    torch.testing.assert_close(gemm_tuning.lt_product(x, w), F.linear(x, w))  # a full prefill step's product
+    assert gemm_tuning.lt_product(_aligned(63, 16), w) is None  # a shorter last step stays on F.linear
+    gemm_tuning.clear()
+    assert set(gemm_tuning.choose_lt_algos(nn.Identity(), [1], prefill_rows=64)) == {(64, 24, 16, torch.float32)}
+    gemm_tuning.clear()
+    assert set(gemm_tuning.choose_lt_algos(nn.Identity(), [1, 4], prefill_rows=4)) == \
+        {(4, 24, 16, torch.float32), (4, 40, 16, torch.float32)}  # a capture size already times those rows
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")
 def test_no_choice_without_cublaslt():
     model = nn.Sequential(linear.Linear(16, 24))

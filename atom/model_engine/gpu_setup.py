@@ -13,7 +13,8 @@ Linear layers: cuBLAS / hipBLASLt through `F.linear`, or the Triton GEMM where
 `ATOM_USE_TRITON_GEMM=1` (read here, once per engine). With CUDA graphs at level 0 and the
 Triton attention backend the start-up also chooses the Triton GEMV for batch-1 shapes
 (`linear.choose_gemv_shapes`) and, without the Triton GEMM, on NVIDIA GPUs, a cuBLASLt
-algorithm for the other capture sizes (`gemm_tuning.choose_lt_algos`).
+algorithm for the other capture sizes and for a full prefill step's `max_num_batched_tokens`
+rows (`gemm_tuning.choose_lt_algos`).
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def setup(runner) -> None:
         choose_gemv_shapes(runner.model)  # batch-1 graphs: a Triton GEMV where it beats the unfused layers
         if not triton_gemm:
             # the other sizes: cuBLASLt's best algorithm per shape (kept in the compilation cache dir)
-            gemm_tuning.choose_lt_algos(runner.model, sizes, cache_dir=config.compilation_config.cache_dir)
+            gemm_tuning.choose_lt_algos(runner.model, sizes, cache_dir=config.compilation_config.cache_dir,
+                                        prefill_rows=config.max_num_batched_tokens)
     max_blocks = -(-config.max_model_len // runner.block_size)
     runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)
     runner.graphs.capture()

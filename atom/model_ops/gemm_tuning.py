@@ -190,22 +190,28 @@ def _save(path: Path, fingerprint: dict) -> None:
 
 
 def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, min_rows: int = 2,
-                    iters: int = 10, max_candidates: int = 24, cache_dir: str = "") -> dict:
+                    iters: int = 10, max_candidates: int = 24, cache_dir: str = "",
+                    prefill_rows: int = 0) -> dict:
     """Times the model's products at each capture size >= `min_rows` (batch 1 has the GEMV
     choice) and keeps the cuBLASLt candidate that wins by `min_gain` (2%: above the spread of
     repeated timings), trying at most `max_candidates` per shape; with `cache_dir`, through the
-    cache file there. Returns {key: (F.linear us, best candidate us, candidates run)}; an
-    empty dict where cuBLASLt is not available (CPU, ROCm)."""
+    cache file there. `prefill_rows` (the engine passes `max_num_batched_tokens`): also the
+    products of a full prefill step, whose chunked prefill fills the token budget exactly;
+    only the shapes several layers share (the LM head sees one row per sequence, not the
+    step's tokens). Returns {key: (F.linear us, best candidate us, candidates run)}; an empty
+    dict where cuBLASLt is not available (CPU, ROCm)."""
     if not cublaslt.available():
         return {}
     groups = _layer_weights(model)
     rows_list = sorted(s for s in set(sizes) if s >= min_rows)
-    if not groups or not rows_list:
+    if not groups or not (rows_list or prefill_rows):
         return {}
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     timed_weights = [_enough_weights(ws) for ws in groups.values()]  # once per shape, not per size
     work = [(r, ws) for r in rows_list for ws in timed_weights]
+    if prefill_rows and prefill_rows not in rows_list:
+        work += [(prefill_rows, _enough_weights(ws)) for ws in groups.values() if len(ws) > 1]
     path, fingerprint, todo = None, None, work
     if cache_dir:
         fingerprint = _fingerprint()

@@ -21,31 +21,20 @@ from __future__ import annotations
 
 import torch
 
-from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, pdl_args, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, tl, triton
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.triton_import import pdl_start
-
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # pragma: no cover - older triton: pointer loads only
         TensorDescriptor = None
 
     @triton.jit
-    def _prefetch_l2(ptrs):
-        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _gemm_kernel(x, w, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     DOT_PREC: tl.constexpr, PDL: tl.constexpr, w_raw, PREFETCH_LINES: tl.constexpr,
-                     ELEM_BYTES: tl.constexpr):
-        """x, w: tensor descriptors when TMA, else pointers ([M, K] and [N, K], unit K stride);
-        w_raw: the weight's pointer. With PDL the program first asks L2 for the first
-        PREFETCH_LINES 128-byte lines of each of its weight rows, before waiting for the kernels
-        in front (no kernel in the stream writes the weights)."""
+                     DOT_PREC: tl.constexpr):
+        """x, w: tensor descriptors when TMA, else pointers ([M, K] and [N, K], unit K stride)."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -58,10 +47,6 @@ if HAS_TRITON:
         off_n = pid_n * BLOCK_N
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
-        if PDL:  # the kernels in front may still run: fetch our first weight tiles into L2
-            _prefetch_l2(w_raw + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
-                         + (tl.arange(0, PREFETCH_LINES) * (128 // ELEM_BYTES))[None, :])
-        pdl_start(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if TMA:
             for k in tl.range(0, K, BLOCK_K):
@@ -98,13 +83,6 @@ def gemm_config(M: int, tma: bool, elem_bytes: int = 2) -> dict:
     if not tma:
         cfg.update(BLOCK_K=64 if elem_bytes <= 2 else 32, num_stages=2)
     return cfg
-
-
-def _prefetch_lines(K: int, elem_bytes: int, most: int = 8) -> int:
-    """128-byte lines of each weight row a PDL launch asks L2 for before its wait: the first
-    1 KiB of the row (a few K steps), fewer where the row is shorter; a power of two."""
-    lines = max(1, min(most, K * elem_bytes // 128))
-    return 1 << (lines.bit_length() - 1)
 
 
 def _tma_device(index: int) -> bool:
@@ -165,7 +143,5 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemm_kernel[grid](xa, wa, bias if bias is not None else y, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0),
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TMA=tma, HAS_BIAS=bias is not None,
                        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], w_raw=w,
-                       PREFETCH_LINES=_prefetch_lines(K, x.element_size()), ELEM_BYTES=x.element_size(),
-                       **pdl_args(x))
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y.view(*lead, N)
