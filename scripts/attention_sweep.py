@@ -9,6 +9,7 @@ the default choice; decode figures come with the KV-read bandwidth (the H200 cop
 
     python3 scripts/attention_sweep.py --out attn.json
     python3 scripts/attention_sweep.py --out attn.json --block-sizes 16 32 64 --decode-only --few
+    python3 scripts/attention_sweep.py --out attn.json --decode-only --steps 800 900 1000 --splits 1 2 4 8
 """
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ def main():
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16])
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--few", action="store_true", help="a handful of decode tilings, not all 27")
+    ap.add_argument("--steps", type=int, nargs="+", default=[100, 300, 600], help="decode steps of the workload")
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="instead of tilings, the default tiling with these numbers of KV splits")
     args = ap.parse_args()
     dev = "cuda"
     reqs = nano_vllm_workload(256)
@@ -86,8 +90,10 @@ def main():
                 for t, w, s in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]
     if args.few:
         dec_cfgs = [dict(TILE_N=t, num_warps=4, num_stages=s) for t, s in itertools.product((32, 64, 128), (2, 3))]
+    if args.splits:
+        dec_cfgs = [dict(num_splits=n) for n in args.splits]
     for bs in args.block_sizes:
-        for step in (100, 300, 600):
+        for step in args.steps:
             live = sorted((len(r.prompt_token_ids) + step for r in reqs if r.max_tokens > step), reverse=True)
             kv = sum(live) * HKV * D * 2 * 2
             r = sweep(paged_batch(live, [1] * len(live), dev, bs), 1, dec_cfgs, kv)
