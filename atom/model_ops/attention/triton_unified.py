@@ -371,7 +371,14 @@ def pick_attention_config(
     if max_query_len <= 1 and num_seqs > 0:
         progs = num_q_blocks * num_kv_heads
         sms = _sm_count(device)
-        if progs < sms:  # fewer programs than SMs: cut the context into segments
+        # Few programs leave SMs idle or end in a ragged last wave: cut the context into
+        # segments, for about four programs per SM (`progs` counts the grid, which for a
+        # decode batch holds 1.25 programs per sequence and KV head, the extra ones exiting at
+        # once). H200, Llama-3.1-8B decode batches of the nano-vllm workload
+        # (scripts/attention_sweep.py --splits): 23 and 37 sequences (224 / 368 programs)
+        # took 52-54 / 68 us with 2-4 segments against 66 / 74 us unsplit; from 48 sequences
+        # (480 programs) on, segments were 1-10% slower.
+        if progs < 3 * sms:
             num_splits = min(max_splits, _next_pow2(math.ceil(4 * sms / progs)))
     # H200, Qwen3-0.6B shape, CUDA-graph timing: TILE_N 64 / 4 warps / 2 stages was
     # best or within 3% for decode at batch 1-256 and for a 4x2048 prefill; splits of
