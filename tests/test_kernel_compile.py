@@ -38,6 +38,8 @@ def _compile_all() -> dict:
     gemv_rope = importlib.import_module("atom.model_ops.kernels.gemv_rope")
     attn = importlib.import_module("atom.model_ops.attention.triton_unified")
     gemm = importlib.import_module("atom.model_ops.kernels.gemm")
+    rmsnorm = importlib.import_module("atom.model_ops.kernels.rmsnorm")
+    activation = importlib.import_module("atom.model_ops.kernels.activation")
     f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr")}
     cases = {
         "gemv_fused_gated": (gemv._gemv_kernel, dict(NORM=True, HAS_RES=True, GATED=True, PDL=True, BLOCK_N=1,
@@ -52,8 +54,11 @@ def _compile_all() -> dict:
                           dict(f32, pos_ptr="*i64", slot_ptr="*i64", cs_ptr="*fp32")),
         "attention_decode_split": (attn._unified_attn_kernel,
                                    dict(QPKV=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16,
-                                        BLOCK_Q=4, TILE_N=64, NUM_SPLITS=16, DOT_PREC="tf32", PDL=True),
+                                        BLOCK_Q=4, TILE_N=64, NUM_SPLITS=16, DOT_PREC="tf32", PDL=True,
+                                        DECODE=True),
                                    dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32")),
+        "add_rmsnorm": (rmsnorm._rmsnorm_kernel, dict(BLOCK=4096, HAS_RES=True, PDL=True), f32),
+        "silu_and_mul": (activation._silu_and_mul_kernel, dict(BLOCK=1024, PDL=True), {}),
         "merge": (attn._merge_kernel, dict(HEAD_DIM=128, HEAD_PAD=128, NUM_SPLITS=16, PDL=True),
                   dict(idx, po_ptr="*fp32", plse_ptr="*fp32")),
         # the Triton GEMM's TMA path: tiles through the copy engine into the tensor cores
@@ -83,7 +88,7 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(got) == {"gemv_fused_gated", "gemv_plain_ahead", "gemv_norm_rope", "rope_kv_write",
-                        "attention_decode_split", "merge", "gemm_tma"}
+                        "attention_decode_split", "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma
         assert all(flags.values()), (name, flags)
