@@ -203,8 +203,8 @@ def test_attention_split_kv_decode(device, splits):
 
 
 def test_decode_split_choice_by_programs():
-    """Segments for decode batches of fewer than 2.5 programs per SM (one per sequence and KV
-    head; 132 SMs off the GPU); none for more, nor for batches with prefill tokens."""
+    """Segments for decode batches of fewer than 3 programs per SM in the grid (132 SMs off
+    the GPU); none for more, nor for batches with prefill tokens."""
     from atom.model_ops.attention.triton_unified import pick_attention_config
     cpu = torch.device("cpu")
 
@@ -212,8 +212,8 @@ def test_decode_split_choice_by_programs():
         return pick_attention_config(seqs * max_q, seqs, 32, 8, 128, max_q, cpu)["num_splits"]
 
     assert splits(1) == 16 and splits(8) == 8  # 8 / 64 programs
-    assert splits(23) == 4 and splits(37) == 2  # 184 / 296 programs: the workload's tail
-    assert splits(48) == 1 and splits(256) == 1  # 384+ programs
+    assert splits(23) == 4 and splits(37) == 2  # 224 / 368 programs: the workload's tail
+    assert splits(48) == 1 and splits(256) == 1  # 480+ programs
     assert splits(4, max_q=16) == 1  # prefill tokens: one pass
 
 

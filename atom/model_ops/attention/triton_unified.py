@@ -194,7 +194,6 @@ if HAS_TRITON:
         PDL: tl.constexpr,
         ROPE: tl.constexpr,
         QK_NORM: tl.constexpr,
-        DECODE: tl.constexpr,
     ):
         pdl_start(PDL)
         # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
@@ -202,19 +201,12 @@ if HAS_TRITON:
         qblock = tl.program_id(0) // NUM_KV_HEADS
         split = tl.program_id(1)
 
-        if DECODE:  # at most one query token per sequence: query block b is sequence b
-            if qblock >= num_seqs:
-                return
-            b = qblock
-        else:
-            b = _find_seq(cu_ptr, num_seqs, qblock, BLOCK_Q)
+        b = _find_seq(cu_ptr, num_seqs, qblock, BLOCK_Q)
         q_start = tl.load(cu_ptr + b)
         q_len = tl.load(cu_ptr + b + 1) - q_start
         local = qblock - (q_start // BLOCK_Q + b)
-        if DECODE:
-            local = 0
         if local * BLOCK_Q >= q_len:
-            return  # spare program (the grid is an upper bound), or a sequence without tokens
+            return  # spare program (the grid is an upper bound)
 
         seq_len = tl.load(seq_lens_ptr + b)
         ctx_len = seq_len - q_len
@@ -374,19 +366,20 @@ def pick_attention_config(
     block_q = max(1, block_m // qpkv)
     head_pad = max(16, _next_pow2(head_dim))
     tile_n = 64 if head_pad <= 128 else 32
-    # a decode batch has one query block per sequence; otherwise the grid is an upper bound
-    num_q_blocks = num_seqs if max_query_len <= 1 else num_tokens // block_q + num_seqs
+    num_q_blocks = num_tokens // block_q + num_seqs
     num_splits = 1
     if max_query_len <= 1 and num_seqs > 0:
         progs = num_q_blocks * num_kv_heads
         sms = _sm_count(device)
         # Few programs leave SMs idle or end in a ragged last wave: cut the context into
-        # segments, for about three programs per SM. H200, Llama-3.1-8B decode batches of
-        # the nano-vllm workload (scripts/attention_sweep.py --splits): 23 and 37 sequences
-        # (184 / 296 programs) took 52-54 / 68 us with 2-4 segments against 66 / 74 us
-        # unsplit; from 48 sequences (384 programs) on, segments were 1-10% slower.
-        if progs < 2.5 * sms:
-            num_splits = min(max_splits, _next_pow2(math.ceil(3 * sms / progs)))
+        # segments, for about four programs per SM (`progs` counts the grid, which for a
+        # decode batch holds 1.25 programs per sequence and KV head, the extra ones exiting at
+        # once). H200, Llama-3.1-8B decode batches of the nano-vllm workload
+        # (scripts/attention_sweep.py --splits): 23 and 37 sequences (224 / 368 programs)
+        # took 52-54 / 68 us with 2-4 segments against 66 / 74 us unsplit; from 48 sequences
+        # (480 programs) on, segments were 1-10% slower.
+        if progs < 3 * sms:
+            num_splits = min(max_splits, _next_pow2(math.ceil(4 * sms / progs)))
     # H200, Qwen3-0.6B shape, CUDA-graph timing: TILE_N 64 / 4 warps / 2 stages was
     # best or within 3% for decode at batch 1-256 and for a 4x2048 prefill; splits of
     # 16 (batch 1) and 8 (batch 8) were best, none at batch 64.
@@ -550,7 +543,7 @@ def unified_attention(
         cfg = dict(cfg, **config)
         if "BLOCK_M" in config and "BLOCK_Q" not in config:
             cfg["BLOCK_Q"] = max(1, cfg["BLOCK_M"] // (Hq // Hkv))
-        cfg["num_q_blocks"] = B if max_query_len <= 1 else T // cfg["BLOCK_Q"] + B
+        cfg["num_q_blocks"] = T // cfg["BLOCK_Q"] + B
     splits = cfg["num_splits"] if num_kv_splits is None else int(num_kv_splits)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"num_kv_splits must be a power of two >= 1, got {splits}")
@@ -587,7 +580,6 @@ def unified_attention(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
-        DECODE=max_query_len <= 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
     )
     if splits > 1:
