@@ -53,6 +53,7 @@ import torch
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton  # None without triton
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.kv_cache import slot_offset
     from atom.model_ops.kernels.triton_import import pdl_start
 
 __all__ = [
@@ -163,9 +164,10 @@ if HAS_TRITON:
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         ok = d_ok & (offs_d * 0 + slot >= 0)[None, :]  # (a vector compare: the interpreter's masks)
         slot = tl.maximum(slot, 0)
-        blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        tl.store(k_head + blk * stride_kb + off * stride_ks + offs_d[None, :], k.to(k_head.dtype.element_ty), mask=ok)
-        tl.store(v_head + blk * stride_vb + off * stride_vs + offs_d[None, :], v.to(v_head.dtype.element_ty), mask=ok)
+        k_dst = k_head + slot_offset(slot, stride_kb, stride_ks, BLOCK_SIZE) + offs_d[None, :]
+        v_dst = v_head + slot_offset(slot, stride_vb, stride_vs, BLOCK_SIZE) + offs_d[None, :]
+        tl.store(k_dst, k.to(k_head.dtype.element_ty), mask=ok)
+        tl.store(v_dst, v.to(v_head.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _unified_attn_kernel(

@@ -22,6 +22,7 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, trito
 
 if HAS_TRITON:
     from atom.model_ops.kernels.gemv import _gemv_stream
+    from atom.model_ops.kernels.kv_cache import slot_offset
 
     @triton.jit
     def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, rout_ptr, K, stride_wn, eps,
@@ -57,7 +58,7 @@ if HAS_TRITON:
         kv = rows - Q_ROWS
         is_v = kv >= KV_ROWS
         kv = tl.where(is_v, kv - KV_ROWS, kv)
-        dst = (tl.maximum(slot, 0) // BLOCK_SIZE) * stride_cb + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_co \
+        dst = slot_offset(tl.maximum(slot, 0), stride_cb, stride_co, BLOCK_SIZE) \
             + (kv // (2 * HALF)) * stride_ch + kv % (2 * HALF)
         ok = row_ok & (kv >= 0) & (rows * 0 + slot >= 0)  # a vector compare: the interpreter
         tl.store(kc_ptr + dst, out.to(kc_ptr.dtype.element_ty), mask=ok & (rows < Q_ROWS + KV_ROWS))

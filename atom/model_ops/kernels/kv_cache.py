@@ -13,6 +13,12 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 if HAS_TRITON:
 
     @triton.jit
+    def slot_offset(slot, stride_block, stride_row, BLOCK_SIZE: tl.constexpr):
+        """Offset of a slot's row in a paged cache: block slot // BLOCK_SIZE, row slot %
+        BLOCK_SIZE (the rotary, GEMV and attention kernels that write the cache use it too)."""
+        return (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_row
+
+    @triton.jit
     def _reshape_and_cache_kernel(
         k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
@@ -25,17 +31,15 @@ if HAS_TRITON:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot < 0:
             return
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
+        row_k = slot_offset(slot, stride_kcb, stride_kcs, BLOCK_SIZE)
+        row_v = slot_offset(slot, stride_vcb, stride_vcs, BLOCK_SIZE)
         h = tl.arange(0, H_PAD)
         d = tl.arange(0, D_PAD)
         mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :],
-                 k.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :],
-                 v.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc_ptr + row_k + h[:, None] * stride_kch + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + row_v + h[:, None] * stride_vch + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -17,6 +17,7 @@ from atom.model_ops.kernels.kv_cache import reshape_and_cache_ref
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.kv_cache import slot_offset
     from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
@@ -68,8 +69,7 @@ if HAS_TRITON:
             h = tl.arange(0, HKV_PAD)
             mask = ((h < HKV) & (h * 0 + slot >= 0))[:, None] & (d < HALF)[None, :]
             slot = tl.maximum(slot, 0)  # a padding row (slot < 0) is fully masked
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co \
-                + h[:, None] * stride_ch + d[None, :]
+            dst = slot_offset(slot, stride_cb, stride_co, BLOCK_SIZE) + h[:, None] * stride_ch + d[None, :]
             tl.store(kc_ptr + dst, k1.to(kc_ptr.dtype.element_ty), mask=mask)
             tl.store(kc_ptr + dst + HALF, k2.to(kc_ptr.dtype.element_ty), mask=mask)
             src = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
