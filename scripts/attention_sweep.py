@@ -26,11 +26,11 @@ from atom.utils.cuda_timing import graph_time
 HQ, HKV, D = 32, 8, 128
 
 
-def paged_batch(ctx, q_lens, dev, BS=16):
+def paged_batch(ctx, q_lens, dev, block_size=16):
     """q, caches, cu_seqlens, seq_lens and block tables of a batch (random block placement)."""
-    nblk = [-(-c // BS) for c in ctx]
+    nblk = [-(-c // block_size) for c in ctx]
     pool = sum(nblk) + 8
-    kc = torch.randn(pool, BS, HKV, D, device=dev, dtype=torch.bfloat16)
+    kc = torch.randn(pool, block_size, HKV, D, device=dev, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     perm = torch.randperm(pool, device=dev).int()
     bt = torch.zeros(len(ctx), max(nblk), dtype=torch.int32, device=dev)
@@ -81,8 +81,11 @@ def main():
     ap.add_argument("--few", action="store_true", help="a handful of decode tilings, not all 27")
     ap.add_argument("--steps", type=int, nargs="+", default=[100, 300, 600], help="decode steps of the workload")
     ap.add_argument("--splits", type=int, nargs="*", default=[],
-                    help="instead of tilings, the default tiling with these numbers of KV splits")
+                    help="instead of the tilings (and of --few), the default tiling with these numbers of "
+                         "KV splits (powers of two up to 16)")
     args = ap.parse_args()
+    if any(n < 1 or n > 16 or n & (n - 1) for n in args.splits):
+        ap.error(f"--splits takes powers of two from 1 to 16 (the workspace's limit), got {args.splits}")
     dev = "cuda"
     reqs = nano_vllm_workload(256)
     res = {}

@@ -7,7 +7,8 @@ HBM) run in one CUDA graph as the engine runs them: add + RMSNorm, qkv, o, add +
 gate-up, SiLU-and-mul, down (attention left out; o reads q's columns of the qkv output).
 Variants: cuBLAS (`F.linear`); the Triton GEMM (each shape's tiling picked first from a few
 candidates, timed the same way); each with PDL switched on and off
-(`triton_import.USE_PDL`). A diagnosis tool, not a benchmark.
+(`triton_import.USE_PDL`). The eighth session's JSON in docs/perf names the Triton rows
+`triton_pdl_*` (its GEMM took PDL then). A diagnosis tool, not a benchmark.
 
     python3 scripts/layer_chain_probe.py --rows 16 64 128 192 --out chain.json
 """
@@ -44,6 +45,8 @@ def pick_tiling(x, ws):
         t = graph_time([functools.partial(gemm, x, w, config=cfg) for w in ws], 10) * 1e6
         if best is None or t < best[0]:
             best = (t, cfg)
+    if best is None:
+        raise RuntimeError(f"no tiling gave F.linear's product for x {tuple(x.shape)}, W {tuple(ws[0].shape)}")
     base = graph_time([functools.partial(F.linear, x, w) for w in ws], 10) * 1e6
     return best, base
 

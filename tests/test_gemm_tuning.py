@@ -66,7 +66,7 @@ def _fake_timer(us: dict, calls_seen: list | None = None):
         c = calls[0]
         algo = _name(c.args[2]) if isinstance(c, functools.partial) and len(c.args) > 2 else "base"
         if calls_seen is not None:
-            calls_seen.append(algo)
+            calls_seen.append((algo, len(calls)))
         return us[algo] * 1e-6
     return graph_time
 
@@ -172,24 +172,29 @@ def test_damaged_cache_entries_are_timed_again(monkeypatch, tmp_path):
     assert len(_cached_run(monkeypatch, tmp_path, US)) == 12
 
 
-def test_prefill_rows_time_only_the_shapes_layers_share(monkeypatch):
+def test_prefill_rows_time_each_shape_once_on_one_weight(monkeypatch):
     seen = []
     _fake_cublaslt(monkeypatch, US, seen)
     monkeypatch.setattr(gemm_tuning.cublaslt, "available", lambda: True)
     monkeypatch.setattr(gemm_tuning, "_enough_weights", lambda ws: ws)
+    big = _aligned(56, 16)  # a shape whose prefill timing the GPU has no memory for
+    monkeypatch.setattr(gemm_tuning, "_fits", lambda rows, w: w.shape[0] != 56)
     groups = {(24, 16, torch.float32): [_aligned(24, 16), _aligned(24, 16)],  # two layers' weights
-              (40, 16, torch.float32): [_aligned(40, 16)]}  # one matrix (an LM head)
+              (40, 16, torch.float32): [_aligned(40, 16)], (56, 16, torch.float32): [big]}
     monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: groups)
     res = gemm_tuning.choose_lt_algos(nn.Identity(), [1, 4], prefill_rows=64)
-    assert set(res) == {(4, 24, 16, torch.float32), (4, 40, 16, torch.float32), (64, 24, 16, torch.float32)}
+    assert set(res) == {(r, n, 16, torch.float32) for r in (4, 64) for n in (24, 40, 56)} - {(64, 56, 16, torch.float32)}
+    # F.linear and two candidates per (rows, shape); the two-layer shape cycles both weights
+    # at 4 rows and takes one at the prefill rows
+    assert len(seen) == 5 * 3 and sum(calls == 2 for _, calls in seen) == 3
     x, w = _aligned(64, 16), groups[(24, 16, torch.float32)][0]
     torch.testing.assert_close(gemm_tuning.lt_product(x, w), F.linear(x, w))  # a full prefill step's product
     assert gemm_tuning.lt_product(_aligned(63, 16), w) is None  # a shorter last step stays on F.linear
     gemm_tuning.clear()
-    assert set(gemm_tuning.choose_lt_algos(nn.Identity(), [1], prefill_rows=64)) == {(64, 24, 16, torch.float32)}
-    gemm_tuning.clear()
+    seen.clear()
     assert set(gemm_tuning.choose_lt_algos(nn.Identity(), [1, 4], prefill_rows=4)) == \
-        {(4, 24, 16, torch.float32), (4, 40, 16, torch.float32)}  # a capture size already times those rows
+        {(4, n, 16, torch.float32) for n in (24, 40, 56)}  # a capture size already times those rows
+    assert len(seen) == 3 * 3  # each shape once
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")

@@ -70,7 +70,8 @@ def setup(runner) -> None:
         from atom.model_ops.linear import choose_gemv_shapes
         choose_gemv_shapes(runner.model)  # batch-1 graphs: a Triton GEMV where it beats the unfused layers
         if not triton_gemm:
-            # the other sizes: cuBLASLt's best algorithm per shape (kept in the compilation cache dir)
+            # the other sizes and a full prefill step: cuBLASLt's best algorithm per shape (kept in
+            # the compilation cache dir)
             gemm_tuning.choose_lt_algos(runner.model, sizes, cache_dir=config.compilation_config.cache_dir,
                                         prefill_rows=config.max_num_batched_tokens)
     max_blocks = -(-config.max_model_len // runner.block_size)

@@ -1,5 +1,5 @@
-"""Which cuBLASLt algorithm each decode-batch product runs: a start-up choice per captured
-batch size (and for the row count of a full prefill step).
+"""Which cuBLASLt algorithm each linear product runs at the row counts the engine repeats:
+a start-up choice per captured batch size and for the row count of a full prefill step.
 
 A CUDA graph replays the products of one batch size (a capture size) every decode step, so
 the product's kernel can be chosen once for that exact shape. torch's `F.linear` takes the
@@ -8,9 +8,11 @@ BLAS heuristic's first pick; `choose_lt_algos` times it against cuBLASLt's other
 contiguous bf16/fp16 linear layers at the capture sizes, in CUDA graphs cycling through
 enough of the layers' weights of the shape to miss L2 (three times its size), and keeps a
 candidate where it is at least `min_gain` times faster and gives the same product. Chunked
-prefill fills `max_num_batched_tokens` exactly in every prefill step but the last, so that
-row count is chosen for too (on the H200: Llama-3.1-8B's o, gate-up and down 5-11% faster
-at 16,384 rows, docs/perf, eighth session).
+prefill fills `max_num_batched_tokens` in a prefill step unless the sequence limit, the free
+KV blocks or the requests waiting cut it short (in the nano-vllm workload: every prefill step
+but the last), so that row count is chosen for too (on the H200, Llama-3.1-8B at 16,384 rows:
+o, gate-up and down 1.6-2.9% faster in a probe, 4.8-11% in one engine's start-up; docs/perf,
+eighth session).
 `lt_product` then serves those shapes (eager or captured alike: the choice depends on the
 shape only); every other product stays on `F.linear`.
 
@@ -82,6 +84,17 @@ def _enough_weights(ws: list[torch.Tensor]) -> list[torch.Tensor]:
     l2 = getattr(torch.cuda.get_device_properties(ws[0].device), "L2_cache_size", 0) or 50 << 20
     each = ws[0].numel() * ws[0].element_size()
     return ws[:max(1, -(-3 * l2 // each))]
+
+
+def _fits(rows: int, w: torch.Tensor) -> bool:
+    """Whether the GPU has the memory to time `rows` rows against `w` (the input, the
+    reference, the graph's output and the candidates' output, with a quarter to spare)."""
+    need = rows * (w.shape[1] + 3 * w.shape[0]) * w.element_size() * 5 // 4
+    free = torch.cuda.mem_get_info(w.device)[0]
+    if free < need:
+        logger.info("rows %d, %dx%d: %.1f GB free, timing needs %.1f GB: stays on F.linear",
+                    rows, *w.shape, free / 1e9, need / 1e9)
+    return free >= need
 
 
 def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, max_candidates: int):
@@ -198,11 +211,11 @@ def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, 
     """Times the model's products at each capture size >= `min_rows` (batch 1 has the GEMV
     choice) and keeps the cuBLASLt candidate that wins by `min_gain` (2%: above the spread of
     repeated timings), trying at most `max_candidates` per shape; with `cache_dir`, through the
-    cache file there. `prefill_rows` (the engine passes `max_num_batched_tokens`): also the
-    products of a full prefill step, whose chunked prefill fills the token budget exactly;
-    only the shapes several layers share (the LM head sees one row per sequence, not the
-    step's tokens). Returns {key: (F.linear us, best candidate us, candidates run)}; an empty
-    dict where cuBLASLt is not available (CPU, ROCm)."""
+    cache file there. `prefill_rows` (the engine passes `max_num_batched_tokens`): also every
+    shape at the row count of a full prefill step, timed on one weight (its input alone is
+    larger than L2) and skipped where the GPU lacks the memory for the input and three outputs
+    (the KV cache is allocated by then). Returns {key: (F.linear us, best candidate us,
+    candidates run)}; an empty dict where cuBLASLt is not available (CPU, ROCm)."""
     if not cublaslt.available():
         return {}
     groups = _layer_weights(model)
@@ -214,14 +227,19 @@ def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, 
     timed_weights = [_enough_weights(ws) for ws in groups.values()]  # once per shape, not per size
     work = [(r, ws) for r in rows_list for ws in timed_weights]
     if prefill_rows and prefill_rows not in rows_list:
-        work += [(prefill_rows, _enough_weights(ws)) for ws in groups.values() if len(ws) > 1]
+        work += [(prefill_rows, ws[:1]) for ws in groups.values() if _fits(prefill_rows, ws[0])]
     path, fingerprint, todo = None, None, work
     if cache_dir:
         fingerprint = _fingerprint()
         path = cache_path(cache_dir, fingerprint)
         todo = _load_cached(path, work, fingerprint)
     for rows, ws in tqdm(todo, desc="Choosing GEMM algorithms", unit="shape", disable=not todo):
-        _choose_one(rows, ws, min_gain, iters, max_candidates)
+        try:
+            _choose_one(rows, ws, min_gain, iters, max_candidates)
+        except torch.cuda.OutOfMemoryError:
+            logger.warning("rows %d, %dx%d: out of GPU memory while timing: stays on F.linear", rows, *ws[0].shape)
+    if prefill_rows:
+        torch.cuda.empty_cache()  # the large timing buffers and graph pools
     if path is not None and todo:
         _save(path, fingerprint)
     for key, (base, best, tried) in LT_CHOICES.items():

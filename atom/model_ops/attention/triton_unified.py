@@ -375,11 +375,12 @@ def pick_attention_config(
         sms = _sm_count(device)
         # Few programs leave SMs idle or end in a ragged last wave: cut the context into
         # segments, for about four programs per SM (`progs` counts the grid, which for a
-        # decode batch holds 1.25 programs per sequence and KV head, the extra ones exiting at
-        # once). H200, Llama-3.1-8B decode batches of the nano-vllm workload
-        # (scripts/attention_sweep.py --splits): 23 and 37 sequences (224 / 368 programs)
-        # took 52-54 / 68 us with 2-4 segments against 66 / 74 us unsplit; from 48 sequences
-        # (480 programs) on, segments were 1-10% slower.
+        # decode batch holds 1 + 1 / BLOCK_Q programs per sequence and KV head, the extra
+        # ones exiting at once: 1.25 for Llama's four query heads per KV head). H200,
+        # Llama-3.1-8B decode batches of the nano-vllm workload (scripts/attention_sweep.py
+        # --splits): 23 and 37 sequences (224 / 368 programs) took 52.2 (2 segments) / 53.6
+        # (4, the rule's pick) and 68.3 (2) us against 65.6 / 74.3 unsplit; at 48, 59 and 101
+        # sequences 2 segments were 1-10% slower, at 77 1.2% faster. Other shapes untested.
         if progs < 3 * sms:
             num_splits = min(max_splits, _next_pow2(math.ceil(4 * sms / progs)))
     # H200, Qwen3-0.6B shape, CUDA-graph timing: TILE_N 64 / 4 warps / 2 stages was

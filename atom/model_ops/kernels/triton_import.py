@@ -5,11 +5,10 @@ Also programmatic dependent launch (PDL, NVIDIA sm90+): a kernel launched with i
 scheduled while the kernel in front of it in the stream runs its last programs, which hides
 the launch and ramp-up between the ~10 small kernels of a decoder layer at batch 1 (and, in
 front of and behind cuBLAS's products at larger batches, up to 2% of a layer's chain:
-`scripts/layer_chain_probe.py`). A kernel
-that takes part starts with `pdl_start(PDL)` (before anything that reads what earlier
-kernels wrote, and before any write or early return; what no kernel in the stream writes,
-such as the weights of a loaded model, may come first) and is launched with
-`**pdl_args(tensor)`."""
+`scripts/layer_chain_probe.py`). A kernel that takes part starts with `pdl_start(PDL)`
+(before anything that reads what earlier kernels wrote, and before any write or early
+return; what no kernel in the stream writes, such as the weights of a loaded model, may
+come first) and is launched with `**pdl_args(tensor)`."""
 from __future__ import annotations
 
 import functools
