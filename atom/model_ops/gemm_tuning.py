@@ -238,7 +238,7 @@ def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, 
             _choose_one(rows, ws, min_gain, iters, max_candidates)
         except torch.cuda.OutOfMemoryError:
             logger.warning("rows %d, %dx%d: out of GPU memory while timing: stays on F.linear", rows, *ws[0].shape)
-    if prefill_rows:
+    if prefill_rows and todo:
         torch.cuda.empty_cache()  # the large timing buffers and graph pools
     if path is not None and todo:
         _save(path, fingerprint)
