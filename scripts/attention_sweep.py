@@ -10,6 +10,7 @@ the default choice; decode figures come with the KV-read bandwidth (the H200 cop
     python3 scripts/attention_sweep.py --out attn.json
     python3 scripts/attention_sweep.py --out attn.json --block-sizes 16 32 64 --decode-only --few
     python3 scripts/attention_sweep.py --out attn.json --decode-only --steps 800 900 1000 --splits 1 2 4 8
+    python3 scripts/attention_sweep.py --out attn.json --decode-only --few --layouts nhd hnd --placement sequential
 """
 from __future__ import annotations
 
@@ -26,13 +27,20 @@ from atom.utils.cuda_timing import graph_time
 HQ, HKV, D = 32, 8, 128
 
 
-def paged_batch(ctx, q_lens, dev, block_size=16):
-    """q, caches, cu_seqlens, seq_lens and block tables of a batch (random block placement)."""
+def paged_batch(ctx, q_lens, dev, block_size=16, layout="nhd", placement="random"):
+    """q, caches, cu_seqlens, seq_lens and block tables of a batch. `layout`: "nhd" caches
+    [blocks, block_size, Hkv, D]; "hnd" the same shape as a view of [blocks, Hkv, block_size, D]
+    (each KV head's rows of a block contiguous). `placement`: blocks in random order, or each
+    sequence's blocks consecutive ("sequential", as a fresh engine hands them out)."""
     nblk = [-(-c // block_size) for c in ctx]
     pool = sum(nblk) + 8
-    kc = torch.randn(pool, block_size, HKV, D, device=dev, dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    perm = torch.randperm(pool, device=dev).int()
+    if layout == "hnd":
+        kc = torch.randn(pool, HKV, block_size, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+        vc = torch.randn(pool, HKV, block_size, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        kc = torch.randn(pool, block_size, HKV, D, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+    perm = (torch.randperm(pool, device=dev) if placement == "random" else torch.arange(pool, device=dev)).int()
     bt = torch.zeros(len(ctx), max(nblk), dtype=torch.int32, device=dev)
     o = 0
     for i, n in enumerate(nblk):
@@ -77,6 +85,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16])
+    ap.add_argument("--layouts", nargs="+", default=["nhd"], choices=["nhd", "hnd"],
+                    help="KV-cache layouts to time (hnd: each KV head's rows of a block contiguous)")
+    ap.add_argument("--placement", default="random", choices=["random", "sequential"])
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--few", action="store_true", help="a handful of decode tilings, not all 27")
     ap.add_argument("--steps", type=int, nargs="+", default=[100, 300, 600], help="decode steps of the workload")
@@ -95,14 +106,14 @@ def main():
         dec_cfgs = [dict(TILE_N=t, num_warps=4, num_stages=s) for t, s in itertools.product((32, 64, 128), (2, 3))]
     if args.splits:
         dec_cfgs = [dict(num_splits=n) for n in args.splits]
-    for bs in args.block_sizes:
+    for layout, bs in itertools.product(args.layouts, args.block_sizes):
         for step in args.steps:
             live = sorted((len(r.prompt_token_ids) + step for r in reqs if r.max_tokens > step), reverse=True)
             kv = sum(live) * HKV * D * 2 * 2
-            r = sweep(paged_batch(live, [1] * len(live), dev, bs), 1, dec_cfgs, kv)
-            res[f"block {bs}, decode step {step}, {len(live)} seqs"] = r
-            print(f"block {bs}, decode step {step} ({len(live)} seqs): default {r['default']}; best {r['best'][:3]}",
-                  flush=True)
+            r = sweep(paged_batch(live, [1] * len(live), dev, bs, layout, args.placement), 1, dec_cfgs, kv)
+            key = f"{layout}, block {bs}, decode step {step}, {len(live)} seqs"
+            res[key] = r
+            print(f"{key}: default {r['default']}; best {r['best'][:3]}", flush=True)
     if args.decode_only:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "results": res}, f, indent=1)
@@ -115,7 +126,7 @@ def main():
         total += lens[-1]
     pre_cfgs = [dict(BLOCK_M=m, TILE_N=t, num_warps=w, num_stages=s)
                 for m, t, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
-    r = sweep(paged_batch(lens, lens, dev), max(lens), pre_cfgs)
+    r = sweep(paged_batch(lens, lens, dev, args.block_sizes[0], args.layouts[-1], args.placement), max(lens), pre_cfgs)
     flops = sum(2 * 2 * L * L / 2 * HQ * D for L in lens)
     for row in [r["default"]] + r["best"]:
         row["TFLOP/s"] = round(flops / row["us"] / 1e6, 1)

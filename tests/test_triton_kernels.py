@@ -488,9 +488,9 @@ def test_split_vocab_covers_the_vocab():
 
 @pytest.mark.parametrize("device", [CPU, GPU])
 def test_gumbel_sample_uses_every_uniform(device):
-    """Columns in each of the four sub-blocks that share a Philox call, and one in the next
-    block, with equal logits: each is drawn about equally often (a counter shared by two of
-    them, or a sub-block reading the wrong uniform, would skew or tie their counts)."""
+    """Columns spread over the first 2048-column block, and one in the next block, with equal
+    logits: each is drawn about equally often (a noise counter shared by two of them would
+    tie their counts; a block's mass counted wrongly would skew the last one)."""
     rows = 400 if device == "cpu" else 20000
     cols = [3, 515, 1027, 1539, 2051]
     logits = torch.full((rows, 2100), float("-inf"), device=device)
@@ -501,6 +501,28 @@ def test_gumbel_sample_uses_every_uniform(device):
     freq = counts / rows
     tol = 5 * (0.2 * 0.8 / rows) ** 0.5
     assert ((freq - 0.2).abs() <= tol).all(), freq
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_gumbel_sample_across_blocks(device):
+    """The two levels (a 2048-column block by its mass, then a column inside it) give
+    softmax(logits / T) over columns in three blocks, four of them in the first block (whose
+    mass is then four times a column's: a block weighed by its max alone would be drawn a
+    quarter as often), and a block of -inf and NaN logits (never drawn)."""
+    rows = 800 if device == "cpu" else 60000
+    V = 6200
+    cols = torch.tensor([1, 700, 1500, 2047, 2048, 6199])
+    vals = torch.tensor([1.0, 1.0, 0.5, 1.0, 1.0, 2.0])
+    T = 0.8
+    logits = torch.full((rows, V), float("-inf"), device=device)
+    logits[:, cols.to(device)] = vals.to(device)
+    logits[:, 4100:4110] = float("nan")  # the third block: NaN and -inf only
+    ids = gumbel_sample(logits, torch.full((rows,), T, device=device), seed=5).cpu()
+    assert bool(torch.isin(ids, cols).all()), ids[~torch.isin(ids, cols)][:5]
+    freq = torch.stack([(ids == c).float().mean() for c in cols])
+    p = torch.softmax(vals / T, dim=0)
+    tol = 4 * (p * (1 - p) / rows).sqrt() + 1e-3
+    assert ((freq - p).abs() <= tol).all(), (freq, p)
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])

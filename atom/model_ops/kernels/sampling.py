@@ -1,17 +1,25 @@
-"""Temperature sampling in one pass over the logits (Gumbel-max), the vocab split over programs.
+"""Temperature sampling over the logits on the GPU in two levels: a vocab block by its mass,
+then a token inside that block (Gumbel-max at both levels).
 
-``argmax(logits / T + G)`` with ``G = -log(-log(U))``, ``U ~ Uniform(0, 1)`` draws a token with
-probability ``softmax(logits / T)``; a row with ``T = 0`` takes the plain argmax. The logits
-are read once, in their own dtype (bf16 straight from the LM head), instead of the torch
-path's float copy, softmax, noise tensor, division and argmax (six passes over a
-[rows, vocab] fp32 tensor). The noise comes from Philox (four uniforms per call, counted per
-row and 2048-column block), so a draw does not depend on how the vocab is split.
+``argmax(logits / T + G)``, ``G = -ln(-ln U)`` with ``U ~ Uniform(0, 1)`` per column, draws
+a token with probability ``softmax(logits / T)``, but needs a uniform (and two logarithms)
+for every column: at 200 rows of a 128k vocab that noise was two thirds of the kernel's time
+(docs/perf). Drawing the token in two levels gives the same distribution with ~2k uniforms a
+row: the vocab is cut into blocks of 2048 columns; a first pass reads the logits once and
+keeps each block's max and sum of ``exp(logits / T - max)``, so ``log S_b`` (the log of the
+block's unnormalised mass); the second picks a block by Gumbel-max over ``log S_b`` (block b
+with probability ``S_b / Z``) and then a column inside it by Gumbel-max over its logits
+(column i with probability ``exp(x_i / T) / S_b``): ``S_b / Z * exp(x_i / T) / S_b`` is
+softmax. A row with ``T = 0`` takes the argmax (each block's first maximum, then the first
+block holding the row's maximum: ties go to the lowest index, like ``argmax``); NaN logits
+are never chosen (read as -inf).
 
-Work split: each row's vocab is cut into chunks so that rows x chunks fills the GPU (one
-program per row left 2 waves of 8-warp programs walking 63 blocks each at 200 rows x 128k
-vocab: ~200 us, latency-bound); each program keeps its chunk's best (value, index), and a
-second small kernel picks the row's winner (ties: the lowest index, like ``argmax``).
-Rows that need top-k / top-p or their own generator use the torch sampler.
+Work split: the first pass cuts each row's vocab into chunks of whole blocks so that rows x
+chunks fills the GPU (one program per row left 2 waves of programs walking 63 blocks each at
+200 rows x 128k vocab, latency-bound); the second is one program per row. The noise comes from
+Philox counted per (row, block) and per (row, column), so a draw does not depend on how the
+vocab is split over programs. Rows that need top-k / top-p or their own generator use the
+torch sampler.
 """
 
 from __future__ import annotations
@@ -22,71 +30,81 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 _BLOCK = 2048
 _TARGET_PROGRAMS = 512  # ~4 per SM on an H200
+_LOG2E = 1.4426950408889634
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _take(base, cols, hi, u, t, inv_t, best_v, best_i, GREEDY: tl.constexpr):
-        """Fold the columns `cols` (with uniforms `u`) into each lane's best (value, index)."""
-        ok = cols < hi
-        x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        if not GREEDY:  # Gumbel noise -ln(-ln u), through log2
-            u = tl.minimum(tl.maximum(u, 1e-20), 0.99999994)
-            g = -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))
-            x = tl.where(t > 0, x * inv_t + g, x)
-        x = tl.where(ok, x, float("-inf"))
-        better = x > best_v  # strict: among equal values the first (lowest) column stays
-        return tl.where(better, x, best_v), tl.where(better, cols, best_i)
+    def _gumbel_log2(seed, counters):
+        """Standard Gumbel noise in log2 units (-log2(-ln U)) at Philox counters `counters`."""
+        u = tl.minimum(tl.maximum(tl.rand(seed, counters), 1e-20), 0.99999994)
+        return -tl.log2(-0.6931471805599453 * tl.log2(u))
 
     # The split depends on the batch size; its numbers are not specialised on, so that a
     # batch size seen for the first time does not compile a new kernel variant mid-run.
-    @triton.jit(do_not_specialize=["seed", "chunk", "num_chunks"])
-    def _gumbel_chunk_kernel(logits_ptr, stride_row, temp_ptr, best_v_ptr, best_i_ptr, V, seed,
-                             chunk, num_chunks, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
-        # One Philox call gives four uniforms: a BLOCK of columns is four sub-blocks of Q,
-        # counter (row, start / 4 + lane) -> columns start + {0, 1, 2, 3} * Q + lane.
-        Q: tl.constexpr = BLOCK // 4
+    @triton.jit(do_not_specialize=["chunk", "num_blocks"])
+    def _block_stats_kernel(logits_ptr, stride_row, temp_ptr, max_ptr, sum_ptr, idx_ptr, V, chunk, num_blocks,
+                            BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+        """Per block of BLOCK columns of a row: the max of logits / T in log2 units (x * log2(e)
+        / T) and the sum of 2^(that - max) (T > 0), or the max and its first column (T = 0)."""
         row = tl.program_id(0)
         c = tl.program_id(1)
         if GREEDY:
             t = 0.0
         else:
             t = tl.load(temp_ptr + row).to(tl.float32)
-        inv_t = 1.0 / tl.where(t > 0, t, 1.0)
+        sampled = t > 0
+        scale = tl.where(sampled, 1.4426950408889634 / tl.where(sampled, t, 1.0), 1.0)
         base = logits_ptr + row.to(tl.int64) * stride_row
-        row_counters = row * (tl.cdiv(V, BLOCK) * Q)
-        lane = tl.arange(0, Q)
-        best_v = tl.full([Q], float("-inf"), tl.float32)
-        best_i = tl.zeros([Q], tl.int32)
+        out = row * num_blocks
+        cols = tl.arange(0, BLOCK)
         lo = c * chunk
         hi = tl.minimum(lo + chunk, V)
         for start in range(lo, hi, BLOCK):
-            if GREEDY:
-                u0 = tl.zeros([Q], tl.float32)
-                u1 = u0
-                u2 = u0
-                u3 = u0
+            x = tl.load(base + start + cols, mask=start + cols < hi, other=float("-inf")).to(tl.float32)
+            x = tl.where(x == x, x * scale, float("-inf"))  # NaN -> -inf: never chosen
+            m = tl.max(x, 0)
+            b = start // BLOCK
+            tl.store(max_ptr + out + b, m)
+            if sampled:
+                s = tl.sum(tl.exp2(x - m), 0)
+                tl.store(sum_ptr + out + b, tl.where(m == float("-inf"), 0.0, s))
             else:
-                u0, u1, u2, u3 = tl.rand4x(seed, row_counters + start // 4 + lane)
-            best_v, best_i = _take(base, start + lane, hi, u0, t, inv_t, best_v, best_i, GREEDY)
-            best_v, best_i = _take(base, start + Q + lane, hi, u1, t, inv_t, best_v, best_i, GREEDY)
-            best_v, best_i = _take(base, start + 2 * Q + lane, hi, u2, t, inv_t, best_v, best_i, GREEDY)
-            best_v, best_i = _take(base, start + 3 * Q + lane, hi, u3, t, inv_t, best_v, best_i, GREEDY)
-        top = tl.max(best_v, 0)
-        idx = tl.min(tl.where(best_v == top, best_i, V), 0)  # ties: the lowest index
-        tl.store(best_v_ptr + row * num_chunks + c, top)
-        tl.store(best_i_ptr + row * num_chunks + c, idx)
+                tl.store(idx_ptr + out + b, tl.min(tl.where(x == m, start + cols, V), 0))
 
-    @triton.jit(do_not_specialize=["num_chunks"])
-    def _pick_chunk_kernel(best_v_ptr, best_i_ptr, out_ptr, V, num_chunks, CHUNKS_PAD: tl.constexpr):
+    @triton.jit(do_not_specialize=["seed", "num_blocks"])
+    def _pick_kernel(logits_ptr, stride_row, temp_ptr, max_ptr, sum_ptr, idx_ptr, out_ptr, V, seed, num_blocks,
+                     BLOCK: tl.constexpr, BLOCKS_PAD: tl.constexpr, GREEDY: tl.constexpr):
         row = tl.program_id(0)
-        offs = tl.arange(0, CHUNKS_PAD)
-        ok = offs < num_chunks
-        v = tl.load(best_v_ptr + row * num_chunks + offs, mask=ok, other=float("-inf"))
-        i = tl.load(best_i_ptr + row * num_chunks + offs, mask=ok, other=V)
-        top = tl.max(v, 0)
-        idx = tl.min(tl.where(v == top, i, V), 0)
+        if GREEDY:
+            t = 0.0
+        else:
+            t = tl.load(temp_ptr + row).to(tl.float32)
+        blocks = tl.arange(0, BLOCKS_PAD)
+        ok = blocks < num_blocks
+        m = tl.load(max_ptr + row * num_blocks + blocks, mask=ok, other=float("-inf"))
+        if t > 0:
+            # a block by its mass (log2 S_b = max + log2(sum)), then a column inside it
+            counters = row * (BLOCKS_PAD + BLOCK)
+            s = tl.load(sum_ptr + row * num_blocks + blocks, mask=ok, other=0.0)
+            w = tl.where(s > 0, m + tl.log2(tl.maximum(s, 1e-30)), float("-inf")) + _gumbel_log2(seed, counters + blocks)
+            top = tl.max(w, 0)
+            b = tl.min(tl.where(w == top, blocks, BLOCKS_PAD), 0)
+            b = tl.minimum(b, num_blocks - 1)  # an all -inf row: block 0's first column below
+            cols = b * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < V,
+                        other=float("-inf")).to(tl.float32)
+            x = tl.where(x == x, x * (1.4426950408889634 / t), float("-inf"))
+            y = x + _gumbel_log2(seed, counters + BLOCKS_PAD + tl.arange(0, BLOCK))
+            best = tl.max(y, 0)
+            idx = tl.min(tl.where(y == best, cols, V), 0)
+            idx = tl.where(best == float("-inf"), b * BLOCK, idx)
+        else:
+            top = tl.max(m, 0)
+            b = tl.min(tl.where(m == top, blocks, BLOCKS_PAD), 0)
+            idx = tl.load(idx_ptr + row * num_blocks + tl.minimum(b, num_blocks - 1))
+            idx = tl.where(top == float("-inf"), 0, idx)
         tl.store(out_ptr + row, idx.to(tl.int64))
 
 
@@ -110,20 +128,24 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | None, seed:
     S, V = logits.shape
     if temperatures is not None and temperatures.shape != (S,):
         raise ValueError(f"temperatures must be [{S}], got {tuple(temperatures.shape)}")
-    if temperatures is not None and S * V >= 2**31:
-        raise ValueError(f"rows x vocab = {S * V} exceeds the kernel's 32-bit noise counter")
+    num_blocks = -(-V // _BLOCK)
+    blocks_pad = max(2, triton.next_power_of_2(num_blocks))
+    if temperatures is not None and S * (blocks_pad + _BLOCK) >= 2**31:
+        raise ValueError(f"{S} rows of {V} columns exceed the kernel's 32-bit noise counter")
     out = torch.empty(S, dtype=torch.int64, device=logits.device)
     if S == 0:
         return out
     chunk, n = split_vocab(S, V)
-    best_v = torch.empty((S, n), dtype=torch.float32, device=logits.device)
-    best_i = torch.empty((S, n), dtype=torch.int32, device=logits.device)
+    block_max = torch.empty((S, num_blocks), dtype=torch.float32, device=logits.device)
+    block_sum = torch.empty_like(block_max)
+    block_idx = torch.empty((S, num_blocks), dtype=torch.int32, device=logits.device)
     greedy = temperatures is None
-    _gumbel_chunk_kernel[(S, n)](logits, logits.stride(0), logits if greedy else temperatures,
-                                 best_v, best_i, V, int(seed) & 0x7FFFFFFF, chunk, n,
-                                 BLOCK=_BLOCK, GREEDY=greedy, num_warps=8)
-    _pick_chunk_kernel[(S,)](best_v, best_i, out, V, n,
-                             CHUNKS_PAD=max(2, triton.next_power_of_2(-(-V // _BLOCK))), num_warps=1)
+    temps = logits if greedy else temperatures
+    _block_stats_kernel[(S, n)](logits, logits.stride(0), temps, block_max, block_sum, block_idx, V, chunk,
+                                num_blocks, BLOCK=_BLOCK, GREEDY=greedy, num_warps=8)
+    _pick_kernel[(S,)](logits, logits.stride(0), temps, block_max, block_sum, block_idx, out, V,
+                       int(seed) & 0x7FFFFFFF, num_blocks, BLOCK=_BLOCK, BLOCKS_PAD=blocks_pad, GREEDY=greedy,
+                       num_warps=8)
     return out
 
 
