@@ -5,12 +5,15 @@ against torch's argmax and against the time to read the logits once at HBM bandw
 A diagnosis tool behind docs/perf's sampling figures, not a benchmark.
 
     python3 scripts/sampling_probe.py --out probe.json
+    git show 913fcc8:atom/model_ops/kernels/sampling.py > /tmp/sampling_913fcc8.py
+    python3 scripts/sampling_probe.py --out probe.json --against /tmp/sampling_913fcc8.py
 
 Times are medians of CUDA-graph replays of one call (graph launch included).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import torch
@@ -20,7 +23,15 @@ from atom.model_ops.kernels import sampling
 from atom.utils.cuda_timing import graph_time
 
 
-def probe(vocabs=(128256, 151936), rows=(1, 64, 200, 256)) -> dict:
+def _module(path: str):
+    """Another version of the sampling module (e.g. from git history), for a side-by-side."""
+    spec = importlib.util.spec_from_file_location("sampling_against", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def probe(vocabs=(128256, 151936), rows=(1, 64, 200, 256), against=None) -> dict:
     out = {}
     default_target = sampling._TARGET_PROGRAMS
     for V in vocabs:
@@ -36,6 +47,9 @@ def probe(vocabs=(128256, 151936), rows=(1, 64, 200, 256)) -> dict:
                     row[f"{name}_greedy_us"] = round(graph_time([lambda: sampling.gumbel_sample(logits, None)]) * 1e6, 2)
                 finally:
                     sampling._TARGET_PROGRAMS = default_target
+            if against is not None:
+                row["against_sample_us"] = round(graph_time([lambda: against.gumbel_sample(logits, temps, 5)]) * 1e6, 2)
+                row["against_greedy_us"] = round(graph_time([lambda: against.gumbel_sample(logits, None)]) * 1e6, 2)
             out[f"V={V} rows={S}"] = row
             print(f"V={V} rows={S}: {row}", flush=True)
     return out
@@ -44,8 +58,11 @@ def probe(vocabs=(128256, 151936), rows=(1, 64, 200, 256)) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the figures as JSON here")
+    ap.add_argument("--against", metavar="PATH", help="also time the sampling module at PATH (another version)")
     args = ap.parse_args(argv)
-    res = {"device": torch.cuda.get_device_name(), "results": probe()}
+    against = _module(args.against) if args.against else None
+    res = {"device": torch.cuda.get_device_name(), "against": args.against,
+           "results": probe(rows=(1, 8, 64, 128, 200, 256), against=against)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

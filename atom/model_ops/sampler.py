@@ -4,9 +4,10 @@ Rows with temperature 0 take the argmax. Other rows divide by their temperature,
 their top-k and top-p (nucleus) set, and sample by the exponential race
 (argmax of p / E with E ~ Exp(1), which draws from p). A request with a seed draws its
 noise from its own generator, so its tokens do not depend on its batch neighbours.
-On a GPU, a batch without top-k, top-p or seeds is sampled by one Triton kernel that
-reads the logits once (`kernels.sampling`: Gumbel-max, the same distribution); an
-all-greedy batch takes the same kernel without the noise.
+On a GPU, a batch without top-k, top-p or seeds is sampled by two Triton kernels that
+read the logits once and then one 2048-column block a row (`kernels.sampling`: a block by
+its mass, then a token in it, Gumbel-max at both levels: the same distribution); an
+all-greedy batch takes the same kernels without the noise.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class Sampler(nn.Module):
             # on a GPU the split-vocab kernel (no noise) beats torch's one-row reduction
             return kern.gumbel_sample(logits, None) if kern is not None else logits.argmax(dim=-1)
         if kern is not None and st.top_ks is None and st.top_ps is None and not st.generators:
-            # one Triton pass (Gumbel-max), the same distribution; a fresh seed from torch's RNG
+            # two-level Gumbel-max in Triton, the same distribution; a fresh seed from torch's RNG
             seed = int(torch.randint(0, 2**31 - 1, (1,)))
             return kern.gumbel_sample(logits, st.temperatures, seed)
         logits = logits.float()
