@@ -86,7 +86,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16])
     ap.add_argument("--layouts", nargs="+", default=["nhd"], choices=["nhd", "hnd"],
-                    help="KV-cache layouts to time (hnd: each KV head's rows of a block contiguous)")
+                    help="KV-cache layouts to time (hnd: each KV head's rows of a block contiguous); "
+                         "the prefill sweep takes the last layout and the first block size")
     ap.add_argument("--placement", default="random", choices=["random", "sequential"])
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--few", action="store_true", help="a handful of decode tilings, not all 27")
@@ -130,8 +131,9 @@ def main():
     flops = sum(2 * 2 * L * L / 2 * HQ * D for L in lens)
     for row in [r["default"]] + r["best"]:
         row["TFLOP/s"] = round(flops / row["us"] / 1e6, 1)
-    res[f"prefill {len(lens)} prompts, {total} tokens"] = r
-    print(f"prefill ({len(lens)} prompts, {total} tokens): default {r['default']}; best {r['best'][:3]}", flush=True)
+    key = f"{args.layouts[-1]}, block {args.block_sizes[0]}, prefill {len(lens)} prompts, {total} tokens"
+    res[key] = r
+    print(f"{key}: default {r['default']}; best {r['best'][:3]}", flush=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "results": res}, f, indent=1)
 

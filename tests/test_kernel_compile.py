@@ -5,7 +5,8 @@ branches that only a GPU takes (programmatic dependent launch: `griddepcontrol` 
 Triton compiles ahead of time for a target without a GPU (ptxas ships with it), so this test
 builds those kernels for sm90, in a child process where TRITON_INTERPRET is unset (the
 kernels of this process may already be interpreted functions), and checks the PTX (PDL's
-griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma).
+griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler's exp2 and
+Philox).
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -40,6 +41,7 @@ def _compile_all() -> dict:
     gemm = importlib.import_module("atom.model_ops.kernels.gemm")
     rmsnorm = importlib.import_module("atom.model_ops.kernels.rmsnorm")
     activation = importlib.import_module("atom.model_ops.kernels.activation")
+    sampling = importlib.import_module("atom.model_ops.kernels.sampling")
     f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr")}
     cases = {
         "gemv_fused_gated": (gemv._gemv_kernel, dict(NORM=True, HAS_RES=True, GATED=True, PDL=True, BLOCK_N=1,
@@ -65,6 +67,13 @@ def _compile_all() -> dict:
                                              HAS_BIAS=False, DOT_PREC="tf32"),
                      dict(x="tensordesc<bf16[64,128]>", w="tensordesc<bf16[128,128]>"),
                      ("cp.async.bulk.tensor", "wgmma")),
+        # the sampler's two kernels: a block's mass (exp2), then the pick's Philox noise (mul.hi)
+        "sampling_block_stats": (sampling._block_stats_kernel, dict(BLOCK=2048, GREEDY=False),
+                                 dict(logits_ptr="*bf16", temp_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32",
+                                      idx_ptr="*i32"), ("ex2.approx",)),
+        "sampling_pick": (sampling._pick_kernel, dict(BLOCK=2048, BLOCKS_PAD=64, GREEDY=False),
+                          dict(logits_ptr="*bf16", temp_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32",
+                               idx_ptr="*i32", out_ptr="*i64"), ("mul.hi.u32",)),
     }
     out = {}
     for name, (kernel, constexprs, types, *markers) in cases.items():
@@ -87,9 +96,11 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(got) == {"gemv_fused_gated", "gemv_plain_ahead", "gemv_norm_rope", "rope_kv_write",
-                        "attention_decode_split", "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma"}
+                        "attention_decode_split", "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma",
+                        "sampling_block_stats", "sampling_pick"}
     for name, flags in got.items():
-        # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma
+        # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
+        # the sampler's kernels build
         assert all(flags.values()), (name, flags)
 
 

@@ -487,10 +487,11 @@ def test_split_vocab_covers_the_vocab():
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
-def test_gumbel_sample_uses_every_uniform(device):
+def test_gumbel_sample_equal_logits_equally_often(device):
     """Columns spread over the first 2048-column block, and one in the next block, with equal
     logits: each is drawn about equally often (a noise counter shared by two of them would
-    tie their counts; a block's mass counted wrongly would skew the last one)."""
+    make the lower one always win over the other; a block's mass counted wrongly would skew
+    the last one)."""
     rows = 400 if device == "cpu" else 20000
     cols = [3, 515, 1027, 1539, 2051]
     logits = torch.full((rows, 2100), float("-inf"), device=device)
@@ -507,8 +508,8 @@ def test_gumbel_sample_uses_every_uniform(device):
 def test_gumbel_sample_across_blocks(device):
     """The two levels (a 2048-column block by its mass, then a column inside it) give
     softmax(logits / T) over columns in three blocks, four of them in the first block (whose
-    mass is then four times a column's: a block weighed by its max alone would be drawn a
-    quarter as often), and a block of -inf and NaN logits (never drawn)."""
+    mass is then ~3.5 times a column's: a block weighed by its max alone would be drawn
+    ~0.3 times as often), NaN beside them (never drawn) and a block of -inf and NaN only."""
     rows = 800 if device == "cpu" else 60000
     V = 6200
     cols = torch.tensor([1, 700, 1500, 2047, 2048, 6199])
@@ -516,6 +517,7 @@ def test_gumbel_sample_across_blocks(device):
     T = 0.8
     logits = torch.full((rows, V), float("-inf"), device=device)
     logits[:, cols.to(device)] = vals.to(device)
+    logits[:, 701:710] = float("nan")  # in the first block, beside drawn columns
     logits[:, 4100:4110] = float("nan")  # the third block: NaN and -inf only
     ids = gumbel_sample(logits, torch.full((rows,), T, device=device), seed=5).cpu()
     assert bool(torch.isin(ids, cols).all()), ids[~torch.isin(ids, cols)][:5]
@@ -526,10 +528,44 @@ def test_gumbel_sample_across_blocks(device):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+def test_gumbel_sample_block_mass_counts_every_column(device):
+    """A block's mass sums all its columns, not only its max: block 0 holds one logit 0 and
+    2047 logits -2, the next block one logit ln(1 + 2047 e^-2): each half the mass."""
+    rows = 800 if device == "cpu" else 20000
+    logits = torch.full((rows, 4096), float("-inf"), device=device)
+    logits[:, :2048] = -2.0
+    logits[:, 0] = 0.0
+    logits[:, 3000] = math.log(1 + 2047 * math.exp(-2))
+    ids = gumbel_sample(logits, torch.ones(rows, device=device), seed=9).cpu()
+    assert int(((ids >= 2048) & (ids != 3000)).sum()) == 0
+    in_first = (ids < 2048).float().mean()
+    assert abs(float(in_first) - 0.5) <= 4 * (0.25 / rows) ** 0.5, float(in_first)
+    assert abs(float((ids == 0).float().mean()) - 0.5 / (1 + 2047 * math.exp(-2))) <= 0.02
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_gumbel_sample_infinities_and_ties(device):
+    """+inf logits: a sampled row takes its first +inf column, like a greedy row; an all -inf
+    row gives column 0 either way; greedy ties inside one block go to the lowest column, with
+    and without temperatures in the batch."""
+    V = 4300
+    logits = torch.randn(4, V, device=device)
+    logits[0, 3000] = float("inf")
+    logits[1, [2500, 4200]] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, [7, 9]] = 100.0  # a tie inside the first block
+    for temps in (torch.ones(4, device=device), torch.zeros(4, device=device), None):
+        ids = gumbel_sample(logits, temps, seed=3).tolist()
+        assert ids[:3] == [3000, 2500, 0], (temps, ids)
+        if temps is None or not bool(temps.any()):
+            assert ids[3] == 7, ids
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 def test_gumbel_sample_chunks_agree(device, monkeypatch):
     """The vocab split over programs: greedy (no temperatures) is the argmax with ties to the
-    lowest index across chunk borders; a sampled row's draw does not depend on its neighbours
-    (the noise is counted per (row, column), not per program)."""
+    lowest index across chunk borders; a sampled row's draw does not depend on how its vocab
+    is split over programs (the noise is counted per (row, block) and (row, column))."""
     V = 4200 if device == "cpu" else 151936  # three 2048-wide chunks on the CPU
     logits = torch.randn(2, V, device=device)
     logits[0, 5] = logits[0, V - 3] = 50.0  # a tie across the first and last chunk

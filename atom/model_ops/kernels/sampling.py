@@ -11,8 +11,10 @@ block's unnormalised mass); the second picks a block by Gumbel-max over ``log S_
 with probability ``S_b / Z``) and then a column inside it by Gumbel-max over its logits
 (column i with probability ``exp(x_i / T) / S_b``): ``S_b / Z * exp(x_i / T) / S_b`` is
 softmax. A row with ``T = 0`` takes the argmax (each block's first maximum, then the first
-block holding the row's maximum: ties go to the lowest index, like ``argmax``); NaN logits
-are never chosen (read as -inf).
+block holding the row's maximum: ties go to the lowest index, like ``argmax``; a batch with no
+temperatures at all keeps one running best per lane over each program's chunk instead, with no
+per-block reductions). NaN logits are never chosen (read as -inf); a sampled row takes its
+first +inf logit (read as the largest float).
 
 Work split: the first pass cuts each row's vocab into chunks of whole blocks so that rows x
 chunks fills the GPU (one program per row left 2 waves of programs walking 63 blocks each at
@@ -30,7 +32,6 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 _BLOCK = 2048
 _TARGET_PROGRAMS = 512  # ~4 per SM on an H200
-_LOG2E = 1.4426950408889634
 
 
 if HAS_TRITON:
@@ -41,61 +42,83 @@ if HAS_TRITON:
         u = tl.minimum(tl.maximum(tl.rand(seed, counters), 1e-20), 0.99999994)
         return -tl.log2(-0.6931471805599453 * tl.log2(u))
 
+    @triton.jit
+    def _finite(x, scale):
+        """x * scale with NaN read as -inf (never chosen) and +inf (or an x / T past the float
+        range) as the largest float, so that a block's max and sum stay finite."""
+        return tl.where(x == x, tl.minimum(x * scale, 3.4028234663852886e38), float("-inf"))
+
     # The split depends on the batch size; its numbers are not specialised on, so that a
     # batch size seen for the first time does not compile a new kernel variant mid-run.
-    @triton.jit(do_not_specialize=["chunk", "num_blocks"])
-    def _block_stats_kernel(logits_ptr, stride_row, temp_ptr, max_ptr, sum_ptr, idx_ptr, V, chunk, num_blocks,
+    @triton.jit(do_not_specialize=["chunk", "num_slots"])
+    def _block_stats_kernel(logits_ptr, stride_row, temp_ptr, max_ptr, sum_ptr, idx_ptr, V, chunk, num_slots,
                             BLOCK: tl.constexpr, GREEDY: tl.constexpr):
-        """Per block of BLOCK columns of a row: the max of logits / T in log2 units (x * log2(e)
-        / T) and the sum of 2^(that - max) (T > 0), or the max and its first column (T = 0)."""
+        """Per block of BLOCK columns of a row (slot = block): the max of logits / T in log2
+        units (x * log2(e) / T) and the sum of 2^(that - max) (T > 0), or the max and its first
+        column (T = 0). GREEDY (no temperatures: every row greedy): one slot per chunk, each
+        lane keeping its running best and one reduction at the end."""
         row = tl.program_id(0)
         c = tl.program_id(1)
-        if GREEDY:
-            t = 0.0
-        else:
-            t = tl.load(temp_ptr + row).to(tl.float32)
-        sampled = t > 0
-        scale = tl.where(sampled, 1.4426950408889634 / tl.where(sampled, t, 1.0), 1.0)
         base = logits_ptr + row.to(tl.int64) * stride_row
-        out = row * num_blocks
+        out = row * num_slots
         cols = tl.arange(0, BLOCK)
         lo = c * chunk
         hi = tl.minimum(lo + chunk, V)
-        for start in range(lo, hi, BLOCK):
-            x = tl.load(base + start + cols, mask=start + cols < hi, other=float("-inf")).to(tl.float32)
-            x = tl.where(x == x, x * scale, float("-inf"))  # NaN -> -inf: never chosen
-            m = tl.max(x, 0)
-            b = start // BLOCK
-            tl.store(max_ptr + out + b, m)
-            if sampled:
-                s = tl.sum(tl.exp2(x - m), 0)
-                tl.store(sum_ptr + out + b, tl.where(m == float("-inf"), 0.0, s))
-            else:
-                tl.store(idx_ptr + out + b, tl.min(tl.where(x == m, start + cols, V), 0))
+        if GREEDY:
+            best_v = tl.full([BLOCK], float("-inf"), tl.float32)
+            best_i = tl.zeros([BLOCK], tl.int32)
+            for start in range(lo, hi, BLOCK):
+                x = tl.load(base + start + cols, mask=start + cols < hi, other=float("-inf")).to(tl.float32)
+                better = x > best_v  # strict (NaN never is): among equal values the first column stays
+                best_v = tl.where(better, x, best_v)
+                best_i = tl.where(better, start + cols, best_i)
+            top = tl.max(best_v, 0)
+            tl.store(max_ptr + out + c, top)
+            tl.store(idx_ptr + out + c, tl.min(tl.where(best_v == top, best_i, V), 0))
+        else:
+            t = tl.load(temp_ptr + row).to(tl.float32)
+            sampled = t > 0
+            scale = tl.where(sampled, 1.4426950408889634 / tl.where(sampled, t, 1.0), 1.0)
+            for start in range(lo, hi, BLOCK):
+                x = tl.load(base + start + cols, mask=start + cols < hi, other=float("-inf")).to(tl.float32)
+                b = start // BLOCK
+                if sampled:
+                    x = _finite(x, scale)
+                    m = tl.max(x, 0)
+                    tl.store(max_ptr + out + b, m)
+                    s = tl.sum(tl.exp2(x - m), 0)
+                    tl.store(sum_ptr + out + b, tl.where(m == float("-inf"), 0.0, s))
+                else:
+                    x = tl.where(x == x, x, float("-inf"))
+                    m = tl.max(x, 0)
+                    tl.store(max_ptr + out + b, m)
+                    tl.store(idx_ptr + out + b, tl.min(tl.where(x == m, start + cols, V), 0))
 
-    @triton.jit(do_not_specialize=["seed", "num_blocks"])
-    def _pick_kernel(logits_ptr, stride_row, temp_ptr, max_ptr, sum_ptr, idx_ptr, out_ptr, V, seed, num_blocks,
+    @triton.jit(do_not_specialize=["seed", "num_slots"])
+    def _pick_kernel(logits_ptr, stride_row, temp_ptr, max_ptr, sum_ptr, idx_ptr, out_ptr, V, seed, num_slots,
                      BLOCK: tl.constexpr, BLOCKS_PAD: tl.constexpr, GREEDY: tl.constexpr):
+        """A row's token from its slots: T > 0 a block by its mass, then a column in it; T = 0
+        the first slot holding the row's max, and that slot's column."""
         row = tl.program_id(0)
         if GREEDY:
             t = 0.0
         else:
             t = tl.load(temp_ptr + row).to(tl.float32)
         blocks = tl.arange(0, BLOCKS_PAD)
-        ok = blocks < num_blocks
-        m = tl.load(max_ptr + row * num_blocks + blocks, mask=ok, other=float("-inf"))
+        ok = blocks < num_slots
+        m = tl.load(max_ptr + row * num_slots + blocks, mask=ok, other=float("-inf"))
         if t > 0:
             # a block by its mass (log2 S_b = max + log2(sum)), then a column inside it
             counters = row * (BLOCKS_PAD + BLOCK)
-            s = tl.load(sum_ptr + row * num_blocks + blocks, mask=ok, other=0.0)
+            s = tl.load(sum_ptr + row * num_slots + blocks, mask=ok, other=0.0)
             w = tl.where(s > 0, m + tl.log2(tl.maximum(s, 1e-30)), float("-inf")) + _gumbel_log2(seed, counters + blocks)
             top = tl.max(w, 0)
             b = tl.min(tl.where(w == top, blocks, BLOCKS_PAD), 0)
-            b = tl.minimum(b, num_blocks - 1)  # an all -inf row: block 0's first column below
+            b = tl.minimum(b, num_slots - 1)  # an all -inf row: block 0's first column below
             cols = b * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < V,
                         other=float("-inf")).to(tl.float32)
-            x = tl.where(x == x, x * (1.4426950408889634 / t), float("-inf"))
+            x = _finite(x, 1.4426950408889634 / t)
             y = x + _gumbel_log2(seed, counters + BLOCKS_PAD + tl.arange(0, BLOCK))
             best = tl.max(y, 0)
             idx = tl.min(tl.where(y == best, cols, V), 0)
@@ -103,7 +126,7 @@ if HAS_TRITON:
         else:
             top = tl.max(m, 0)
             b = tl.min(tl.where(m == top, blocks, BLOCKS_PAD), 0)
-            idx = tl.load(idx_ptr + row * num_blocks + tl.minimum(b, num_blocks - 1))
+            idx = tl.load(idx_ptr + row * num_slots + tl.minimum(b, num_slots - 1))
             idx = tl.where(top == float("-inf"), 0, idx)
         tl.store(out_ptr + row, idx.to(tl.int64))
 
@@ -136,15 +159,16 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | None, seed:
     if S == 0:
         return out
     chunk, n = split_vocab(S, V)
-    block_max = torch.empty((S, num_blocks), dtype=torch.float32, device=logits.device)
-    block_sum = torch.empty_like(block_max)
-    block_idx = torch.empty((S, num_blocks), dtype=torch.int32, device=logits.device)
     greedy = temperatures is None
+    slots = n if greedy else num_blocks  # all greedy: one (max, column) per chunk
+    slot_max = torch.empty((S, slots), dtype=torch.float32, device=logits.device)
+    slot_sum = torch.empty_like(slot_max)
+    slot_idx = torch.empty((S, slots), dtype=torch.int32, device=logits.device)
     temps = logits if greedy else temperatures
-    _block_stats_kernel[(S, n)](logits, logits.stride(0), temps, block_max, block_sum, block_idx, V, chunk,
-                                num_blocks, BLOCK=_BLOCK, GREEDY=greedy, num_warps=8)
-    _pick_kernel[(S,)](logits, logits.stride(0), temps, block_max, block_sum, block_idx, out, V,
-                       int(seed) & 0x7FFFFFFF, num_blocks, BLOCK=_BLOCK, BLOCKS_PAD=blocks_pad, GREEDY=greedy,
+    _block_stats_kernel[(S, n)](logits, logits.stride(0), temps, slot_max, slot_sum, slot_idx, V, chunk,
+                                slots, BLOCK=_BLOCK, GREEDY=greedy, num_warps=8)
+    _pick_kernel[(S,)](logits, logits.stride(0), temps, slot_max, slot_sum, slot_idx, out, V,
+                       int(seed) & 0x7FFFFFFF, slots, BLOCK=_BLOCK, BLOCKS_PAD=blocks_pad, GREEDY=greedy,
                        num_warps=8)
     return out
 
