@@ -162,7 +162,7 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | None, seed:
     greedy = temperatures is None
     slots = n if greedy else num_blocks  # all greedy: one (max, column) per chunk
     slot_max = torch.empty((S, slots), dtype=torch.float32, device=logits.device)
-    slot_sum = torch.empty_like(slot_max)
+    slot_sum = slot_max if greedy else torch.empty_like(slot_max)  # greedy: no sums (never written)
     slot_idx = torch.empty((S, slots), dtype=torch.int32, device=logits.device)
     temps = logits if greedy else temperatures
     _block_stats_kernel[(S, n)](logits, logits.stride(0), temps, slot_max, slot_sum, slot_idx, V, chunk,
