@@ -4,6 +4,10 @@ cycling through enough weight copies to miss L2, checked against `F.linear`, and
 cuBLAS and the bandwidth / FLOP floors. A diagnosis tool, not a benchmark.
 
     python3 scripts/cublaslt_probe.py --out lt.json --deadline 240
+
+With `--enumerate`, every configuration `LtProduct.enumerate` builds from cuBLASLt's
+algorithm ids is screened too (three graph replays each), and the fastest eight are timed
+like the heuristic's candidates.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from atom.model_ops.cublaslt import LtProduct
+from atom.model_ops.cublaslt import LtProduct, describe
 from atom.utils.cuda_timing import graph_time
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -24,7 +28,50 @@ ROWS = (32, 64, 96, 128, 160, 192, 224, 256)
 HBM, PEAK = 4.3e12, 790e12  # REFERENCE.md: copy bandwidth, 8192^3 bf16 GEMM
 
 
-def probe(name, n, k, m, dtype=torch.bfloat16):
+def _time(prod, x, ws, algo, out, ref, iters):
+    try:
+        y = prod(x, ws[0], algo, out).float()
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        return graph_time([functools.partial(prod, x, w, algo, out) for w in ws], iters=iters) * 1e6, err
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None, None
+
+
+def enumerated(prod, x, ws, out, ref, keep=8, budget=90.0):
+    """Screen (three graph replays each) every tiling x stages of every algorithm id, then
+    every split-K / swizzle / custom-option variant of the 12 fastest, then time the `keep`
+    fastest of all properly. Screening stops after 60% of `budget` seconds for the first
+    set and after `budget` for the variants."""
+    t0 = time.time()
+
+    def screen(algos, until):
+        found = []
+        for algo in algos:
+            if time.time() - t0 > until:
+                break
+            us, err = _time(prod, x, ws, algo, out, ref, iters=3)
+            if us is not None and err < 2e-2:
+                found.append((us, algo))
+        return sorted(found, key=lambda p: p[0])
+
+    base = prod.enumerate(split_ks=(1,), max_custom=0, swizzle=False)
+    screened = screen(base, 0.6 * budget)
+    variants = []
+    for _, algo in screened[:12]:
+        d = describe(algo)
+        variants += prod.enumerate(only={"id": d["id"], "tile": d["tile"], "stages": d["stages"]})
+    screened = sorted(screened + screen(variants, budget), key=lambda p: p[0])
+    best = []
+    for _, algo in screened[:keep]:
+        us, err = _time(prod, x, ws, algo, out, ref, iters=25)
+        best.append(dict(us=round(us, 2), rel_err=err, **describe(algo)))
+    best.sort(key=lambda r: r["us"])
+    return dict(enumerated=len(base) + len(variants), ran=len(screened), seconds=round(time.time() - t0, 1),
+                best=best)
+
+
+def probe(name, n, k, m, dtype=torch.bfloat16, enumerate_all=False, budget=90.0):
     copies = max(1, -(-200_000_000 // (n * k * 2)))
     ws = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -41,12 +88,13 @@ def probe(name, n, k, m, dtype=torch.bfloat16):
         except RuntimeError as e:
             rows.append(dict(index=i, error=str(e)))
             continue
-        rows.append(dict(index=i, us=round(us, 2), rel_err=err))
+        rows.append(dict(index=i, us=round(us, 2), rel_err=err, **describe(algo)))
     ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
     best = min(ok, key=lambda r: r["us"]) if ok else {}
     floor = max(n * k * 2 / HBM, 2 * m * n * k / PEAK) * 1e6
+    found = enumerated(prod, x, ws, out, ref, budget=budget) if enumerate_all else {}
     return dict(name=name, M=m, N=n, K=k, cublas_us=round(cub, 2), floor_us=round(floor, 2),
-                lt_first_us=rows[0].get("us") if rows else None, lt_best=best, candidates=rows)
+                lt_first_us=rows[0].get("us") if rows else None, lt_best=best, candidates=rows, enumeration=found)
 
 
 def main():
@@ -54,19 +102,26 @@ def main():
     ap.add_argument("--out", default="cublaslt_probe.json")
     ap.add_argument("--deadline", type=float, default=300.0)
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
+    ap.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
+    ap.add_argument("--enumerate", action="store_true", help="also screen every configuration cuBLASLt accepts")
+    ap.add_argument("--budget", type=float, default=90.0, help="seconds of screening per shape with --enumerate")
     args = ap.parse_args()
     t0, results = time.time(), []
     for m in args.rows:
         for name, n, k in SHAPES:
-            if time.time() - t0 > args.deadline:
-                break
-            r = probe(name, n, k, m)
+            if name not in args.shapes or time.time() - t0 > args.deadline:
+                continue
+            r = probe(name, n, k, m, enumerate_all=args.enumerate, budget=args.budget)
             results.append(r)
             b = r["lt_best"]
             print(f"{name} M={m}: cuBLAS {r['cublas_us']} Lt first {r['lt_first_us']} best {b.get('us')} "
                   f"(#{b.get('index')} of {len(r['candidates'])}) floor {r['floor_us']} us", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+            e = r["enumeration"]
+            if e:
+                top = e["best"][0] if e["best"] else {}
+                print(f"   enumerated {e['enumerated']} ran {e['ran']} in {e['seconds']} s: best {top}", flush=True)
+            with open(args.out, "w") as f:  # after each shape: a crash keeps what was measured
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ _COMPUTE_32F = 68
 _DESC_TRANSA = 3
 _PREF_MAX_WORKSPACE = 1
 _OP_T = 1
+# cublasLtMatmulAlgoCapAttributes_t / cublasLtMatmulAlgoConfigAttributes_t
+_CAP_SPLITK, _CAP_REDUCTION_MASK, _CAP_SWIZZLE, _CAP_TILE_IDS, _CAP_CUSTOM_MAX, _CAP_STAGES_IDS = 0, 1, 2, 6, 7, 13
+CONFIG_FIELDS = ("id", "tile", "split_k", "reduction", "swizzle", "custom", "stages", "inner_shape", "cluster")
+_CONFIG_SIZES = (4, 4, 4, 4, 4, 4, 4, 2, 2)  # bytes of each field, in the enum's order
 _DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
 WORKSPACE_BYTES = 32 << 20
 
@@ -181,6 +185,48 @@ class LtProduct:
                     out.append(algo)
         return out
 
+    def enumerate(self, split_ks=(1, 2, 4), max_custom: int = 3, swizzle: bool = True, only=None,
+                  limit: int = 20000) -> list[_Algo]:
+        """Every configuration cuBLASLt accepts for this shape (`check`), built from its algorithm
+        ids rather than asked of its heuristic: each id's tiles x stages x split-K (each
+        reduction scheme it supports) x CTA swizzling x custom options (up to `max_custom`),
+        cluster shape left to cuBLASLt. `only` ({"id": .., "tile": .., "stages": ..}, any of them)
+        keeps the configurations that match. The heuristic offers a few dozen of these; the
+        others include tilings it never proposes for decode-sized row counts."""
+        only = only or {}
+        lib, t = self._lib, _DTYPES[self.dtype]
+        ids = (ctypes.c_int * 256)()
+        count = ctypes.c_int(0)
+        _check(lib.cublasLtMatmulAlgoGetIds(self._handle, _COMPUTE_32F, _R_32F, t, t, t, t, 256, ids,
+                                            ctypes.byref(count)), "MatmulAlgoGetIds")
+        out = []
+        for algo_id in ids[:count.value]:
+            if only.get("id", algo_id) != algo_id:
+                continue
+            base = _Algo()
+            if lib.cublasLtMatmulAlgoInit(self._handle, _COMPUTE_32F, _R_32F, t, t, t, t, algo_id, ctypes.byref(base)):
+                continue
+            tiles = [v for v in _cap_array(lib, base, _CAP_TILE_IDS) or [0] if only.get("tile", v) == v]
+            stages = [v for v in _cap_array(lib, base, _CAP_STAGES_IDS) or [0] if only.get("stages", v) == v]
+            splits = [s for s in split_ks if s == 1 or _cap_int(lib, base, _CAP_SPLITK)]
+            schemes = [b for b in (1, 2, 4) if _cap_int(lib, base, _CAP_REDUCTION_MASK) & b] or [0]
+            swizzles = [0, 1] if swizzle and _cap_int(lib, base, _CAP_SWIZZLE) else [0]
+            customs = range(min(_cap_int(lib, base, _CAP_CUSTOM_MAX), max_custom) + 1)
+            for tile in tiles:
+                for stage in stages:
+                    for split in splits:
+                        for scheme in (schemes if split > 1 else [0]):
+                            for swizzle in swizzles:
+                                for custom in customs:
+                                    algo = _Algo.from_buffer_copy(base)
+                                    _set(lib, algo, tile=tile, stages=stage, split_k=split, reduction=scheme,
+                                         swizzle=swizzle, custom=custom)
+                                    if self.check(algo):
+                                        out.append(algo)
+                                        if len(out) >= limit:
+                                            return out
+        return out
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, algo: _Algo, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape != (self.rows, self.k) or w.shape != (self.n, self.k) or not (x.is_contiguous() and w.is_contiguous()):
             raise ValueError(f"cuBLASLt product for rows={self.rows}, N={self.n}, K={self.k}: got x "
@@ -195,3 +241,41 @@ class LtProduct:
             self._d, ctypes.c_void_p(out.data_ptr()), self._d, ctypes.byref(algo), ctypes.c_void_p(ws.data_ptr()),
             ctypes.c_size_t(WORKSPACE_BYTES), stream), "Matmul")
         return out
+
+
+def describe(algo: _Algo) -> dict:
+    """An algorithm's configuration (`CONFIG_FIELDS`), for logs and probes."""
+    lib = _lib()[0]
+    out = {}
+    for i, (name, size) in enumerate(zip(CONFIG_FIELDS, _CONFIG_SIZES)):
+        value = ctypes.c_uint32(0) if size == 4 else ctypes.c_uint16(0)
+        written = ctypes.c_size_t(0)
+        lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), i, ctypes.byref(value), ctypes.c_size_t(size),
+                                                 ctypes.byref(written))
+        out[name] = int(value.value)
+    return out
+
+
+def _set(lib, algo: _Algo, **fields) -> None:
+    for name, value in fields.items():
+        i = CONFIG_FIELDS.index(name)
+        buf = ctypes.c_uint32(value) if _CONFIG_SIZES[i] == 4 else ctypes.c_uint16(value)
+        lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), i, ctypes.byref(buf), ctypes.c_size_t(_CONFIG_SIZES[i]))
+
+
+def _cap_int(lib, algo: _Algo, attr: int) -> int:
+    value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+    lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), ctypes.c_size_t(4),
+                                          ctypes.byref(written))
+    return int(value.value)
+
+
+def _cap_array(lib, algo: _Algo, attr: int) -> list[int]:
+    written = ctypes.c_size_t(0)
+    lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, ctypes.c_size_t(0), ctypes.byref(written))
+    n = written.value // 4
+    if n == 0:
+        return []
+    values = (ctypes.c_uint32 * n)()
+    lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, ctypes.c_size_t(4 * n), ctypes.byref(written))
+    return list(values)
