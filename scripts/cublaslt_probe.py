@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import random
 import time
 
 import torch
@@ -39,8 +40,9 @@ def _time(prod, x, ws, algo, out, ref, iters):
 
 
 def enumerated(prod, x, ws, out, ref, keep=8, budget=90.0):
-    """Screen (three graph replays each) every tiling x stages of every algorithm id, then
-    every split-K / swizzle / custom-option variant of the 12 fastest, then time the `keep`
+    """Screen (three graph replays each, in random order) every tiling x stages x custom
+    option x cluster shape of every algorithm id, then every split-K / swizzle variant of the
+    12 fastest, then time the `keep`
     fastest of all properly. Screening stops after 60% of `budget` seconds for the first
     set and after `budget` for the variants."""
     t0 = time.time()
@@ -55,12 +57,15 @@ def enumerated(prod, x, ws, out, ref, keep=8, budget=90.0):
                 found.append((us, algo))
         return sorted(found, key=lambda p: p[0])
 
-    base = prod.enumerate(split_ks=(1,), max_custom=0, swizzle=False)
+    ids = {describe(a)["id"] for a in prod.algos()}  # the heuristic's ids (Hopper kernels) too
+    base = prod.enumerate(split_ks=(1,), max_custom=7, swizzle=False, clusters=range(17), ids=ids, limit=200000)
+    random.Random(0).shuffle(base)
     screened = screen(base, 0.6 * budget)
     variants = []
     for _, algo in screened[:12]:
         d = describe(algo)
-        variants += prod.enumerate(only={"id": d["id"], "tile": d["tile"], "stages": d["stages"]})
+        variants += prod.enumerate(split_ks=(2, 3, 4, 6, 8), max_custom=7, clusters=range(17), ids=ids,
+                                   only={f: d[f] for f in ("id", "tile", "stages", "custom", "cluster")})
     screened = sorted(screened + screen(variants, budget), key=lambda p: p[0])
     best = []
     for _, algo in screened[:keep]:

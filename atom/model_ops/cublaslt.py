@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 
@@ -185,22 +186,24 @@ class LtProduct:
                     out.append(algo)
         return out
 
-    def enumerate(self, split_ks=(1, 2, 4), max_custom: int = 3, swizzle: bool = True, only=None,
-                  limit: int = 20000) -> list[_Algo]:
+    def enumerate(self, split_ks=(1, 2, 4), max_custom: int = 3, swizzle: bool = True, clusters=(0,),
+                  ids=(), only=None, limit: int = 50000) -> list[_Algo]:
         """Every configuration cuBLASLt accepts for this shape (`check`), built from its algorithm
-        ids rather than asked of its heuristic: each id's tiles x stages x split-K (each
-        reduction scheme it supports) x CTA swizzling x custom options (up to `max_custom`),
-        cluster shape left to cuBLASLt. `only` ({"id": .., "tile": .., "stages": ..}, any of them)
-        keeps the configurations that match. The heuristic offers a few dozen of these; the
+        ids (and `ids`: the Hopper kernels' id is not among those cuBLASLt lists) rather than
+        asked of its heuristic: each id's tiles x stages x split-K (each reduction scheme it
+        supports) x CTA swizzling x custom options (up to `max_custom`) x cluster shape ids
+        (`clusters`; 0 leaves it to cuBLASLt). `only` ({field of `CONFIG_FIELDS`: value}) keeps
+        the configurations that match. The heuristic offers a few dozen of these; the
         others include tilings it never proposes for decode-sized row counts."""
         only = only or {}
         lib, t = self._lib, _DTYPES[self.dtype]
+        extra_ids = ids
         ids = (ctypes.c_int * 256)()
         count = ctypes.c_int(0)
         _check(lib.cublasLtMatmulAlgoGetIds(self._handle, _COMPUTE_32F, _R_32F, t, t, t, t, 256, ids,
                                             ctypes.byref(count)), "MatmulAlgoGetIds")
         out = []
-        for algo_id in ids[:count.value]:
+        for algo_id in sorted(set(ids[:count.value]) | set(extra_ids)):
             if only.get("id", algo_id) != algo_id:
                 continue
             base = _Algo()
@@ -211,16 +214,18 @@ class LtProduct:
             splits = [s for s in split_ks if s == 1 or _cap_int(lib, base, _CAP_SPLITK)]
             schemes = [b for b in (1, 2, 4) if _cap_int(lib, base, _CAP_REDUCTION_MASK) & b] or [0]
             swizzles = [0, 1] if swizzle and _cap_int(lib, base, _CAP_SWIZZLE) else [0]
-            customs = range(min(_cap_int(lib, base, _CAP_CUSTOM_MAX), max_custom) + 1)
+            customs = [c for c in range(min(_cap_int(lib, base, _CAP_CUSTOM_MAX), max_custom) + 1)
+                       if only.get("custom", c) == c]
+            cluster_ids = [c for c in clusters if only.get("cluster", c) == c]
             for tile in tiles:
                 for stage in stages:
                     for split in splits:
                         for scheme in (schemes if split > 1 else [0]):
-                            for swizzle in swizzles:
-                                for custom in customs:
+                            for swz in swizzles:
+                                for custom, cluster in itertools.product(customs, cluster_ids):
                                     algo = _Algo.from_buffer_copy(base)
                                     _set(lib, algo, tile=tile, stages=stage, split_k=split, reduction=scheme,
-                                         swizzle=swizzle, custom=custom)
+                                         swizzle=swz, custom=custom, cluster=cluster)
                                     if self.check(algo):
                                         out.append(algo)
                                         if len(out) >= limit:
