@@ -97,6 +97,81 @@ def test_choice_stays_on_f_linear_below_the_gain(monkeypatch):
     assert key not in gemm_tuning._CHOSEN  # 1% faster is within the timings' spread
 
 
+class _WideProduct(_FakeProduct):
+    """Adds configurations beyond the heuristic's: tilings "t0".."t5" (each correct) and,
+    of a tiling, its variants "<tiling>v0", "<tiling>v1"."""
+    made: list = []
+
+    def candidates(self):
+        return [_algo("good-slow"), _algo("good-fast")]
+
+    def tilings(self, ids=()):
+        _WideProduct.made.append(("tilings", tuple(ids)))
+        return [_wide(f"t{i}") for i in range(6)]
+
+    def variants(self, algo):
+        _WideProduct.made.append(("variants", _wide_name(algo)))
+        return [algo] + [_wide(f"{_wide_name(algo)}v{i}") for i in range(2)]
+
+    def __call__(self, x, w, algo, out=None):
+        return F.linear(x, w) if algo.data[1] else super().__call__(x, w, algo, out)
+
+
+_WIDE_NAMES: list = []
+
+
+def _wide(name):
+    if name not in _WIDE_NAMES:
+        _WIDE_NAMES.append(name)
+    a = cublaslt._Algo()
+    a.data[1] = _WIDE_NAMES.index(name) + 1
+    return a
+
+
+def _wide_name(algo):
+    return _WIDE_NAMES[algo.data[1] - 1] if algo.data[1] else _name(algo)
+
+
+def test_wide_search_adds_the_fastest_configurations_beyond_the_heuristic(monkeypatch):
+    # screening times: tilings t0 (fastest) .. t5; each variant of t<i> a bit faster than t<i>
+    rough = {f"t{i}": 10.0 + i for i in range(6)}
+    rough.update({f"t{i}v{j}": 9.5 + i - 0.1 * j for i in range(6) for j in range(2)})
+    screened = []
+
+    def screen(prod, x, ws, out, algos, reps=4):
+        screened.append([_wide_name(a) for a in algos])
+        return sorted(((rough[_wide_name(a)], a) for a in algos), key=lambda p: p[0])
+
+    monkeypatch.setattr(gemm_tuning.cublaslt, "LtProduct", _WideProduct)
+    monkeypatch.setattr(gemm_tuning.cublaslt, "describe", lambda a: {"id": 66 if a.data[0] else 0})
+    monkeypatch.setattr(gemm_tuning, "_screen", screen)
+    graph_us = {"base": 10.0, "good-slow": 9.9, "good-fast": 9.0, "t1v1": 8.0}
+
+    def graph_time(calls, iters=25):
+        for c in calls:
+            c()
+        c = calls[0]
+        name = _wide_name(c.args[2]) if isinstance(c, functools.partial) and len(c.args) > 2 else "base"
+        return graph_us.get(name, 9.5) * 1e-6
+
+    monkeypatch.setattr(gemm_tuning, "graph_time", graph_time)
+    _WideProduct.made.clear()
+    ws = [torch.randn(24, 16) for _ in range(3)]
+    gemm_tuning._choose_one(8, ws, 1.02, iters=3, max_candidates=8, wide=True)
+    key = (8, 24, 16, torch.float32)
+    assert _WideProduct.made[0] == ("tilings", (66,))  # the heuristic's algorithm ids
+    assert [m[1] for m in _WideProduct.made[1:]] == ["t0", "t1", "t2", "t3"]  # the 4 fastest tilings' variants
+    assert all(not any(n == f"t{i}" for n in names) for i, names in enumerate(screened[1:]))  # not again
+    base, best, tried = gemm_tuning.LT_CHOICES[key]
+    assert tried == 2 + 6  # the heuristic's two, then the six fastest screened
+    assert (base, best) == (10.0, 8.0) and _wide_name(gemm_tuning._CHOSEN[key][1]) == "t1v1"
+    # without the wide search only the heuristic's candidates run
+    gemm_tuning.clear()
+    _WideProduct.made.clear()
+    gemm_tuning._choose_one(8, ws, 1.02, iters=3, max_candidates=8)
+    assert _WideProduct.made == [] and gemm_tuning.LT_CHOICES[key][1:] == (9.0, 2)
+
+
 def _aligned(rows, cols, shift=0):
     """A [rows, cols] fp32 view whose data starts `shift` elements past a 256-byte boundary."""
     buf = torch.randn(rows * cols + 128)
@@ -240,6 +315,24 @@ def test_every_candidate_equals_f_linear(rows, n, k, dtype):
     assert ran >= len(prod.algos())
     with pytest.raises(ValueError, match="rows=%d" % rows):
         prod(torch.randn(rows + 1, k, device="cuda", dtype=dtype), w, algos[0])
+
+
+@pytest.mark.gpu
+@GPU_ONLY
+def test_wide_configurations_equal_f_linear():
+    """The configurations the wide search builds (not offered by the heuristic) compute x W^T."""
+    rows, n, k = 96, 3072, 1024
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    ref = F.linear(x.float(), w.float())
+    prod = cublaslt.LtProduct(rows, n, k, torch.bfloat16)
+    heuristic = prod.candidates()
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    wide = gemm_tuning._wide_candidates(prod, x, [w], out, heuristic)
+    assert len(wide) == 6 and not {bytes(a) for a in wide} & {bytes(a) for a in heuristic}
+    assert len(prod.tilings([cublaslt.describe(heuristic[0])["id"]])) > len(heuristic)
+    for algo in wide:
+        torch.testing.assert_close(prod(x, w, algo).float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -187,13 +187,14 @@ class LtProduct:
         return out
 
     def enumerate(self, split_ks=(1, 2, 4), max_custom: int = 3, swizzle: bool = True, clusters=(0,),
-                  ids=(), only=None, limit: int = 50000) -> list[_Algo]:
+                  ids=(), only=None, first_per_tile: bool = False, limit: int = 50000) -> list[_Algo]:
         """Every configuration cuBLASLt accepts for this shape (`check`), built from its algorithm
         ids (and `ids`: the Hopper kernels' id is not among those cuBLASLt lists) rather than
         asked of its heuristic: each id's tiles x stages x split-K (each reduction scheme it
         supports) x CTA swizzling x custom options (up to `max_custom`) x cluster shape ids
         (`clusters`; 0 leaves it to cuBLASLt). `only` ({field of `CONFIG_FIELDS`: value}) keeps
-        the configurations that match. The heuristic offers a few dozen of these; the
+        the configurations that match; `first_per_tile` keeps, of each tiling's custom options
+        x cluster shapes, the first cuBLASLt accepts. The heuristic offers a few dozen of these; the
         others include tilings it never proposes for decode-sized row counts."""
         only = only or {}
         lib, t = self._lib, _DTYPES[self.dtype]
@@ -230,7 +231,22 @@ class LtProduct:
                                         out.append(algo)
                                         if len(out) >= limit:
                                             return out
+                                        if first_per_tile:
+                                            break
         return out
+
+    def tilings(self, ids=()) -> list[_Algo]:
+        """One configuration per (algorithm id, tile, stages) cuBLASLt accepts for this shape,
+        split-K off (`enumerate` with `first_per_tile`): a few hundred for Hopper's kernels,
+        where the heuristic offers a few dozen."""
+        return self.enumerate(split_ks=(1,), max_custom=7, swizzle=False, clusters=range(17), ids=ids,
+                              first_per_tile=True)
+
+    def variants(self, algo: _Algo) -> list[_Algo]:
+        """`algo`'s tiling with each custom option x cluster shape cuBLASLt accepts here."""
+        d = describe(algo)
+        return self.enumerate(split_ks=(1,), max_custom=7, swizzle=False, clusters=range(17), ids=[d["id"]],
+                              only={f: d[f] for f in ("id", "tile", "stages")})
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, algo: _Algo, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape != (self.rows, self.k) or w.shape != (self.n, self.k) or not (x.is_contiguous() and w.is_contiguous()):
