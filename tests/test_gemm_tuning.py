@@ -42,7 +42,7 @@ class _FakeProduct:
     different product, "refused" raises like an algorithm cuBLASLt rejects for the shape."""
 
     def __init__(self, rows, n, k, dtype):
-        self.rows, self.n, self.k = rows, n, k
+        self.rows, self.n, self.k, self.dtype = rows, n, k, dtype
 
     def candidates(self):
         return [_algo(n) for n in NAMES]
@@ -165,6 +165,10 @@ def test_wide_search_adds_the_fastest_configurations_beyond_the_heuristic(monkey
     base, best, tried = gemm_tuning.LT_CHOICES[key]
     assert tried == 2 + 6  # the heuristic's two, then the six fastest screened
     assert (base, best) == (10.0, 8.0) and _wide_name(gemm_tuning._CHOSEN[key][1]) == "t1v1"
+    # another row count of the shape re-checks the enumerated configurations, builds none
+    _WideProduct.made.clear()
+    gemm_tuning._choose_one(16, ws, 1.02, iters=3, max_candidates=8, wide=True)
+    assert _WideProduct.made == [] and gemm_tuning.LT_CHOICES[(16, 24, 16, torch.float32)][1:] == (8.0, 8)
     # without the wide search only the heuristic's candidates run
     gemm_tuning.clear()
     _WideProduct.made.clear()

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 # (rows, N, K, dtype) -> (F.linear us, best candidate us, candidates tried)
 _CHOSEN: dict[tuple, tuple] = {}
 LT_CHOICES: dict[tuple, tuple[float, float, int]] = {}
+_CONFIGS: dict[tuple, list] = {}  # (N, K, dtype, ...) -> cuBLASLt configurations enumerated for it
 
 
 def lt_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -62,6 +63,7 @@ def lt_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
 def clear() -> None:
     _CHOSEN.clear()
     LT_CHOICES.clear()
+    _CONFIGS.clear()
 
 
 def _layer_weights(model: nn.Module) -> dict[tuple, list[torch.Tensor]]:
@@ -97,7 +99,7 @@ def _fits(rows: int, w: torch.Tensor) -> bool:
     return free >= need
 
 
-def _screen(prod, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, algos: list, reps: int = 4) -> list:
+def _screen(prod, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, algos: list, reps: int = 3) -> list:
     """A first cut: each algorithm's rough time (after one untimed launch, `reps` launches
     cycling the weights between two events, no graph), as (us, algo) fastest first."""
     timed = []
@@ -116,17 +118,29 @@ def _screen(prod, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, al
     return sorted(((s.elapsed_time(e) * 1e3 / reps, a) for s, e, a in timed), key=lambda p: p[0])
 
 
+def _accepted(prod, key: tuple, build) -> list:
+    """`build()`'s configurations, built once per `key` (enumerating them asks cuBLASLt to
+    check tens of thousands: seconds) and afterwards only re-checked for `prod`'s rows."""
+    if key not in _CONFIGS:
+        _CONFIGS[key] = build()
+        return _CONFIGS[key]
+    return [a for a in _CONFIGS[key] if prod.check(a)]
+
+
 def _wide_candidates(prod, x, ws, out, heuristic: list, tiles: int = 4, keep: int = 6) -> list:
     """Configurations cuBLASLt's heuristic does not offer: one per tiling of the heuristic's
     algorithm ids (`LtProduct.tilings`), screened; the custom options x cluster shapes of the
     `tiles` fastest (`LtProduct.variants`), screened; the `keep` fastest of all. H200, Llama-
     3.1-8B at 192 rows (docs/perf, tenth session): gate-up 76.2 -> 70.4 us, down 44.5 -> 39.7
-    against the heuristic's best, with tilings it never proposed."""
-    ids = sorted({cublaslt.describe(a)["id"] for a in heuristic})
-    ranked = _screen(prod, x, ws, out, prod.tilings(ids))
+    against the heuristic's best, with tilings it never proposed. The tilings and variants of
+    a weight shape are enumerated at its first row count and re-checked at the others."""
+    shape = (prod.n, prod.k, prod.dtype)
+    ids = tuple(sorted({cublaslt.describe(a)["id"] for a in heuristic}))
+    ranked = _screen(prod, x, ws, out, _accepted(prod, shape + ids, lambda: prod.tilings(ids)))
     seen = {bytes(a) for a in heuristic}
     for _, algo in ranked[:tiles]:
-        ranked += _screen(prod, x, ws, out, [v for v in prod.variants(algo) if bytes(v) != bytes(algo)])
+        variants = _accepted(prod, shape + (bytes(algo),), lambda: prod.variants(algo))
+        ranked += _screen(prod, x, ws, out, [v for v in variants if bytes(v) != bytes(algo)])
     picked = []
     for _, algo in sorted(ranked, key=lambda p: p[0]):
         if bytes(algo) not in seen and len(picked) < keep:
