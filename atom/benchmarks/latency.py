@@ -19,7 +19,7 @@ import time
 import torch
 
 from atom.benchmarks.roofline import decode_floor_ms
-from atom.benchmarks.workloads import MODEL_CONFIGS, mixed_workload, write_model_config
+from atom.benchmarks.workloads import DEFAULT_CACHE_DIR, MODEL_CONFIGS, mixed_workload, write_model_config
 
 
 PROFILE = ("schedule_s", "prepare_s", "launch_s", "sample_s", "post_s")
@@ -54,6 +54,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="print the per-step host profile")
     ap.add_argument("--peer", choices=["none", "vllm"], default="none")
     ap.add_argument("--repeat", type=int, default=2, help="peer: timed runs per batch (best kept)")
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                    help="ATOM's compilation cache dir (keeps the GEMM choice); '' for none")
     ap.add_argument("--out", help="write JSON here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -72,7 +74,8 @@ def main(argv=None) -> None:
     results = []
     for mode in args.modes:
         kw = dict(enforce_eager=True) if mode == "eager" else dict(
-            compilation_config={"level": args.level, "cudagraph_capture_sizes": sorted(set(args.batches))})
+            compilation_config={"level": args.level, "cudagraph_capture_sizes": sorted(set(args.batches)),
+                                "cache_dir": args.cache_dir})
         llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
                   max_num_seqs=args.max_num_seqs, **kw)
         for b in args.batches:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from atom.benchmarks.peer_vllm import add_engine_limit_args
-from atom.benchmarks.workloads import (Request, mixed_workload, nano_vllm_workload, warmup_workload,
+from atom.benchmarks.workloads import (DEFAULT_CACHE_DIR, Request, mixed_workload, nano_vllm_workload, warmup_workload,
                                       write_model_config)
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def gpu_main(args) -> dict:
     llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              compilation_config={"level": args.level})
+              compilation_config={"level": args.level, "cache_dir": args.cache_dir})
     run_atom(llm, mixed_workload(16, (64, 512), (16, 64), vocab, seed=1), args.temperature)  # warm-up
     run_atom(llm, warmup_workload(reqs), args.temperature)  # the timed run's shapes
     runs = [run_atom(llm, reqs, args.temperature) for _ in range(args.repeat)]
@@ -181,6 +181,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=2)
     add_engine_limit_args(ap)
     ap.add_argument("--level", type=int, default=0, help="compilation level (0-3) of ATOM's engine")
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                    help="ATOM's compilation cache dir (its GEMM choice is kept there: the first start-up on "
+                         "a GPU searches wider, ~2 min for Llama-3.1-8B); '' for none")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

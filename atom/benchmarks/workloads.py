@@ -26,6 +26,10 @@ MODEL_CONFIGS = {
 }
 
 
+# the benchmarks' compilation cache dir: the GEMM choice kept there is found again by later runs
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "atom")
+
+
 def write_model_config(name: str, folder: str | None = None) -> str:
     """A folder holding only config.json for `name` (run it with load_dummy)."""
     if name not in MODEL_CONFIGS:
