@@ -176,6 +176,19 @@ def test_wide_search_adds_the_fastest_configurations_beyond_the_heuristic(monkey
     assert _WideProduct.made == [] and gemm_tuning.LT_CHOICES[key][1:] == (9.0, 2)
 
 
+def test_a_failing_wide_search_leaves_the_heuristic_choice(monkeypatch):
+    class Failing(_WideProduct):
+        def tilings(self, ids=()):
+            raise RuntimeError("cuBLASLt: MatmulAlgoGetIds returned status 7")
+
+    _fake_cublaslt(monkeypatch, {"base": 10.0, "good-slow": 9.9, "good-fast": 9.0})
+    monkeypatch.setattr(gemm_tuning.cublaslt, "LtProduct", Failing)
+    monkeypatch.setattr(gemm_tuning.cublaslt, "describe", lambda a: {"id": 66})
+    gemm_tuning._choose_one(8, [torch.randn(24, 16)], 1.02, iters=3, max_candidates=8, wide=True)
+    key = (8, 24, 16, torch.float32)
+    assert gemm_tuning.LT_CHOICES[key] == (10.0, 9.0, 2) and _name(gemm_tuning._CHOSEN[key][1]) == "good-fast"
+
+
 def _aligned(rows, cols, shift=0):
     """A [rows, cols] fp32 view whose data starts `shift` elements past a 256-byte boundary."""
     buf = torch.randn(rows * cols + 128)

@@ -198,13 +198,12 @@ class LtProduct:
         others include tilings it never proposes for decode-sized row counts."""
         only = only or {}
         lib, t = self._lib, _DTYPES[self.dtype]
-        extra_ids = ids
-        ids = (ctypes.c_int * 256)()
+        listed = (ctypes.c_int * 256)()
         count = ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetIds(self._handle, _COMPUTE_32F, _R_32F, t, t, t, t, 256, ids,
+        _check(lib.cublasLtMatmulAlgoGetIds(self._handle, _COMPUTE_32F, _R_32F, t, t, t, t, 256, listed,
                                             ctypes.byref(count)), "MatmulAlgoGetIds")
         out = []
-        for algo_id in sorted(set(ids[:count.value]) | set(extra_ids)):
+        for algo_id in sorted(set(listed[:count.value]) | set(ids)):
             if only.get("id", algo_id) != algo_id:
                 continue
             base = _Algo()

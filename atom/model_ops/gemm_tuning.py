@@ -159,11 +159,14 @@ def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, 
     try:
         prod = cublaslt.LtProduct(rows, n, k, dtype)
         algos = prod.candidates()[:max_candidates]
-        if wide and algos:
-            algos += _wide_candidates(prod, x, ws, out, algos)
     except RuntimeError as err:  # e.g. no heuristic for this shape: it stays on F.linear
         logger.info("rows %d, %dx%d %s: no cuBLASLt candidates (%s)", rows, n, k, dtype, err)
         return
+    if wide and algos:
+        try:
+            algos += _wide_candidates(prod, x, ws, out, algos)
+        except RuntimeError as err:  # the heuristic's candidates still run
+            logger.info("rows %d, %dx%d %s: no wider search (%s)", rows, n, k, dtype, err)
     best, tried = None, 0
     for algo in algos:
         try:
