@@ -5,7 +5,7 @@ cuBLAS and the bandwidth / FLOP floors. A diagnosis tool, not a benchmark.
 
     python3 scripts/cublaslt_probe.py --out lt.json --deadline 240
 
-With `--enumerate`, every configuration `LtProduct.enumerate` builds from cuBLASLt's
+With `--enumerate`, every configuration `LtProduct.configurations` builds from cuBLASLt's
 algorithm ids is screened too (three graph replays each), and the fastest eight are timed
 like the heuristic's candidates.
 """
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from atom.model_ops.cublaslt import LtProduct, describe
+from atom.model_ops.cublaslt import CLUSTER_IDS, LtProduct, describe
 from atom.utils.cuda_timing import graph_time
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -30,20 +30,22 @@ HBM, PEAK = 4.3e12, 790e12  # REFERENCE.md: copy bandwidth, 8192^3 bf16 GEMM
 
 
 def _time(prod, x, ws, algo, out, ref, iters):
+    """(us in CUDA-graph replays cycling the weights, relative error against `ref`), or
+    (None, the error message) where cuBLASLt refuses to run it."""
     try:
         y = prod(x, ws[0], algo, out).float()
         err = ((y - ref).abs().max() / ref.abs().max()).item()
         return graph_time([functools.partial(prod, x, w, algo, out) for w in ws], iters=iters) * 1e6, err
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return None, None
+    except RuntimeError as e:
+        return None, str(e)
 
 
 def enumerated(prod, x, ws, out, ref, keep=8, budget=90.0):
     """Screen (three graph replays each, in random order) every tiling x stages x custom
-    option x cluster shape of every algorithm id, then every split-K / swizzle variant of the
-    12 fastest, then time the `keep`
-    fastest of all properly. Screening stops after 60% of `budget` seconds for the first
+    option x cluster shape of every algorithm id (those cuBLASLt lists and the heuristic's),
+    then every split-K / swizzle variant of the 12 fastest, then time the `keep` fastest of
+    all properly: wider and slower than the engine's start-up search
+    (`gemm_tuning._wide_candidates`). Screening stops after 60% of `budget` seconds for the first
     set and after `budget` for the variants."""
     t0 = time.time()
 
@@ -53,24 +55,26 @@ def enumerated(prod, x, ws, out, ref, keep=8, budget=90.0):
             if time.time() - t0 > until:
                 break
             us, err = _time(prod, x, ws, algo, out, ref, iters=3)
-            if us is not None and err < 2e-2:
+            if us is not None and err < 2e-2:  # (err is a message where us is None)
                 found.append((us, algo))
         return sorted(found, key=lambda p: p[0])
 
     ids = {describe(a)["id"] for a in prod.algos()}  # the heuristic's ids (Hopper kernels) too
-    base = prod.enumerate(split_ks=(1,), max_custom=7, swizzle=False, clusters=range(17), ids=ids, limit=200000)
+    base = prod.configurations(split_ks=(1,), max_custom=7, swizzle=False, clusters=CLUSTER_IDS, ids=ids,
+                               limit=200000)
     random.Random(0).shuffle(base)
     screened = screen(base, 0.6 * budget)
     variants = []
     for _, algo in screened[:12]:
         d = describe(algo)
-        variants += prod.enumerate(split_ks=(2, 3, 4, 6, 8), max_custom=7, clusters=range(17), ids=ids,
-                                   only={f: d[f] for f in ("id", "tile", "stages", "custom", "cluster")})
+        variants += prod.configurations(split_ks=(2, 3, 4, 6, 8), max_custom=7, clusters=CLUSTER_IDS, ids=ids,
+                                        only={f: d[f] for f in ("id", "tile", "stages", "custom", "cluster")})
     screened = sorted(screened + screen(variants, budget), key=lambda p: p[0])
     best = []
     for _, algo in screened[:keep]:
         us, err = _time(prod, x, ws, algo, out, ref, iters=25)
-        best.append(dict(us=round(us, 2), rel_err=err, **describe(algo)))
+        if us is not None:
+            best.append(dict(us=round(us, 2), rel_err=err, **describe(algo)))
     best.sort(key=lambda r: r["us"])
     return dict(enumerated=len(base) + len(variants), ran=len(screened), seconds=round(time.time() - t0, 1),
                 best=best)
@@ -86,14 +90,8 @@ def probe(name, n, k, m, dtype=torch.bfloat16, enumerate_all=False, budget=90.0)
     prod = LtProduct(m, n, k, dtype)
     rows = []
     for i, algo in enumerate(prod.candidates()):
-        try:
-            y = prod(x, ws[0], algo, out).float()
-            err = ((y - ref).abs().max() / ref.abs().max()).item()
-            us = graph_time([functools.partial(prod, x, w, algo, out) for w in ws]) * 1e6
-        except RuntimeError as e:
-            rows.append(dict(index=i, error=str(e)))
-            continue
-        rows.append(dict(index=i, us=round(us, 2), rel_err=err, **describe(algo)))
+        us, err = _time(prod, x, ws, algo, out, ref, iters=25)
+        rows.append(dict(index=i, error=err) if us is None else dict(index=i, us=round(us, 2), rel_err=err, **describe(algo)))
     ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
     best = min(ok, key=lambda r: r["us"]) if ok else {}
     floor = max(n * k * 2 / HBM, 2 * m * n * k / PEAK) * 1e6

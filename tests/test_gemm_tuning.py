@@ -99,19 +99,27 @@ def test_choice_stays_on_f_linear_below_the_gain(monkeypatch):
 
 class _WideProduct(_FakeProduct):
     """Adds configurations beyond the heuristic's: tilings "t0".."t5" (each correct) and,
-    of a tiling, its variants "<tiling>v0", "<tiling>v1"."""
+    of a tiling, its variants "<tiling>v0", "<tiling>v1". cuBLASLt refuses the
+    configurations named in `refused` at the row counts given there."""
     made: list = []
+    refused: dict = {}
 
     def candidates(self):
         return [_algo("good-slow"), _algo("good-fast")]
 
+    def check(self, algo):
+        if algo.data[1]:
+            return self.rows not in _WideProduct.refused.get(_wide_name(algo), ())
+        return super().check(algo)
+
     def tilings(self, ids=()):
-        _WideProduct.made.append(("tilings", tuple(ids)))
-        return [_wide(f"t{i}") for i in range(6)]
+        _WideProduct.made.append(("tilings", self.n, tuple(ids)))
+        offered = [_algo("good-fast")] + [_wide(f"t{i}") for i in range(6)]  # one the heuristic offers too
+        return [a for a in offered if self.check(a)]
 
     def variants(self, algo):
-        _WideProduct.made.append(("variants", _wide_name(algo)))
-        return [algo] + [_wide(f"{_wide_name(algo)}v{i}") for i in range(2)]
+        _WideProduct.made.append(("variants", self.n, _wide_name(algo)))
+        return [a for a in [algo] + [_wide(f"{_wide_name(algo)}v{i}") for i in range(2)] if self.check(a)]
 
     def __call__(self, x, w, algo, out=None):
         return F.linear(x, w) if algo.data[1] else super().__call__(x, w, algo, out)
@@ -132,48 +140,82 @@ def _wide_name(algo):
     return _WIDE_NAMES[algo.data[1] - 1] if algo.data[1] else _name(algo)
 
 
-def test_wide_search_adds_the_fastest_configurations_beyond_the_heuristic(monkeypatch):
-    # screening times: tilings t0 (fastest) .. t5; each variant of t<i> a bit faster than t<i>
+def _fake_wide(monkeypatch, graph_us):
+    """The wide search's stand-ins: screening times t0 (fastest) .. t5, each variant of t<i> a
+    bit faster than t<i>; graph times from `graph_us` (9.5 us for what it does not name).
+    Returns the list of the names each screening was given and that of those graph-timed."""
     rough = {f"t{i}": 10.0 + i for i in range(6)}
+    rough.update({"good-fast": 1.0, "good-fastv0": 50.0, "good-fastv1": 50.0})
     rough.update({f"t{i}v{j}": 9.5 + i - 0.1 * j for i in range(6) for j in range(2)})
-    screened = []
+    screened, timed = [], []
 
-    def screen(prod, x, ws, out, algos, reps=4):
+    def screen(prod, x, ws, out, algos):
         screened.append([_wide_name(a) for a in algos])
         return sorted(((rough[_wide_name(a)], a) for a in algos), key=lambda p: p[0])
-
-    monkeypatch.setattr(gemm_tuning.cublaslt, "LtProduct", _WideProduct)
-    monkeypatch.setattr(gemm_tuning.cublaslt, "describe", lambda a: {"id": 66 if a.data[0] else 0})
-    monkeypatch.setattr(gemm_tuning, "_screen", screen)
-    graph_us = {"base": 10.0, "good-slow": 9.9, "good-fast": 9.0, "t1v1": 8.0}
 
     def graph_time(calls, iters=25):
         for c in calls:
             c()
         c = calls[0]
         name = _wide_name(c.args[2]) if isinstance(c, functools.partial) and len(c.args) > 2 else "base"
+        timed.append(name)
         return graph_us.get(name, 9.5) * 1e-6
 
+    monkeypatch.setattr(gemm_tuning.cublaslt, "LtProduct", _WideProduct)
+    monkeypatch.setattr(gemm_tuning.cublaslt, "describe", lambda a: {"id": 0 if a.data[1] else 66})
+    monkeypatch.setattr(gemm_tuning, "_screen", screen)
     monkeypatch.setattr(gemm_tuning, "graph_time", graph_time)
     _WideProduct.made.clear()
+    _WideProduct.refused = {}
+    return screened, timed
+
+
+def test_wide_search_adds_the_fastest_configurations_beyond_the_heuristic(monkeypatch):
+    screened, timed = _fake_wide(monkeypatch, {"base": 10.0, "good-slow": 9.9, "good-fast": 9.0, "t1v1": 8.0,
+                                               "t2v0": 7.0})
+    _WideProduct.refused = {"t2v0": (8, 16), "t1v1": (16,)}  # the fastest, refused at these rows
     ws = [torch.randn(24, 16) for _ in range(3)]
     gemm_tuning._choose_one(8, ws, 1.02, iters=3, max_candidates=8, wide=True)
     key = (8, 24, 16, torch.float32)
-    assert _WideProduct.made[0] == ("tilings", (66,))  # the heuristic's algorithm ids
-    assert [m[1] for m in _WideProduct.made[1:]] == ["t0", "t1", "t2", "t3"]  # the 4 fastest tilings' variants
-    assert all(not any(n == f"t{i}" for n in names) for i, names in enumerate(screened[1:]))  # not again
+    assert _WideProduct.made[0] == ("tilings", 24, (66,))  # the heuristic's algorithm ids
+    assert [m[2] for m in _WideProduct.made[1:]] == ["good-fast", "t0", "t1", "t2"]  # the 4 fastest tilings' variants
+    assert all(f"t{i}" not in names for i, names in enumerate(screened[1:]))  # a tiling is not screened again
+    assert "t2v0" not in sum(screened, [])  # refused at these rows
     base, best, tried = gemm_tuning.LT_CHOICES[key]
     assert tried == 2 + 6  # the heuristic's two, then the six fastest screened
+    # each once: the heuristic's "good-fast" came up in the screening too
+    assert sorted(timed) == sorted(["base", "good-slow", "good-fast", "t0v1", "t0v0", "t0", "t1v1", "t1v0", "t1"])
     assert (base, best) == (10.0, 8.0) and _wide_name(gemm_tuning._CHOSEN[key][1]) == "t1v1"
     # another row count of the shape re-checks the enumerated configurations, builds none
     _WideProduct.made.clear()
+    screened.clear()
     gemm_tuning._choose_one(16, ws, 1.02, iters=3, max_candidates=8, wide=True)
-    assert _WideProduct.made == [] and gemm_tuning.LT_CHOICES[(16, 24, 16, torch.float32)][1:] == (8.0, 8)
+    assert _WideProduct.made == []
+    assert "t1v1" not in sum(screened, []) and "t1v0" in sum(screened, [])
+    assert gemm_tuning.LT_CHOICES[(16, 24, 16, torch.float32)][1:] == (9.0, 8)  # t1v1 refused here
+    # another weight shape builds its own
+    gemm_tuning._choose_one(16, [torch.randn(40, 16)], 1.02, iters=3, max_candidates=8, wide=True)
+    assert _WideProduct.made[0] == ("tilings", 40, (66,))
     # without the wide search only the heuristic's candidates run
     gemm_tuning.clear()
     _WideProduct.made.clear()
     gemm_tuning._choose_one(8, ws, 1.02, iters=3, max_candidates=8)
     assert _WideProduct.made == [] and gemm_tuning.LT_CHOICES[key][1:] == (9.0, 2)
+
+
+def test_wide_search_only_at_the_capture_sizes_asked_for(monkeypatch):
+    _fake_wide(monkeypatch, {"base": 10.0, "good-slow": 9.9, "good-fast": 9.0})
+    monkeypatch.setattr(gemm_tuning.cublaslt, "available", lambda: True)
+    monkeypatch.setattr(gemm_tuning, "_enough_weights", lambda ws: ws)
+    monkeypatch.setattr(gemm_tuning, "_fits", lambda rows, w: True)
+    monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: {(24, 16, torch.float32): [_aligned(24, 16)]})
+    res = gemm_tuning.choose_lt_algos(nn.Identity(), [4, 8, 16, 32], prefill_rows=64, wide_rows=(8, 16))
+    assert {k[0]: v[2] for k, v in res.items()} == {4: 2, 8: 8, 16: 8, 32: 2, 64: 2}
+    assert _WideProduct.made[0] == ("tilings", 24, (66,))
+    gemm_tuning.clear()
+    _WideProduct.made.clear()
+    res = gemm_tuning.choose_lt_algos(nn.Identity(), [4, 8, 16, 32])  # off by default
+    assert all(tried == 2 for _, _, tried in res.values()) and _WideProduct.made == []
 
 
 def test_a_failing_wide_search_leaves_the_heuristic_choice(monkeypatch):
@@ -213,7 +255,7 @@ def _cached_run(monkeypatch, tmp_path, us, fingerprint="gpu A", sizes=(1, 4, 8))
     seen = []
     _fake_cublaslt(monkeypatch, us, seen)
     monkeypatch.setattr(gemm_tuning.cublaslt, "available", lambda: True)
-    monkeypatch.setattr(gemm_tuning, "_fingerprint", lambda: {"device": fingerprint})
+    monkeypatch.setattr(gemm_tuning, "_fingerprint", lambda wide_rows=None: {"device": fingerprint})
     monkeypatch.setattr(gemm_tuning, "_enough_weights", lambda ws: ws)
     g = torch.Generator().manual_seed(0)
     groups = {(24, 16, torch.float32): [torch.randn(24, 16, generator=g)],
@@ -244,6 +286,24 @@ def test_cache_keeps_other_shapes_and_gpus(monkeypatch, tmp_path):
     a = json.loads(gemm_tuning.cache_path(tmp_path, {"device": "gpu A"}).read_text())
     assert sorted(a["choices"]) == sorted(f"{r} {n} 16 float32" for r in (4, 8, 16) for n in (24, 40))
     assert len(list(tmp_path.glob("gemm_algorithms-*.json"))) == 2
+
+
+def test_the_cache_file_names_how_widely_it_searched(monkeypatch, tmp_path):
+    monkeypatch.setattr(gemm_tuning.torch.cuda, "get_device_name", lambda *a: "gpu A")
+    monkeypatch.setattr(gemm_tuning.cublaslt, "version", lambda: 130100)
+    narrow, wide = gemm_tuning._fingerprint(), gemm_tuning._fingerprint((64, 1024))
+    assert narrow["wide_rows"] is None and wide["wide_rows"] == [64, 1024]
+    assert gemm_tuning.cache_path(tmp_path, narrow) != gemm_tuning.cache_path(tmp_path, wide)
+    asked = []
+    real = gemm_tuning._fingerprint
+    _fake_wide(monkeypatch, {"base": 10.0})
+    monkeypatch.setattr(gemm_tuning, "_fingerprint", lambda wide_rows=None: asked.append(wide_rows) or real(wide_rows))
+    monkeypatch.setattr(gemm_tuning.cublaslt, "available", lambda: True)
+    monkeypatch.setattr(gemm_tuning, "_enough_weights", lambda ws: ws)
+    monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: {(24, 16, torch.float32): [_aligned(24, 16)]})
+    for sizes in ([4, 8], [4, 64]):  # no capture size in range: the narrow file serves
+        gemm_tuning.choose_lt_algos(nn.Identity(), sizes, cache_dir=str(tmp_path), wide_rows=(16, 64))
+    assert asked == [None, (16, 64)] and len(list(tmp_path.glob("gemm_algorithms-*.json"))) == 2
 
 
 def test_damaged_cache_entries_are_timed_again(monkeypatch, tmp_path):

@@ -77,7 +77,7 @@ def setup(runner) -> None:
             cache_dir = config.compilation_config.cache_dir
             gemm_tuning.choose_lt_algos(runner.model, sizes, cache_dir=cache_dir,
                                         prefill_rows=config.max_num_batched_tokens,
-                                        wide_rows=(64, 1024) if cache_dir else (1, 0))
+                                        wide_rows=(64, 1024) if cache_dir else None)
     max_blocks = -(-config.max_model_len // runner.block_size)
     runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)
     runner.graphs.capture()

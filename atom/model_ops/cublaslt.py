@@ -7,6 +7,9 @@ of 100-256 rows against an 8B model's weights that pick wastes a third of a wave
 stream-K kernels. `LtProduct` holds the descriptors of one (rows, N, K, dtype) product;
 `LtProduct.algos()` lists the candidates and `LtProduct(...)(x, w, algo)` runs one on the
 current CUDA stream (so a CUDA graph captures it like any other launch).
+`LtProduct.configurations` builds configurations the heuristic does not offer (other tiles,
+custom options, cluster shapes) from algorithm ids, each checked by cuBLASLt for the shape;
+`tilings` and `variants` are the two cuts of it the start-up search uses (`gemm_tuning`).
 
 The library is the libcublasLt that torch has loaded (found by soname without loading
 anything new), else the one of torch's CUDA major version. Nothing here runs on the CPU;
@@ -34,6 +37,10 @@ _OP_T = 1
 _CAP_SPLITK, _CAP_REDUCTION_MASK, _CAP_SWIZZLE, _CAP_TILE_IDS, _CAP_CUSTOM_MAX, _CAP_STAGES_IDS = 0, 1, 2, 6, 7, 13
 CONFIG_FIELDS = ("id", "tile", "split_k", "reduction", "swizzle", "custom", "stages", "inner_shape", "cluster")
 _CONFIG_SIZES = (4, 4, 4, 4, 4, 4, 4, 2, 2)  # bytes of each field, in the enum's order
+_ONLY_FIELDS = ("id", "tile", "stages", "custom", "cluster")  # what `configurations(only=)` can match
+CLUSTER_IDS = range(17)  # cublasLtClusterShape_t ids tried (0: cuBLASLt's choice; Hopper kernels need one)
+# the start-up search's cut: no split-K, no swizzle, every custom option and cluster shape
+_SEARCH = dict(split_ks=(1,), max_custom=7, swizzle=False, clusters=CLUSTER_IDS)
 _DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
 WORKSPACE_BYTES = 32 << 20
 
@@ -186,24 +193,32 @@ class LtProduct:
                     out.append(algo)
         return out
 
-    def enumerate(self, split_ks=(1, 2, 4), max_custom: int = 3, swizzle: bool = True, clusters=(0,),
-                  ids=(), only=None, first_per_tile: bool = False, limit: int = 50000) -> list[_Algo]:
-        """Every configuration cuBLASLt accepts for this shape (`check`), built from its algorithm
-        ids (and `ids`: the Hopper kernels' id is not among those cuBLASLt lists) rather than
-        asked of its heuristic: each id's tiles x stages x split-K (each reduction scheme it
-        supports) x CTA swizzling x custom options (up to `max_custom`) x cluster shape ids
-        (`clusters`; 0 leaves it to cuBLASLt). `only` ({field of `CONFIG_FIELDS`: value}) keeps
-        the configurations that match; `first_per_tile` keeps, of each tiling's custom options
-        x cluster shapes, the first cuBLASLt accepts. The heuristic offers a few dozen of these; the
-        others include tilings it never proposes for decode-sized row counts."""
+    def configurations(self, split_ks=(1, 2, 4), max_custom: int = 3, swizzle: bool = True, clusters=(0,),
+                       ids=(), listed: bool = True, only=None, first_per_tile: bool = False,
+                       limit: int = 50000) -> list[_Algo]:
+        """Every configuration cuBLASLt accepts for this shape (`check`), built from algorithm
+        ids rather than asked of its heuristic: `ids`, and with `listed` those cuBLASLt lists
+        (on the H200 only its pre-Hopper kernels: the Hopper kernels' id comes from the
+        heuristic's candidates). For each id: tiles x stages x split-K (each reduction scheme
+        it supports) x CTA swizzling x custom options (up to `max_custom`) x cluster shape ids
+        (`clusters`; 0 leaves it to cuBLASLt), each once. `only` ({field: value} over
+        `_ONLY_FIELDS`) keeps the configurations that match; `first_per_tile` keeps, of each
+        tiling's custom options x cluster shapes, the first cuBLASLt accepts. The heuristic
+        offers a few dozen of these; the others include tilings it never proposes for
+        decode-sized row counts."""
         only = only or {}
+        if set(only) - set(_ONLY_FIELDS):
+            raise ValueError(f"configurations(only=...) matches {_ONLY_FIELDS}, got {sorted(only)}")
         lib, t = self._lib, _DTYPES[self.dtype]
-        listed = (ctypes.c_int * 256)()
-        count = ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetIds(self._handle, _COMPUTE_32F, _R_32F, t, t, t, t, 256, listed,
-                                            ctypes.byref(count)), "MatmulAlgoGetIds")
-        out = []
-        for algo_id in sorted(set(listed[:count.value]) | set(ids)):
+        all_ids = set(ids)
+        if listed:
+            found = (ctypes.c_int * 256)()
+            count = ctypes.c_int(0)
+            _check(lib.cublasLtMatmulAlgoGetIds(self._handle, _COMPUTE_32F, _R_32F, t, t, t, t, 256, found,
+                                                ctypes.byref(count)), "MatmulAlgoGetIds")
+            all_ids |= set(found[:count.value])
+        out, seen = [], set()
+        for algo_id in sorted(all_ids):
             if only.get("id", algo_id) != algo_id:
                 continue
             base = _Algo()
@@ -224,9 +239,11 @@ class LtProduct:
                             for swz in swizzles:
                                 for custom, cluster in itertools.product(customs, cluster_ids):
                                     algo = _Algo.from_buffer_copy(base)
-                                    _set(lib, algo, tile=tile, stages=stage, split_k=split, reduction=scheme,
-                                         swizzle=swz, custom=custom, cluster=cluster)
-                                    if self.check(algo):
+                                    if not _set(lib, algo, tile=tile, stages=stage, split_k=split,
+                                                reduction=scheme, swizzle=swz, custom=custom, cluster=cluster):
+                                        continue  # a field this cuBLASLt does not take
+                                    if bytes(algo) not in seen and self.check(algo):
+                                        seen.add(bytes(algo))
                                         out.append(algo)
                                         if len(out) >= limit:
                                             return out
@@ -234,18 +251,18 @@ class LtProduct:
                                             break
         return out
 
-    def tilings(self, ids=()) -> list[_Algo]:
-        """One configuration per (algorithm id, tile, stages) cuBLASLt accepts for this shape,
-        split-K off (`enumerate` with `first_per_tile`): a few hundred for Hopper's kernels,
-        where the heuristic offers a few dozen."""
-        return self.enumerate(split_ks=(1,), max_custom=7, swizzle=False, clusters=range(17), ids=ids,
-                              first_per_tile=True)
+    def tilings(self, ids) -> list[_Algo]:
+        """One configuration per (tile, stages) of the algorithm ids `ids` that cuBLASLt accepts
+        for this shape, split-K off: of its custom options x cluster shapes the first accepted
+        (`configurations` with `first_per_tile`). A few hundred for Hopper's kernels, where
+        the heuristic offers a few dozen."""
+        return self.configurations(ids=ids, listed=False, first_per_tile=True, **_SEARCH)
 
     def variants(self, algo: _Algo) -> list[_Algo]:
         """`algo`'s tiling with each custom option x cluster shape cuBLASLt accepts here."""
         d = describe(algo)
-        return self.enumerate(split_ks=(1,), max_custom=7, swizzle=False, clusters=range(17), ids=[d["id"]],
-                              only={f: d[f] for f in ("id", "tile", "stages")})
+        return self.configurations(ids=[d["id"]], listed=False, only={f: d[f] for f in ("id", "tile", "stages")},
+                                   **_SEARCH)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, algo: _Algo, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape != (self.rows, self.k) or w.shape != (self.n, self.k) or not (x.is_contiguous() and w.is_contiguous()):
@@ -268,7 +285,7 @@ def describe(algo: _Algo) -> dict:
     lib = _lib()[0]
     out = {}
     for i, (name, size) in enumerate(zip(CONFIG_FIELDS, _CONFIG_SIZES)):
-        value = ctypes.c_uint32(0) if size == 4 else ctypes.c_uint16(0)
+        value = ctypes.c_int32(0) if size == 4 else ctypes.c_uint16(0)
         written = ctypes.c_size_t(0)
         lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), i, ctypes.byref(value), ctypes.c_size_t(size),
                                                  ctypes.byref(written))
@@ -276,15 +293,20 @@ def describe(algo: _Algo) -> dict:
     return out
 
 
-def _set(lib, algo: _Algo, **fields) -> None:
+def _set(lib, algo: _Algo, **fields) -> bool:
+    """Sets configuration fields of `algo`; False where cuBLASLt refuses one."""
     for name, value in fields.items():
         i = CONFIG_FIELDS.index(name)
         buf = ctypes.c_uint32(value) if _CONFIG_SIZES[i] == 4 else ctypes.c_uint16(value)
-        lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), i, ctypes.byref(buf), ctypes.c_size_t(_CONFIG_SIZES[i]))
+        if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), i, ctypes.byref(buf),
+                                                    ctypes.c_size_t(_CONFIG_SIZES[i])):
+            return False
+    return True
 
 
 def _cap_int(lib, algo: _Algo, attr: int) -> int:
-    value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+    """A 4-byte capability (0 where cuBLASLt does not answer)."""
+    value, written = ctypes.c_int32(0), ctypes.c_size_t(0)
     lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), ctypes.c_size_t(4),
                                           ctypes.byref(written))
     return int(value.value)

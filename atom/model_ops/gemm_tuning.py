@@ -101,11 +101,16 @@ def _fits(rows: int, w: torch.Tensor) -> bool:
 
 def _screen(prod, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, algos: list, reps: int = 3) -> list:
     """A first cut: each algorithm's rough time (after one untimed launch, `reps` launches
-    cycling the weights between two events, no graph), as (us, algo) fastest first."""
+    cycling the weights between two events, no graph), as (us, algo) fastest first. The GPU
+    first sleeps about as long as the host takes to launch them all, so that products shorter
+    than a launch from Python still run back to back and are timed, not the host."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None and algos:
+        sleep(int(len(algos) * (reps + 1) * 15e-6 * 2e9))  # ~15 us a launch, ~2 GHz
     timed = []
     for algo in algos:
         try:
-            prod(x, ws[0], algo, out)
+            prod(x, ws[-1], algo, out)  # the timed launches start from another weight
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for i in range(reps):
@@ -133,7 +138,8 @@ def _wide_candidates(prod, x, ws, out, heuristic: list, tiles: int = 4, keep: in
     `tiles` fastest (`LtProduct.variants`), screened; the `keep` fastest of all. H200, Llama-
     3.1-8B at 192 rows (docs/perf, tenth session): gate-up 76.2 -> 70.4 us, down 44.5 -> 39.7
     against the heuristic's best, with tilings it never proposed. The tilings and variants of
-    a weight shape are enumerated at its first row count and re-checked at the others."""
+    a weight shape are enumerated at its first row count and re-checked at the others (a
+    tiling whose kept configuration cuBLASLt refuses at another row count drops out there)."""
     shape = (prod.n, prod.k, prod.dtype)
     ids = tuple(sorted({cublaslt.describe(a)["id"] for a in heuristic}))
     ranked = _screen(prod, x, ws, out, _accepted(prod, shape + ids, lambda: prod.tilings(ids)))
@@ -166,7 +172,8 @@ def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, 
         try:
             algos += _wide_candidates(prod, x, ws, out, algos)
         except RuntimeError as err:  # the heuristic's candidates still run
-            logger.info("rows %d, %dx%d %s: no wider search (%s)", rows, n, k, dtype, err)
+            logger.warning("rows %d, %dx%d %s: the search beyond cuBLASLt's heuristic failed (%s)",
+                           rows, n, k, dtype, err)
     best, tried = None, 0
     for algo in algos:
         try:
@@ -188,8 +195,11 @@ def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, 
         _CHOSEN.pop(key, None)
 
 
-def _fingerprint() -> dict:
-    return {"device": torch.cuda.get_device_name(), "cublaslt": cublaslt.version(), "torch": torch.__version__}
+def _fingerprint(wide_rows=None) -> dict:
+    """What a choice depends on: the GPU kind, cuBLASLt and torch, and how widely it searched
+    (a file of narrower choices is not taken for a wider search)."""
+    return {"device": torch.cuda.get_device_name(), "cublaslt": cublaslt.version(), "torch": torch.__version__,
+            "wide_rows": list(wide_rows) if wide_rows else None}
 
 
 def cache_path(cache_dir: str | Path, fingerprint: dict) -> Path:
@@ -265,16 +275,17 @@ def _save(path: Path, fingerprint: dict) -> None:
 
 def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, min_rows: int = 2,
                     iters: int = 10, max_candidates: int = 24, cache_dir: str = "",
-                    prefill_rows: int = 0, wide_rows: tuple[int, int] = (64, 1024)) -> dict:
+                    prefill_rows: int = 0, wide_rows: tuple[int, int] | None = None) -> dict:
     """Times the model's products at each capture size >= `min_rows` (batch 1 has the GEMV
     choice) and keeps the cuBLASLt candidate that wins by `min_gain` (2%: above the spread of
-    repeated timings), trying at most `max_candidates` per shape; with `cache_dir`, through the
+    repeated timings), trying at most `max_candidates` of the heuristic's per shape; with `cache_dir`, through the
     cache file there. `prefill_rows` (the engine passes `max_num_batched_tokens`): also every
     shape at the row count of a full prefill step, timed on one weight (its input alone is
     larger than L2) and skipped where the GPU lacks the memory for the input and three outputs
-    (the KV cache is allocated by then). Capture sizes within `wide_rows` (where decode products
-    stop being bound by the weights' bytes and the tiling decides) also try configurations
-    beyond the heuristic's (`_wide_candidates`). Returns {key: (F.linear us, best candidate us,
+    (the KV cache is allocated by then). Capture sizes within `wide_rows` (lowest, highest;
+    where decode products stop being bound by the weights' bytes and the tiling decides) also
+    try six configurations beyond the heuristic's (`_wide_candidates`; about 1 s per product:
+    the engine asks for it only with a cache dir). Returns {key: (F.linear us, best candidate us,
     candidates run)}; an empty dict where cuBLASLt is not available (CPU, ROCm)."""
     if not cublaslt.available():
         return {}
@@ -286,12 +297,12 @@ def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, 
     t0 = time.perf_counter()
     timed_weights = [_enough_weights(ws) for ws in groups.values()]  # once per shape, not per size
     work = [(r, ws) for r in rows_list for ws in timed_weights]
-    wide = {r for r in rows_list if wide_rows[0] <= r <= wide_rows[1]}  # capture sizes only
+    wide = {r for r in rows_list if wide_rows and wide_rows[0] <= r <= wide_rows[1]}  # capture sizes only
     if prefill_rows and prefill_rows not in rows_list:
         work += [(prefill_rows, ws[:1]) for ws in groups.values() if _fits(prefill_rows, ws[0])]
     path, fingerprint, todo = None, None, work
     if cache_dir:
-        fingerprint = _fingerprint()
+        fingerprint = _fingerprint(wide_rows if wide else None)
         path = cache_path(cache_dir, fingerprint)
         todo = _load_cached(path, work, fingerprint)
     for rows, ws in tqdm(todo, desc="Choosing GEMM algorithms", unit="shape", disable=not todo):
