@@ -14,7 +14,10 @@ but the last), so that row count is chosen for too (on the H200, Llama-3.1-8B at
 o, gate-up and down 1.6-2.9% faster in a probe, 4.8-11% in one engine's start-up; docs/perf,
 eighth session).
 `lt_product` then serves those shapes (eager or captured alike: the choice depends on the
-shape only); every other product stays on `F.linear`.
+shape only); every other product stays on `F.linear`. Asked to (`wide_rows`), it also
+searches beyond the heuristic at decode row counts (`_wide_candidates`: other tilings,
+custom options and cluster shapes of the same kernels), at about ten times the start-up
+cost.
 
 With a `cache_dir` (the guide's `CompilationConfig.cache_dir`, "directory for compilation
 caches") the choices are kept in a `gemm_algorithms-<tag>.json` there, one per GPU kind,
@@ -278,8 +281,8 @@ def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, 
                     prefill_rows: int = 0, wide_rows: tuple[int, int] | None = None) -> dict:
     """Times the model's products at each capture size >= `min_rows` (batch 1 has the GEMV
     choice) and keeps the cuBLASLt candidate that wins by `min_gain` (2%: above the spread of
-    repeated timings), trying at most `max_candidates` of the heuristic's per shape; with `cache_dir`, through the
-    cache file there. `prefill_rows` (the engine passes `max_num_batched_tokens`): also every
+    repeated timings), trying at most `max_candidates` of the heuristic's per shape; with
+    `cache_dir`, through the cache file there. `prefill_rows` (the engine passes `max_num_batched_tokens`): also every
     shape at the row count of a full prefill step, timed on one weight (its input alone is
     larger than L2) and skipped where the GPU lacks the memory for the input and three outputs
     (the KV cache is allocated by then). Capture sizes within `wide_rows` (lowest, highest;
