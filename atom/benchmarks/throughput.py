@@ -23,8 +23,8 @@ import time
 import torch
 
 from atom.benchmarks.peer_vllm import add_engine_limit_args
-from atom.benchmarks.workloads import (DEFAULT_CACHE_DIR, Request, mixed_workload, nano_vllm_workload, warmup_workload,
-                                      write_model_config)
+from atom.benchmarks.workloads import (DEFAULT_CACHE_DIR, Request, mixed_workload, nano_vllm_workload,
+                                      warmup_workload, write_model_config)
 
 logger = logging.getLogger(__name__)
 

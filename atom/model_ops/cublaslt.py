@@ -226,29 +226,26 @@ class LtProduct:
                 continue
             tiles = [v for v in _cap_array(lib, base, _CAP_TILE_IDS) or [0] if only.get("tile", v) == v]
             stages = [v for v in _cap_array(lib, base, _CAP_STAGES_IDS) or [0] if only.get("stages", v) == v]
-            splits = [s for s in split_ks if s == 1 or _cap_int(lib, base, _CAP_SPLITK)]
-            schemes = [b for b in (1, 2, 4) if _cap_int(lib, base, _CAP_REDUCTION_MASK) & b] or [0]
+            can_split, mask = _cap_int(lib, base, _CAP_SPLITK), _cap_int(lib, base, _CAP_REDUCTION_MASK)
+            schemes = [b for b in (1, 2, 4) if mask & b] or [0]
+            splits = [(s, scheme) for s in split_ks if s == 1 or can_split for scheme in (schemes if s > 1 else [0])]
             swizzles = [0, 1] if swizzle and _cap_int(lib, base, _CAP_SWIZZLE) else [0]
             customs = [c for c in range(min(_cap_int(lib, base, _CAP_CUSTOM_MAX), max_custom) + 1)
                        if only.get("custom", c) == c]
             cluster_ids = [c for c in clusters if only.get("cluster", c) == c]
-            for tile in tiles:
-                for stage in stages:
-                    for split in splits:
-                        for scheme in (schemes if split > 1 else [0]):
-                            for swz in swizzles:
-                                for custom, cluster in itertools.product(customs, cluster_ids):
-                                    algo = _Algo.from_buffer_copy(base)
-                                    if not _set(lib, algo, tile=tile, stages=stage, split_k=split,
-                                                reduction=scheme, swizzle=swz, custom=custom, cluster=cluster):
-                                        continue  # a field this cuBLASLt does not take
-                                    if bytes(algo) not in seen and self.check(algo):
-                                        seen.add(bytes(algo))
-                                        out.append(algo)
-                                        if len(out) >= limit:
-                                            return out
-                                        if first_per_tile:
-                                            break
+            for tile, stage, (split, scheme), swz in itertools.product(tiles, stages, splits, swizzles):
+                for custom, cluster in itertools.product(customs, cluster_ids):
+                    algo = _Algo.from_buffer_copy(base)
+                    if not _set(lib, algo, tile=tile, stages=stage, split_k=split, reduction=scheme, swizzle=swz,
+                                custom=custom, cluster=cluster):
+                        continue  # a field this cuBLASLt does not take
+                    if bytes(algo) not in seen and self.check(algo):
+                        seen.add(bytes(algo))
+                        out.append(algo)
+                        if len(out) >= limit:
+                            return out
+                        if first_per_tile:
+                            break
         return out
 
     def tilings(self, ids) -> list[_Algo]:
