@@ -11,10 +11,17 @@ the default choice; decode figures come with the KV-read bandwidth (the H200 cop
     python3 scripts/attention_sweep.py --out attn.json --block-sizes 16 32 64 --decode-only --few
     python3 scripts/attention_sweep.py --out attn.json --decode-only --steps 800 900 1000 --splits 1 2 4 8
     python3 scripts/attention_sweep.py --out attn.json --decode-only --few --layouts nhd hnd --placement sequential
+    python3 scripts/attention_sweep.py --out attn.json --baseline old_triton_unified.py \
+        --decode-tilings 64/2/4 32/4/4 --prefill-tilings 64/64/2/4 64/32/3/4
+
+`--baseline FILE` times an earlier copy of `triton_unified.py` (its default choice) on the same
+batches, as the row "baseline"; `--decode-tilings` (TILE_N/num_stages/num_warps) and
+`--prefill-tilings` (BLOCK_M/TILE_N/num_stages/num_warps) replace the built-in lists.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 
@@ -52,15 +59,27 @@ def paged_batch(ctx, q_lens, dev, block_size=16, layout="nhd", placement="random
     return q, kc, vc, cu, sl, bt
 
 
-def sweep(batch, max_q, configs, kv_bytes=None):
+def load_baseline(path):
+    """An earlier copy of triton_unified.py, as a module."""
+    spec = importlib.util.spec_from_file_location("attention_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sweep(batch, max_q, configs, kv_bytes=None, baseline=None):
     q, kc, vc, cu, sl, bt = batch
     out = torch.empty_like(q)
     ws = AttentionWorkspace(q.shape[0], HQ, D, device=q.device)
+    base_ws = baseline.AttentionWorkspace(q.shape[0], HQ, D, device=q.device) if baseline else None
     ref = None
     rows = []
-    for cfg in [None] + configs:
+    for cfg in [None] + configs + (["baseline"] if baseline else []):
         def call(cfg=cfg):
-            unified_attention(q, kc, vc, out, cu, sl, bt, D ** -0.5, max_q, ws, config=cfg)
+            if cfg == "baseline":
+                baseline.unified_attention(q, kc, vc, out, cu, sl, bt, D ** -0.5, max_q, base_ws)
+            else:
+                unified_attention(q, kc, vc, out, cu, sl, bt, D ** -0.5, max_q, ws, config=cfg)
         try:
             call()
         except Exception as e:  # out of resources
@@ -77,11 +96,20 @@ def sweep(batch, max_q, configs, kv_bytes=None):
             r["TB/s"] = round(kv_bytes / t / 1e12, 2)
         rows.append(r)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-    return dict(default=next(r for r in rows if r["config"] == "default"), best=ok[:8],
-                errors=sum("error" in r for r in rows))
+    res = dict(default=next(r for r in rows if r["config"] == "default"), best=ok[:8],
+               errors=sum("error" in r for r in rows))
+    if baseline:
+        res["baseline"] = next(r for r in rows if r["config"] == "baseline")
+    return res
+
+
+def tilings(specs, keys):
+    """'64/2/4' -> dict(TILE_N=64, num_stages=2, num_warps=4) for keys of that order."""
+    return [dict(zip(keys, map(int, spec.split("/")))) for spec in specs]
 
 
 def main():
+    global HQ
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16])
@@ -95,7 +123,14 @@ def main():
     ap.add_argument("--splits", type=int, nargs="*", default=[],
                     help="instead of the tilings (and of --few), the default tiling with these numbers of "
                          "KV splits (powers of two up to 16)")
+    ap.add_argument("--q-heads", type=int, default=HQ,
+                    help="query heads over the 8 KV heads (32: Llama-3.1-8B; 16: Qwen3-0.6B)")
+    ap.add_argument("--baseline", help="an earlier triton_unified.py to time on the same batches")
+    ap.add_argument("--decode-tilings", nargs="+", help="TILE_N/num_stages/num_warps, instead of the built-in list")
+    ap.add_argument("--prefill-tilings", nargs="+",
+                    help="BLOCK_M/TILE_N/num_stages/num_warps, instead of the built-in list")
     args = ap.parse_args()
+    HQ = args.q_heads
     if any(n < 1 or n > 16 or n & (n - 1) for n in args.splits):
         ap.error(f"--splits takes powers of two from 1 to 16 (the workspace's limit), got {args.splits}")
     dev = "cuda"
@@ -107,14 +142,17 @@ def main():
         dec_cfgs = [dict(TILE_N=t, num_warps=4, num_stages=s) for t, s in itertools.product((32, 64, 128), (2, 3))]
     if args.splits:
         dec_cfgs = [dict(num_splits=n) for n in args.splits]
+    if args.decode_tilings:
+        dec_cfgs = tilings(args.decode_tilings, ("TILE_N", "num_stages", "num_warps"))
+    baseline = load_baseline(args.baseline) if args.baseline else None
     for layout, bs in itertools.product(args.layouts, args.block_sizes):
         for step in args.steps:
             live = sorted((len(r.prompt_token_ids) + step for r in reqs if r.max_tokens > step), reverse=True)
             kv = sum(live) * HKV * D * 2 * 2
-            r = sweep(paged_batch(live, [1] * len(live), dev, bs, layout, args.placement), 1, dec_cfgs, kv)
+            r = sweep(paged_batch(live, [1] * len(live), dev, bs, layout, args.placement), 1, dec_cfgs, kv, baseline)
             key = f"{layout}, block {bs}, decode step {step}, {len(live)} seqs"
             res[key] = r
-            print(f"{key}: default {r['default']}; best {r['best'][:3]}", flush=True)
+            print(f"{key}: default {r['default']}; best {r['best'][:3]}; baseline {r.get('baseline')}", flush=True)
     if args.decode_only:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "results": res}, f, indent=1)
@@ -127,13 +165,16 @@ def main():
         total += lens[-1]
     pre_cfgs = [dict(BLOCK_M=m, TILE_N=t, num_warps=w, num_stages=s)
                 for m, t, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
-    r = sweep(paged_batch(lens, lens, dev, args.block_sizes[0], args.layouts[-1], args.placement), max(lens), pre_cfgs)
+    if args.prefill_tilings:
+        pre_cfgs = tilings(args.prefill_tilings, ("BLOCK_M", "TILE_N", "num_stages", "num_warps"))
+    r = sweep(paged_batch(lens, lens, dev, args.block_sizes[0], args.layouts[-1], args.placement), max(lens), pre_cfgs,
+              baseline=baseline)
     flops = sum(2 * 2 * L * L / 2 * HQ * D for L in lens)
-    for row in [r["default"]] + r["best"]:
+    for row in [r["default"]] + r["best"] + ([r["baseline"]] if "baseline" in r else []):
         row["TFLOP/s"] = round(flops / row["us"] / 1e6, 1)
     key = f"{args.layouts[-1]}, block {args.block_sizes[0]}, prefill {len(lens)} prompts, {total} tokens"
     res[key] = r
-    print(f"{key}: default {r['default']}; best {r['best'][:3]}", flush=True)
+    print(f"{key}: default {r['default']}; best {r['best'][:3]}; baseline {r.get('baseline')}", flush=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "results": res}, f, indent=1)
 
