@@ -17,6 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from atom.benchmarks.provenance import provenance
+
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 NUM_LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 
@@ -69,7 +71,7 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(),
                        "weight_bytes": nbytes, "stream_gb_s": nbytes / stream_s / 1e9,
-                       "peak_gflops": peak_gflops, "results": rows}, f, indent=1)
+                       "peak_gflops": peak_gflops, "results": rows, **provenance()}, f, indent=1)
 
 
 if __name__ == "__main__":

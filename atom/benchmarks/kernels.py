@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from atom.benchmarks.provenance import provenance
 from atom.utils.cuda_timing import graph_time
 
 HBM_BYTES_PER_S = 4.3e12  # measured D2D copy on the H200
@@ -164,8 +165,7 @@ def main(argv=None):
     def dump():
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                               triton=__import__("triton").__version__,
+                json.dump(dict(device=torch.cuda.get_device_name(), **provenance(),
                                hbm_bytes_per_s=HBM_BYTES_PER_S, rows=rows, tuning=tuned),
                           f, indent=1)
 

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from atom.benchmarks.provenance import provenance
 from atom.benchmarks.roofline import decode_floor_ms
 from atom.benchmarks.workloads import DEFAULT_CACHE_DIR, MODEL_CONFIGS, mixed_workload, write_model_config
 
@@ -109,7 +110,7 @@ def main(argv=None) -> None:
             json.dump({"model": args.model, "date": time.strftime("%Y-%m-%d"),
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "peer": peer and f"vLLM {peer['vllm_version']}", "results": results,
-                       "one_row_choices": choices}, f, indent=1)
+                       "one_row_choices": choices, **provenance()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 import torch
 
 from atom.benchmarks.peer_vllm import add_engine_limit_args
+from atom.benchmarks.provenance import provenance
 from atom.benchmarks.workloads import (DEFAULT_CACHE_DIR, Request, mixed_workload, nano_vllm_workload,
                                       warmup_workload, write_model_config)
 
@@ -190,6 +191,7 @@ def main(argv=None) -> None:
     res = cpu_main(args) if args.device == "cpu" else gpu_main(args)
     res["date"] = time.strftime("%Y-%m-%d")
     res["command"] = "python -m atom.benchmarks.throughput " + " ".join(argv or sys.argv[1:])
+    res.update(provenance())
     report(res)
     if args.out:
         with open(args.out, "w") as f:
