@@ -15,8 +15,9 @@ the default choice; decode figures come with the KV-read bandwidth (the H200 cop
         --decode-tilings 64/2/4 32/4/4 --prefill-tilings 64/64/2/4 64/32/3/4
 
 `--baseline FILE` times an earlier copy of `triton_unified.py` (its default choice) on the same
-batches, as the row "baseline"; `--decode-tilings` (TILE_N/num_stages/num_warps) and
-`--prefill-tilings` (BLOCK_M/TILE_N/num_stages/num_warps) replace the built-in lists.
+batches, as the row "baseline"; `--decode-tilings` (TILE_N/num_stages/num_warps[/maxnreg]) and
+`--prefill-tilings` (BLOCK_M/TILE_N/num_stages/num_warps[/maxnreg]) replace the built-in lists
+(maxnreg: a cap on registers per thread, e.g. 64/2/4/96 for a fifth program per SM).
 """
 from __future__ import annotations
 
@@ -126,9 +127,10 @@ def main():
     ap.add_argument("--q-heads", type=int, default=HQ,
                     help="query heads over the 8 KV heads (32: Llama-3.1-8B; 16: Qwen3-0.6B)")
     ap.add_argument("--baseline", help="an earlier triton_unified.py to time on the same batches")
-    ap.add_argument("--decode-tilings", nargs="+", help="TILE_N/num_stages/num_warps, instead of the built-in list")
+    ap.add_argument("--decode-tilings", nargs="+",
+                    help="TILE_N/num_stages/num_warps[/maxnreg], instead of the built-in list")
     ap.add_argument("--prefill-tilings", nargs="+",
-                    help="BLOCK_M/TILE_N/num_stages/num_warps, instead of the built-in list")
+                    help="BLOCK_M/TILE_N/num_stages/num_warps[/maxnreg], instead of the built-in list")
     args = ap.parse_args()
     HQ = args.q_heads
     if any(n < 1 or n > 16 or n & (n - 1) for n in args.splits):
@@ -143,7 +145,7 @@ def main():
     if args.splits:
         dec_cfgs = [dict(num_splits=n) for n in args.splits]
     if args.decode_tilings:
-        dec_cfgs = tilings(args.decode_tilings, ("TILE_N", "num_stages", "num_warps"))
+        dec_cfgs = tilings(args.decode_tilings, ("TILE_N", "num_stages", "num_warps", "maxnreg"))
     baseline = load_baseline(args.baseline) if args.baseline else None
     for layout, bs in itertools.product(args.layouts, args.block_sizes):
         for step in args.steps:
@@ -166,7 +168,7 @@ def main():
     pre_cfgs = [dict(BLOCK_M=m, TILE_N=t, num_warps=w, num_stages=s)
                 for m, t, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
     if args.prefill_tilings:
-        pre_cfgs = tilings(args.prefill_tilings, ("BLOCK_M", "TILE_N", "num_stages", "num_warps"))
+        pre_cfgs = tilings(args.prefill_tilings, ("BLOCK_M", "TILE_N", "num_stages", "num_warps", "maxnreg"))
     r = sweep(paged_batch(lens, lens, dev, args.block_sizes[0], args.layouts[-1], args.placement), max(lens), pre_cfgs,
               baseline=baseline)
     flops = sum(2 * 2 * L * L / 2 * HQ * D for L in lens)

@@ -125,12 +125,12 @@ def _make_batch(kinds, Hq, Hkv, D, block_size, dtype, device, max_ctx, seed, pad
                 max_query_len=max(qlens) if qlens else 0)
 
 
-def _run_attention(batch, dtype, what, num_kv_splits=None, workspace=None, n_valid=None):
+def _run_attention(batch, dtype, what, num_kv_splits=None, workspace=None, n_valid=None, config=None):
     q = batch["q"]
     out = torch.full_like(q, float("nan"))
     ref = torch.full_like(q, float("nan"))
     args = {k: v for k, v in batch.items() if k != "q"}
-    unified_attention(q, out=out, workspace=workspace, num_kv_splits=num_kv_splits, **args)
+    unified_attention(q, out=out, workspace=workspace, num_kv_splits=num_kv_splits, config=config, **args)
     paged_attention_ref(q, out=ref, **args)
     n = int(batch["cu_seqlens_q"][-1]) if n_valid is None else n_valid
     if n:
@@ -186,6 +186,30 @@ def test_attention_edge_batches(device, kinds):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     batch = _make_batch(kinds, 4, 2, 64, 16, dtype, device, 90, seed=len(kinds))
     _run_attention(batch, dtype, str(kinds))
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_attention_register_cap(device, monkeypatch):
+    """`maxnreg` in the tuning config reaches the kernel's launch (a cap on registers per
+    thread, for more programs per SM; the GPU compiles under it, spilling what does not fit)
+    and keeps the results; without it the launch carries no cap."""
+    launches = []
+    kernel = _tu._unified_attn_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(_tu, "_unified_attn_kernel", Recording())
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kinds = ["decode"] * 5 + ["prefill", "chunk"]
+    batch = _make_batch(kinds, 32, 8, 128, 16, dtype, device, 90 if device == "cpu" else 2000, seed=11)
+    _run_attention(batch, dtype, "maxnreg 96", config={"maxnreg": 96})
+    _run_attention(batch, dtype, "no cap")
+    assert [k.get("maxnreg") for k in launches] == [96, None]
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])

@@ -526,7 +526,8 @@ def unified_attention(
     ``num_kv_splits``: None picks by shape (split only for decode-only batches
     with few programs); 1 forces one pass; a power of two forces that many
     segments (any ``max_query_len``).  ``config`` overrides tile choices
-    (``TILE_N``, ``BLOCK_M``, ``num_warps``, ``num_stages``) for tuning.
+    (``TILE_N``, ``BLOCK_M``, ``num_warps``, ``num_stages``; ``maxnreg`` caps the registers
+    per thread, so that more programs fit on an SM) for tuning.
     Tokens past ``cu_seqlens_q[-1]`` (graph padding) are left untouched.
     """
     if not HAS_TRITON:
@@ -584,6 +585,7 @@ def unified_attention(
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
+        **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
     if splits > 1:
         _merge_kernel[(T, Hq)](
