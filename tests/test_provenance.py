@@ -25,7 +25,8 @@ def test_commit_of_a_checkout_and_its_dirty_state(tmp_path):
     assert git_commit(tmp_path) == head + "+dirty"
 
 
-def test_no_commit_outside_a_checkout(tmp_path):
+def test_no_commit_outside_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # wherever the tmp dir lies
     assert git_commit(tmp_path) is None
 
 
