@@ -1,6 +1,6 @@
 """Where a benchmark figure came from, for the JSON it writes: the commit of this checkout
 (``+dirty`` when tracked files differ from it), torch and triton versions and, on a GPU, its
-name, UUID and SM count.
+UUID and SM count (the JSON's ``device`` already names it).
 
 The UUID matters: lent H200s of one kind ran the same code up to ~5% apart (docs/perf, the
 eleventh session), so figures compare only within one machine.
@@ -34,7 +34,7 @@ def git_commit(root: Path = _REPO) -> Optional[str]:
 
 
 def provenance() -> dict:
-    """Commit, library versions and the GPU (if any) of this process."""
+    """Commit, library versions and the GPU's identity (if any) of this process."""
     info = {"commit": git_commit(), "torch": torch.__version__}
     try:
         import triton
@@ -43,5 +43,5 @@ def provenance() -> dict:
         pass
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        info.update(gpu=p.name, gpu_uuid=str(p.uuid), sm_count=p.multi_processor_count)
+        info.update(gpu_uuid=str(p.uuid), sm_count=p.multi_processor_count)
     return info
