@@ -388,9 +388,11 @@ class Config:
                 )
         elif self.max_model_len is None or self.max_model_len > limit:
             if self.max_model_len is not None:
-                logger.info(
-                    "max_model_len=%d exceeds max_position_embeddings=%d; capped",
+                logger.warning(
+                    "max_model_len=%d exceeds the model's max_position_embeddings=%d: "
+                    "capped to %d (the model's limit)",
                     self.max_model_len,
+                    limit,
                     limit,
                 )
             self.max_model_len = limit

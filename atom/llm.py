@@ -1,41 +1,65 @@
 """`LLM`: the façade. Builds a `Config` from keywords and wires the engine.
 
-    llm = LLM("path/to/model", max_num_seqs=64)
+    llm = LLM("path/to/model", max_num_seqs=64, dtype="bfloat16", seed=0)
     outs = llm.generate(["Hello", "Hi"], SamplingParams(temperature=0, max_tokens=16))
 
-`generate` returns one `RequestOutput` per prompt, in input order. A prompt that cannot be
-served (empty, too long, bad token ids, bad sampling parameters) comes back with
-`finish_reason="error"` and the reason in `.error`; the other prompts complete.
-Per-step records (`llm.stats`) are on by default; `LLM(..., record_stats=False)` turns
-them off. `async_scheduling` (default: on a GPU) launches the next decode step before the
-current one's tokens reach the host.
+`generate` returns one `RequestOutput` per prompt, in input order. Prompts are text, token
+ids (list, tuple, numpy array, torch tensor) or vLLM-style dicts (`{"prompt": ...}`,
+`{"prompt_token_ids": [...]}`), one or a list of them (`atom.model_engine.prompts`);
+`sampling_params` is one `SamplingParams` (or a dict of its fields) or one per prompt.
+A prompt that cannot be served (empty, too long, bad token ids, bad sampling parameters)
+comes back with `finish_reason="error"` and the reason in `.error`; the other prompts
+complete. An exception that escapes the step loop (a KeyboardInterrupt in a notebook)
+aborts the call's requests, freeing their KV blocks, before it propagates.
+
+Keywords besides `Config`'s fields: `dtype` ("auto": the checkpoint's; "bfloat16",
+"float16", "float32" or a torch.dtype), `seed` (seeds random / numpy / torch once, here),
+`record_stats` (per-step records, `llm.stats`; on by default), `stats_window` (how many
+step and request records are kept, default 10,000; None: all), `async_scheduling`
+(default: on a GPU) launches the next decode step before the current one's tokens reach
+the host. Building an `LLM` makes ATOM's INFO lines (engine-status line included) visible
+on stderr unless logging is configured already (`atom.utils.log_setup`).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence as Seq
+from typing import Any
 
-from atom.outputs import RequestOutput
+from atom.model_engine.prompts import as_sampling_params, parse_prompt, split_prompts
+from atom.model_engine.stats import DEFAULT_WINDOW, check_window
+from atom.outputs import RequestOutput, RequestOutputKind
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
-
 
 class LLM:
     def __init__(self, model: str = "embedded", record_stats: bool = True,
-                 async_scheduling: bool | None = None, **kwargs):
+                 async_scheduling: bool | None = None, dtype: Any = "auto", seed: int | None = None,
+                 stats_window: int | None = DEFAULT_WINDOW, **kwargs):
         from atom.config import Config
         from atom.model_engine.llm_engine import LLMEngine
+        from atom.utils.dtypes import parse_dtype
+        from atom.utils.log_setup import ensure_visible
+        from atom.utils.seed import check_seed, set_seed
         known = {f.name for f in dataclasses.fields(Config) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown keyword argument(s) {unknown}: "
-                            f"valid ones are the fields of atom.Config")
+                            f"valid ones are the fields of atom.Config, dtype, seed, record_stats, "
+                            f"stats_window and async_scheduling")
+        forced_dtype = parse_dtype(dtype)
+        check_seed(seed)
+        check_window(stats_window)
+        ensure_visible()
         self.config = Config(model=model, **kwargs)
+        if forced_dtype is not None and forced_dtype != self.config.torch_dtype:
+            logger.info("dtype=%s overrides the checkpoint's %s", forced_dtype, self.config.torch_dtype)
+            self.config.torch_dtype = forced_dtype
+        self.seed = set_seed(seed)
         self.engine = LLMEngine(self.config, record_stats=record_stats, async_scheduling=async_scheduling)
+        self.engine.stats.set_window(stats_window)
         self.tokenizer = self.engine.tokenizer
 
     @property
@@ -53,45 +77,47 @@ class LLM:
     def stop_profile(self) -> None:
         self.engine.runner.stop_profile()
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} "
-                             "prompts: pass one SamplingParams or one per prompt")
+    def generate(self, prompts, sampling_params: Any = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        items = split_prompts(prompts)
+        sps = _sampling_list(sampling_params, len(items))
         engine = self.engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
-            try:
-                rid = engine.add_request(p, sp)
-            except (ValueError, TypeError) as e:
-                rid = f"error-{i}"
-                logger.warning("request %d refused: %s", i, e)
-                ids = p if isinstance(p, list) else []
-                results[rid] = RequestOutput(rid, p if isinstance(p, str) else None, list(ids),
-                                             finish_reason="error", error=str(e))
-            order.append(rid)
-        pending = len(order) - len(results)
-        bar = _progress(pending, use_tqdm)
+        added: list[str] = []
+        bar = None
         try:
-            while not engine.is_finished():
+            for i, (p, sp) in enumerate(zip(items, sps)):
+                parsed = None
+                try:
+                    parsed = parse_prompt(p, f"prompts[{i}]")
+                    rid = engine.add_request(parsed, sp)
+                    engine.set_output_kind(rid, RequestOutputKind.FINAL_ONLY)  # no per-step text
+                    added.append(rid)
+                except (ValueError, TypeError) as e:
+                    rid = f"error-{i}"
+                    logger.warning("request %d refused: %s", i, e)
+                    results[rid] = RequestOutput(rid, parsed.text if parsed else None,
+                                                 list(parsed.token_ids or []) if parsed else [],
+                                                 finish_reason="error", error=str(e))
+                order.append(rid)
+            pending = set(added)
+            bar = _progress(len(pending), use_tqdm)
+            while pending and not engine.is_finished():
                 for out in engine.step():
-                    results[out.request_id] = out
-                    bar.update(1)
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:  # KeyboardInterrupt, a failing step: leave the engine clean
+            _abort_unfinished(engine, [rid for rid in added if rid not in results])
+            raise
         finally:
-            bar.close()
-        return [results[rid] for rid in order]
+            if bar is not None:
+                bar.close()
+        return [results[rid] if rid in results else RequestOutput(rid, None, [], finish_reason="abort")
+                for rid in order]
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: Any = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Chat conversations through the model's chat template, then `generate`."""
         if self.tokenizer is None:
@@ -100,6 +126,30 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _sampling_list(sampling_params: Any, n: int) -> list[SamplingParams]:
+    """One SamplingParams (or dict) for all prompts, or one per prompt."""
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, (SamplingParams, dict)):
+        return [as_sampling_params(sampling_params)] * n
+    if not isinstance(sampling_params, (list, tuple)):
+        return [as_sampling_params(sampling_params)] * n  # raises the TypeError
+    if len(sampling_params) != n:
+        raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} "
+                         "prompts: pass one SamplingParams or one per prompt")
+    return [as_sampling_params(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
+
+
+def _abort_unfinished(engine, request_ids: list[str]) -> None:
+    for rid in request_ids:
+        try:
+            engine.abort(rid)
+        except Exception:  # keep aborting the others; the original exception propagates
+            logger.exception("could not abort request %s", rid)
+    if request_ids:
+        logger.warning("generate interrupted: aborted %d unfinished request(s)", len(request_ids))
 
 
 def _progress(total: int, enabled: bool):

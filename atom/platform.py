@@ -4,7 +4,9 @@
 - NVIDIA GPU: the Triton kernels (attention over the paged cache, norm, rotary, ...).
 - AMD GPU (ROCm): the same Triton kernels; when `aiter` imports ("aiter"), AITER's kernels
   serve RMSNorm, add + RMSNorm and SiLU-and-mul (`model_ops.kernels_aiter`), Triton the rest.
-The choice is logged once; `ATOM_KERNEL_BACKEND=torch|triton|aiter` forces one.
+The choice is logged once (INFO); `ATOM_KERNEL_BACKEND=torch|triton|aiter` forces one. Any
+other value, or a backend this machine cannot run (triton / aiter without a GPU, aiter
+without the package), is a ValueError when the engine starts (`model_engine.supported`).
 """
 from __future__ import annotations
 
@@ -28,15 +30,28 @@ def is_rocm() -> bool:
     return torch.version.hip is not None
 
 
-@functools.cache
 def kernel_backend() -> str:
-    forced = os.environ.get("ATOM_KERNEL_BACKEND")
+    """The backend for this process: chosen (and logged at INFO) once per value of
+    `ATOM_KERNEL_BACKEND`; a value that is no backend, or one this machine cannot run
+    (triton / aiter without a GPU, aiter without the package), is a ValueError."""
+    return _kernel_backend(os.environ.get("ATOM_KERNEL_BACKEND") or None)
+
+
+@functools.cache
+def _kernel_backend(forced: str | None) -> str:
     if forced:
         if forced not in BACKENDS:
-            raise ValueError(f"ATOM_KERNEL_BACKEND={forced!r} is invalid: choose one of {', '.join(BACKENDS)}")
+            raise ValueError(f"ATOM_KERNEL_BACKEND={forced!r} is invalid: choose one of "
+                             f"{', '.join(BACKENDS)} (or unset it to choose by device)")
         if forced == "aiter" and (err := _aiter_import_error()) is not None:
             raise ValueError(f"ATOM_KERNEL_BACKEND='aiter' needs the aiter package, which {err}: "
                              "choose triton or torch")
+        if forced != "torch" and not torch.cuda.is_available():
+            raise ValueError(f"ATOM_KERNEL_BACKEND={forced!r} needs a GPU and torch sees none: "
+                             "choose torch (the CPU reference kernels) or unset it")
+        if forced == "triton" and importlib.util.find_spec("triton") is None:
+            raise ValueError("ATOM_KERNEL_BACKEND='triton' needs the triton package, which is not "
+                             "installed: choose torch or unset it")
         choice, why = forced, "forced by ATOM_KERNEL_BACKEND"
     elif not torch.cuda.is_available():
         choice, why = "torch", "no GPU: torch reference kernels"
@@ -50,6 +65,9 @@ def kernel_backend() -> str:
         choice, why = "torch", "GPU without Triton: torch reference kernels"
     logger.info("kernel backend: %s (%s)", choice, why)
     return choice
+
+
+kernel_backend.cache_clear = _kernel_backend.cache_clear  # forget the choices (tests, notebooks)
 
 
 def _aiter_import_error() -> str | None:

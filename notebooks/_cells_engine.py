@@ -299,7 +299,7 @@ def drive(sched, max_steps=100):
         if sched.is_finished():
             break
         batch = sched.schedule()
-        sampled = [7 if s.samples_this_step else None for s in batch.seqs]
+        sampled = [[7] if s.samples_this_step else [] for s in batch.seqs]
         rows.append({"step": step, **{f"seq {s.seq_id}": n for s, n in zip(batch.seqs, batch.num_new_tokens)},
                      "tokens": batch.num_tokens, "preempted": batch.num_preempted})
         sched.postprocess(batch, sampled)

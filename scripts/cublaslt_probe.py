@@ -45,7 +45,7 @@ def enumerated(prod, x, ws, out, ref, keep=8, budget=90.0):
     option x cluster shape of every algorithm id (those cuBLASLt lists and the heuristic's),
     then every split-K / swizzle variant of the 12 fastest, then time the `keep` fastest of
     all properly: wider and slower than the engine's start-up search
-    (`gemm_tuning._wide_candidates`). Screening stops after 60% of `budget` seconds for the first
+    (`atom.tuning.gemm_choice._wide_candidates`). Screening stops after 60% of `budget` seconds for the first
     set and after `budget` for the variants."""
     t0 = time.time()
 

@@ -76,6 +76,8 @@ def main() -> None:
     llm.generate(prompts, sps, use_tqdm=False)  # warm-up and the step records
     print(step_summary(llm.stats.steps()), flush=True)
     engine = llm.engine
+    from atom.outputs import RequestOutputKind
+    engine.default_output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate: no per-step text
     for p, sp in zip(prompts, sps):
         engine.add_request(p, sp)
     for _ in range(args.skip_steps):

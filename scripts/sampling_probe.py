@@ -5,8 +5,9 @@ against torch's argmax and against the time to read the logits once at HBM bandw
 A diagnosis tool behind docs/perf's sampling figures, not a benchmark.
 
     python3 scripts/sampling_probe.py --out probe.json
-    git show 913fcc8:atom/model_ops/kernels/sampling.py > /tmp/sampling_913fcc8.py
-    python3 scripts/sampling_probe.py --out probe.json --against /tmp/sampling_913fcc8.py
+    python3 scripts/sampling_probe.py --out probe.json --against /path/to/other/sampling.py
+
+(`--against`: another copy of the kernel module, e.g. from an installed release, timed beside it.)
 
 Times are medians of CUDA-graph replays of one call (graph launch included).
 """
@@ -24,7 +25,7 @@ from atom.utils.cuda_timing import graph_time
 
 
 def _module(path: str):
-    """Another version of the sampling module (e.g. from git history), for a side-by-side."""
+    """Another copy of the sampling module (a file path), for a side-by-side."""
     spec = importlib.util.spec_from_file_location("sampling_against", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

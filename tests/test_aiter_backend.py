@@ -142,13 +142,30 @@ def test_backend_modules_and_the_layers_choice(aiter_kernels, monkeypatch):
     assert kernel_backend.kernels_for("triton") is triton_kernels
     assert kernel_backend.kernels_for("torch") is None
     monkeypatch.setattr(platform, "kernel_backend", lambda: "aiter")
-    monkeypatch.setattr(kernel_backend, "_kernels", None)
     on_gpu = types.SimpleNamespace(is_cuda=True)
     assert kernel_backend.get(on_gpu) is k
     assert kernel_backend.get(types.SimpleNamespace(is_cuda=False)) is None
     monkeypatch.setattr(platform, "kernel_backend", lambda: "torch")
-    monkeypatch.setattr(kernel_backend, "_kernels", None)
     assert kernel_backend.get(on_gpu) is None
+
+
+def test_the_engines_plan_decides_inside_a_forward(aiter_kernels, monkeypatch):
+    """Inside a forward the kernel plan in the forward context wins over the platform's
+    choice, so two engines in one process each get their own kernels."""
+    from atom.model_ops.attention import AttentionMetadata, forward_context
+    from atom.tuning.plan import KernelPlan
+    k, _ = aiter_kernels
+    monkeypatch.setattr(platform, "kernel_backend", lambda: "aiter")
+    on_gpu, on_cpu = types.SimpleNamespace(is_cuda=True), types.SimpleNamespace(is_cuda=False)
+    t = torch.zeros(1)
+    meta = AttentionMetadata(t, t, t, t, 1, 1)
+    meta.plan = KernelPlan(backend="torch")
+    with forward_context(meta):
+        assert kernel_backend.get(on_gpu) is None
+    meta.plan = KernelPlan(backend="triton", force_kernels=True)
+    with forward_context(meta):
+        assert kernel_backend.get(on_cpu) is triton_kernels
+    assert kernel_backend.get(on_gpu) is k  # outside a forward: the platform's choice
 
 
 def test_forcing_aiter_without_the_package_is_a_clear_error(monkeypatch):

@@ -108,3 +108,21 @@ def test_no_prefix_caching_means_no_hits():
     b = seq(range(9))
     assert bm.allocate_prefix(b) == 0 and bm.num_query_tokens == 0
     assert "prefix_caching=False" in repr(bm)
+
+
+def test_trim_returns_blocks_past_the_end():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    a = seq(range(8))
+    run_all(bm, a)                     # 2 full blocks, published
+    b = seq(range(8))
+    bm.allocate_prefix(b)              # shares block 0
+    bm.append_slots(b, 7)              # 4 + 7 = 11 tokens: blocks 0 (shared), +2 new
+    tail = b.block_table[2]
+    assert bm.trim(b, 6) == 1          # 6 tokens need 2 blocks: the third goes back, first in line
+    assert len(b.block_table) == 2 and next(iter(bm.free_blocks)) == tail
+    assert bm.trim(b, 6) == 0
+    assert bm.trim(b, 3) == 1          # the shared block stays, still referenced by a
+    assert b.block_table == a.block_table[:1] and bm.blocks[a.block_table[0]].ref_count == 2
+    bm.free(b)
+    bm.free(a)
+    assert bm.num_free_blocks == 8

@@ -11,7 +11,8 @@ pytest.importorskip("triton")
 
 from test_triton_kernels import CPU, GPU, _check_close, _dtypes  # noqa: E402  (same parametrization)
 
-from atom.model_ops import linear  # noqa: E402
+from atom.model_ops.quant import dense, library_product  # noqa: E402
+from atom.tuning.plan import KernelPlan  # noqa: E402
 from atom.model_ops.kernels.gemm import gemm, gemm_config  # noqa: E402
 
 SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized tiles
@@ -95,16 +96,13 @@ def test_linear_layers_take_the_triton_gemm_when_switched_on(device, monkeypatch
 
     x = torch.randn(4, 8).as_subclass(FakeGpuTensor)
     w = torch.randn(6, 8)
-    monkeypatch.setattr(linear, "TRITON_GEMM", False)
-    linear.dense(x, w)
+    plan = KernelPlan(backend="triton")
+    dense(x, w, plan=plan)
     assert seen == []
-    linear.use_triton_gemm(True)
-    try:
-        linear.dense(x, w)
-        linear.dense(torch.randn(4, 8), w)  # a real CPU tensor: oneDNN / F.linear
-        linear._library_product(x[:1], w)  # the batch-1 GEMV choice's baseline
-    finally:
-        linear.use_triton_gemm(False)
+    plan.triton_gemm = True
+    dense(x, w, plan=plan)
+    dense(torch.randn(4, 8), w, plan=plan)  # a real CPU tensor: oneDNN / F.linear
+    library_product(plan, x[:1], w)  # the batch-1 GEMV choice's baseline
     assert seen == [torch.Size([4, 8]), torch.Size([1, 8])]
-    linear._library_product(x[:1], w)
+    library_product(KernelPlan(backend="triton"), x[:1], w)  # another engine's plan: no Triton GEMM
     assert len(seen) == 2

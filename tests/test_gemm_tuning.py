@@ -11,17 +11,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom.model_ops import cublaslt, gemm_tuning, linear
+from atom.model_ops import cublaslt, linear
+from atom.tuning import gemm_choice as gemm_tuning
+from atom.tuning.plan import KernelPlan
 
 GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                               reason="needs an NVIDIA GPU (cuBLASLt)")
 
 
+class _P:  # the kernel plan the choices go into (a fresh one per test)
+    plan = KernelPlan()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_choices():
-    gemm_tuning.clear()
+    _P.plan = KernelPlan()
     yield
-    gemm_tuning.clear()
 
 
 NAMES = ["good-slow", "wrong", "refused", "good-fast"]
@@ -79,22 +84,22 @@ def _fake_cublaslt(monkeypatch, us, calls_seen=None):
 def _run_choice(monkeypatch, us, min_gain=1.02):
     _fake_cublaslt(monkeypatch, us)
     ws = [torch.randn(24, 16) for _ in range(3)]
-    gemm_tuning._choose_one(8, ws, min_gain, iters=3, max_candidates=8)
+    gemm_tuning._choose_one(_P.plan, 8, ws, min_gain, iters=3, max_candidates=8)
     return (8, 24, 16, torch.float32)
 
 
 def test_choice_keeps_the_fastest_correct_candidate_when_it_wins(monkeypatch):
     key = _run_choice(monkeypatch, {"base": 10.0, "good-slow": 9.9, "wrong": 1.0, "good-fast": 9.0})
-    base, best, tried = gemm_tuning.LT_CHOICES[key]
+    base, best, tried = _P.plan.lt_timings[key]
     assert (base, best) == (10.0, 9.0)
     assert tried == 2  # "wrong" failed the check, "refused" did not run
-    assert _name(gemm_tuning._CHOSEN[key][1]) == "good-fast"
+    assert _name(_P.plan.lt[key][1]) == "good-fast"
 
 
 def test_choice_stays_on_f_linear_below_the_gain(monkeypatch):
     key = _run_choice(monkeypatch, {"base": 10.0, "good-slow": 9.95, "wrong": 1.0, "good-fast": 9.9})
-    assert gemm_tuning.LT_CHOICES[key][:2] == (10.0, 9.9)
-    assert key not in gemm_tuning._CHOSEN  # 1% faster is within the timings' spread
+    assert _P.plan.lt_timings[key][:2] == (10.0, 9.9)
+    assert key not in _P.plan.lt  # 1% faster is within the timings' spread
 
 
 class _WideProduct(_FakeProduct):
@@ -175,32 +180,32 @@ def test_wide_search_adds_the_fastest_configurations_beyond_the_heuristic(monkey
                                                "t2v0": 7.0})
     _WideProduct.refused = {"t2v0": (8, 16), "t1v1": (16,)}  # the fastest, refused at these rows
     ws = [torch.randn(24, 16) for _ in range(3)]
-    gemm_tuning._choose_one(8, ws, 1.02, iters=3, max_candidates=8, wide=True)
+    gemm_tuning._choose_one(_P.plan, 8, ws, 1.02, iters=3, max_candidates=8, wide=True)
     key = (8, 24, 16, torch.float32)
     assert _WideProduct.made[0] == ("tilings", 24, (66,))  # the heuristic's algorithm ids
     assert [m[2] for m in _WideProduct.made[1:]] == ["good-fast", "t0", "t1", "t2"]  # the 4 fastest tilings' variants
     assert all(f"t{i}" not in names for i, names in enumerate(screened[1:]))  # a tiling is not screened again
     assert "t2v0" not in sum(screened, [])  # refused at these rows
-    base, best, tried = gemm_tuning.LT_CHOICES[key]
+    base, best, tried = _P.plan.lt_timings[key]
     assert tried == 2 + 6  # the heuristic's two, then the six fastest screened
     # each once: the heuristic's "good-fast" came up in the screening too
     assert sorted(timed) == sorted(["base", "good-slow", "good-fast", "t0v1", "t0v0", "t0", "t1v1", "t1v0", "t1"])
-    assert (base, best) == (10.0, 8.0) and _wide_name(gemm_tuning._CHOSEN[key][1]) == "t1v1"
+    assert (base, best) == (10.0, 8.0) and _wide_name(_P.plan.lt[key][1]) == "t1v1"
     # another row count of the shape re-checks the enumerated configurations, builds none
     _WideProduct.made.clear()
     screened.clear()
-    gemm_tuning._choose_one(16, ws, 1.02, iters=3, max_candidates=8, wide=True)
+    gemm_tuning._choose_one(_P.plan, 16, ws, 1.02, iters=3, max_candidates=8, wide=True)
     assert _WideProduct.made == []
     assert "t1v1" not in sum(screened, []) and "t1v0" in sum(screened, [])
-    assert gemm_tuning.LT_CHOICES[(16, 24, 16, torch.float32)][1:] == (9.0, 8)  # t1v1 refused here
+    assert _P.plan.lt_timings[(16, 24, 16, torch.float32)][1:] == (9.0, 8)  # t1v1 refused here
     # another weight shape builds its own
-    gemm_tuning._choose_one(16, [torch.randn(40, 16)], 1.02, iters=3, max_candidates=8, wide=True)
+    gemm_tuning._choose_one(_P.plan, 16, [torch.randn(40, 16)], 1.02, iters=3, max_candidates=8, wide=True)
     assert _WideProduct.made[0] == ("tilings", 40, (66,))
     # without the wide search only the heuristic's candidates run
-    gemm_tuning.clear()
+    _P.plan = KernelPlan()
     _WideProduct.made.clear()
-    gemm_tuning._choose_one(8, ws, 1.02, iters=3, max_candidates=8)
-    assert _WideProduct.made == [] and gemm_tuning.LT_CHOICES[key][1:] == (9.0, 2)
+    gemm_tuning._choose_one(_P.plan, 8, ws, 1.02, iters=3, max_candidates=8)
+    assert _WideProduct.made == [] and _P.plan.lt_timings[key][1:] == (9.0, 2)
 
 
 def test_wide_search_only_at_the_capture_sizes_asked_for(monkeypatch):
@@ -209,12 +214,12 @@ def test_wide_search_only_at_the_capture_sizes_asked_for(monkeypatch):
     monkeypatch.setattr(gemm_tuning, "_enough_weights", lambda ws: ws)
     monkeypatch.setattr(gemm_tuning, "_fits", lambda rows, w: True)
     monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: {(24, 16, torch.float32): [_aligned(24, 16)]})
-    res = gemm_tuning.choose_lt_algos(nn.Identity(), [4, 8, 16, 32], prefill_rows=64, wide_rows=(8, 16))
+    res = gemm_tuning.choose_lt_algos(_P.plan, nn.Identity(), [4, 8, 16, 32], prefill_rows=64, wide_rows=(8, 16))
     assert {k[0]: v[2] for k, v in res.items()} == {4: 2, 8: 8, 16: 8, 32: 2, 64: 2}
     assert _WideProduct.made[0] == ("tilings", 24, (66,))
-    gemm_tuning.clear()
+    _P.plan = KernelPlan()
     _WideProduct.made.clear()
-    res = gemm_tuning.choose_lt_algos(nn.Identity(), [4, 8, 16, 32])  # off by default
+    res = gemm_tuning.choose_lt_algos(_P.plan, nn.Identity(), [4, 8, 16, 32])  # off by default
     assert all(tried == 2 for _, _, tried in res.values()) and _WideProduct.made == []
 
 
@@ -226,9 +231,9 @@ def test_a_failing_wide_search_leaves_the_heuristic_choice(monkeypatch):
     _fake_cublaslt(monkeypatch, {"base": 10.0, "good-slow": 9.9, "good-fast": 9.0})
     monkeypatch.setattr(gemm_tuning.cublaslt, "LtProduct", Failing)
     monkeypatch.setattr(gemm_tuning.cublaslt, "describe", lambda a: {"id": 66})
-    gemm_tuning._choose_one(8, [torch.randn(24, 16)], 1.02, iters=3, max_candidates=8, wide=True)
+    gemm_tuning._choose_one(_P.plan, 8, [torch.randn(24, 16)], 1.02, iters=3, max_candidates=8, wide=True)
     key = (8, 24, 16, torch.float32)
-    assert gemm_tuning.LT_CHOICES[key] == (10.0, 9.0, 2) and _name(gemm_tuning._CHOSEN[key][1]) == "good-fast"
+    assert _P.plan.lt_timings[key] == (10.0, 9.0, 2) and _name(_P.plan.lt[key][1]) == "good-fast"
 
 
 def _aligned(rows, cols, shift=0):
@@ -240,13 +245,13 @@ def _aligned(rows, cols, shift=0):
 
 def test_lt_product_serves_only_chosen_shapes():
     w = _aligned(24, 16)
-    gemm_tuning._CHOSEN[(8, 24, 16, torch.float32)] = (_FakeProduct(8, 24, 16, torch.float32), _algo("good-fast"))
+    _P.plan.lt[(8, 24, 16, torch.float32)] = (_FakeProduct(8, 24, 16, torch.float32), _algo("good-fast"))
     x = _aligned(8, 16)
-    torch.testing.assert_close(gemm_tuning.lt_product(x, w), F.linear(x, w))
-    assert gemm_tuning.lt_product(torch.randn(7, 16), w) is None  # another row count
-    assert gemm_tuning.lt_product(torch.randn(16, 8).t(), w) is None  # not contiguous
-    assert gemm_tuning.lt_product(x.half(), w) is None  # another dtype
-    assert gemm_tuning.lt_product(_aligned(8, 16, shift=4), w) is None  # not 256-byte aligned
+    torch.testing.assert_close(_P.plan.lt_product(x, w), F.linear(x, w))
+    assert _P.plan.lt_product(torch.randn(7, 16), w) is None  # another row count
+    assert _P.plan.lt_product(torch.randn(16, 8).t(), w) is None  # not contiguous
+    assert _P.plan.lt_product(x.half(), w) is None  # another dtype
+    assert _P.plan.lt_product(_aligned(8, 16, shift=4), w) is None  # not 256-byte aligned
 
 
 def _cached_run(monkeypatch, tmp_path, us, fingerprint="gpu A", sizes=(1, 4, 8)):
@@ -261,8 +266,8 @@ def _cached_run(monkeypatch, tmp_path, us, fingerprint="gpu A", sizes=(1, 4, 8))
     groups = {(24, 16, torch.float32): [torch.randn(24, 16, generator=g)],
               (40, 16, torch.float32): [torch.randn(40, 16, generator=g)]}
     monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: groups)
-    gemm_tuning.clear()
-    res = gemm_tuning.choose_lt_algos(nn.Identity(), list(sizes), cache_dir=str(tmp_path))
+    _P.plan = KernelPlan()
+    res = gemm_tuning.choose_lt_algos(_P.plan, nn.Identity(), list(sizes), cache_dir=str(tmp_path))
     assert set(res) == {(r, n, 16, torch.float32) for r in sizes if r > 1 for n in (24, 40)}
     return seen
 
@@ -272,11 +277,11 @@ US = {"base": 10.0, "good-slow": 9.9, "wrong": 1.0, "good-fast": 9.0}
 
 def test_cache_round_trip(monkeypatch, tmp_path):
     assert len(_cached_run(monkeypatch, tmp_path, US)) == 4 * 3  # F.linear and two candidates per product
-    first = {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()}
+    first = {k: bytes(v[1]) for k, v in _P.plan.lt.items()}
     assert len(first) == 4 and gemm_tuning.cache_path(tmp_path, {"device": "gpu A"}).exists()
     assert _cached_run(monkeypatch, tmp_path, US) == []  # all from the file, nothing timed
-    assert {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()} == first
-    assert gemm_tuning.LT_CHOICES[(4, 24, 16, torch.float32)] == (10.0, 9.0, 2)
+    assert {k: bytes(v[1]) for k, v in _P.plan.lt.items()} == first
+    assert _P.plan.lt_timings[(4, 24, 16, torch.float32)] == (10.0, 9.0, 2)
 
 
 def test_cache_keeps_other_shapes_and_gpus(monkeypatch, tmp_path):
@@ -302,7 +307,7 @@ def test_the_cache_file_names_how_widely_it_searched(monkeypatch, tmp_path):
     monkeypatch.setattr(gemm_tuning, "_enough_weights", lambda ws: ws)
     monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: {(24, 16, torch.float32): [_aligned(24, 16)]})
     for sizes in ([4, 8], [4, 64]):  # no capture size in range: the narrow file serves
-        gemm_tuning.choose_lt_algos(nn.Identity(), sizes, cache_dir=str(tmp_path), wide_rows=(16, 64))
+        gemm_tuning.choose_lt_algos(_P.plan, nn.Identity(), sizes, cache_dir=str(tmp_path), wide_rows=(16, 64))
     assert asked == [None, (16, 64)] and len(list(tmp_path.glob("gemm_algorithms-*.json"))) == 2
 
 
@@ -334,17 +339,17 @@ def test_prefill_rows_time_each_shape_once_on_one_weight(monkeypatch):
     groups = {(24, 16, torch.float32): [_aligned(24, 16), _aligned(24, 16)],  # two layers' weights
               (40, 16, torch.float32): [_aligned(40, 16)], (56, 16, torch.float32): [big]}
     monkeypatch.setattr(gemm_tuning, "_layer_weights", lambda model: groups)
-    res = gemm_tuning.choose_lt_algos(nn.Identity(), [1, 4], prefill_rows=64)
+    res = gemm_tuning.choose_lt_algos(_P.plan, nn.Identity(), [1, 4], prefill_rows=64)
     assert set(res) == {(r, n, 16, torch.float32) for r in (4, 64) for n in (24, 40, 56)} - {(64, 56, 16, torch.float32)}
     # F.linear and two candidates per (rows, shape); the two-layer shape cycles both weights
     # at 4 rows and takes one at the prefill rows
     assert len(seen) == 5 * 3 and sum(calls == 2 for _, calls in seen) == 3
     x, w = _aligned(64, 16), groups[(24, 16, torch.float32)][0]
-    torch.testing.assert_close(gemm_tuning.lt_product(x, w), F.linear(x, w))  # a full prefill step's product
-    assert gemm_tuning.lt_product(_aligned(63, 16), w) is None  # a shorter last step stays on F.linear
-    gemm_tuning.clear()
+    torch.testing.assert_close(_P.plan.lt_product(x, w), F.linear(x, w))  # a full prefill step's product
+    assert _P.plan.lt_product(_aligned(63, 16), w) is None  # a shorter last step stays on F.linear
+    _P.plan = KernelPlan()
     seen.clear()
-    assert set(gemm_tuning.choose_lt_algos(nn.Identity(), [1, 4], prefill_rows=4)) == \
+    assert set(gemm_tuning.choose_lt_algos(_P.plan, nn.Identity(), [1, 4], prefill_rows=4)) == \
         {(4, n, 16, torch.float32) for n in (24, 40, 56)}  # a capture size already times those rows
     assert len(seen) == 3 * 3  # each shape once
 
@@ -353,7 +358,7 @@ def test_prefill_rows_time_each_shape_once_on_one_weight(monkeypatch):
 def test_no_choice_without_cublaslt():
     model = nn.Sequential(linear.Linear(16, 24))
     assert not cublaslt.available() and cublaslt.version() == 0
-    assert gemm_tuning.choose_lt_algos(model, [2, 4, 8]) == {}
+    assert gemm_tuning.choose_lt_algos(_P.plan, model, [2, 4, 8]) == {}
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         cublaslt.LtProduct(8, 24, 16, torch.bfloat16)
 
@@ -405,7 +410,7 @@ def test_wide_configurations_equal_f_linear():
     prod = cublaslt.LtProduct(rows, n, k, torch.bfloat16)
     heuristic = prod.candidates()
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-    wide = gemm_tuning._wide_candidates(prod, x, [w], out, heuristic)
+    wide = gemm_tuning._wide_candidates(_P.plan, prod, x, [w], out, heuristic)
     assert len(wide) == 6 and not {bytes(a) for a in wide} & {bytes(a) for a in heuristic}
     assert len(prod.tilings([cublaslt.describe(heuristic[0])["id"]])) > len(heuristic)
     for algo in wide:
@@ -419,12 +424,13 @@ def test_chosen_products_in_the_layers_and_a_graph():
     layers = nn.ModuleList(linear.Linear(512, 1536) for _ in range(2)).to("cuda", torch.bfloat16)
     for m in layers:
         m.weight.data.normal_(0, 0.05)
-    res = gemm_tuning.choose_lt_algos(layers, [1, 16, 48], min_gain=0.0)  # keep the best, whatever it is
+        m.plan = _P.plan  # as the runner installs it
+    res = gemm_tuning.choose_lt_algos(_P.plan, layers, [1, 16, 48], min_gain=0.0)  # keep the best, whatever it is
     assert set(res) == {(r, 1536, 512, torch.bfloat16) for r in (16, 48)}
     assert all(base > 0 and best > 0 and tried >= 1 for base, best, tried in res.values())
     x = torch.randn(48, 512, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(x.float(), layers[0].weight.float())
-    assert gemm_tuning.lt_product(x, layers[0].weight) is not None
+    assert _P.plan.lt_product(x, layers[0].weight) is not None
     torch.testing.assert_close(layers[0](x).float(), ref, atol=3e-2, rtol=2e-2)
     g = torch.cuda.CUDAGraph()
     layers[0](x)
@@ -444,15 +450,15 @@ def test_cache_on_the_gpu(tmp_path):
     layers = nn.ModuleList(linear.Linear(256, 768) for _ in range(2)).to("cuda", torch.float16)
     for m in layers:
         m.weight.data.normal_(0, 0.05)  # (torch.empty's garbage would fail every check)
-    first = gemm_tuning.choose_lt_algos(layers, [8, 32], min_gain=0.0, cache_dir=str(tmp_path))
-    chosen = {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()}
+    first = gemm_tuning.choose_lt_algos(_P.plan, layers, [8, 32], min_gain=0.0, cache_dir=str(tmp_path))
+    chosen = {k: bytes(v[1]) for k, v in _P.plan.lt.items()}
     files = list(tmp_path.glob("gemm_algorithms-*.json"))
     assert len(chosen) == 2 and len(files) == 1
     assert json.loads(files[0].read_text())["fingerprint"]["cublaslt"] > 0
-    gemm_tuning.clear()
-    again = gemm_tuning.choose_lt_algos(layers, [8, 32], min_gain=0.0, cache_dir=str(tmp_path))
+    _P.plan = KernelPlan()
+    again = gemm_tuning.choose_lt_algos(_P.plan, layers, [8, 32], min_gain=0.0, cache_dir=str(tmp_path))
     assert set(again) == set(first) and all(abs(again[k][1] - first[k][1]) < 1e-2 for k in first)
-    assert {k: bytes(v[1]) for k, v in gemm_tuning._CHOSEN.items()} == chosen
+    assert {k: bytes(v[1]) for k, v in _P.plan.lt.items()} == chosen
     x = torch.randn(32, 256, device="cuda", dtype=torch.float16)
     torch.testing.assert_close(layers[1](x).float(), F.linear(x.float(), layers[1].weight.float()),
                                atol=2e-2, rtol=2e-2)

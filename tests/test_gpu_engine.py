@@ -64,7 +64,7 @@ def test_fp32_greedy_equals_transformers(model_path, hf_ref, setting):
     ps, ref = hf_ref
     llm = LLM(model_path, enable_log_stats=False, max_model_len=2048, max_num_seqs=16,
               **{"num_kvcache_blocks": 256, **SETTINGS[setting]})
-    assert llm.engine.runner.attn_layers[0].backend == "triton"
+    assert llm.engine.runner.attn_layers[0].backend.name == "triton"
     outs = llm.generate(ps, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == ref
     if setting == "graphs":
@@ -81,16 +81,14 @@ def test_fp32_greedy_with_the_triton_gemm(model_path, hf_ref, eager, monkeypatch
     Triton GEMM, eager and in CUDA graphs; the same tokens as transformers. fp32 takes the
     GEMM's pointer-load path; its bf16 TMA path is checked against F.linear in test_gemm.py."""
     import atom.model_ops.kernels.gemm as gemm_mod
-    from atom.model_ops import linear
     calls = []
     real = gemm_mod.gemm
     monkeypatch.setattr(gemm_mod, "gemm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    monkeypatch.setattr(linear, "TRITON_GEMM", False)  # restored after the test
     monkeypatch.setenv("ATOM_USE_TRITON_GEMM", "1")
     ps, ref = hf_ref
     llm = LLM(model_path, enable_log_stats=False, max_model_len=2048, max_num_seqs=16, num_kvcache_blocks=256,
               enforce_eager=eager)
-    assert linear.TRITON_GEMM
+    assert llm.engine.runner.plan.triton_gemm
     outs = llm.generate(ps, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == ref
     assert calls and max(calls) > 1  # prefill products went through it

@@ -1,4 +1,5 @@
-"""The CPU matmul route of the linear layers (`dense`) against `F.linear`."""
+"""The linear layers' unquantized method (`dense`: the CPU oneDNN route) against `F.linear`,
+and the one-row GEMV choice / fused norm + projection that the kernel plan installs."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,8 +37,8 @@ def test_linear_layers_use_dense():
 def test_norm_linear_is_norm_then_linear():
     """Off the fused path (CPU, or no measured choice) `norm_linear` is the layers in order."""
     from atom.model_ops.activation import silu_and_mul_ref
-    from atom.model_ops.linear import norm_linear
     from atom.model_ops.norm import RMSNorm
+    from atom.tuning.fusions import norm_linear
     norm, lin = RMSNorm(32), MergedLinear(32, [16, 16])
     norm.weight.data.uniform_(0.5, 1.5)
     lin.weight.data.normal_()
@@ -57,9 +58,10 @@ def test_gemv_choice_keeps_results(monkeypatch):
     """On a GPU: the per-key choice is made for every variant the layers declare, and whichever
     path a key takes, the layer call on one row matches the unfused torch layers; forcing the
     Triton GEMV for every key matches too."""
-    from atom.model_ops import linear
     from atom.model_ops.activation import silu_and_mul_ref
     from atom.model_ops.norm import RMSNorm
+    from atom.tuning import fusions, gemv_choice
+    from atom.tuning.plan import KernelPlan
     bf = torch.bfloat16
     gate_up = [MergedLinear(1024, [3072, 3072]) for _ in range(4)]
     qkv = [QKVLinear(1024, 128, 24, 4) for _ in range(4)]  # 4096 rows
@@ -73,38 +75,41 @@ def test_gemv_choice_keeps_results(monkeypatch):
         m.weight.data.normal_(std=0.02)
     norm = RMSNorm(1024).cuda().to(bf)
     norm.weight.data.uniform_(0.5, 1.5)
-    monkeypatch.setattr(linear, "_GEMV_SHAPES", {})
-    choices = linear.choose_gemv_shapes(layers)
+    plan = KernelPlan(backend="triton")
+    for m in layers:
+        m.plan = plan
+    choices = gemv_choice.choose_gemv_shapes(plan, layers)
     assert set(choices) == {(6144, 1024, bf, "norm+silu"), (4096, 1024, bf, "norm"),
                             (4096, 1024, bf, "norm+rope"), (1024, 3072, bf, "plain")}
     assert all(b > 0 and t > 0 for b, t in choices.values())
     for force in (False, True):
         if force:
-            linear._GEMV_SHAPES.update({k: {} for k in choices})  # {}: the default configuration
+            plan.gemv.update({k: {} for k in choices})  # {}: the default configuration
         x, res = (torch.randn(1, 1024, device="cuda", dtype=bf) for _ in range(2))
         h, new_res = norm(x, res)
         for m, gated in ((gate_up[0], True), (qkv[0], False)):
-            y, r = linear.norm_linear(norm, m, x, res, gated=gated)
+            y, r = fusions.norm_linear(norm, m, x, res, gated=gated)
             ref = F.linear(h, m.weight)
             torch.testing.assert_close(y, silu_and_mul_ref(ref) if gated else ref, rtol=2e-2, atol=2e-2)
             assert torch.equal(r, new_res)
         x = torch.randn(1, 3072, device="cuda", dtype=bf)
         torch.testing.assert_close(down[0](x), F.linear(x, down[0].weight), rtol=2e-2, atol=2e-2)
-        _check_norm_linear_rope(linear, norm, qkv[0], force)
+        _check_norm_linear_rope(plan, norm, qkv[0], force)
 
 
-def _check_norm_linear_rope(linear, norm, qkv, forced):
+def _check_norm_linear_rope(plan, norm, qkv, forced):
     """`norm_linear_rope` on one row: None where the choice kept the unfused path (never when
     forced), else the reference's rotated q, cached k / v and residual."""
     from atom.model_ops.kernels.gemv_rope import gemv_norm_rope_ref
+    from atom.tuning.fusions import norm_linear_rope
     bf, dev = torch.bfloat16, "cuda"
     x, res = (torch.randn(1, 1024, device=dev, dtype=bf) for _ in range(2))
     pos, slot = torch.tensor([9], device=dev), torch.tensor([17], device=dev)
     cs = torch.rand(32, 128, device=dev)
     caches = [torch.zeros(2, 16, 4, 128, device=dev, dtype=bf) for _ in range(4)]
-    got = linear.norm_linear_rope(norm, qkv, x, res, pos, cs, caches[0], caches[1], slot)
+    got = norm_linear_rope(norm, qkv, x, res, pos, cs, caches[0], caches[1], slot)
     if got is None:
-        assert not forced and (4096, 1024, bf, "norm+rope") not in linear._GEMV_SHAPES
+        assert not forced and (4096, 1024, bf, "norm+rope") not in plan.gemv
         return
     ref = gemv_norm_rope_ref(x, res, norm.weight, norm.eps, qkv.weight, 128, qkv.q_size, pos, cs,
                              caches[2], caches[3], slot)
@@ -121,17 +126,18 @@ def test_rope_choice_compares_row_and_cache(monkeypatch, norm_chosen):
     then the rotary kernel); both return the row and the cached k / v, which agree; a wrong
     cache write is caught."""
     pytest.importorskip("triton")
-    from atom.model_ops import linear
+    from atom.tuning import gemv_choice
+    from atom.tuning.plan import KernelPlan
     if torch.cuda.is_available():
         pytest.skip("the CPU (interpreter) case")
     layer = QKVLinear(64, 16, 4, 2)  # 128 rows, head_dim 16
     layer.weight.data.normal_(std=0.1)
     cfg = dict(BLOCK_N=2, BLOCK_K=64, num_warps=4, num_stages=1, AHEAD=False)
     shapes = {(128, 64, torch.float32, "norm"): cfg} if norm_chosen else {}
-    monkeypatch.setattr(linear, "_GEMV_SHAPES", shapes)
+    plan = KernelPlan(backend="triton", gemv=shapes)
     x = torch.randn(1, 64)
-    without, fused = linear._one_row_calls("norm+rope", x, layer.weight, cfg, layer)
+    without, fused = gemv_choice.one_row_calls(plan, "norm+rope", x, layer.weight, cfg, layer)
     got, ref = fused(), without()
     assert len(got) == 3 and got[1].abs().sum() > 0 and got[2].abs().sum() > 0  # k and v were written
-    assert linear._agree(got, ref)
-    assert not linear._agree((got[0], got[1] + 1, got[2]), ref)
+    assert gemv_choice.agree(got, ref)
+    assert not gemv_choice.agree((got[0], got[1] + 1, got[2]), ref)

@@ -13,7 +13,7 @@ def make(num_blocks=64, block=4, seqs=8, tokens=32, max_len=256, prefix=False):
 
 def step(sch, token=7):
     batch = sch.schedule()
-    sampled = [token if s.samples_this_step else None for s in batch.seqs]
+    sampled = [[token] if s.samples_this_step else [] for s in batch.seqs]
     finished = sch.postprocess(batch, sampled)
     return batch, finished
 
@@ -148,7 +148,7 @@ def test_delay_factor_holds_new_prompts_back():
     a = Sequence([1, 2, 3], sp(50, ignore_eos=True))
     sch.add(a)
     b0 = sch.schedule()
-    sch.postprocess(b0, [7], step_latency=1.0)  # a prompt step took "1 s"
+    sch.postprocess(b0, [[7]], step_latency=1.0)  # a prompt step took "1 s"
     b = Sequence([4, 5, 6], sp())
     sch.add(b)
     batch, _ = step(sch)

@@ -10,13 +10,21 @@ from conftest import hf_greedy
 triton = pytest.importorskip("triton")
 
 
+def _on_triton(runner, fused: bool = False):
+    """The engine's attention on the Triton backend (the interpreter runs it on the CPU);
+    with `fused`, also the plan a GPU start-up installs: every kernel, every fusion."""
+    from atom.model_ops.attention.triton_backend import TritonAttentionBackend
+    from atom.tuning.fusions import default_fusions
+    from atom.tuning.plan import KernelPlan
+    runner.set_attention_backend(TritonAttentionBackend(runner.attn_layers, 64, runner.device))
+    if fused:
+        runner.install_plan(KernelPlan(backend="triton", fusions=default_fusions("triton"), force_kernels=True))
+    return runner.plan
+
+
 def test_triton_attention_op_in_the_engine(tiny_qwen3):
-    from atom.model_ops.attention import triton_backend
     llm = LLM(tiny_qwen3, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
-    runner = llm.engine.runner
-    for layer in runner.attn_layers:
-        layer.backend = "triton"
-    triton_backend.register_layers(runner.attn_layers, 64, runner.device)
+    _on_triton(llm.engine.runner)
     ps = [[5, 6, 7, 8, 9], list(range(10, 50))]  # the second is chunked: 32 + 8 tokens
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
@@ -34,10 +42,8 @@ def test_all_triton_kernels_in_the_engine(model, request, monkeypatch):
     path = request.getfixturevalue(model)
     llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
     runner = llm.engine.runner
-    for layer in runner.attn_layers:
-        layer.backend = "triton"
-    triton_backend.register_layers(runner.attn_layers, 64, runner.device)
-    monkeypatch.setattr(kernel_backend, "get", lambda x: kernels)
+    _on_triton(runner, fused=True)
+    monkeypatch.setattr(kernel_backend, "get", lambda x: kernels)  # the sampler too
     calls = []
     real = kernels.rotary_embedding
     monkeypatch.setattr(kernels, "rotary_embedding",
@@ -62,18 +68,18 @@ def test_one_row_gemv_paths_in_the_engine(model, request, monkeypatch):
     """Batch-1 decode with every one-row product forced onto the Triton GEMV, as a start-up
     choice may set it on a GPU: the fused norm and SiLU GEMVs, and on Llama (no q/k norm) the
     GEMV that also rotates q/k and writes the KV cache; the tokens stay transformers'."""
-    from atom.model_ops import kernel_backend, kernels, linear
-    from atom.model_ops.attention import triton_backend
+    from atom.model_ops import kernel_backend, kernels
     from atom.model_ops.kernels import gemv_rope
+    from atom.tuning.gemv_choice import one_row_variants
     path = request.getfixturevalue(model)
     # eager: on a GPU a captured batch-1 graph would replay the kernels chosen at start-up
     llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32, enforce_eager=True)
     runner = llm.engine.runner
-    for layer in runner.attn_layers:
-        layer.backend = "triton"
-    triton_backend.register_layers(runner.attn_layers, 64, runner.device)
+    plan = _on_triton(runner, fused=True)
     monkeypatch.setattr(kernel_backend, "get", lambda x: kernels)
-    monkeypatch.setattr(linear, "_one_row_config", lambda x, w, variant: {} if x.shape[0] == 1 else None)
+    for m in runner.model.modules():  # the GEMV for every one-row product, as a start-up may choose
+        for variant in one_row_variants(m):
+            plan.gemv[(m.weight.shape[0], m.weight.shape[1], m.weight.dtype, variant)] = {}
     calls = []
     real = gemv_rope.gemv_norm_rope
     monkeypatch.setattr(gemv_rope, "gemv_norm_rope", lambda *a, **kw: calls.append(1) or real(*a, **kw))

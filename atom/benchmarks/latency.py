@@ -72,7 +72,7 @@ def main(argv=None) -> None:
         peer = run_in_child("latency", path, cfg["vocab_size"], args,
                             ["--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len),
                              "--new-tokens", str(args.new_tokens)])
-    results = []
+    results, plans = [], {}
     for mode in args.modes:
         kw = dict(enforce_eager=True) if mode == "eager" else dict(
             compilation_config={"level": args.level, "cudagraph_capture_sizes": sorted(set(args.batches)),
@@ -86,6 +86,7 @@ def main(argv=None) -> None:
             if peer:
                 r["peer_ms"] = peer["ms_per_step"][str(b)]
             results.append(r)
+        plans[mode] = llm.engine.runner.plan.rows()  # this engine's one-row and cuBLASLt choices
         del llm
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     t = Table(title=f"decode latency — {args.model}")
@@ -100,17 +101,16 @@ def main(argv=None) -> None:
             row += [f"{r['profile_ms'].get(k, float('nan')):.3f}" for k in PROFILE]
         t.add_row(*row)
     Console().print(t)
-    from atom.model_ops.linear import gemv_choices
-    choices = gemv_choices()
-    for name, c in choices.items():
-        Console().print(f"one-row {name}: unfused {c['unfused_us']} us, Triton GEMV {c['triton_us']} us"
-                        f" -> {'Triton' if c['uses_triton'] else 'unfused'}")
+    choices = [c for rows in plans.values() for c in rows if c["kind"] == "gemv"]
+    for c in choices:
+        Console().print(f"one-row {c['n']}x{c['k']} {c['variant']}: unfused {c['library_us']} us, "
+                        f"Triton GEMV {c['best_us']} us -> {c['runs']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "date": time.strftime("%Y-%m-%d"),
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "peer": peer and f"vLLM {peer['vllm_version']}", "results": results,
-                       "one_row_choices": choices, **provenance()}, f, indent=1)
+                       "one_row_choices": choices, "kernel_plans": plans, **provenance()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     scheduler_delay_factor: float = 0.0
     online_quant_config: Optional[str] = None
+    # Beyond the guide (vLLM's flags): the model's dtype and a global seed.
+    dtype: str = "auto"
+    seed: Optional[int] = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -189,6 +192,11 @@ class EngineArgs:
         g.add_argument("--online_quant_config", "--online-quant-config",
                        dest="online_quant_config", type=str, default=None,
                        help="JSON object: load-time online quantization targets.")
+        g.add_argument("--dtype", type=str, default=d.dtype,
+                       help="Model dtype: auto (the checkpoint's), bfloat16/bf16, "
+                            "float16/fp16/half, float32/fp32/float.")
+        g.add_argument("--seed", type=int, default=d.seed,
+                       help="Seed Python's, numpy's and torch's RNGs once at start-up.")
         return parser
 
     @classmethod
@@ -238,12 +246,38 @@ class EngineArgs:
         return kwargs
 
     def create_engine_config(self) -> Config:
-        """The validated :class:`Config` these arguments describe."""
-        return Config(**self._config_kwargs())
+        """The validated :class:`Config` these arguments describe (``--dtype`` applied to
+        ``torch_dtype``)."""
+        from atom.utils.dtypes import parse_dtype
+        from atom.utils.seed import check_seed
+
+        dtype = parse_dtype(self.dtype, "--dtype")
+        check_seed(self.seed, "--seed")
+        config = Config(**self._config_kwargs())
+        if dtype is not None:
+            config.torch_dtype = dtype
+        return config
 
     def create_engine(self):
-        """Build the config and an :class:`~atom.model_engine.llm_engine.LLMEngine` on it."""
+        """Build the config and an :class:`~atom.model_engine.llm_engine.LLMEngine` on it
+        (``--dtype`` applied, the RNGs seeded with ``--seed``)."""
         config = self.create_engine_config()
         from atom.model_engine.llm_engine import LLMEngine
+        from atom.utils.seed import set_seed
+
+        set_seed(self.seed)
 
         return LLMEngine(config)
+
+    def create_llm(self):
+        """An :class:`~atom.llm.LLM` on these arguments. Settings this build cannot honour
+        (``model_engine.supported``) are refused before the model is even looked up."""
+        from atom.llm import LLM
+        from atom.model_engine.supported import unsupported_settings
+
+        kwargs = self._config_kwargs()
+        found = unsupported_settings(kwargs)
+        if found:
+            raise ValueError("; ".join(found))
+        model = kwargs.pop("model")
+        return LLM(model, dtype=self.dtype, seed=self.seed, **kwargs)

@@ -11,6 +11,10 @@ prefixes hash equally. A new sequence takes matching published blocks (reference
 token is always run and yields logits to sample from. A block whose count drops to 0 goes
 to the free list *with* its hash: it can still be hit until it is reused, least recently
 freed first (LRU).
+
+Multi-token steps take slots for draft tokens the model may reject; `trim` hands the
+blocks wholly past the confirmed end back. Only blocks whose every token is computed and
+confirmed are ever published, so a block holding a rejected draft never is.
 """
 from __future__ import annotations
 
@@ -158,22 +162,36 @@ class BlockManager:
                 self.hash_to_block.setdefault(block.hash, block.block_id)
         seq.num_published_blocks = max(seq.num_published_blocks, num_full)
 
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"double free of {block}"
+        if block.ref_count == 0:
+            if block.hash is None or not self.enable_prefix_caching:
+                block.hash, block.token_ids = None, ()
+                # not reusable content: put it first in line
+                self.free_blocks[block_id] = None
+                self.free_blocks.move_to_end(block_id, last=False)
+            else:
+                self.free_blocks[block_id] = None
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks (in reverse, so its tail is evicted first)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"double free of {block}"
-            if block.ref_count == 0:
-                if block.hash is None or not self.enable_prefix_caching:
-                    block.hash, block.token_ids = None, ()
-                    # not reusable content: put it first in line
-                    self.free_blocks[block_id] = None
-                    self.free_blocks.move_to_end(block_id, last=False)
-                else:
-                    self.free_blocks[block_id] = None
+            self._release(block_id)
         seq.block_table = []
         seq.num_published_blocks = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Keep only the blocks covering the first `num_tokens` tokens of `seq` (after a
+        multi-token step rejected drafts); the others go back to the free list, first in
+        line. Returns how many blocks were released."""
+        keep = -(-num_tokens // self.block_size)
+        n = len(seq.block_table) - keep
+        for _ in range(n):
+            self._release(seq.block_table.pop())
+        seq.num_published_blocks = min(seq.num_published_blocks, len(seq.block_table))
+        return max(n, 0)
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -1,10 +1,12 @@
-"""CUDA graphs for decode steps: one captured forward per batch size.
+"""CUDA graphs for decode steps: one captured forward per (batch size, query tokens per sequence).
 
-A decode batch of n sequences replays the graph of the smallest captured size >= n, its
-inputs copied into persistent buffers; the rows past n are padding (query length 0, slot
--1: the attention kernel and the cache write skip them). Larger batches, and batches with
-prefill tokens, run without a graph. Capturing is possible because the attention launch
-depends only on shapes, never on sequence lengths read on the host.
+A decode batch of n sequences with q query tokens each (1, or 1 + q - 1 draft tokens in a
+multi-token step) replays the graph of the smallest batch size >= n captured for that q,
+its inputs copied into persistent buffers; the rows past n are padding (query length 0,
+slots -1: the attention kernel and the cache write skip them). Larger batches, batches
+with prefill tokens or with unequal q, and q without graphs run without a graph. Only q=1
+is captured today (`query_lens`); capturing is possible because the attention launch
+depends only on shapes (max_query_len = q), never on sequence lengths read on the host.
 """
 from __future__ import annotations
 
@@ -21,81 +23,92 @@ logger = logging.getLogger(__name__)
 
 
 class CUDAGraphRunner:
-    def __init__(self, runner, capture_sizes: list[int], max_blocks_per_seq: int):
+    def __init__(self, runner, capture_sizes: list[int], max_blocks_per_seq: int,
+                 query_lens: tuple[int, ...] = (1,)):
         self.runner = runner
         self.sizes = sorted(capture_sizes)
         self.max_bs = self.sizes[-1]
+        self.query_lens = tuple(sorted(query_lens))  # q values captured, each at every size
+        self.sizes_by_q: dict[int, list[int]] = {q: self.sizes for q in self.query_lens}
         dev = runner.device
-        n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        n, t = self.max_bs, self.max_bs * self.query_lens[-1]
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=dev)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.cu_seqlens_q = self.arange.clone()
+        # query offsets per q (a graph keeps the address it was captured with): q * row
+        self.cu_seqlens_q = {q: self.arange * q for q in self.query_lens}
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.replays: dict[int, int] = {s: 0 for s in self.sizes}
-        self.padded_tokens = 0
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}   # (batch size, q)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.replays: dict[int, int] = {s: 0 for s in self.sizes}       # by batch size, any q
+        self.replays_by_key: dict[tuple[int, int], int] = {}
+        self.padded_tokens = 0  # padding rows replayed
         self.last_size: int | None = None
+        self.last_q: int | None = None
 
     def __repr__(self) -> str:
-        return f"CUDAGraphRunner(sizes={self.sizes}, captured={len(self.graphs)}, replays={self.replays})"
+        return (f"CUDAGraphRunner(sizes={self.sizes}, q={list(self.query_lens)}, captured={len(self.graphs)}, "
+                f"replays={self.replays})")
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(self.cu_seqlens_q[:bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
-                                 self.slot_mapping[:bs], max_query_len=1,
-                                 max_seq_len=self.runner.config.max_model_len)
+    def _meta(self, bs: int, q: int = 1) -> AttentionMetadata:
+        return self.runner.bind(AttentionMetadata(  # with the engine's plan and attention backend
+            self.cu_seqlens_q[q][:bs + 1], self.seq_lens[:bs], self.block_tables[:bs], self.slot_mapping[:bs * q],
+            max_query_len=q, max_seq_len=self.runner.config.max_model_len))
 
     @torch.inference_mode()
     def capture(self) -> None:
         from tqdm.auto import tqdm
-        from atom.model_ops.attention import triton_backend
         t0 = time.perf_counter()
-        # the graphs keep the attention scratch they were captured with alive, even if another
-        # engine in this process registers its own
-        self.attention_workspace = triton_backend.current_workspace()
         pool = None
-        self.seq_lens.fill_(1)  # warm-up/capture inputs: one token of context per row
-        for bs in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph"):
-            meta = self._meta(bs)
+        keys = [(bs, q) for q in self.query_lens for bs in sorted(self.sizes_by_q[q], reverse=True)]
+        for bs, q in tqdm(keys, desc="Capturing CUDA graphs", unit="graph"):
+            self.seq_lens.fill_(q)  # warm-up/capture inputs: q tokens of context per row
+            meta, t = self._meta(bs, q), bs * q
             with forward_context(meta):
-                self.runner.model_forward(self.input_ids[:bs], self.positions[:bs])  # warm-up
+                self.runner.decode_forward(self.input_ids[:t], self.positions[:t])  # warm-up
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    out = self.runner.model_forward(self.input_ids[:bs], self.positions[:bs])
+                    out = self.runner.decode_forward(self.input_ids[:t], self.positions[:t])
             pool = g.pool()
-            self.graphs[bs], self.outputs[bs] = g, out
+            self.graphs[bs, q], self.outputs[bs, q] = g, out
+            self.replays_by_key[bs, q] = 0
         torch.cuda.synchronize()
         self.seq_lens.zero_()
-        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs),
-                    self.sizes[0], self.max_bs, time.perf_counter() - t0)
+        logger.info("captured %d CUDA graphs (batch %d..%d, q %s) in %.1f s", len(self.graphs),
+                    self.sizes[0], self.max_bs, list(self.query_lens), time.perf_counter() - t0)
 
     def can_run(self, host) -> bool:
-        return host.is_decode and len(host.query_lens) <= self.max_bs
+        """A pure decode batch, every sequence with the same q, that a captured (bs, q) fits."""
+        q = host.decode_q
+        sizes = self.sizes_by_q.get(q) if q else None
+        return sizes is not None and len(host.query_lens) <= sizes[-1]
 
     def replay(self, host, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay for a decode step; `input_ids` (device) replaces the host's token ids."""
-        n = len(host.query_lens)
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        w = host.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids if input_ids is not None else torch.from_numpy(host.input_ids),
+        n, q = len(host.query_lens), host.decode_q
+        sizes = self.sizes_by_q[q]
+        bs = sizes[bisect.bisect_left(sizes, n)]
+        t, w = n * q, host.block_tables.shape[1]
+        cu = self.cu_seqlens_q[q]
+        self.input_ids[:t].copy_(input_ids if input_ids is not None else torch.from_numpy(host.input_ids),
                                  non_blocking=True)
-        self.positions[:n].copy_(torch.from_numpy(host.positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.from_numpy(host.slot_mapping), non_blocking=True)
+        self.positions[:t].copy_(torch.from_numpy(host.positions), non_blocking=True)
+        self.slot_mapping[:t].copy_(torch.from_numpy(host.slot_mapping), non_blocking=True)
         self.seq_lens[:n].copy_(torch.from_numpy(host.seq_lens.astype(np.int32)), non_blocking=True)
         self.block_tables[:n, :w].copy_(torch.from_numpy(host.block_tables.astype(np.int32)), non_blocking=True)
         if bs > n:  # padding rows: no query tokens, no cache writes
-            self.cu_seqlens_q[n + 1:bs + 1].fill_(n)
-            self.slot_mapping[n:bs].fill_(-1)
+            cu[n + 1:bs + 1].fill_(t)
+            self.slot_mapping[t:bs * q].fill_(-1)
             self.seq_lens[n:bs].zero_()
-        self.graphs[bs].replay()
+        self.graphs[bs, q].replay()
         if bs > n:
-            self.cu_seqlens_q[n + 1:bs + 1].copy_(self.arange[n + 1:bs + 1])
+            cu[n + 1:bs + 1].copy_(self.arange[n + 1:bs + 1] * q if q > 1 else self.arange[n + 1:bs + 1])
         self.replays[bs] += 1
+        self.replays_by_key[bs, q] += 1
         self.padded_tokens += bs - n
-        self.last_size = bs
-        return self.outputs[bs][:n]
+        self.last_size, self.last_q = bs, q
+        return self.outputs[bs, q][:t]
 

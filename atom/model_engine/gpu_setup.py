@@ -9,16 +9,22 @@ Compilation (`CompilationConfig.level`, skipped under `enforce_eager`):
 CUDA graphs (`cudagraph_mode`, `use_cudagraph`, capture sizes): decode batches replay a
 full-forward graph per capture size in every mode but NONE; batches with prefill tokens
 run without a graph. An unset mode below level 3 means FULL_DECODE_ONLY.
+At level 3 the decode graphs are captured from the model with the kernel plan's fusions
+(one-row GEMVs with the norm / SiLU / rotary folded in, the rotary folded into decode
+attention, the chosen cuBLASLt algorithms), which one-token steps run faster than the
+kernels Inductor generates; prefill and mixed steps run the piecewise-compiled model,
+compiled once at start-up on a dummy prefill.
 Linear layers: cuBLAS / hipBLASLt through `F.linear`, or the Triton GEMM where
-`ATOM_USE_TRITON_GEMM=1` (read here, once per engine). With CUDA graphs at level 0 and the
-Triton attention backend the start-up also chooses the Triton GEMV for batch-1 shapes
-(`linear.choose_gemv_shapes`) and, without the Triton GEMM, on NVIDIA GPUs, a cuBLASLt
+`ATOM_USE_TRITON_GEMM=1` (read here, once per engine, into its kernel plan). With CUDA graphs
+at level 0 and the Triton attention backend the start-up also chooses the Triton GEMV for
+batch-1 shapes (`tuning.gemv_choice`) and, without the Triton GEMM, on NVIDIA GPUs, a cuBLASLt
 algorithm for the other capture sizes and for a full prefill step's `max_num_batched_tokens`
-rows (`gemm_tuning.choose_lt_algos`).
+rows (`tuning.gemm_choice`); all of it goes into the runner's `KernelPlan`.
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -46,37 +52,55 @@ def compile_model(runner) -> None:
     dynamic = None if level == 1 else True
     runner.model_forward = torch.compile(runner.model, backend=backend, dynamic=dynamic, options=options,
                                          fullgraph=level == 3)
+    runner.decode_forward = runner.model if level == 3 else runner.model_forward
     logger.info("compilation level %d (backend %s, dynamic=%s)", level, backend, dynamic)
+
+
+def warm_up_compiled(runner, num_tokens: int = 32) -> None:
+    """Compile now, on a dummy prefill of `num_tokens` tokens into the first blocks (free
+    until a request takes them, which overwrites them), not in the first request's step."""
+    from atom.model_engine.sequence import Sequence
+    t0 = time.perf_counter()
+    bs = runner.block_size
+    seq = Sequence(list(range(num_tokens)))
+    seq.block_table = list(range(min(runner.num_blocks, -(-num_tokens // bs))))
+    seq.num_new_tokens = min(num_tokens, len(seq.block_table) * bs)
+    with torch.inference_mode():
+        ids, positions, meta = runner.to_device(runner.prepare_host([seq]))
+        runner.forward(torch.zeros_like(ids), positions, meta)
+    torch.cuda.synchronize(runner.device)
+    logger.info("compiled the model (level %d) in %.1f s", runner.compile_level, time.perf_counter() - t0)
 
 
 def setup(runner) -> None:
     from atom.model_engine.cuda_graphs import CUDAGraphRunner
-    from atom.model_ops import gemm_tuning
-    from atom.model_ops.linear import use_triton_gemm
+    from atom.tuning import gemm_choice, gemv_choice
     from atom.utils import envs
     config = runner.config
-    triton_gemm = envs.ATOM_USE_TRITON_GEMM and bool(runner.attn_layers) and runner.attn_layers[0].backend == "triton"
-    use_triton_gemm(triton_gemm)  # set by every GPU engine, so none inherits an earlier one's choice
-    gemm_tuning.clear()  # likewise the per-shape cuBLASLt algorithms
+    plan = runner.plan
+    triton_gemm = bool(envs.ATOM_USE_TRITON_GEMM) and runner.attn_backend.name == "triton"
+    plan.triton_gemm = triton_gemm
     logger.info("linear layers: %s", "Triton GEMM (ATOM_USE_TRITON_GEMM=1)" if triton_gemm
                 else "cuBLAS / hipBLASLt (F.linear)")
     compile_model(runner)
+    if runner.compile_level:
+        warm_up_compiled(runner)
     mode = effective_graph_mode(config)
     runner.graph_mode = mode
     if mode.decode_mode() == CUDAGraphMode.NONE:
         return
     sizes = [s for s in config.capture_sizes if s <= config.max_num_seqs] or [1]
-    if runner.attn_layers and runner.attn_layers[0].backend == "triton" and runner.compile_level == 0:
-        from atom.model_ops.linear import choose_gemv_shapes
-        choose_gemv_shapes(runner.model)  # batch-1 graphs: a Triton GEMV where it beats the unfused layers
+    if runner.attn_backend.name == "triton" and runner.decode_forward is runner.model:  # levels 0 and 3
+        gemv_choice.choose_gemv_shapes(plan, runner.model)  # batch-1 graphs: a Triton GEMV where it beats the unfused layers
         if not triton_gemm:
             # the other sizes and a full prefill step: cuBLASLt's best algorithm per shape. With a
             # compilation cache dir the choice is kept there, so it searches beyond cuBLASLt's
             # heuristic at 64-1024 rows (Llama-3.1-8B on the H200: ~2 min once, +1.4% on the
             # workload); without one every start-up chooses again, among the heuristic's only.
             cache_dir = config.compilation_config.cache_dir
-            gemm_tuning.choose_lt_algos(runner.model, sizes, cache_dir=cache_dir,
-                                        prefill_rows=config.max_num_batched_tokens,
+            gemm_choice.choose_lt_algos(plan, runner.model, sizes, cache_dir=cache_dir,
+                                        # prefill steps at level 3 run Inductor's products
+                                        prefill_rows=0 if runner.compile_level else config.max_num_batched_tokens,
                                         wide_rows=(64, 1024) if cache_dir else None)
     max_blocks = -(-config.max_model_len // runner.block_size)
     runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)

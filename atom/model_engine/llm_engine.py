@@ -3,12 +3,19 @@
     engine = LLMEngine(config)
     rid = engine.add_request("Hello", SamplingParams(max_tokens=8))
     while not engine.is_finished():
-        for out in engine.step(): print(out.text)
+        for out in engine.step(): print(out.new_text, end="")   # streamed
 
-A step: schedule -> launch the model -> advance sequences -> (look-ahead: schedule and
-launch the next decode step, its input tokens fed on the device) -> wait for the sampled
-tokens -> check stops -> detokenize. With `async_scheduling` (on by default on a GPU) the
-host work of step N+1 overlaps the device running step N.
+A step: (proposer: draft tokens) -> schedule -> launch the model -> advance sequences ->
+(look-ahead: schedule and launch the next decode step, its input tokens fed on the device)
+-> wait for the sampled tokens -> verify drafts, check stops -> detokenize -> outputs.
+With `async_scheduling` (on by default on a GPU) the host work of step N+1 overlaps the
+device running step N; steps with drafts, and engines with a proposer, skip the look-ahead.
+
+Outputs: `step()` returns a `RequestOutput` for every request that got tokens in the step
+(`new_token_ids`, `new_text`; `finished` False) and then one for every request that
+finished (`finished` True, the whole `text` / `token_ids`). What a request's outputs hold
+is its `RequestOutputKind` (`set_output_kind`, else `default_output_kind`, CUMULATIVE):
+FINAL_ONLY requests get only the final output and are not detokenized per step.
 A request that cannot be served is refused in `add_request` with a ValueError that says
 why; nothing of it reaches the scheduler, so other requests never notice.
 """
@@ -18,12 +25,16 @@ import logging
 import time
 
 from atom.model_engine.block_manager import BlockManager
-from atom.model_engine.detokenizer import detokenize_incrementally, find_stop_string
+from atom.model_engine.detokenizer import detokenize_incrementally, find_stop_string, stream_text
+from atom.hf_config import _max_positions
 from atom.model_engine.model_runner import ModelRunner
+from atom.model_engine.prompts import as_sampling_params, parse_prompt
+from atom.model_engine.supported import check_supported
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.stats import EngineStats
-from atom.outputs import RequestOutput
+from atom.model_engine.proposer import Proposer
+from atom.outputs import RequestOutput, RequestOutputKind
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,7 +52,10 @@ def load_tokenizer(path: str):
 
 class LLMEngine:
     def __init__(self, config, model_runner: ModelRunner | None = None, tokenizer=None,
-                 record_stats: bool = True, async_scheduling: bool | None = None):
+                 record_stats: bool = True, async_scheduling: bool | None = None,
+                 proposer: Proposer | None = None,
+                 default_output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
+        check_supported(config, model_runner.device if model_runner is not None else None)
         self.config = config
         self.runner = model_runner or ModelRunner(config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
@@ -57,6 +71,8 @@ class LLMEngine:
                                  else async_scheduling)
         self._ahead = None  # (batch, handle) of a launched look-ahead step
         self.num_lookahead_steps = 0
+        self.proposer = proposer  # draft tokens for multi-token steps; None: one token a step
+        self.default_output_kind = default_output_kind  # for requests without their own
         self.stats = EngineStats(record_stats, config.enable_log_stats, config.throughput_log_interval,
                                  config.cache_hit_rate_window)
 
@@ -65,23 +81,27 @@ class LLMEngine:
 
     # --- requests --------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise TypeError(f"tokenize() takes a string, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("prompt is text but the model has no tokenizer: pass token ids")
         return self.tokenizer.encode(prompt)
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt, sampling_params: SamplingParams | dict | None = None,
                     request_id: str | None = None) -> str:
-        sp = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
+        """`prompt`: text, token ids (list, tuple, numpy array, torch tensor) or a vLLM-style
+        dict, see `atom.model_engine.prompts`; `sampling_params`: SamplingParams or a dict."""
+        sp = SamplingParams() if sampling_params is None else as_sampling_params(sampling_params)
         sp.__post_init__()  # re-validate: fields may have been changed after construction
-        if isinstance(prompt, str):
-            if not prompt:
+        p = parse_prompt(prompt)
+        text, ids = p.text, p.token_ids
+        if ids is None:
+            if not text:
                 raise ValueError("prompt='' is invalid: a prompt needs at least one token")
-            text, ids = prompt, self.tokenize(prompt)
+            ids = self.tokenize(text)
         else:
-            text, ids = None, list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            bad = ids and (min(ids) < 0 or max(ids) >= self.vocab_size) and [
+                t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are invalid: ids must be ints in "
                                  f"[0, {self.vocab_size})")
@@ -89,8 +109,15 @@ class LLMEngine:
             raise ValueError("prompt is empty: a prompt needs at least one token")
         max_len = self.config.max_model_len
         if len(ids) >= max_len:
+            limit = _max_positions(self.config.hf_config)
+            if limit is not None and max_len >= limit:
+                fix = (f"that is the model's own limit (max_position_embeddings={limit}): "
+                       "only a shorter prompt helps")
+            else:
+                fix = "shorten the prompt or raise max_model_len" + (
+                    f" (the model allows up to {limit})" if limit is not None else "")
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={max_len} leaves no room "
-                             "for output: shorten the prompt or raise max_model_len")
+                             f"for output: {fix}")
         blocks = -(-(len(ids) + 1) // self.block_manager.block_size)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt needs {blocks} KV blocks but the cache has "
@@ -110,6 +137,16 @@ class LLMEngine:
         self.runner.release(seq)
         return self._output(seq)
 
+    def set_output_kind(self, request_id: str, kind: RequestOutputKind) -> None:
+        """What the request's outputs carry (`atom.outputs.RequestOutputKind`); set it right
+        after `add_request`, before the request's first step."""
+        if not isinstance(kind, RequestOutputKind):
+            raise TypeError(f"output kind must be a RequestOutputKind, got {kind!r}")
+        seq = self.requests.get(request_id)
+        if seq is None:
+            raise ValueError(f"request_id={request_id!r} is not in the engine")
+        seq.output_kind = kind
+
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
@@ -118,7 +155,8 @@ class LLMEngine:
 
     # --- one step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the requests that finished in it."""
+        """Run one scheduler step; returns the outputs of the requests that got tokens in it
+        (streamed kinds) and then those of the requests that finished in it."""
         bm = self.block_manager
         hits0, queries0 = bm.num_hit_tokens, bm.num_query_tokens
         t0 = time.perf_counter()
@@ -126,15 +164,20 @@ class LLMEngine:
             (batch, handle), self._ahead = self._ahead, None
             t1 = t0
         else:
+            if self.proposer is not None:
+                self._propose()
             batch = self.scheduler.schedule()
-            if not batch:
-                return []
+            if not batch:  # nothing ran; a request may have been finished while scheduling
+                done, self.scheduler.finished_outside_step = self.scheduler.finished_outside_step, []
+                return [self._finish(seq) for seq in done]
             t1 = time.perf_counter()
             handle = self.runner.launch(batch)
         prefill_tokens, decode_tokens = batch.num_prefill_tokens, batch.num_decode_tokens
         chunks = [n for n in batch.num_new_tokens if n > 1]
         self.scheduler.advance(batch)
-        if self.async_scheduling:  # enqueue the next decode step before waiting for this one
+        # enqueue the next decode step before waiting for this one; not with a proposer, whose
+        # drafts need this step's tokens on the host (nor after a step with drafts)
+        if self.async_scheduling and self.proposer is None:
             nxt = self.scheduler.schedule_lookahead(batch)
             if nxt is not None:
                 self._ahead = (nxt, self.runner.launch(nxt, prev=handle))
@@ -143,29 +186,69 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.scheduler.note_step_latency(batch, t2 - t1)
         finished = self.scheduler.commit(batch, sampled)
-        for seq, tok in zip(batch.seqs, sampled):
-            if tok is None or seq.is_finished:
-                continue
-            stops = seq.sampling_params.stop_strings
-            if stops and self.tokenizer is not None:
-                new = detokenize_incrementally(self.tokenizer, seq)
-                if find_stop_string(seq, new, stops):
-                    self.scheduler.finish(seq, "stop")
-                    seq.stopped_by_string = True
-                    finished.append(seq)
-        outputs = [self._finish(seq) for seq in finished]
+        outputs = self._step_outputs(batch, finished)
         t3 = time.perf_counter()
         self.stats.record_step({
             **handle.timing, "post_s": t3 - t2,
             "time": t0, "latency": time.perf_counter() - t0, "schedule_s": t1 - t0, "run_s": t2 - t1,
             "num_seqs": len(batch), "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens,
-            "num_sampled": sum(t is not None for t in sampled), "chunk_sizes": chunks,
+            "num_sampled": sum(map(len, batch.accepted)), "chunk_sizes": chunks,
             "kv_usage": bm.usage, "prefix_hit_tokens": bm.num_hit_tokens - hits0,
             "prefix_query_tokens": bm.num_query_tokens - queries0,
             "preemptions": batch.num_preempted, "graph_size": handle.graph_size,
         })
         self.stats.maybe_log(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage)
         return outputs
+
+    def _propose(self) -> None:
+        """Ask the proposer for drafts for the running sequences that decode next."""
+        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        if seqs:
+            for seq, drafts in zip(seqs, self.proposer.propose(seqs)):
+                seq.draft_token_ids = list(drafts)
+
+    def _step_outputs(self, batch, finished: list[Sequence]) -> list[RequestOutput]:
+        """Stop strings, then outputs: one per streamed request that got tokens and is still
+        running, then one per finished request. A stop string completed by a step's tokens
+        wins over a length / EOS finish of the same step (finish_reason "stop", text cut).
+        FINAL_ONLY requests without stop strings cost one check here."""
+        tokenizer, default = self.tokenizer, self.default_output_kind
+        final_only = RequestOutputKind.FINAL_ONLY
+        outputs = []
+        for seq, new in zip(batch.seqs, batch.accepted):
+            if not new:
+                continue
+            stops = seq.sampling_params.stop_strings
+            kind = seq.output_kind or default
+            if kind is final_only and not stops:
+                continue
+            if tokenizer is not None:
+                text = detokenize_incrementally(tokenizer, seq)
+                if stops and find_stop_string(seq, text, stops):
+                    seq.stopped_by_string = True
+                    if len(new) > 1:
+                        self._drop_after_stop_string(seq, len(new), stops)
+                    if seq.is_finished:  # by length or EOS in this very step
+                        seq.finish_reason = "stop"
+                    else:
+                        self.scheduler.finish(seq, "stop")
+                        finished.append(seq)
+            if kind is not final_only and not seq.is_finished:
+                outputs.append(self._output(seq, kind))
+        outputs += [self._finish(seq) for seq in finished]
+        return outputs
+
+    def _drop_after_stop_string(self, seq: Sequence, num_new: int, stops: list[str]) -> None:
+        """A multi-token step completed a stop string: drop the step's tokens after the one
+        that completed it, as a step of one token at a time would have (rare: decodes the
+        output once per candidate)."""
+        out = seq.output_token_ids
+        base = len(out) - num_new
+        for m in range(1, num_new):
+            text = self.tokenizer.decode(out[:base + m], skip_special_tokens=True)
+            if any(stop in text for stop in stops):
+                del seq.token_ids[len(seq.token_ids) - (num_new - m):]
+                return
 
     def _finish(self, seq: Sequence) -> RequestOutput:
         self.requests.pop(seq.request_id, None)
@@ -180,14 +263,30 @@ class LLMEngine:
         }, seq.num_cached_tokens, self.block_manager.cacheable_tokens(seq.num_prompt_tokens))
         return out
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        if seq.stopped_by_string or self.tokenizer is None:
-            text = seq.output_text
+    def _output(self, seq: Sequence, kind: RequestOutputKind | None = None) -> RequestOutput:
+        """The request's output now: final once it finished, else a streamed one of `kind`.
+        `new_token_ids` / `new_text` are what its previous outputs did not carry yet."""
+        start = seq.num_prompt_tokens + seq.num_streamed_tokens
+        end = seq.num_tokens - seq.num_pending - seq.num_draft_tokens
+        new_ids = seq.token_ids[start:end]
+        seq.num_streamed_tokens = end - seq.num_prompt_tokens
+        if seq.is_finished:
+            if seq.stopped_by_string or self.tokenizer is None:
+                final = seq.output_text
+            else:
+                final = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text, new_text = stream_text(seq, final)
+            ids = seq.output_token_ids
         else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text, new_text = stream_text(seq)
+            if (kind or seq.output_kind or self.default_output_kind) is RequestOutputKind.DELTA:
+                text, ids = new_text, new_ids
+            else:
+                ids = seq.output_token_ids
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
         tpot = None
         if seq.first_token_time and seq.finish_time and seq.num_output_tokens > 1:
             tpot = (seq.finish_time - seq.first_token_time) / (seq.num_output_tokens - 1)
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], text,
-                             list(seq.output_token_ids), seq.finish_reason, seq.num_cached_tokens, ttft, tpot)
+                             ids, seq.finish_reason, seq.num_cached_tokens, ttft, tpot,
+                             new_token_ids=new_ids, new_text=new_text)

@@ -1,7 +1,8 @@
 """`ModelRunner`: the model, its paged KV cache, and one step = prepare, forward, sample.
 
     runner = ModelRunner(config)          # builds the model, loads weights, allocates KV
-    tokens = runner.run(batch)            # batch: the Scheduler's ScheduledBatch
+    tokens = runner.run(batch)            # the Scheduler's ScheduledBatch -> tokens per sequence
+    runner.plan                           # the engine's kernel plan (choices, fusions)
 
 Inputs of a step are built once, vectorized over the batch with numpy (positions, slot
 mapping, block tables), and handed to the attention backend as `AttentionMetadata`.
@@ -21,9 +22,14 @@ from atom import platform
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER, Sequence
 from atom.model_loader.loader import init_dummy_weights, load_weights
-from atom.model_ops.attention import Attention, AttentionMetadata, forward_context
+from atom.model_engine.kv_cache import KVCacheManager
+from atom.model_ops.attention import Attention, AttentionMetadata, TorchAttentionBackend, forward_context
+from atom.model_ops.quant import LinearMethod
 from atom.model_ops.sampler import Sampler, SamplingTensors
 from atom.models.registry import resolve_architecture
+from atom.tuning import fusions
+from atom.tuning.fusions import default_fusions
+from atom.tuning.plan import KernelPlan
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +46,26 @@ class StepInputs:
     block_tables: np.ndarray  # [B, max_blocks]
     slot_mapping: np.ndarray  # [T]
     query_lens: np.ndarray    # [B]
-    sample_rows: list[int]    # sequences whose last token is sampled
+    sample_rows: list[int]    # sequences that sample (their last 1 + drafts positions)
+    num_drafts: np.ndarray | None = None  # [B] draft tokens per sequence; None: no drafts
 
     @property
     def is_decode(self) -> bool:
         return bool((self.query_lens == 1).all())
+
+    @property
+    def decode_q(self) -> int:
+        """q when every sequence is a decode of q query tokens (its token + q - 1 drafts),
+        else 0: the batches a CUDA graph of (batch size, q) can run."""
+        if self.num_drafts is None:
+            return 1 if self.is_decode else 0
+        q = int(self.query_lens[0])
+        return q if bool((self.query_lens == q).all() & (self.num_drafts == q - 1).all()) else 0
+
+    @property
+    def sample_counts(self) -> np.ndarray | None:
+        """Positions sampled per sample row (1 + its drafts); None: one each."""
+        return None if self.num_drafts is None else self.num_drafts[self.sample_rows] + 1
 
 
 @dataclass
@@ -52,8 +73,9 @@ class StepHandle:
     """A launched step: its sampled tokens on the device, and how to get them back."""
     num_seqs: int
     sample_rows: list[int]
-    row_of_seq: dict[int, int]          # seq_id -> row of `tokens`
-    tokens: torch.Tensor | None = None  # device, one per sample row
+    row_of_seq: dict[int, int]          # seq_id -> row of `tokens` (steps without drafts)
+    tokens: torch.Tensor | None = None  # device, one per sampled position (sample rows in order)
+    sample_counts: list[int] | None = None  # positions per sample row; None: one each
     host_tokens: torch.Tensor | None = None
     event: "torch.cuda.Event | None" = None
     graph_size: int | None = None       # the CUDA graph replayed, None: no graph
@@ -68,33 +90,45 @@ class ModelRunner:
         hf = config.hf_config
         self.dtype = config.torch_dtype if isinstance(config.torch_dtype, torch.dtype) else torch.bfloat16
         model_cls = resolve_architecture(hf)  # before anything expensive
+        quant_config = getattr(config, "quant_config", None)
+        if quant_config is not None:  # checkpoint names (q_proj) -> the packed layers (qkv_proj)
+            quant_config.remap_layer_name(hf, getattr(model_cls, "packed_modules_mapping", None))
         t0 = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = model_cls(hf, getattr(config, "quant_config", None))
+                self.model = model_cls(hf, quant_config)
         finally:
             torch.set_default_dtype(prev)
         if config.load_dummy:
             init_dummy_weights(self.model, config.load_dummy)
         else:
             load_weights(self.model, config.model)
+        for m in self.model.modules():
+            if isinstance(getattr(m, "method", None), LinearMethod):
+                m.method.process_weights_after_loading(m)
         self.model.eval()
         self.model_forward = self.model  # replaced by a compiled callable at levels 1-3
+        self.decode_forward = self.model  # what decode CUDA graphs capture (gpu_setup decides)
         self.compile_level = 0
         self.graph_mode = None
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = "triton" if self.device.type == "cuda" and platform.kernel_backend() != "torch" else "torch"
-        for layer in self.attn_layers:
-            layer.backend = backend
-        if backend == "triton":  # registers the attention op over these layers' caches
-            from atom.model_ops.attention import triton_backend
-            triton_backend.register_layers(self.attn_layers, max_num_tokens=1024, device=self.device)
+        kernels = platform.kernel_backend() if self.device.type == "cuda" else "torch"
+        if kernels != "torch":  # the attention op over these layers' caches (its own scratch)
+            from atom.model_ops.attention.triton_backend import TritonAttentionBackend
+            self.attn_backend = TritonAttentionBackend(self.attn_layers, max_num_tokens=1024, device=self.device)
+        else:
+            self.attn_backend = TorchAttentionBackend()
+        self.set_attention_backend(self.attn_backend)
+        self.plan = None
+        self.install_plan(KernelPlan(backend=kernels, fusions=default_fusions(kernels)))
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         logger.info("loaded %s (%s, %s) in %.1f s", type(self.model).__name__, self.dtype,
                     self.device, time.perf_counter() - t0)
+        self.kv_cache_manager = KVCacheManager(
+            {a.layer_idx: (a, a.kv_cache_spec(self.dtype)) for a in self.attn_layers}, self.block_size, self.device)
         self.num_blocks = self.allocate_kv_cache()
         self._pinned: list[torch.Tensor | None] = [None, None]  # sampled-token copies, alternating
         self._pinned_turn = 0
@@ -102,11 +136,40 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.setup_gpu()
 
+    # --- the kernel plan ------------------------------------------------------------------
+    def install_plan(self, plan: KernelPlan) -> KernelPlan:
+        """Hand `plan` to every layer that consults one and install its fusions on the
+        decoder layers (replacing an earlier plan's). CUDA graphs captured before replay the
+        kernels of the plan they were captured with."""
+        fusions.uninstall(self.model)
+        for m in self.model.modules():
+            if "plan" in m.__dict__:
+                m.plan = plan
+        fusions.install(self.model, plan)
+        self.plan = plan
+        return plan
+
+    def set_attention_backend(self, backend) -> None:
+        """Serve every attention layer with `backend` (e.g. a `TritonAttentionBackend` under
+        Triton's interpreter on a CPU); the cache views stay as allocated."""
+        self.attn_backend = backend
+        for layer in self.attn_layers:
+            layer.backend = backend
+
+    def bind(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """This engine's plan and attention backend into a forward's metadata."""
+        meta.plan, meta.attn_backend = self.plan, self.attn_backend
+        return meta
+
     # --- KV cache --------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        a = self.attn_layers[0]
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return self.kv_cache_manager.bytes_per_block
+
+    @property
+    def kv_cache_config(self):
+        """The guide's `KVCacheConfig`: one `KVCacheTensor` per attention layer."""
+        return self.kv_cache_manager.kv_cache_config()
 
     def get_num_blocks(self) -> int:
         if self.config.num_kvcache_blocks > 0:
@@ -119,7 +182,7 @@ class ModelRunner:
             budget = CPU_KV_CACHE_BYTES
         # never more than max_num_seqs full-length sequences need
         cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
-        n = min(int(budget // self.kv_bytes_per_block), cap)
+        n = min(self.kv_cache_manager.num_blocks_for(budget), cap)
         if n < 1:
             raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no "
                              "memory for the KV cache: raise it or lower max_num_batched_tokens")
@@ -141,7 +204,7 @@ class ModelRunner:
             s.num_new_tokens = n
             num_blocks += len(s.block_table)
             seqs.append(s)
-        self._assign_kv_cache(num_blocks)
+        self.kv_cache_manager.allocate(num_blocks)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -152,24 +215,17 @@ class ModelRunner:
             self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.kv_cache = None
+        self.kv_cache_manager.release()
         del hidden
         torch.cuda.empty_cache()
         logger.info("profiling forward of %d tokens: peak %.2f GiB of activations", total, peak / 2**30)
         return peak
 
-    def _assign_kv_cache(self, num_blocks: int) -> None:
-        a = self.attn_layers[0]
-        shape = (2, len(self.attn_layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attn_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-
     def allocate_kv_cache(self) -> int:
         n = self.get_num_blocks()
-        self._assign_kv_cache(n)
+        self.kv_cache_manager.allocate(n)
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", n, self.block_size,
-                    self.kv_cache.numel() * self.dtype.itemsize / 2**30)
+                    self.kv_cache_manager.nbytes / 2**30)
         return n
 
     # --- one step --------------------------------------------------------------------
@@ -194,8 +250,12 @@ class ModelRunner:
         first_block = np.cumsum(nblocks) - nblocks
         tables[row_of_block, np.arange(len(flat)) - first_block[row_of_block]] = flat
         slots = tables[row_of_token, positions // bs] * bs + positions % bs
+        drafts = None
+        if int(cu[-1]) != len(seqs):  # not one token each: a step may carry drafts
+            drafts = np.fromiter((s.num_draft_tokens for s in seqs), np.int64, len(seqs))
+            drafts = drafts if drafts.any() else None
         return StepInputs(np.asarray(ids, np.int64), positions, cu, seq_lens, tables, slots, qlens,
-                          [i for i, s in enumerate(seqs) if s.samples_this_step])
+                          [i for i, s in enumerate(seqs) if s.samples_this_step], drafts)
 
     def to_device(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         t = self._to_device
@@ -233,12 +293,12 @@ class ModelRunner:
         return st
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        with forward_context(meta):
+        with forward_context(self.bind(meta)):
             return self.model_forward(input_ids, positions)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch | list[Sequence]) -> list[int | None]:
-        """Run one step; returns the sampled token per sequence (None: chunk mid-prompt)."""
+    def run(self, batch: ScheduledBatch | list[Sequence]) -> list[list[int]]:
+        """Run one step; returns the sampled tokens per sequence (see `collect`)."""
         return self.collect(self.launch(batch))
 
     @torch.inference_mode()
@@ -270,38 +330,62 @@ class ModelRunner:
                             graph_size=graph_size)
         if host.sample_rows:
             n = len(seqs)
-            if len(host.sample_rows) == n and int(host.cu_seqlens_q[n]) == n:
+            counts = host.sample_counts
+            sample_seqs = [seqs[r] for r in host.sample_rows]
+            if counts is not None:  # drafts: every position of a drafted row samples
+                ends = host.cu_seqlens_q[1:][host.sample_rows]
+                first = np.repeat(np.cumsum(counts) - counts, counts)
+                idx = np.repeat(ends - counts, counts) + np.arange(int(counts.sum())) - first
+                rows = hidden[torch.from_numpy(idx).to(self.device, non_blocking=True)]
+                sample_seqs = [s for s, c in zip(sample_seqs, counts.tolist()) for _ in range(c)]
+                handle.sample_counts = counts.tolist()
+            elif len(host.sample_rows) == n and int(host.cu_seqlens_q[n]) == n:
                 rows = hidden[:n]  # one token per sequence, all sampled (decode): no gather
             else:
                 last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
                 rows = hidden[last]
             logits = self.model.compute_logits(rows)
-            handle.tokens = self.sampler(logits, self.sampling_tensors([seqs[r] for r in host.sample_rows]))
+            handle.tokens = self.sampler(logits, self.sampling_tensors(sample_seqs))
+            num = len(sample_seqs)
             if self.device.type == "cuda":  # copy back into pinned memory, signalled by an event
                 self._pinned_turn ^= 1
                 buf = self._pinned[self._pinned_turn]
-                if buf is None or buf.numel() < len(host.sample_rows):
+                if buf is None or buf.numel() < num:
                     buf = self._pinned[self._pinned_turn] = torch.empty(
-                        max(len(host.sample_rows), self.config.max_num_seqs), dtype=torch.int64, pin_memory=True)
-                handle.host_tokens = buf[:len(host.sample_rows)]
+                        max(num, self.config.max_num_seqs), dtype=torch.int64, pin_memory=True)
+                handle.host_tokens = buf[:num]
                 handle.host_tokens.copy_(handle.tokens, non_blocking=True)
                 handle.event = torch.cuda.Event()
                 handle.event.record()
         handle.timing = {"prepare_s": t1 - t0, "launch_s": time.perf_counter() - t1}
         return handle
 
-    def collect(self, handle: "StepHandle") -> list[int | None]:
-        """Wait for a launched step; the sampled token per sequence (None: nothing sampled)."""
+    def collect(self, handle: "StepHandle") -> list[list[int]]:
+        """Wait for a launched step; the sampled tokens per sequence: [] where nothing was
+        sampled (a prefill chunk mid-prompt), [t] for a plain step, 1 + k tokens for a step
+        with k drafts (the target's sample at each position, unverified)."""
         t0 = time.perf_counter()
-        out: list[int | None] = [None] * handle.num_seqs
-        if handle.sample_rows:
+        rows = handle.sample_rows
+        if not rows:
+            out: list[list[int]] = [[] for _ in range(handle.num_seqs)]
+        else:
             if handle.event is not None:
                 handle.event.synchronize()
                 tokens = handle.host_tokens.tolist()
             else:
                 tokens = handle.tokens.tolist()
-            for r, tok in zip(handle.sample_rows, tokens):
-                out[r] = tok
+            if handle.sample_counts is None and len(rows) == handle.num_seqs:
+                out = [[t] for t in tokens]  # every row sampled one (decode)
+            else:
+                out = [[] for _ in range(handle.num_seqs)]
+                if handle.sample_counts is None:
+                    for r, tok in zip(rows, tokens):
+                        out[r] = [tok]
+                else:
+                    at = 0
+                    for r, c in zip(rows, handle.sample_counts):
+                        out[r] = tokens[at:at + c]
+                        at += c
         handle.timing["sample_s"] = time.perf_counter() - t0  # waiting for the device
         return out
 
@@ -338,4 +422,4 @@ class ModelRunner:
 
     def __repr__(self) -> str:
         return (f"ModelRunner({type(self.model).__name__}, device={self.device}, dtype={self.dtype}, "
-                f"kv_blocks={self.num_blocks}x{self.block_size}, attention={self.attn_layers[0].backend})")
+                f"kv_blocks={self.num_blocks}x{self.block_size}, attention={self.attn_backend.name}, plan={self.plan!r})")

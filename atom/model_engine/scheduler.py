@@ -13,6 +13,13 @@ A step ends in two halves: `advance` (the batch's K/V now exist) and `commit` (s
 tokens in place, stops checked). Between them, `schedule_lookahead` may already hand out
 the next decode step, with placeholder tokens the device fills in (async scheduling).
 
+Multi-token steps: a decode whose sequence carries proposed `draft_token_ids` runs 1 + k
+query tokens (the drafts appended for the step) and gets a token sampled at each. `commit`
+verifies: drafts are accepted while they equal the target's sample at their position, then
+the target's sample at the first mismatch (or the bonus one after all k) is taken, so the
+output is always the target's own samples. Rejected drafts' blocks go back (`trim`).
+A step thus yields a list of tokens per sequence; stops apply token by token in it.
+
 The scheduler is handed its `BlockManager`; it never touches tensors.
 """
 from __future__ import annotations
@@ -36,10 +43,14 @@ class ScheduledBatch:
     num_preempted: int = 0
     num_prefill_tokens: int = 0   # tokens of sequences with more than one uncomputed token
     num_decode_tokens: int = 0
-    sample_index: list[int] = field(default_factory=list)  # where the sampled token lands, -1: none
+    sample_index: list[int] = field(default_factory=list)  # where the first sampled token lands, -1: none
+    num_draft_tokens: int = 0     # draft tokens among the decode tokens (multi-token steps)
+    accepted: list[list[int]] = field(default_factory=list)  # set by `commit`: tokens kept per row
 
     def add(self, seq: Sequence, n: int) -> None:
-        self.sample_index.append(seq.num_tokens if seq.num_computed_tokens + n == seq.num_tokens else -1)
+        k = seq.num_draft_tokens
+        self.sample_index.append(seq.num_tokens - k if seq.num_computed_tokens + n == seq.num_tokens else -1)
+        self.num_draft_tokens += k
         if seq.is_prefill:
             self.num_prefill_tokens += n
         else:
@@ -86,6 +97,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the model
         self.finished_outside_step: list[Sequence] = []  # finished while scheduling
+        self.num_draft_tokens = 0     # drafts run, over the scheduler's life
+        self.num_accepted_drafts = 0  # of those, confirmed by the target
         # scheduler_delay_factor bookkeeping
         self._last_prompt_time = 0.0
         self._last_prompt_latency = 0.0
@@ -116,6 +129,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish a sequence (stop, length, abort) and free its blocks."""
         seq.drop_placeholders()
+        seq.drop_drafts()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
@@ -149,6 +163,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if n == 1 and seq.draft_token_ids:
+                n += self._take_drafts(seq, budget - 1)
             if n == 1 and seq.num_computed_tokens < len(seq.block_table) * bm.block_size:
                 batch.add(seq, 1)  # decode fast path: its last block has room
                 budget -= 1
@@ -207,7 +223,21 @@ class Scheduler:
                                f"{bm.block_size}) is too small for it; raise num_kvcache_blocks")
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None],
+    def _take_drafts(self, seq: Sequence, limit: int) -> int:
+        """Append up to `limit` of a decoding sequence's proposed tokens for this step: no more
+        than it may still output minus the step's own token, and only if the KV cache has their
+        slots now (drafts never cause a preemption). Returns how many (0: a plain decode)."""
+        sp = seq.sampling_params
+        room = min(sp.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        k = min(len(seq.draft_token_ids), limit, room)
+        if k <= 0 or seq.num_pending or not self.block_manager.can_append(seq, 1 + k):
+            seq.draft_token_ids = []
+            return 0
+        seq.add_drafts(k)
+        self.num_draft_tokens += k
+        return k
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[list[int]],
                     step_latency: float | None = None) -> list[Sequence]:
         """`advance` then `commit`: the synchronous end of a step."""
         self.advance(batch)
@@ -225,28 +255,69 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - seq.num_draft_tokens  # drafts count once confirmed
             seq.num_new_tokens = 0
             self.block_manager.publish_full_blocks(seq)
 
-    def commit(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+    def commit(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
         """Put the sampled tokens in place and check stops; returns newly finished sequences.
 
-        `sampled` holds one entry per sequence of the batch (None where nothing was sampled).
-        A token fills the placeholder a look-ahead step left at its index, or is appended.
-        Stops handled here: EOS (unless ignore_eos), `stop_token_ids`, `max_tokens`,
-        `max_model_len`. Stop strings need text and are checked by the engine.
+        `sampled` holds one list per sequence of the batch: empty where nothing was sampled
+        (a prefill chunk mid-prompt), one token for a plain step, 1 + k for a step with k
+        drafts (verified first, see `_verify`). A token fills the placeholder a look-ahead
+        step left at its index, or is appended. Stops handled here, token by token (tokens
+        after a stop are dropped): EOS (unless ignore_eos), `stop_token_ids`, `max_tokens`,
+        `max_model_len`. Stop strings need text and are checked by the engine. The tokens
+        kept per row are left in `batch.accepted`.
         """
         finished, self.finished_outside_step = self.finished_outside_step, []
-        for seq, token, idx in zip(batch.seqs, sampled, batch.sample_index):
-            if token is None or seq.status != SequenceStatus.RUNNING:
+        accepted: list[list[int]] = []
+        for seq, tokens, idx in zip(batch.seqs, sampled, batch.sample_index):
+            if not tokens or seq.status != SequenceStatus.RUNNING:
+                accepted.append([])
                 continue
-            seq.set_token(idx, token)
-            reason = self.stop_reason(seq, token)
+            if seq.num_draft_tokens:
+                tokens = self._verify(seq, tokens)
+            if len(tokens) == 1:  # the plain step
+                seq.set_token(idx, tokens[0])
+                reason = self.stop_reason(seq, tokens[0])
+            else:
+                for j, token in enumerate(tokens):
+                    seq.set_token(idx + j, token)
+                    reason = self.stop_reason(seq, token)
+                    if reason is not None:
+                        tokens = tokens[:j + 1]
+                        break
+                # K/V of confirmed drafts past a stop are not needed; publish what is confirmed
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                self.block_manager.publish_full_blocks(seq)
+            accepted.append(tokens)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
+        batch.accepted = accepted
         return finished
+
+    def _verify(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Verify a step's drafts against the target's samples at the 1 + k positions.
+
+        tokens[i] is the target's sample after query token i (the last confirmed token,
+        then draft i). Draft i is accepted while it equals tokens[i - 1]; the result is the
+        target's samples up to the first mismatch included (all k + 1: the bonus token).
+        The drafts leave `token_ids`, the confirmed ones' K/V count as computed, and the
+        blocks past the confirmed end are trimmed."""
+        drafts = seq.drop_drafts()
+        k = len(drafts)
+        if len(tokens) != k + 1:
+            raise RuntimeError(f"{seq}: {k} drafts need {k + 1} sampled tokens, got {len(tokens)}")
+        j = 0
+        while j < k and drafts[j] == tokens[j]:
+            j += 1
+        seq.num_computed_tokens += j
+        seq.num_accepted_drafts += j
+        self.num_accepted_drafts += j
+        self.block_manager.trim(seq, seq.num_computed_tokens)
+        return tokens[:j + 1]
 
     def schedule_lookahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The next decode step, scheduled before this step's tokens are known.
@@ -257,6 +328,8 @@ class Scheduler:
         one that stops on EOS runs one extra step whose token is dropped. Returns None
         when the state is not steady: the engine then schedules after the tokens arrive.
         """
+        if batch.num_draft_tokens:  # how many tokens each sequence keeps is decided on the host
+            return None
         live = [s for s in batch.seqs if s.status == SequenceStatus.RUNNING]
         if self.waiting or len(live) != len(self.running) or -1 in batch.sample_index:
             return None

@@ -6,6 +6,11 @@ have their K/V in the paged cache. Each step the scheduler gives it `num_new_tok
 more; when that reaches the end of `token_ids` the model's output at the last position
 is sampled and appended. A prefill, a chunk of a prefill and a decode step are all the
 same thing seen this way (a decode is a chunk of one token).
+
+Multi-token steps: a proposer may set `draft_token_ids` (guesses of the next tokens). The
+scheduler appends them to `token_ids` for one decode step (`num_draft_tokens` of them), so
+the step runs 1 + k query tokens; the scheduler's `commit` then keeps the drafts the
+target model confirmed and drops the rest. Drafts never count as output.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import itertools
 import time
 from enum import Enum, auto
 
+from atom.outputs import RequestOutputKind
 from atom.sampling_params import SamplingParams
 
 
@@ -29,7 +35,8 @@ class Sequence:
     _ids = itertools.count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, prompt: str | None = None):
+                 request_id: str | None = None, prompt: str | None = None,
+                 output_kind: RequestOutputKind | None = None):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.prompt = prompt
@@ -44,6 +51,9 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
         self.num_published_blocks = 0      # leading blocks already offered to the prefix cache
         self.num_pending = 0               # trailing placeholder tokens (look-ahead steps)
+        self.draft_token_ids: list[int] = []  # proposed for the next step, not yet in token_ids
+        self.num_draft_tokens = 0          # trailing draft tokens in token_ids (this step only)
+        self.num_accepted_drafts = 0       # drafts the target confirmed, over the request
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.num_preemptions = 0
@@ -55,6 +65,10 @@ class Sequence:
         self.output_text = ""
         self.prefix_offset = 0
         self.read_offset = 0
+        # streaming: what earlier outputs already carried (None kind: the engine's default)
+        self.output_kind = output_kind
+        self.num_streamed_tokens = 0
+        self.num_streamed_chars = 0
 
     # --- sizes -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -66,12 +80,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        """Generated tokens known on the host (placeholders not counted)."""
-        return len(self.token_ids) - self.num_pending - self.num_prompt_tokens
+        """Generated tokens known on the host (placeholders and drafts not counted)."""
+        return len(self.token_ids) - self.num_pending - self.num_draft_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending - self.num_draft_tokens]
 
     @property
     def last_token(self) -> int:
@@ -83,8 +97,8 @@ class Sequence:
 
     @property
     def is_prefill(self) -> bool:
-        """More than one token still lacks K/V: a (possibly chunked) prefill."""
-        return self.num_uncomputed_tokens > 1
+        """More than one token (drafts aside) still lacks K/V: a (possibly chunked) prefill."""
+        return self.num_uncomputed_tokens - self.num_draft_tokens > 1
 
     @property
     def samples_this_step(self) -> bool:
@@ -123,8 +137,26 @@ class Sequence:
             del self.token_ids[-self.num_pending:]
             self.num_pending = 0
 
+    def add_drafts(self, k: int) -> None:
+        """Append the first `k` proposed tokens for this step (the proposal is used up)."""
+        self.token_ids.extend(self.draft_token_ids[:k])
+        self.num_draft_tokens = k
+        self.draft_token_ids = []
+
+    def drop_drafts(self) -> list[int]:
+        """Take this step's draft tokens back out of `token_ids`; returns them."""
+        k = self.num_draft_tokens
+        if not k:
+            return []
+        drafts = self.token_ids[-k:]
+        del self.token_ids[-k:]
+        self.num_draft_tokens = 0
+        return drafts
+
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: drop all cached K/V; generated tokens are kept."""
+        self.drop_drafts()
+        self.draft_token_ids = []
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_new_tokens = 0

@@ -1,9 +1,11 @@
 """What the engine records: one row per step and one per finished request.
 
 Cheap enough to stay on (a dict append per step); `Config`-level switch
-`LLMEngine(..., record_stats=False)` turns it off. `steps()` / `requests()` return
-pandas DataFrames for notebooks and plots (`atom.viz`). The periodic engine-status line
-of `enable_log_stats` is produced here too.
+`LLMEngine(..., record_stats=False)` turns it off. Only the last `window` steps and
+requests are kept (default 10,000 each; `LLM(..., stats_window=N)`, `set_window(N)`;
+None keeps all), so a long-running engine's memory stays flat. `steps()` / `requests()`
+return pandas DataFrames for notebooks and plots (`atom.viz`). The periodic engine-status
+line of `enable_log_stats` is produced here too (logger `atom.engine`).
 """
 from __future__ import annotations
 
@@ -13,19 +15,35 @@ from collections import deque
 
 logger = logging.getLogger("atom.engine")
 
+DEFAULT_WINDOW = 10_000  # steps and requests kept by default
+
+
+def check_window(window: int | None) -> int | None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"stats_window={window!r} is invalid: must be an integer >= 1 "
+                         "or None (keep every record)")
+    return window
+
 
 class EngineStats:
     def __init__(self, enabled: bool = True, log_stats: bool = True, log_interval: float = 10.0,
-                 hit_rate_window: int = 1000):
+                 hit_rate_window: int = 1000, window: int | None = DEFAULT_WINDOW):
         self.enabled = enabled
         self.log_stats = log_stats
         self.log_interval = log_interval
-        self.step_rows: list[dict] = []
-        self.request_rows: list[dict] = []
+        self.step_rows: deque[dict] = deque()
+        self.request_rows: deque[dict] = deque()
+        self.set_window(window)
         self._window: deque[tuple[int, int]] = deque(maxlen=hit_rate_window)  # (hit, query) tokens
         self._last_log = time.perf_counter()
         self._tokens_since_log = [0, 0]  # prompt, generation
         self.num_steps = 0
+
+    def set_window(self, window: int | None) -> None:
+        """Keep only the last `window` step and request records (None: all of them)."""
+        self.window = check_window(window)
+        self.step_rows = deque(self.step_rows, maxlen=window)
+        self.request_rows = deque(self.request_rows, maxlen=window)
 
     def record_step(self, row: dict) -> None:
         self.num_steps += 1

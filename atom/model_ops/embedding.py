@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom.model_ops.linear import dense
+from atom.model_ops.quant import UnquantizedLinearMethod
 
 
 class VocabEmbedding(nn.Module):
@@ -18,11 +18,16 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    one_row = "plain"  # batch 1 goes through `dense`, so the start-up GEMV choice covers it
+    """logits = hidden W^T, unquantized (its weight may be the embedding's: tied)."""
+
+    one_row = "plain"  # batch 1 may take the start-up GEMV choice
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
+        self.method = UnquantizedLinearMethod()
+        self.plan = None
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.bias = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return dense(hidden, self.weight)
+        return self.method.apply(self, hidden)

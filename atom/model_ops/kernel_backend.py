@@ -1,21 +1,13 @@
-"""Which implementation the layers call: the Triton kernels on a GPU, torch on a CPU.
+"""Which implementation the layers call: the Triton (or AITER) kernels on a GPU, torch on a CPU.
 
-`get(x)` returns the kernels module for tensors on a GPU when the platform chose the
-Triton or the AITER backend (`kernels_for`), else None (the layer then runs its torch
-reference). Set once through `atom.platform`; a notebook can flip it with
-`use_kernels(False)`.
+`get(x)` returns the kernels module for tensor `x`, or None (the layer then runs its torch
+reference). Inside a forward the engine's `KernelPlan` decides (it travels in the
+per-forward context, so each engine has its own); outside one (a layer called by hand, the
+sampler) the platform's choice holds for tensors on a GPU.
 """
 from __future__ import annotations
 
 import torch
-
-_enabled = True
-_kernels = None  # the backend's module once chosen; False: torch
-
-
-def use_kernels(enabled: bool) -> None:
-    global _enabled
-    _enabled = enabled
 
 
 def kernels_for(backend: str):
@@ -32,10 +24,13 @@ def kernels_for(backend: str):
 
 def get(x):
     """Under torch.compile the torch code is returned (None): Inductor fuses it itself."""
-    global _kernels
-    if not (_enabled and x.is_cuda) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return None
-    if _kernels is None:
-        from atom import platform
-        _kernels = kernels_for(platform.kernel_backend()) or False
-    return _kernels or None
+    from atom.model_ops.attention.metadata import current_forward_context
+    ctx = current_forward_context()
+    if ctx is not None and ctx.plan is not None:
+        return ctx.plan.kernels_for(x)
+    if not x.is_cuda:
+        return None
+    from atom import platform
+    return kernels_for(platform.kernel_backend())

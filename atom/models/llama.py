@@ -4,19 +4,18 @@ Reads like the architecture: embed -> N x (RMSNorm, attention with RoPE, residua
 RMSNorm, SiLU-gated MLP, residual) -> RMSNorm -> LM head. q/k/v and gate/up are packed
 into one matrix each; `packed_modules_mapping` tells the loader where checkpoint
 tensors go. Tokens of all sequences of a step are flattened into one [T, hidden] batch.
-Each RMSNorm and the projection after it go through `norm_linear` (and the MLP's
-activation with them), which at batch 1 on a GPU can run all three as one kernel.
+Kernel fusions are not here: the runner installs them from the engine's kernel plan
+(`atom.tuning.fusions`).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from atom.model_ops import kernel_backend
 from atom.model_ops.activation import SiluAndMul
-from atom.model_ops.attention import Attention, get_forward_context
+from atom.model_ops.attention import Attention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
-from atom.model_ops.linear import Linear, MergedLinear, QKVLinear, norm_linear, norm_linear_rope
+from atom.model_ops.linear import Linear, MergedLinear, QKVLinear
 from atom.model_ops.norm import RMSNorm
 from atom.model_ops.rotary import RotaryEmbedding, rope_parameters
 
@@ -27,11 +26,6 @@ def head_dim_of(cfg) -> int:
 
 class LlamaAttention(nn.Module):
     qk_norm = False  # Qwen3 turns this on
-    # decode steps on the Triton attention op (not under torch.compile): the attention kernel
-    # rotates q and k and writes k, v into the cache, instead of a rotary kernel before it.
-    # NVIDIA only: the kernel reads what it wrote after a block barrier, whose ordering of
-    # global memory has not been checked on AMD GPUs
-    fold_rotary = torch.version.hip is None
 
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, quant_config=None, prefix: str = ""):
         super().__init__()
@@ -40,8 +34,7 @@ class LlamaAttention(nn.Module):
         bias = getattr(cfg, "attention_bias", False)
         self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                   bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size,
-                             bias=bias,
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias,
                              quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb  # one table for all layers
         if self.qk_norm:
@@ -50,39 +43,14 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, layer_idx)
 
-    def project_rotated(self, norm, positions: torch.Tensor, hidden: torch.Tensor, residual):
-        """At batch 1 on a GPU, where measured faster at start-up: the norm, the q/k/v
-        projection, the rotary embedding and the cache write in one GEMV; returns (qkv with q
-        rotated, residual) for `attend`, or None (then `norm_linear` and `forward`)."""
-        if self.qk_norm or self.attn.backend != "triton" or hidden.shape[0] != 1:
-            return None
-        return norm_linear_rope(norm, self.qkv_proj, hidden, residual, positions, self.rotary_emb.cos_sin_cache,
-                                self.attn.k_cache, self.attn.v_cache, get_forward_context().slot_mapping)
-
-    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention output (after o_proj) when q is rotated and k, v are in the cache already."""
-        return self.o_proj(self.attn(qkv[:, :self.qkv_proj.q_size], None, None))
-
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention output (after o_proj) of the packed q/k/v projection `qkv`."""
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        kern = kernel_backend.get(qkv)
-        if kern is not None and self.attn.backend == "triton":
-            if self.fold_rotary and get_forward_context().max_query_len == 1 and not torch.compiler.is_compiling():
-                # decode: the attention kernel rotates q and k (after the q / k norms) and writes k, v
-                rotary = (self.rotary_emb.cos_sin_cache,) + ((self.q_norm.weight, self.k_norm.weight,
-                                                              self.q_norm.eps) if self.qk_norm else ())
-                return self.o_proj(self.attn(q, k, v, rotary))
-            # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
-            self.rotary_emb(positions, q, k, *norms, kv_cache=self.attn.cache_write_args(v))
-            return self.attend(qkv)
-        if self.qk_norm or kern is not None:
-            q, k = self.rotary_emb(positions, q, k, *norms)
-        else:  # torch path: rotate q and k heads in one go
-            qk = self.rotary_emb.rotate(positions, qkv[:, :q_size + kv_size])
-            q, k = qk[:, :q_size], qk[:, q_size:]
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        if self.qk_norm:  # RMSNorm of each head
+            T = q.shape[0]
+            q = self.q_norm(q.reshape(T, -1, self.head_dim)).view(T, -1)
+            k = self.k_norm(k.reshape(T, -1, self.head_dim)).view(T, -1)
+        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -109,22 +77,16 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # q/k norm (Qwen3) needs whole heads before rotating: no rotary GEMV epilogue then
-        self.self_attn.qkv_proj.one_row = "norm" if self.self_attn.qk_norm else ("norm", "norm+rope")
-        self.mlp.gate_up_proj.one_row = "norm+silu"
 
     def forward(self, positions, hidden, residual):
-        attn = self.self_attn
-        fused = attn.project_rotated(self.input_layernorm, positions, hidden, residual)
-        if fused is not None:
-            qkv, residual = fused
-            hidden = attn.attend(qkv)
+        """(hidden, residual) -> (hidden, residual): the residual add is fused into each norm."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
         else:
-            qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
-            hidden = attn(positions, qkv)
-        act, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual,
-                                    gated=True)
-        return self.mlp.down_proj(act), residual
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

@@ -142,7 +142,10 @@ class RunRecord:
 
 
 def _drive(engine, reqs: list[Req]) -> list:
+    from atom.outputs import RequestOutputKind
     ids = [engine.add_request(r.prompt, r.sampling) for r in reqs]
+    for rid in ids:
+        engine.set_output_kind(rid, RequestOutputKind.FINAL_ONLY)  # finished outputs only
     done = {}
     while not engine.is_finished():
         for out in engine.step():

@@ -1,7 +1,7 @@
 """GPU time of a list of calls as the engine runs them: captured in one CUDA graph, replayed.
 
 Used by the kernel benchmark and by the start-up choice between cuBLAS and the Triton GEMV
-(`atom.model_ops.linear.choose_gemv_shapes`): timing replays leaves out the host's launch
+(`atom.tuning.gemv_choice.choose_gemv_shapes`): timing replays leaves out the host's launch
 cost, which a graph does not pay.
 """
 from __future__ import annotations

@@ -1,21 +1,23 @@
-"""The attention layer: writes this step's K/V into the paged cache, then attends (on a GPU
-the rotary kernel may have written them already: then k = v = None).
+"""The attention layer: hands q, k, v to its backend, which writes this step's K/V into the
+paged cache (the one place per backend that does) and attends.
 
-The backend is chosen by `atom.platform` (torch reference on a CPU, the Triton unified
-kernel on a GPU). The layer reads the per-forward `AttentionMetadata`; the `ModelRunner`
-assigns `k_cache` / `v_cache` after it allocates the cache.
+A backend per attention kind: `TorchAttentionBackend` (the reference: CPU) and, on GPUs,
+`TritonAttentionBackend` (the unified kernel behind a custom op); each declares the KV-cache
+spec of the layers it serves (`kv_cache_spec`). The runner gives every layer its backend and
+binds its cache views through the `KVCacheManager`. The layer reads the per-forward
+`AttentionMetadata`.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from atom.model_ops.attention.metadata import (AttentionMetadata, forward_context,
+from atom.model_ops.attention.metadata import (AttentionMetadata, current_forward_context, forward_context,
                                                get_forward_context, set_forward_context)
-from atom.model_ops.attention import torch_native
+from atom.model_ops.attention.torch_backend import TorchAttentionBackend
 
-__all__ = ["Attention", "AttentionMetadata", "forward_context", "get_forward_context",
-           "set_forward_context"]
+__all__ = ["Attention", "AttentionMetadata", "TorchAttentionBackend", "forward_context", "get_forward_context",
+           "current_forward_context", "set_forward_context"]
 
 
 class Attention(nn.Module):
@@ -26,12 +28,16 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.backend = "torch"
+        self.backend = TorchAttentionBackend()
+
+    def kv_cache_spec(self, dtype: torch.dtype):
+        """What this layer stores per token (its backend decides the layout)."""
+        return self.backend.kv_cache_spec(self, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 rotary: tuple | None = None) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]. k = v = None: this step's keys and values
-        are in the cache already (written by the rotary kernel; Triton backend only).
+        are in the cache already (a fused kernel wrote them; Triton backend only).
         `rotary` = (cos_sin_cache, q norm weight, k norm weight, eps) (decode steps, Triton
         backend only): q and k are unrotated; the attention kernel rotates them, after the
         norms where their weights are not None, and writes k and v into the cache."""
@@ -40,24 +46,9 @@ class Attention(nn.Module):
         if k is not None:
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.backend == "triton":  # the custom op registered by attention.triton_backend
-            out = torch.empty_like(q)
-            torch.ops.atom.unified_attention_with_output(q, k, v, out, self.layer_idx, *(rotary or ()))
-        else:
-            if rotary is not None:
-                raise ValueError("the rotary embedding folds into the Triton attention kernel only")
-            if k is None:
-                raise ValueError("the torch attention backend needs this step's k and v")
-            meta = get_forward_context()
-            torch_native.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.step_cache)
-            out = torch_native.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.forward(self, q, k, v, rotary)
         return out.view(T, -1)
-
-    def cache_write_args(self, v: torch.Tensor) -> tuple:
-        """What a kernel that writes this step's keys and values needs: (v, k_cache, v_cache,
-        the forward's slot mapping)."""
-        return v, self.k_cache, self.v_cache, get_forward_context().slot_mapping
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"backend={self.backend}, cache={tuple(self.k_cache.shape)}")
+                f"backend={self.backend.name}, cache={tuple(self.k_cache.shape)}")

@@ -1,7 +1,9 @@
 """Attention metadata: what one forward needs to find every token's K/V in the paged cache.
 
 Built once per step by the `ModelRunner` as tensors (backends never look at `Sequence`
-objects) and published as the per-forward context, the one global the model reads:
+objects) and published as the per-forward context, the one global the model reads. It also
+carries the engine's kernel plan and attention backend (the runner sets them), so that two
+engines in one process each find their own:
 
     with forward_context(meta):
         logits = model(input_ids, positions)
@@ -27,6 +29,9 @@ class AttentionMetadata:
     seq_lens_host: list[int] | None = None
     # what a backend derives once per step and every layer reuses (host lists, gather plans)
     step_cache: dict = field(default_factory=dict)
+    # the engine running this forward: its `KernelPlan` and attention backend (None: defaults)
+    plan: object = None
+    attn_backend: object = None
 
     @property
     def num_seqs(self) -> int:
@@ -39,6 +44,11 @@ _CONTEXT: AttentionMetadata | None = None
 def get_forward_context() -> AttentionMetadata:
     if _CONTEXT is None:
         raise RuntimeError("no attention metadata: run the model inside forward_context(meta)")
+    return _CONTEXT
+
+
+def current_forward_context() -> AttentionMetadata | None:
+    """The metadata of the forward running now, or None outside one."""
     return _CONTEXT
 
 

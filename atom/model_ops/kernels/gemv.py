@@ -6,7 +6,7 @@ GEMM tiles for these shapes that reach about a quarter of HBM bandwidth on the 4
 matrices of a small model, and 2.5-3.7 TB/s on the 32-235 MB ones of an 8B model. Here a
 program owns BLOCK_N output rows and walks K in BLOCK_K chunks (coalesced loads),
 accumulating in fp32. Whether a layer uses it is measured per weight shape
-(`atom.model_ops.linear.choose_gemv_shapes`): never slower than cuBLAS where it is picked.
+(`atom.tuning.gemv_choice.choose_gemv_shapes`): never slower than cuBLAS where it is picked.
 
 `gemv_fused` folds the two small kernels around a decoder layer's first and second
 projections into the GEMV, which at batch 1 cost as much launch and tail as the work:

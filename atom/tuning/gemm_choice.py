@@ -13,8 +13,9 @@ KV blocks or the requests waiting cut it short (in the nano-vllm workload: every
 but the last), so that row count is chosen for too (on the H200, Llama-3.1-8B at 16,384 rows:
 o, gate-up and down 1.6-2.9% faster in a probe, 4.8-11% in one engine's start-up; docs/perf,
 eighth session).
-`lt_product` then serves those shapes (eager or captured alike: the choice depends on the
-shape only); every other product stays on `F.linear`. Asked to (`wide_rows`), it also
+The choices go into the engine's `KernelPlan` (`plan.lt`, timings in `plan.lt_timings`),
+whose `lt_product` then serves those shapes (eager or captured alike: the choice depends on
+the shape only); every other product stays on `F.linear`. Asked to (`wide_rows`), it also
 searches beyond the heuristic at decode row counts (`_wide_candidates`: other tilings,
 custom options and cluster shapes of the same kernels), at about ten times the start-up
 cost.
@@ -43,37 +44,13 @@ from atom.model_ops import cublaslt
 from atom.utils.cuda_timing import graph_time
 
 logger = logging.getLogger(__name__)
-# (rows, N, K, dtype) -> (LtProduct, algorithm); and the timings that chose them:
-# (rows, N, K, dtype) -> (F.linear us, best candidate us, candidates tried)
-_CHOSEN: dict[tuple, tuple] = {}
-LT_CHOICES: dict[tuple, tuple[float, float, int]] = {}
-_CONFIGS: dict[tuple, list] = {}  # (N, K, dtype, ...) -> cuBLASLt configurations enumerated for it
-
-
-def lt_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """x W^T with the algorithm chosen for this shape, or None where none was (the caller
-    then runs `F.linear`)."""
-    if not _CHOSEN or x.dim() != 2:
-        return None
-    hit = _CHOSEN.get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
-    if hit is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()) \
-            or x.data_ptr() % 256 or w.data_ptr() % 256:  # the heuristic assumes 256-byte aligned operands
-        return None
-    prod, algo = hit
-    return prod(x, w, algo)
-
-
-def clear() -> None:
-    _CHOSEN.clear()
-    LT_CHOICES.clear()
-    _CONFIGS.clear()
 
 
 def _layer_weights(model: nn.Module) -> dict[tuple, list[torch.Tensor]]:
-    from atom.model_ops.linear import Linear
+    from atom.model_ops.quant import is_unquantized
     groups: dict[tuple, list[torch.Tensor]] = {}
     for m in model.modules():
-        if isinstance(m, Linear) and m.bias is None and m.weight.is_cuda \
+        if is_unquantized(m) and getattr(m, "bias", None) is None and m.weight.is_cuda \
                 and m.weight.dtype in (torch.bfloat16, torch.float16) and m.weight.is_contiguous():
             groups.setdefault((m.weight.shape[0], m.weight.shape[1], m.weight.dtype), []).append(m.weight)
     return groups
@@ -126,16 +103,16 @@ def _screen(prod, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, al
     return sorted(((s.elapsed_time(e) * 1e3 / reps, a) for s, e, a in timed), key=lambda p: p[0])
 
 
-def _accepted(prod, key: tuple, build) -> list:
+def _accepted(plan, prod, key: tuple, build) -> list:
     """`build()`'s configurations, built once per `key` (enumerating them asks cuBLASLt to
     check tens of thousands: seconds) and afterwards only re-checked for `prod`'s rows."""
-    if key not in _CONFIGS:
-        _CONFIGS[key] = build()
-        return _CONFIGS[key]
-    return [a for a in _CONFIGS[key] if prod.check(a)]
+    if key not in plan.lt_configs:
+        plan.lt_configs[key] = build()
+        return plan.lt_configs[key]
+    return [a for a in plan.lt_configs[key] if prod.check(a)]
 
 
-def _wide_candidates(prod, x, ws, out, heuristic: list, tiles: int = 4, keep: int = 6) -> list:
+def _wide_candidates(plan, prod, x, ws, out, heuristic: list, tiles: int = 4, keep: int = 6) -> list:
     """Configurations cuBLASLt's heuristic does not offer: one per tiling of the heuristic's
     algorithm ids (`LtProduct.tilings`), screened; the custom options x cluster shapes of the
     `tiles` fastest (`LtProduct.variants`), screened; the `keep` fastest of all. H200, Llama-
@@ -145,10 +122,10 @@ def _wide_candidates(prod, x, ws, out, heuristic: list, tiles: int = 4, keep: in
     tiling whose kept configuration cuBLASLt refuses at another row count drops out there)."""
     shape = (prod.n, prod.k, prod.dtype)
     ids = tuple(sorted({cublaslt.describe(a)["id"] for a in heuristic}))
-    ranked = _screen(prod, x, ws, out, _accepted(prod, shape + ids, lambda: prod.tilings(ids)))
+    ranked = _screen(prod, x, ws, out, _accepted(plan, prod, shape + ids, lambda: prod.tilings(ids)))
     seen = {bytes(a) for a in heuristic}
     for _, algo in ranked[:tiles]:
-        variants = _accepted(prod, shape + (bytes(algo),), lambda: prod.variants(algo))
+        variants = _accepted(plan, prod, shape + (bytes(algo),), lambda: prod.variants(algo))
         ranked += _screen(prod, x, ws, out, [v for v in variants if bytes(v) != bytes(algo)])
     picked = []
     for _, algo in sorted(ranked, key=lambda p: p[0]):
@@ -158,7 +135,7 @@ def _wide_candidates(prod, x, ws, out, heuristic: list, tiles: int = 4, keep: in
     return picked
 
 
-def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, max_candidates: int,
+def _choose_one(plan, rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, max_candidates: int,
                 wide: bool = False):
     n, k, dtype = ws[0].shape[0], ws[0].shape[1], ws[0].dtype
     x = torch.randn(rows, k, device=ws[0].device, dtype=dtype)
@@ -173,7 +150,7 @@ def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, 
         return
     if wide and algos:
         try:
-            algos += _wide_candidates(prod, x, ws, out, algos)
+            algos += _wide_candidates(plan, prod, x, ws, out, algos)
         except RuntimeError as err:  # the heuristic's candidates still run
             logger.warning("rows %d, %dx%d %s: the search beyond cuBLASLt's heuristic failed (%s)",
                            rows, n, k, dtype, err)
@@ -191,11 +168,11 @@ def _choose_one(rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, 
     key = (rows, n, k, dtype)
     if best is None:
         return
-    LT_CHOICES[key] = (base, best[0], tried)
+    plan.lt_timings[key] = (base, best[0], tried)
     if base >= min_gain * best[0]:
-        _CHOSEN[key] = (prod, best[1])
+        plan.lt[key] = (prod, best[1])
     else:
-        _CHOSEN.pop(key, None)
+        plan.lt.pop(key, None)
 
 
 def _fingerprint(wide_rows=None) -> dict:
@@ -217,7 +194,7 @@ def _entry_name(key: tuple) -> str:
     return f"{rows} {n} {k} {str(dtype).removeprefix('torch.')}"
 
 
-def _load_cached(path: Path, work: list, fingerprint: dict) -> list:
+def _load_cached(plan, path: Path, work: list, fingerprint: dict) -> list:
     """Takes the choices `path` holds for `work`'s shapes (a chosen algorithm only if it runs
     and agrees with F.linear here); returns the work items left to time."""
     try:
@@ -244,9 +221,9 @@ def _load_cached(path: Path, work: list, fingerprint: dict) -> list:
                 x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
                 if not _agree(prod(x, w, algo), F.linear(x, w)):
                     raise ValueError("disagrees with F.linear")
-                _CHOSEN[key] = (prod, algo)
+                plan.lt[key] = (prod, algo)
             if e is not None:
-                LT_CHOICES[key] = (float(e["base_us"]), float(e["best_us"]), int(e["tried"]))
+                plan.lt_timings[key] = (float(e["base_us"]), float(e["best_us"]), int(e["tried"]))
                 continue
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             logger.warning("GEMM algorithm cache %s: entry %s not used (%s)", path, _entry_name(key), err)
@@ -254,7 +231,7 @@ def _load_cached(path: Path, work: list, fingerprint: dict) -> list:
     return left
 
 
-def _save(path: Path, fingerprint: dict) -> None:
+def _save(plan, path: Path, fingerprint: dict) -> None:
     """Writes this run's choices into the file, keeping the entries it has for other shapes
     (other models, other capture sizes)."""
     choices = {}
@@ -265,8 +242,8 @@ def _save(path: Path, fingerprint: dict) -> None:
     except (OSError, ValueError):
         pass
     choices.update({_entry_name(k): {"base_us": round(b, 3), "best_us": round(t, 3), "tried": n,
-                                     "algo": bytes(_CHOSEN[k][1]).hex() if k in _CHOSEN else None}
-                    for k, (b, t, n) in LT_CHOICES.items()})
+                                     "algo": bytes(plan.lt[k][1]).hex() if k in plan.lt else None}
+                    for k, (b, t, n) in plan.lt_timings.items()})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -276,10 +253,10 @@ def _save(path: Path, fingerprint: dict) -> None:
         logger.warning("GEMM algorithm cache %s not written: %s", path, err)
 
 
-def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, min_rows: int = 2,
+def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 1.02, min_rows: int = 2,
                     iters: int = 10, max_candidates: int = 24, cache_dir: str = "",
                     prefill_rows: int = 0, wide_rows: tuple[int, int] | None = None) -> dict:
-    """Times the model's products at each capture size >= `min_rows` (batch 1 has the GEMV
+    """Into `plan` (a `KernelPlan`): times the model's products at each capture size >= `min_rows` (batch 1 has the GEMV
     choice) and keeps the cuBLASLt candidate that wins by `min_gain` (2%: above the spread of
     repeated timings), trying at most `max_candidates` of the heuristic's per shape; with
     `cache_dir`, through the cache file there. `prefill_rows` (the engine passes `max_num_batched_tokens`): also every
@@ -307,19 +284,19 @@ def choose_lt_algos(model: nn.Module, sizes: list[int], min_gain: float = 1.02, 
     if cache_dir:
         fingerprint = _fingerprint(wide_rows if wide else None)
         path = cache_path(cache_dir, fingerprint)
-        todo = _load_cached(path, work, fingerprint)
+        todo = _load_cached(plan, path, work, fingerprint)
     for rows, ws in tqdm(todo, desc="Choosing GEMM algorithms", unit="shape", disable=not todo):
         try:
-            _choose_one(rows, ws, min_gain, iters, max_candidates, wide=rows in wide)
+            _choose_one(plan, rows, ws, min_gain, iters, max_candidates, wide=rows in wide)
         except torch.cuda.OutOfMemoryError:
             logger.warning("rows %d, %dx%d: out of GPU memory while timing: stays on F.linear", rows, *ws[0].shape)
     if prefill_rows and todo:
         torch.cuda.empty_cache()  # the large timing buffers and graph pools
     if path is not None and todo:
-        _save(path, fingerprint)
-    for key, (base, best, tried) in LT_CHOICES.items():
+        _save(plan, path, fingerprint)
+    for key, (base, best, tried) in plan.lt_timings.items():
         logger.debug("rows %d, %dx%d %s: F.linear %.1f us, best of %d cuBLASLt candidates %.1f us -> %s",
-                     *key, base, tried, best, "cuBLASLt" if key in _CHOSEN else "F.linear")
+                     *key, base, tried, best, "cuBLASLt" if key in plan.lt else "F.linear")
     logger.info("GEMM algorithms: a cuBLASLt candidate chosen for %d of %d (rows, N, K) products "
-                "(%d timed, %.1f s)", len(_CHOSEN), len(work), len(todo), time.perf_counter() - t0)
-    return dict(LT_CHOICES)
+                "(%d timed, %.1f s)", len(plan.lt), len(work), len(todo), time.perf_counter() - t0)
+    return dict(plan.lt_timings)

@@ -1,0 +1,81 @@
+"""Engine settings this build cannot honour, refused before any weight loads.
+
+`Config` accepts and validates every field of the guide (so it can be built and inspected
+anywhere); an engine that would silently ignore one of them is worse than none. So
+`LLMEngine` calls `check_supported(config)` first: one `ValueError` lists every setting
+that is not implemented here (tensor / data / expert parallelism, DP attention, an FP8 KV
+cache, online quantization, speculative decoding, asyncio mode), each with its field and
+value. It also checks the kernel backend (`ATOM_KERNEL_BACKEND`, `atom.platform`) and
+warns, once, that a compilation level above 0 does nothing on a CPU.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from atom import platform
+
+logger = logging.getLogger(__name__)
+
+WHY = "not implemented in this build yet"
+
+
+def _get(obj: Any, dotted: str, default: Any = None) -> Any:
+    for name in dotted.split("."):
+        obj = obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
+        if obj is None:
+            return default
+    return obj
+
+
+def unsupported_settings(config: Any) -> list[str]:
+    """One line per setting of `config` (a Config, or a dict / namespace of its keywords)
+    that this build cannot honour."""
+    found = []
+
+    def refuse(field: str, value: Any, allowed: str) -> None:
+        found.append(f"{field}={value!r} is {WHY}: {allowed}")
+
+    tp = _get(config, "tensor_parallel_size", 1)
+    if tp != 1:
+        refuse("tensor_parallel_size", tp, "only 1 (one device) runs")
+    dp = _get(config, "parallel_config.data_parallel_size", 1)
+    if dp != 1:
+        refuse("parallel_config.data_parallel_size", dp, "only 1 runs (--data-parallel-size)")
+    for flag in ("enable_expert_parallel", "enable_dp_attention", "asyncio_mode"):
+        if _get(config, flag, False):
+            refuse(flag, True, "leave it False")
+    kv = _get(config, "kv_cache_dtype", "bf16")
+    if kv != "bf16":
+        refuse("kv_cache_dtype", kv, "only 'bf16' (the KV cache has the model's dtype)")
+    oq = _get(config, "online_quant_config")
+    if oq:
+        refuse("online_quant_config", oq, "leave it None (no online quantization)")
+    spec = _get(config, "speculative_config")
+    if spec is not None:
+        method = _get(spec, "method")
+        refuse("speculative_config", f"<method={method!r}>" if method else spec,
+               "leave it None (no speculative decoding; --method)")
+    return found
+
+
+def check_supported(config: Any, device: torch.device | str | None = None) -> None:
+    """Raise one ValueError naming every setting this build cannot honour; check the
+    kernel backend; warn once that compilation levels do nothing on a CPU."""
+    found = unsupported_settings(config)
+    if found:
+        raise ValueError("; ".join(found))
+    platform.kernel_backend()  # ValueError for a bad / impossible ATOM_KERNEL_BACKEND
+    device = torch.device(device) if device is not None else platform.default_device()
+    level = _get(config, "compilation_config.level", 0)
+    if device.type == "cpu" and level and not _get(config, "enforce_eager", False):
+        _warn_compilation_on_cpu(int(level))
+
+
+@functools.cache
+def _warn_compilation_on_cpu(level: int) -> None:
+    logger.warning("compilation_config.level=%d has no effect on a CPU: the model runs eagerly "
+                   "(levels 1-3 and CUDA graphs apply on a GPU)", level)

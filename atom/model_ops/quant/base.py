@@ -1,0 +1,36 @@
+"""`LinearMethod`: how one linear layer holds and applies its weights.
+
+The quantization config hands each linear layer a method for its prefix
+(`atom.model_ops.quant.linear_method_for`). The method creates the layer's parameters
+(each with the layer's `weight_loader`, which knows the packed shards), post-processes them
+once the checkpoint is loaded (repacking, scales), and computes the product. Adding a
+format adds a method file; the layers and the models stay as they are.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LinearMethod:
+    name = "base"
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once after the checkpoint (or dummy weights) is in place."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def format(self, layer: nn.Module) -> str:
+        """What the weights are stored as (e.g. "bfloat16", "fp8 per-channel")."""
+        raise NotImplementedError
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes of the layer's parameters (weights, scales, bias)."""
+        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

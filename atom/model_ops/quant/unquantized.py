@@ -1,0 +1,63 @@
+"""The unquantized linear method: weights in the model's dtype, x W^T (+ b).
+
+Where the product runs:
+- CPU, fp32: oneDNN's matmul (on the 2-core machine, over the embedded model's layers, 0.54x
+  the time of `F.linear`'s BLAS call at one row, 0.72x at 32 rows, the same at 8 and 0.92x
+  at 256: `python -m atom.benchmarks.cpu_gemm`).
+- GPU, one row (batch-1 decode), a shape where the engine's kernel plan chose it: the Triton
+  GEMV (`kernels.gemv`).
+- GPU otherwise (outside torch.compile): the Triton GEMM when the plan says so
+  (ATOM_USE_TRITON_GEMM), else the cuBLASLt algorithm the plan chose for this shape, else
+  `F.linear` (cuBLAS / hipBLASLt).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.model_ops.quant.base import LinearMethod
+
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def library_product(plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) where no GEMV is chosen (also the GEMV choice's unfused baseline)."""
+    if x.is_cpu or torch.compiler.is_compiling() or plan is None:
+        return F.linear(x, w, bias)
+    if plan.triton_gemm and x.dtype == w.dtype:
+        from atom.model_ops.kernels.gemm import gemm
+        return gemm(x, w, bias)
+    if bias is None and (y := plan.lt_product(x, w)) is not None:
+        return y
+    return F.linear(x, w, bias)
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, plan=None) -> torch.Tensor:
+    """x W^T (+ b) by the rules in the module docstring; `plan`: the engine's `KernelPlan`."""
+    if x.is_cpu:
+        if _ONEDNN and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    elif plan is not None and bias is None and (cfg := plan.one_row_config(x, weight, "plain")) is not None:
+        from atom.model_ops.kernels.gemv import gemv
+        return gemv(x, weight, cfg)
+    return library_product(plan, x, weight, bias)
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    name = "unquantized"
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+        if bias:
+            layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            layer.bias.weight_loader = layer.weight_loader
+        else:
+            layer.register_parameter("bias", None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return dense(x, layer.weight, layer.bias, layer.plan)
+
+    def format(self, layer: nn.Module) -> str:
+        return str(layer.weight.dtype).removeprefix("torch.")

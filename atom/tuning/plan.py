@@ -1,0 +1,178 @@
+"""`KernelPlan`: the kernel choices of one engine, made at start-up, installed by its runner.
+
+Which kernel library the layers call (torch references, Triton, AITER), which fusions the
+runner installs on the decoder layers (see `fusions`), the one-row GEMV configuration chosen
+per (N, K, dtype, variant) with the timings that chose it, and the cuBLASLt algorithm chosen
+per (rows, N, K, dtype) with its timings. Each engine owns its plan; the layers hold a
+reference to it (`layer.plan`), never a module global, so two engines in one process keep
+their own choices.
+
+    plan = llm.engine.runner.plan
+    print(plan)                  # what was chosen
+    plan.to_frame()              # one row per choice (pandas)
+    plan.save("plan.json"); KernelPlan.load("plan.json")   # same choices, no timing
+
+A saved plan holds the GEMV configurations and the cuBLASLt algorithms as bytes; loading it
+on another GPU kind or library version is the caller's choice (the file names them).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Fusions the runner can install on a decoder layer (norm -> attention -> norm -> MLP):
+FUSIONS = (
+    "norm+gemv",         # batch 1: the RMSNorm before a projection inside its GEMV
+    "norm+gemv+silu",    # batch 1: RMSNorm, gate-up GEMV and SiLU-and-mul in one kernel
+    "norm+gemv+rope",    # batch 1: RMSNorm, q/k/v GEMV, rotary and the K/V cache write (no q/k norm)
+    "rope+kv_write",     # prefill: the rotary kernel (after q/k norms) also writes K/V into the cache
+    "rope_in_attention",  # decode: the attention kernel rotates q/k and writes K/V itself
+)
+VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"dtype {name!r} in a kernel plan is not a torch dtype")
+    return dt
+
+
+@dataclass
+class KernelPlan:
+    backend: str = "torch"                 # "torch" | "triton" | "aiter": the layers' kernels
+    fusions: tuple[str, ...] = ()          # installed by `fusions.install`
+    triton_gemm: bool = False              # ATOM_USE_TRITON_GEMM: products on the Triton GEMM
+    gemv: dict = field(default_factory=dict)          # (N, K, dtype, variant) -> GEMV config
+    gemv_timings: dict = field(default_factory=dict)  # same key -> (unfused us, Triton us)
+    lt: dict = field(default_factory=dict)            # (rows, N, K, dtype) -> (LtProduct, algo)
+    lt_timings: dict = field(default_factory=dict)    # same key -> (F.linear us, best us, tried)
+    lt_configs: dict = field(default_factory=dict, repr=False)  # enumerations (search cache)
+    force_kernels: bool = False            # use the kernels on CPU tensors too (Triton's interpreter)
+
+    def __post_init__(self):
+        from atom.platform import BACKENDS
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is invalid: choose one of {', '.join(BACKENDS)}")
+        bad = [f for f in self.fusions if f not in FUSIONS]
+        if bad:
+            raise ValueError(f"fusions={bad} are invalid: choose among {', '.join(FUSIONS)}")
+        self.fusions = tuple(self.fusions)
+        self._kernels = None
+
+    # --- what the layers ask ------------------------------------------------------------
+    @property
+    def kernels(self):
+        """The kernels module of `backend` (None: the layers' torch references)."""
+        if self._kernels is None:
+            from atom.model_ops.kernel_backend import kernels_for
+            self._kernels = kernels_for(self.backend) or False
+        return self._kernels or None
+
+    def kernels_for(self, x: torch.Tensor):
+        """The kernels for tensor `x`: the backend's on a GPU (or anywhere when
+        `force_kernels`), None on a CPU and under torch.compile (Inductor fuses the torch code)."""
+        if torch.compiler.is_compiling() or not (x.is_cuda or self.force_kernels):
+            return None
+        return self.kernels
+
+    def one_row_config(self, x: torch.Tensor, weight: torch.Tensor, variant: str) -> dict | None:
+        """The GEMV configuration chosen for this product when `x` is one row (outside
+        torch.compile), else None (the library product runs)."""
+        if not self.gemv or x.dim() != 2 or x.shape[0] != 1 or torch.compiler.is_compiling():
+            return None
+        return self.gemv.get((weight.shape[0], weight.shape[1], weight.dtype, variant))
+
+    def lt_product(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """x W^T with the cuBLASLt algorithm chosen for this shape, or None where none was."""
+        if not self.lt or x.dim() != 2:
+            return None
+        hit = self.lt.get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
+        if hit is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()) \
+                or x.data_ptr() % 256 or w.data_ptr() % 256:  # the heuristic assumes 256-byte alignment
+            return None
+        prod, algo = hit
+        return prod(x, w, algo)
+
+    def has(self, fusion: str) -> bool:
+        return fusion in self.fusions
+
+    # --- inspection -----------------------------------------------------------------------
+    def rows(self) -> list[dict]:
+        """One dict per timed choice: kind, shape, variant / rows, timings, what runs."""
+        out = []
+        for (n, k, dt, variant), (base, tri) in self.gemv_timings.items():
+            out.append({"kind": "gemv", "rows": 1, "n": n, "k": k, "dtype": _dtype_name(dt), "variant": variant,
+                        "library_us": round(base, 2), "best_us": round(tri, 2),
+                        "runs": "triton-gemv" if (n, k, dt, variant) in self.gemv else "library"})
+        for (rows, n, k, dt), (base, best, tried) in self.lt_timings.items():
+            out.append({"kind": "gemm", "rows": rows, "n": n, "k": k, "dtype": _dtype_name(dt), "variant": "plain",
+                        "library_us": round(base, 2), "best_us": round(best, 2),
+                        "runs": "cublaslt" if (rows, n, k, dt) in self.lt else "library", "tried": tried})
+        return out
+
+    def to_frame(self):
+        import pandas as pd
+        return pd.DataFrame(self.rows())
+
+    def __repr__(self) -> str:
+        return (f"KernelPlan(backend={self.backend}, fusions={list(self.fusions)}, triton_gemm={self.triton_gemm}, "
+                f"gemv={len(self.gemv)}/{len(self.gemv_timings)} chosen/timed, "
+                f"cublaslt={len(self.lt)}/{len(self.lt_timings)} chosen/timed)")
+
+    # --- save / load ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "backend": self.backend, "fusions": list(self.fusions), "triton_gemm": self.triton_gemm,
+            "gemv": [{"key": [n, k, _dtype_name(dt), v], "config": cfg,
+                      "timings": list(self.gemv_timings.get((n, k, dt, v), ()))}
+                     for (n, k, dt, v), cfg in self.gemv.items()],
+            "gemv_timings": [{"key": [n, k, _dtype_name(dt), v], "us": list(t)}
+                             for (n, k, dt, v), t in self.gemv_timings.items()],
+            "lt": [{"key": [r, n, k, _dtype_name(dt)], "algo": bytes(algo).hex()}
+                   for (r, n, k, dt), (_, algo) in self.lt.items()],
+            "lt_timings": [{"key": [r, n, k, _dtype_name(dt)], "us": list(t)}
+                           for (r, n, k, dt), t in self.lt_timings.items()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KernelPlan":
+        plan = cls(backend=data.get("backend", "torch"), fusions=tuple(data.get("fusions", ())),
+                   triton_gemm=bool(data.get("triton_gemm", False)))
+        for e in data.get("gemv", []):
+            n, k, dt, v = e["key"]
+            plan.gemv[(int(n), int(k), _dtype(dt), v)] = dict(e["config"])
+        for e in data.get("gemv_timings", []):
+            n, k, dt, v = e["key"]
+            plan.gemv_timings[(int(n), int(k), _dtype(dt), v)] = tuple(float(t) for t in e["us"])
+        for e in data.get("lt_timings", []):
+            r, n, k, dt = e["key"]
+            plan.lt_timings[(int(r), int(n), int(k), _dtype(dt))] = (float(e["us"][0]), float(e["us"][1]),
+                                                                     int(e["us"][2]))
+        lt = data.get("lt", [])
+        if lt:  # cuBLASLt algorithms need the library: only where it is there (a GPU)
+            from atom.model_ops import cublaslt
+            if not cublaslt.available():
+                raise ValueError("the plan holds cuBLASLt algorithms but cuBLASLt is not available here")
+            for e in lt:
+                r, n, k, dt = e["key"]
+                key = (int(r), int(n), int(k), _dtype(dt))
+                plan.lt[key] = (cublaslt.LtProduct(*key), cublaslt.algo_from_bytes(bytes.fromhex(e["algo"])))
+        return plan
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "KernelPlan":
+        return cls.from_dict(json.loads(Path(path).expanduser().read_text()))
