@@ -12,6 +12,7 @@ _LAZY = {
     "EngineArgs": "atom.model_engine.arg_utils",
     "Config": "atom.config",
     "RequestOutput": "atom.outputs",
+    "CompletionOutput": "atom.outputs",
 }
 
 __all__ = list(_LAZY)

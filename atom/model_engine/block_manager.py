@@ -15,6 +15,10 @@ freed first (LRU).
 Multi-token steps take slots for draft tokens the model may reject; `trim` hands the
 blocks wholly past the confirmed end back. Only blocks whose every token is computed and
 confirmed are ever published, so a block holding a rejected draft never is.
+
+`fork` shares a sequence's full, computed blocks with another sequence of the same tokens
+(the n completions of one prompt): the child takes a reference on each (no copy, no
+recompute) whether or not prefix caching is on; a block is free once every holder let go.
 """
 from __future__ import annotations
 
@@ -137,6 +141,21 @@ class BlockManager:
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached
         return cached
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> int:
+        """Give `child` (no blocks yet, the same first tokens as `parent`) references on the
+        parent's blocks that hold its first `num_tokens` tokens, whole and computed blocks
+        only; the child's K/V for those tokens are then computed. Returns the shared tokens."""
+        assert not child.block_table, f"{child} already has blocks"
+        bs = self.block_size
+        k = min(num_tokens, parent.num_computed_tokens) // bs
+        assert child.token_ids[:k * bs] == parent.token_ids[:k * bs], "fork of different tokens"
+        for block_id in parent.block_table[:k]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = parent.block_table[:k]
+        child.block_hashes = parent.block_hashes[:k]
+        child.num_computed_tokens = k * bs
+        return k * bs
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self._blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)

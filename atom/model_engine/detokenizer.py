@@ -34,18 +34,18 @@ def detokenize_incrementally(tokenizer, seq: Sequence) -> str:
     return new
 
 
-def find_stop_string(seq: Sequence, new_text: str, stop_strings: list[str]) -> bool:
-    """If a stop string appeared, cut the text where it starts and return True."""
+def find_stop_string(seq: Sequence, new_text: str, stop_strings: list[str]) -> str | None:
+    """If a stop string appeared, cut the text where it starts and return that string."""
     if not new_text:
-        return False
+        return None
     longest = max(len(s) for s in stop_strings)
     search_from = max(0, len(seq.output_text) - len(new_text) - longest + 1)
     for stop in stop_strings:
         at = seq.output_text.find(stop, search_from)
         if at != -1:
             seq.output_text = seq.output_text[:at]
-            return True
-    return False
+            return stop
+    return None
 
 
 def stream_text(seq: Sequence, final_text: str | None = None) -> tuple[str, str]:

@@ -18,9 +18,16 @@ is its `RequestOutputKind` (`set_output_kind`, else `default_output_kind`, CUMUL
 FINAL_ONLY requests get only the final output and are not detokenized per step.
 A request that cannot be served is refused in `add_request` with a ValueError that says
 why; nothing of it reaches the scheduler, so other requests never notice.
+
+`SamplingParams.n > 1`: the request runs as n sequences (child i with `seed + i` when
+seeded) sharing the prompt's KV blocks (see `Scheduler`); streamed outputs come per child
+(`outputs[0].index`), the final one holds the n completions in index order.
+Logprobs (when asked) come back from the runner after `collect` and are kept per sequence
+in vLLM's form (`{token_id: Logprob}`, decoded tokens included).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -30,11 +37,12 @@ from atom.hf_config import _max_positions
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.prompts import as_sampling_params, parse_prompt
 from atom.model_engine.supported import check_supported
-from atom.model_engine.scheduler import Scheduler
+from atom.model_engine.scheduler import Scheduler, eos_token_ids
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.stats import EngineStats
 from atom.model_engine.proposer import Proposer
-from atom.outputs import RequestOutput, RequestOutputKind
+from atom.model_ops.logprobs import logprob_dict
+from atom.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,10 +70,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.kv_cache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler.from_config(config, self.block_manager)
-        eos = {config.eos_token_id} if config.eos_token_id is not None and config.eos_token_id >= 0 else set()
-        self.scheduler.eos_token_ids = frozenset(eos | set(config.stop_token_ids or []))
+        self.scheduler.eos_token_ids = eos_token_ids(config)
         self.vocab_size = config.hf_config.vocab_size
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         # overlap: launch decode step N+1 before step N's tokens reach the host (GPU default)
         self.async_scheduling = (self.runner.device.type == "cuda" if async_scheduling is None
                                  else async_scheduling)
@@ -124,28 +131,35 @@ class LLMEngine:
                              f"{self.block_manager.num_blocks}: raise num_kvcache_blocks")
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        seq = Sequence(ids, sp, request_id=request_id, prompt=text)
-        self.scheduler.add(seq)
-        self.requests[seq.request_id] = seq
-        return seq.request_id
+        seqs = [Sequence(ids, sp if sp.n == 1 else _child_params(sp, 0), request_id=request_id, prompt=text)]
+        for i in range(1, sp.n):  # wait for the first one's prompt K/V (Scheduler._fork)
+            seqs.append(Sequence(ids, _child_params(sp, i), request_id=seqs[0].request_id, prompt=text))
+            seqs[-1].index = i
+        seqs[0].forks = seqs[1:]
+        self.scheduler.add(seqs[0])
+        self.requests[seqs[0].request_id] = seqs
+        return seqs[0].request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
             return None
-        self.scheduler.finish(seq, "abort")
-        self.runner.release(seq)
-        return self._output(seq)
+        for seq in seqs:  # the first one first: it aborts its siblings not forked yet
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+            self.runner.release(seq)
+        return self._output(seqs, seqs)
 
     def set_output_kind(self, request_id: str, kind: RequestOutputKind) -> None:
         """What the request's outputs carry (`atom.outputs.RequestOutputKind`); set it right
         after `add_request`, before the request's first step."""
         if not isinstance(kind, RequestOutputKind):
             raise TypeError(f"output kind must be a RequestOutputKind, got {kind!r}")
-        seq = self.requests.get(request_id)
-        if seq is None:
+        seqs = self.requests.get(request_id)
+        if seqs is None:
             raise ValueError(f"request_id={request_id!r} is not in the engine")
-        seq.output_kind = kind
+        for seq in seqs:
+            seq.output_kind = kind
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -186,6 +200,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.scheduler.note_step_latency(batch, t2 - t1)
         finished = self.scheduler.commit(batch, sampled)
+        if handle.logprobs is not None:
+            self._keep_logprobs(batch, handle.logprobs)
         outputs = self._step_outputs(batch, finished)
         t3 = time.perf_counter()
         self.stats.record_step({
@@ -224,8 +240,12 @@ class LLMEngine:
                 continue
             if tokenizer is not None:
                 text = detokenize_incrementally(tokenizer, seq)
-                if stops and find_stop_string(seq, text, stops):
+                # as vLLM: stop strings count once more than min_tokens tokens were generated
+                stop = (stops and seq.num_output_tokens > seq.sampling_params.min_tokens
+                        and find_stop_string(seq, text, stops))
+                if stop:
                     seq.stopped_by_string = True
+                    seq.stop_reason = stop
                     if len(new) > 1:
                         self._drop_after_stop_string(seq, len(new), stops)
                     if seq.is_finished:  # by length or EOS in this very step
@@ -234,8 +254,8 @@ class LLMEngine:
                         self.scheduler.finish(seq, "stop")
                         finished.append(seq)
             if kind is not final_only and not seq.is_finished:
-                outputs.append(self._output(seq, kind))
-        outputs += [self._finish(seq) for seq in finished]
+                outputs.append(self._output(self.requests.get(seq.request_id, [seq]), [seq], kind))
+        outputs += [out for out in map(self._finish, finished) if out is not None]
         return outputs
 
     def _drop_after_stop_string(self, seq: Sequence, num_new: int, stops: list[str]) -> None:
@@ -248,27 +268,76 @@ class LLMEngine:
             text = self.tokenizer.decode(out[:base + m], skip_special_tokens=True)
             if any(stop in text for stop in stops):
                 del seq.token_ids[len(seq.token_ids) - (num_new - m):]
+                del seq.logprobs[seq.num_output_tokens:], seq.token_logprobs[seq.num_output_tokens:]
                 return
 
-    def _finish(self, seq: Sequence) -> RequestOutput:
-        self.requests.pop(seq.request_id, None)
+    def _keep_logprobs(self, batch, step) -> None:
+        """The step's logprobs into each sequence, in vLLM's form: those of the tokens it kept
+        (drafts past the first mismatch and tokens past a stop are dropped) and of the prompt
+        tokens not known yet."""
+        decode = self._decode_tokens if self.tokenizer is not None else None
+        sample, prompt = step.sample, step.prompt or {}
+        for r, (seq, kept) in enumerate(zip(batch.seqs, batch.accepted)):
+            if sample is not None and sample[r] and kept:
+                rows = sample[r][:len(kept)]
+                seq.logprobs += [logprob_dict(row, decode) for row in rows]
+                seq.token_logprobs += [row.logprob for row in rows]
+            if r in prompt:
+                first, rows = prompt[r]
+                skip = len(seq.prompt_logprobs) - (first - 1)  # entry i scores prompt token i + 1
+                if skip >= 0:
+                    seq.prompt_logprobs += [logprob_dict(row, decode) for row in rows[skip:]]
+
+    def _decode_tokens(self, ids: list[int]) -> list[str]:
+        return self.tokenizer.batch_decode([[i] for i in ids])
+
+    def _finish(self, seq: Sequence) -> RequestOutput | None:
+        """A sequence finished: its stats row; the request's final output once all its
+        sequences did (before that, a streamed one for this completion, or None)."""
+        seqs = self.requests.get(seq.request_id)
         self.runner.release(seq)
-        out = self._output(seq)
+        _, _, ttft, tpot = _timing([seq])
         self.stats.record_request({
             "request_id": seq.request_id, "prompt_tokens": seq.num_prompt_tokens,
             "output_tokens": seq.num_output_tokens, "cached_tokens": seq.num_cached_tokens,
-            "preemptions": seq.num_preemptions, "ttft": out.ttft, "tpot": out.tpot,
+            "preemptions": seq.num_preemptions, "ttft": ttft, "tpot": tpot,
             "e2e": (seq.finish_time or time.perf_counter()) - seq.arrival_time,
             "finish_reason": seq.finish_reason,
         }, seq.num_cached_tokens, self.block_manager.cacheable_tokens(seq.num_prompt_tokens))
-        return out
+        if seqs is None:  # a sibling finishing in the same step sent the request's final output
+            return None
+        if all(s.is_finished for s in seqs):
+            self.requests.pop(seq.request_id, None)
+            return self._output(seqs, seqs)
+        if (seq.output_kind or self.default_output_kind) is RequestOutputKind.FINAL_ONLY:
+            return None
+        return self._output(seqs, [seq])
 
-    def _output(self, seq: Sequence, kind: RequestOutputKind | None = None) -> RequestOutput:
-        """The request's output now: final once it finished, else a streamed one of `kind`.
+    def _output(self, seqs: Sequence | list[Sequence], which: list[Sequence] | None = None,
+                kind: RequestOutputKind | None = None) -> RequestOutput:
+        """The request's output now (`seqs`: its sequences, or the one): a completion for each of
+        `which` (default: all), final (`finished`) once every sequence finished."""
+        seqs = [seqs] if isinstance(seqs, Sequence) else seqs
+        head = seqs[0]
+        done = all(s.is_finished for s in seqs)
+        first, last, ttft, tpot = _timing(seqs)
+        scheduled = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
+        metrics = RequestMetrics(head.arrival_time, min(scheduled) if scheduled else None, first,
+                                 last if done else None, ttft, tpot)
+        plp = None
+        if head.sampling_params.prompt_logprobs is not None:
+            plp = [None] + head.prompt_logprobs
+        return RequestOutput(head.request_id, head.prompt, head.token_ids[:head.num_prompt_tokens],
+                             [self._completion(s, kind) for s in (which or seqs)], done,
+                             prompt_logprobs=plp, num_cached_tokens=head.num_cached_tokens, metrics=metrics)
+
+    def _completion(self, seq: Sequence, kind: RequestOutputKind | None = None) -> CompletionOutput:
+        """A sequence's completion now: final once it finished, else a streamed one of `kind`.
         `new_token_ids` / `new_text` are what its previous outputs did not carry yet."""
         start = seq.num_prompt_tokens + seq.num_streamed_tokens
         end = seq.num_tokens - seq.num_pending - seq.num_draft_tokens
         new_ids = seq.token_ids[start:end]
+        begin = 0  # first generated token of this output (DELTA: only the new ones)
         seq.num_streamed_tokens = end - seq.num_prompt_tokens
         if seq.is_finished:
             if seq.stopped_by_string or self.tokenizer is None:
@@ -281,12 +350,32 @@ class LLMEngine:
             text, new_text = stream_text(seq)
             if (kind or seq.output_kind or self.default_output_kind) is RequestOutputKind.DELTA:
                 text, ids = new_text, new_ids
+                begin = start - seq.num_prompt_tokens
             else:
                 ids = seq.output_token_ids
-        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
-        tpot = None
-        if seq.first_token_time and seq.finish_time and seq.num_output_tokens > 1:
-            tpot = (seq.finish_time - seq.first_token_time) / (seq.num_output_tokens - 1)
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], text,
-                             ids, seq.finish_reason, seq.num_cached_tokens, ttft, tpot,
-                             new_token_ids=new_ids, new_text=new_text)
+        logprobs = cumulative = None
+        if seq.sampling_params.logprobs is not None:
+            logprobs = seq.logprobs[begin:begin + len(ids)]
+            cumulative = sum(seq.token_logprobs[:end - seq.num_prompt_tokens])
+        return CompletionOutput(seq.index, text, ids, cumulative, logprobs, seq.finish_reason,
+                                seq.stop_reason, new_token_ids=new_ids, new_text=new_text)
+
+
+def _child_params(sp: SamplingParams, i: int) -> SamplingParams:
+    """Completion i of an n > 1 request: its own random stream (seed + i, as vLLM); prompt
+    logprobs only once, on the first."""
+    return dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i,
+                               prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
+
+
+def _timing(seqs: list[Sequence]) -> tuple[float | None, float | None, float | None, float | None]:
+    """(first token time, last finish time, ttft, tpot) over a request's sequences; tpot once all
+    finished: seconds per output token after the first, of the longest completion."""
+    firsts = [s.first_token_time for s in seqs if s.first_token_time]
+    first = min(firsts) if firsts else None
+    ends = [s.finish_time for s in seqs]
+    last = max(ends) if all(ends) else None
+    ttft = first - seqs[0].arrival_time if first else None
+    longest = max(s.num_output_tokens for s in seqs)
+    tpot = (last - first) / (longest - 1) if first and last and longest > 1 else None
+    return first, last, ttft, tpot

@@ -7,6 +7,10 @@
 Inputs of a step are built once, vectorized over the batch with numpy (positions, slot
 mapping, block tables), and handed to the attention backend as `AttentionMetadata`.
 Logits are computed only for the rows that sample; sampling runs on the device.
+Rows that ask for penalties / min_tokens get their logits processed first, rows that ask
+for logprobs get them from the raw logits, and sequences whose prompt logprobs are asked get
+logits for their prompt positions too (`step_extras`); a batch where no row asks runs
+exactly the plain path.
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ import numpy as np
 import torch
 
 from atom import platform
-from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.scheduler import ScheduledBatch, eos_token_ids
 from atom.model_engine.sequence import PLACEHOLDER, Sequence
+from atom.model_engine.step_extras import StepLogprobs, sample_processed, score_prompts
 from atom.model_loader.loader import init_dummy_weights, load_weights
 from atom.model_engine.kv_cache import KVCacheManager
 from atom.model_ops.attention import Attention, AttentionMetadata, TorchAttentionBackend, forward_context
@@ -80,6 +85,7 @@ class StepHandle:
     event: "torch.cuda.Event | None" = None
     graph_size: int | None = None       # the CUDA graph replayed, None: no graph
     timing: dict = field(default_factory=dict)  # prepare_s, launch_s, sample_s (host seconds)
+    logprobs: StepLogprobs | None = None  # rows that ask (step_extras); on the host after collect
 
 
 class ModelRunner:
@@ -125,6 +131,7 @@ class ModelRunner:
         self.install_plan(KernelPlan(backend=kernels, fusions=default_fusions(kernels)))
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
+        self.eos_token_ids = eos_token_ids(config)  # what min_tokens suppresses (unless ignore_eos)
         logger.info("loaded %s (%s, %s) in %.1f s", type(self.model).__name__, self.dtype,
                     self.device, time.perf_counter() - t0)
         self.kv_cache_manager = KVCacheManager(
@@ -328,6 +335,8 @@ class ModelRunner:
             graph_size = None
         handle = StepHandle(len(seqs), host.sample_rows, {seqs[r].seq_id: i for i, r in enumerate(host.sample_rows)},
                             graph_size=graph_size)
+        if any(s.needs_prompt_logprobs for s in seqs):
+            score_prompts(self, seqs, host.cu_seqlens_q, hidden, handle)
         if host.sample_rows:
             n = len(seqs)
             counts = host.sample_counts
@@ -345,7 +354,10 @@ class ModelRunner:
                 last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
                 rows = hidden[last]
             logits = self.model.compute_logits(rows)
-            handle.tokens = self.sampler(logits, self.sampling_tensors(sample_seqs))
+            if any(s.needs_step_tokens for s in sample_seqs):  # penalties, min_tokens, logprobs
+                handle.tokens = sample_processed(self, logits, seqs, host.sample_rows, counts, sample_seqs, handle)
+            else:
+                handle.tokens = self.sampler(logits, self.sampling_tensors(sample_seqs))
             num = len(sample_seqs)
             if self.device.type == "cuda":  # copy back into pinned memory, signalled by an event
                 self._pinned_turn ^= 1
@@ -386,6 +398,8 @@ class ModelRunner:
                     for r, c in zip(rows, handle.sample_counts):
                         out[r] = tokens[at:at + c]
                         at += c
+        if handle.logprobs is not None:
+            handle.logprobs.to_host(handle.num_seqs)
         handle.timing["sample_s"] = time.perf_counter() - t0  # waiting for the device
         return out
 

@@ -20,6 +20,14 @@ the target's sample at the first mismatch (or the bonus one after all k) is take
 output is always the target's own samples. Rejected drafts' blocks go back (`trim`).
 A step thus yields a list of tokens per sequence; stops apply token by token in it.
 
+n completions of a prompt (`SamplingParams.n`): the first sequence is scheduled alone; once
+its prompt's K/V exist (`advance`), its siblings (`seq.forks`) take references on its full
+prompt blocks (`BlockManager.fork`) and wait at the front of the queue: each computes only
+the tokens after the shared blocks (at least the last prompt token, for its own logits).
+A prompt whose logprobs are asked is computed whole (no prefix-cache hits), as in vLLM.
+Batches with rows that need this step's tokens on the host (penalties, min_tokens,
+logprobs) get no look-ahead step.
+
 The scheduler is handed its `BlockManager`; it never touches tensors.
 """
 from __future__ import annotations
@@ -33,6 +41,12 @@ from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+
+def eos_token_ids(config) -> frozenset[int]:
+    """The ids that end a request (unless ignore_eos): the model's EOS and `stop_token_ids`."""
+    eos = {config.eos_token_id} if config.eos_token_id is not None and config.eos_token_id >= 0 else set()
+    return frozenset(eos | set(config.stop_token_ids or []))
 
 
 @dataclass
@@ -133,6 +147,13 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
+        if seq.forks:  # siblings never forked: aborted with it, else they prefill on their own
+            forks, seq.forks = seq.forks, []
+            for child in forks:
+                if reason == "abort":
+                    child.status, child.finish_reason, child.finish_time = SequenceStatus.FINISHED, reason, seq.finish_time
+                else:
+                    self.waiting.append(child)
         self.block_manager.free(seq)
         if seq in self.running:
             self.running.remove(seq)
@@ -195,7 +216,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.num_preempted
                and len(self.running) < self.max_num_seqs and self._admit_allowed(now)):
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and not seq.needs_prompt_logprobs:
                 bm.allocate_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_append(seq, n) and not self.running:
@@ -209,6 +230,8 @@ class Scheduler:
             self.waiting.popleft()
             bm.append_slots(seq, n)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
@@ -258,6 +281,18 @@ class Scheduler:
             seq.num_computed_tokens += n - seq.num_draft_tokens  # drafts count once confirmed
             seq.num_new_tokens = 0
             self.block_manager.publish_full_blocks(seq)
+            if seq.forks and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._fork(seq)
+
+    def _fork(self, seq: Sequence) -> None:
+        """`seq`'s prompt K/V exist: its waiting siblings share its full prompt blocks (all but
+        the block holding the last prompt token, which each sibling computes for its logits)
+        and go to the front of the queue, in index order."""
+        forks, seq.forks = seq.forks, []
+        shared = (seq.num_prompt_tokens - 1) // self.block_manager.block_size * self.block_manager.block_size
+        for child in reversed(forks):
+            self.block_manager.fork(seq, child, shared)
+            self.waiting.appendleft(child)
 
     def commit(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
         """Put the sampled tokens in place and check stops; returns newly finished sequences.
@@ -333,6 +368,8 @@ class Scheduler:
         live = [s for s in batch.seqs if s.status == SequenceStatus.RUNNING]
         if self.waiting or len(live) != len(self.running) or -1 in batch.sample_index:
             return None
+        if any(s.needs_step_tokens for s in live):  # penalties, min_tokens, logprobs
+            return None
         bm = self.block_manager
         # this step's token is not on the host yet: after it, a sequence has one more
         nxt = [s for s in live
@@ -351,11 +388,15 @@ class Scheduler:
         return ahead
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """"stop" (EOS, a stop token id: then `seq.stop_reason` is that id), "length" or None.
+        Before `min_tokens` tokens were generated only the length stops."""
         sp = seq.sampling_params
-        if not sp.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if sp.stop_token_ids and token in sp.stop_token_ids:
-            return "stop"
+        if seq.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
         if seq.num_output_tokens >= sp.max_tokens or seq.num_prompt_tokens + seq.num_output_tokens >= self.max_model_len:
             return "length"
         return None

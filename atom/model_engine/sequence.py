@@ -11,6 +11,10 @@ Multi-token steps: a proposer may set `draft_token_ids` (guesses of the next tok
 scheduler appends them to `token_ids` for one decode step (`num_draft_tokens` of them), so
 the step runs 1 + k query tokens; the scheduler's `commit` then keeps the drafts the
 target model confirmed and drops the rest. Drafts never count as output.
+
+`n > 1` completions of one prompt are `n` sequences (`index` 0..n-1, one request id). The
+first runs alone until its prompt's K/V exist; `forks` holds the others until then, when the
+scheduler forks them onto its full prompt blocks (`BlockManager.fork`).
 """
 from __future__ import annotations
 
@@ -55,10 +59,21 @@ class Sequence:
         self.num_draft_tokens = 0          # trailing draft tokens in token_ids (this step only)
         self.num_accepted_drafts = 0       # drafts the target confirmed, over the request
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id / stop string that ended it
         self.stopped_by_string = False
+        self.index = 0                     # which of the request's n completions
+        self.forks: list[Sequence] = []    # siblings waiting for this one's prompt K/V (n > 1)
+        sp = self.sampling_params
+        self.needs_step_tokens = sp.needs_step_tokens  # penalties, min_tokens or logprobs
+        # logprobs (when asked): per generated token {token_id: Logprob}, and for the prompt
+        # tokens after the first (vLLM's layout; filled by the engine)
+        self.logprobs: list[dict] = []
+        self.token_logprobs: list[float] = []  # the sampled tokens' own
+        self.prompt_logprobs: list[dict] = []
         self.num_preemptions = 0
         # timing (host clock, seconds)
         self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         # detokenization state
@@ -104,6 +119,12 @@ class Sequence:
     def samples_this_step(self) -> bool:
         """This step's chunk reaches the end of the known tokens, so a token is sampled."""
         return self.num_computed_tokens + self.num_new_tokens == len(self.token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked and not all known yet."""
+        k = self.sampling_params.prompt_logprobs
+        return k is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:
