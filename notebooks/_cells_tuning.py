@@ -276,9 +276,9 @@ assert abs(floor_ms - (c.params * 4 + 44 * c.kv_bytes_per_token) / cpu_bandwidth
 assert measured_ms > 0 and (steps["is_decode"]).sum() >= 20
 plot_roofline([{"name": "SmolLM2-135M batch-1 decode (this CPU)", "measured": measured_ms, "bound": floor_ms, "unit": "ms/token"}])
 """),
-    ("md", "## Measured GPU results, if any\n`python -m atom.benchmarks.throughput --out docs/perf/NAME.json` writes these; they are plotted against their roofline."),
+    ("md", "## Measured GPU results, if any\n`python -m atom.benchmarks.throughput --out docs/perf/raw/NAME.json` writes these; they are plotted against their roofline."),
     ("code", """
-perf_dir = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf"
+perf_dir = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw"
 # benchmark results are JSON objects; diagnosis probes (lists of rows) are left out
 results = [r for p in sorted(perf_dir.glob("*.json")) if isinstance(r := json.loads(p.read_text()), dict)]
 gpu = [r for r in results if "atom_tok_s" in r and "roofline_tok_s" in r]

@@ -8,7 +8,7 @@ the KV-read bandwidth; the H200's copy rate is 4.3 TB/s.
 
     python3 scripts/attention_order.py out.json   # from the repository root, on the GPU
 
-The figures in docs/perf/2026-11-30-h200-s3-attention-order.json came from this
+The figures in docs/perf/raw/2026-11-30-h200-s3-attention-order.json came from this
 measurement (run from a scratch copy that loaded the two kernels from files; the current
 kernel's code was the same as now).
 """

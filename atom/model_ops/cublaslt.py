@@ -9,7 +9,7 @@ stream-K kernels. `LtProduct` holds the descriptors of one (rows, N, K, dtype) p
 current CUDA stream (so a CUDA graph captures it like any other launch).
 `LtProduct.configurations` builds configurations the heuristic does not offer (other tiles,
 custom options, cluster shapes) from algorithm ids, each checked by cuBLASLt for the shape;
-`tilings` and `variants` are the two cuts of it the start-up search uses (`gemm_tuning`).
+`tilings` and `variants` are the two cuts of it the start-up search uses (`atom.tuning.gemm_choice`).
 
 The library is the libcublasLt that torch has loaded (found by soname without loading
 anything new), else the one of torch's CUDA major version. Nothing here runs on the CPU;
