@@ -327,7 +327,7 @@ class LLMEngine:
         plp = None
         if head.sampling_params.prompt_logprobs is not None:
             plp = [None] + head.prompt_logprobs
-        return RequestOutput(head.request_id, head.prompt, head.token_ids[:head.num_prompt_tokens],
+        return RequestOutput(head.request_id, head.prompt, head.prompt_token_ids,
                              [self._completion(s, kind) for s in (which or seqs)], done,
                              prompt_logprobs=plp, num_cached_tokens=head.num_cached_tokens, metrics=metrics)
 

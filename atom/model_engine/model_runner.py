@@ -129,7 +129,7 @@ class ModelRunner:
         self.set_attention_backend(self.attn_backend)
         self.plan = None
         self.install_plan(KernelPlan(backend=kernels, fusions=default_fusions(kernels)))
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.plan)
         self.generators: dict[int, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids(config)  # what min_tokens suppresses (unless ignore_eos)
         logger.info("loaded %s (%s, %s) in %.1f s", type(self.model).__name__, self.dtype,
@@ -154,6 +154,8 @@ class ModelRunner:
                 m.plan = plan
         fusions.install(self.model, plan)
         self.plan = plan
+        if getattr(self, "sampler", None) is not None:
+            self.sampler.plan = plan
         return plan
 
     def set_attention_backend(self, backend) -> None:

@@ -391,7 +391,7 @@ class Scheduler:
         """"stop" (EOS, a stop token id: then `seq.stop_reason` is that id), "length" or None.
         Before `min_tokens` tokens were generated only the length stops."""
         sp = seq.sampling_params
-        if seq.num_output_tokens >= sp.min_tokens:
+        if not sp.min_tokens or seq.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_token_ids:
                 return "stop"
             if sp.stop_token_ids and token in sp.stop_token_ids:

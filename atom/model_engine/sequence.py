@@ -48,6 +48,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        self.prompt_token_ids: list[int] = list(token_ids)  # outputs share this copy (not re-sliced per step)
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache
         self.num_cached_tokens = 0     # of those, how many came from the prefix cache
         self.num_new_tokens = 0        # scheduled for the current step

@@ -84,11 +84,6 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions)
         return apply_rotary_ref(qh, cos, sin).view(T, -1), apply_rotary_ref(kh, cos, sin).view(T, -1)
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Torch path for packed heads: x [T, H*D] (e.g. q and k side by side) -> rotated copy."""
-        T = x.shape[0]
-        return apply_rotary_ref(x.reshape(T, -1, self.head_dim), *self.cos_sin(positions)).view(T, -1)
-
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D/2] of `positions`; the layers of one forward share one lookup."""
         if torch.compiler.is_compiling():

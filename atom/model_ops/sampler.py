@@ -48,8 +48,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
 
 
 class Sampler(nn.Module):
+    """Samples on the device with the kernels of `plan` (the engine's `KernelPlan`; None: the
+    platform's choice)."""
+
+    def __init__(self, plan=None):
+        super().__init__()
+        self.plan = plan
+
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        kern = kernel_backend.get(logits)
+        kern = self.plan.kernels_for(logits) if self.plan is not None else kernel_backend.get(logits)
         if st.all_greedy:
             # on a GPU the split-vocab kernels without noise: faster than torch's argmax at 1-256
             # rows in the H200 probes (docs/perf, sixth and ninth sessions)

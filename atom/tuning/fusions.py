@@ -135,7 +135,8 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     back to the architecture's forward under torch.compile and on the torch backend."""
     attn, mlp = self.self_attn, self.mlp
     plan = attn.qkv_proj.plan
-    if plan is None or torch.compiler.is_compiling() or plan.kernels_for(hidden) is None:
+    if plan is None or torch.compiler.is_compiling() or plan.kernels_for(hidden) is None \
+            or attn.attn.backend.name != "triton":
         return type(self).forward(self, positions, hidden, residual)
     fused = None
     if plan.has("norm+gemv+rope") and not getattr(attn, "qk_norm", False) and hidden.shape[0] == 1:

@@ -47,10 +47,11 @@ logger = logging.getLogger(__name__)
 
 
 def _layer_weights(model: nn.Module) -> dict[tuple, list[torch.Tensor]]:
+    from atom.model_ops.linear import Linear
     from atom.model_ops.quant import is_unquantized
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for m in model.modules():
-        if is_unquantized(m) and getattr(m, "bias", None) is None and m.weight.is_cuda \
+    for m in model.modules():  # the linear layers (not the LM head, whose rows are the sampled ones)
+        if isinstance(m, Linear) and is_unquantized(m) and m.bias is None and m.weight.is_cuda \
                 and m.weight.dtype in (torch.bfloat16, torch.float16) and m.weight.is_contiguous():
             groups.setdefault((m.weight.shape[0], m.weight.shape[1], m.weight.dtype), []).append(m.weight)
     return groups

@@ -86,13 +86,14 @@ class KernelPlan:
     def one_row_config(self, x: torch.Tensor, weight: torch.Tensor, variant: str) -> dict | None:
         """The GEMV configuration chosen for this product when `x` is one row (outside
         torch.compile), else None (the library product runs)."""
-        if not self.gemv or x.dim() != 2 or x.shape[0] != 1 or torch.compiler.is_compiling():
+        # is_compiling first: under torch.compile nothing here may become a guard on the plan
+        if torch.compiler.is_compiling() or not self.gemv or x.dim() != 2 or x.shape[0] != 1:
             return None
         return self.gemv.get((weight.shape[0], weight.shape[1], weight.dtype, variant))
 
     def lt_product(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         """x W^T with the cuBLASLt algorithm chosen for this shape, or None where none was."""
-        if not self.lt or x.dim() != 2:
+        if torch.compiler.is_compiling() or not self.lt or x.dim() != 2:
             return None
         hit = self.lt.get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
         if hit is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()) \

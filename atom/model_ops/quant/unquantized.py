@@ -35,8 +35,10 @@ def library_product(plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, plan=None) -> torch.Tensor:
     """x W^T (+ b) by the rules in the module docstring; `plan`: the engine's `KernelPlan`."""
+    if torch.compiler.is_compiling():  # Inductor generates its own; nothing of the plan is traced
+        return F.linear(x, weight, bias)
     if x.is_cpu:
-        if _ONEDNN and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+        if _ONEDNN and x.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     elif plan is not None and bias is None and (cfg := plan.one_row_config(x, weight, "plain")) is not None:
         from atom.model_ops.kernels.gemv import gemv
