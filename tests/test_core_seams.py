@@ -196,3 +196,28 @@ def test_the_engine_allocates_through_the_manager(tiny_qwen3):
     a = runner.attn_layers[1]
     assert cfg.get(1).k_cache is a.k_cache and a.k_cache.shape == (24, 16, a.num_kv_heads, a.head_dim)
     assert runner.kv_bytes_per_block * 24 == cfg.nbytes
+
+
+def test_compiled_code_does_not_guard_on_the_plan(monkeypatch):
+    """Level 3 compiles at start-up, before the start-up choices fill the plan: what the
+    layers ask the plan under torch.compile must not become a guard of the graph, or the
+    first request recompiles it. The plan's tables change after a first compiled call; a
+    second call must not recompile."""
+    import torch._dynamo
+    from atom.model_ops.quant import dense
+    from atom.tuning.plan import KernelPlan
+    plan, w = KernelPlan(backend="triton"), torch.randn(8, 4)
+
+    def f(x):
+        cfg, lt = plan.one_row_config(x, w, "plain"), plan.lt_product(x, w)
+        return dense(x, w, plan=plan) + (1.0 if cfg is None and lt is None else 2.0)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    x = torch.randn(1, 4)
+    first = compiled(x)
+    plan.gemv[(8, 4, torch.float32, "plain")] = {}
+    plan.lt[(1, 8, 4, torch.float32)] = (None, None)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    torch.testing.assert_close(compiled(x), first)  # the torch product, nothing of the plan
+    torch._dynamo.reset()
