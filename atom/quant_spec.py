@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "QuantType",
     "LayerQuantConfig",
+    "ACT_SCHEMES",
     "DTYPE_KEYS",
     "dtype_from_key",
     "key_from_dtype",
@@ -89,14 +90,33 @@ def key_from_dtype(dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+#: Values of :attr:`LayerQuantConfig.act_scheme`: how activations are quantized.
+ACT_SCHEMES = ("none", "tensor", "token", "group")
+
+
 @dataclass(frozen=True)
 class LayerQuantConfig:
-    """How one layer (or the whole model, as the global default) is quantized."""
+    """How one layer (or the whole model, as the global default) is quantized.
+
+    The four leading fields are the spec's identity. The details after them say what a
+    linear method needs beyond the granularity (``None``: the method's default for the
+    quant type): ``group_size`` (weight scales per group of input columns),
+    ``block_size`` ((rows, cols) of a weight block), ``symmetric`` (False: zero points),
+    ``act_scheme`` (one of :data:`ACT_SCHEMES`: activations not quantized, one scale per
+    tensor, per token, or per group of ``act_group_size`` columns). The details take no
+    part in ``==`` (specs built from the four fields compare as before); ``to_dict`` and
+    so ``QuantizationConfig.compute_hash`` include those that are set.
+    """
 
     quant_type: QuantType = QuantType.No
     quant_dtype: torch.dtype = torch.bfloat16
     is_dynamic: bool = True
     quant_method: str = ""
+    group_size: Optional[int] = field(default=None, compare=False)
+    block_size: Optional[tuple[int, int]] = field(default=None, compare=False)
+    symmetric: Optional[bool] = field(default=None, compare=False)
+    act_scheme: Optional[str] = field(default=None, compare=False)
+    act_group_size: Optional[int] = field(default=None, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.quant_type, QuantType):
@@ -106,6 +126,21 @@ class LayerQuantConfig:
         if not isinstance(self.quant_dtype, torch.dtype):
             raise ValueError(
                 f"quant_dtype={self.quant_dtype!r} is invalid: must be a torch.dtype"
+            )
+        for name in ("group_size", "act_group_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}={value!r} is invalid: must be a positive int or None")
+        if self.block_size is not None:
+            block = tuple(self.block_size)
+            if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+                raise ValueError(
+                    f"block_size={self.block_size!r} is invalid: must be (rows, cols) of positive ints"
+                )
+            object.__setattr__(self, "block_size", block)
+        if self.act_scheme is not None and self.act_scheme not in ACT_SCHEMES:
+            raise ValueError(
+                f"act_scheme={self.act_scheme!r} is invalid: must be one of {ACT_SCHEMES} or None"
             )
         # MXFP4 always carries one E8M0 scale per 32 values. (Only checkable
         # here when torch has a distinct fp4 dtype; the parsers force it too.)
@@ -119,12 +154,17 @@ class LayerQuantConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (used for hashing and display)."""
-        return {
+        out = {
             "quant_type": self.quant_type.name,
             "quant_dtype": str(self.quant_dtype).replace("torch.", ""),
             "is_dynamic": self.is_dynamic,
             "quant_method": self.quant_method,
         }
+        for name in ("group_size", "block_size", "symmetric", "act_scheme", "act_group_size"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = list(value) if isinstance(value, tuple) else value
+        return out
 
 
 # ---------------------------------------------------------------------------
@@ -133,12 +173,16 @@ class LayerQuantConfig:
 
 
 def _spec(
-    quant_type: QuantType, key: str, is_dynamic: bool, method: str
+    quant_type: QuantType, key: str, is_dynamic: bool, method: str, **details: Any
 ) -> LayerQuantConfig:
     """Build a spec from a dtype key; MXFP4 (``fp4x2``) forces ``per_1x32``."""
     if key == "fp4x2":
         quant_type = QuantType.per_1x32
-    return LayerQuantConfig(quant_type, DTYPE_KEYS[key], is_dynamic, method)
+    return LayerQuantConfig(quant_type, DTYPE_KEYS[key], is_dynamic, method, **details)
+
+
+def _pos_int(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _dtype_key_from_string(text: str) -> Optional[str]:
@@ -226,7 +270,20 @@ class QuarkParser:
                 f"quark weight.dtype={dtype_name!r} is invalid: must name fp8, fp4, "
                 "int8 or int4"
             )
-        return _spec(_QUARK_QSCHEME[qscheme], key, is_dynamic, self.method)
+        details: dict[str, Any] = {}
+        if qscheme == "per_group":
+            details["group_size"] = _pos_int(weight.get("group_size"))
+        if weight.get("symmetric") is not None:
+            details["symmetric"] = bool(weight["symmetric"])
+        if inputs is None:
+            details["act_scheme"] = "none"
+        else:
+            in_scheme = str(inputs.get("qscheme", "per_tensor")).lower()
+            details["act_scheme"] = {"per_tensor": "tensor", "per_channel": "token",
+                                     "per_group": "group"}.get(in_scheme)
+            if in_scheme == "per_group":
+                details["act_group_size"] = _pos_int(inputs.get("group_size"))
+        return _spec(_QUARK_QSCHEME[qscheme], key, is_dynamic, self.method, **details)
 
 
 # ---------------------------------------------------------------------------
@@ -296,7 +353,55 @@ class GenericParser:
             if k == "input_activations" and isinstance(v, dict):
                 if v.get("dynamic") is False:
                     is_dynamic = False
-        return _spec(quant_type, key, is_dynamic, method)
+        details: dict[str, Any] = {}
+        if method == "compressed-tensors":
+            quant_type = self._compressed_tensors_details(cfg, quant_type, details)
+        elif isinstance(cfg.get("weight_block_size"), (list, tuple)):
+            block = [_pos_int(b) for b in cfg["weight_block_size"]]
+            if len(block) == 2 and all(block):
+                # DeepSeek / HF fine-grained fp8: 1 x block[1] dynamic activation groups
+                details.update(block_size=tuple(block), act_scheme="group", act_group_size=block[1])
+        elif key == "fp8" and quant_type is QuantType.per_Tensor:
+            details["act_scheme"] = "tensor"  # HF/vLLM "fp8": input_scale when static
+        elif _pos_int(cfg.get("group_size")) and key == "i4x2":
+            details.update(group_size=cfg["group_size"], act_scheme="none")
+        return _spec(quant_type, key, is_dynamic, method, **details)
+
+    @staticmethod
+    def _compressed_tensors_details(cfg: dict, quant_type: QuantType, details: dict) -> QuantType:
+        """Fill `details` from the first config group of a compressed-tensors config (the
+        one targeting ``Linear`` when there are several); the weight strategy "tensor"
+        makes the quant type per_Tensor."""
+        groups = cfg.get("config_groups") or {}
+        groups = [g for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+        if not groups:
+            return quant_type
+        if len(groups) > 1:
+            logger.warning("compressed-tensors config has %d config groups; using the one for Linear",
+                           len(groups))
+        group = next((g for g in groups if "Linear" in (g.get("targets") or [])), groups[0])
+        weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
+        inputs = group.get("input_activations")
+        strategy = str(weights.get("strategy") or "").lower()
+        if strategy == "tensor":
+            quant_type = QuantType.per_Tensor
+        if strategy == "group":
+            details["group_size"] = _pos_int(weights.get("group_size"))
+        if strategy == "block":
+            block = weights.get("block_structure")
+            if isinstance(block, (list, tuple)) and len(block) == 2 and all(_pos_int(b) for b in block):
+                details["block_size"] = tuple(block)
+        if weights.get("symmetric") is not None:
+            details["symmetric"] = bool(weights["symmetric"])
+        if not isinstance(inputs, dict):
+            details["act_scheme"] = "none"
+        else:
+            in_strategy = str(inputs.get("strategy") or "").lower()
+            if in_strategy in ("tensor", "token", "group"):
+                details["act_scheme"] = in_strategy
+            if in_strategy == "group":
+                details["act_group_size"] = _pos_int(inputs.get("group_size"))
+        return quant_type
 
     @staticmethod
     def _group_size(pairs: list[tuple[str, Any]]) -> Optional[int]:

@@ -72,6 +72,8 @@ def init_dummy_weights(model: nn.Module, mode: str) -> None:
         return
     gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
+        if getattr(p, "keep_on_dummy", False):
+            continue  # metadata a method checks after loading (int4 weight_shape)
         gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(0))
         if mode == "zero":
             p.data.zero_()

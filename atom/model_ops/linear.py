@@ -30,7 +30,11 @@ class Linear(nn.Module):
         self.plan = None
         self.method.create_weights(self, in_features, out_features, bias)
 
-    # packed layers override shard_range
+    # packed layers override shard_ids and shard_range
+    def shard_ids(self) -> list:
+        """The checkpoint shards packed into this layer, in row order (None: one matrix)."""
+        return [None]
+
     def shard_range(self, shard_id) -> tuple[int, int]:
         return 0, self.out_features
 
@@ -58,6 +62,9 @@ class QKVLinear(Linear):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, quant_config, prefix)
 
+    def shard_ids(self) -> list:
+        return ["q", "k", "v"]
+
     def shard_range(self, shard_id) -> tuple[int, int]:
         return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                 "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
@@ -70,6 +77,9 @@ class MergedLinear(Linear):
                  quant_config=None, prefix: str = ""):
         self.out_sizes = list(out_sizes)
         super().__init__(in_features, sum(out_sizes), bias, quant_config, prefix)
+
+    def shard_ids(self) -> list:
+        return list(range(len(self.out_sizes)))
 
     def shard_range(self, shard_id) -> tuple[int, int]:
         return sum(self.out_sizes[:shard_id]), self.out_sizes[shard_id]

@@ -27,6 +27,7 @@ from torch import nn
 
 from atom.model_ops.activation import silu_and_mul
 from atom.model_ops.attention import get_forward_context
+from atom.model_ops.quant import is_unquantized
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, ga
     plan chose a Triton GEMV for the shape, runs as one fused kernel."""
     plan = linear.plan
     cfg = None
-    if plan is not None and linear.bias is None:
+    if plan is not None and linear.bias is None and is_unquantized(linear):
         cfg = plan.one_row_config(x, linear.weight, "norm+silu" if gated else "norm")
     if cfg is not None:
         from atom.model_ops.kernels.gemv import gemv_fused
@@ -101,7 +102,8 @@ def norm_linear_rope(norm, linear, x: torch.Tensor, residual: torch.Tensor | Non
     embedding of q and k and the write of k and v into the caches, as one Triton GEMV.
     Returns (qkv with q rotated, x + residual), or None where that does not apply."""
     plan = linear.plan
-    cfg = plan.one_row_config(x, linear.weight, "norm+rope") if plan is not None and linear.bias is None else None
+    cfg = plan.one_row_config(x, linear.weight, "norm+rope") \
+        if plan is not None and linear.bias is None and is_unquantized(linear) else None
     if cfg is None:
         return None
     from atom.model_ops.kernels.gemv_rope import gemv_norm_rope

@@ -3,28 +3,54 @@
     method = linear_method_for(quant_config, "model.layers.0.self_attn.qkv_proj")
     describe_layers(model)    # one row per linear layer: layer, method, format, bytes
 
-This build has the unquantized method; a layer whose spec asks for a quantized format is
-refused when the model is built, before any weight loads, naming the layer and the format.
+Methods: unquantized (`unquantized.py`), fp8 per-tensor / per-channel / block (`fp8.py`),
+int8 W8A8 (`int8.py`), int4 W4A16 pack-quantized (`int4.py`); the quantized ones run a torch
+reference (dequantize, fake-quantize the activations as the format defines, F.linear) on
+every device for now. A layer whose spec asks for a format without a method (MXFP4, an
+unknown dtype, a layout or granularity these files do not run) is refused when the model is
+built, before any weight loads, naming the layer and the format.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from atom.model_ops.quant.base import LinearMethod
-from atom.model_ops.quant.unquantized import UnquantizedLinearMethod, dense, library_product
+import logging
 
-__all__ = ["LinearMethod", "UnquantizedLinearMethod", "linear_method_for", "describe_layers",
-           "is_unquantized", "dense", "library_product"]
+from atom.model_ops.quant.base import LinearMethod
+from atom.model_ops.quant.common import refuse
+from atom.model_ops.quant.fp8 import Fp8LinearMethod
+from atom.model_ops.quant.int4 import Int4LinearMethod
+from atom.model_ops.quant.int8 import Int8LinearMethod
+from atom.model_ops.quant.unquantized import UnquantizedLinearMethod, dense, library_product
+from atom.quant_spec import key_from_dtype
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LinearMethod", "UnquantizedLinearMethod", "Fp8LinearMethod", "Int8LinearMethod",
+           "Int4LinearMethod", "linear_method_for", "describe_layers", "is_unquantized", "dense",
+           "library_product"]
+
+#: dtype key of the stored weight -> method class
+METHODS = {"fp8": Fp8LinearMethod, "i8": Int8LinearMethod, "i4x2": Int4LinearMethod}
 
 
 def linear_method_for(quant_config, prefix: str) -> LinearMethod:
-    """The method for the layer at `prefix`: its spec from `quant_config` (None: unquantized)."""
+    """The method for the layer at `prefix`: its spec from `quant_config` (None, excluded or
+    unquantized: the unquantized method). Raises NotImplementedError naming the layer and
+    the format where no method runs it."""
     spec = quant_config.get_layer_quant_config(prefix) if quant_config is not None else None
     if spec is None or not spec.is_quantized:
         return UnquantizedLinearMethod()
-    raise NotImplementedError(
-        f"layer '{prefix}' asks for quant_type={spec.quant_type.name} ({spec.quant_dtype}); "
-        "quantized kernels are not in this build: use an unquantized checkpoint")
+    key = key_from_dtype(spec.quant_dtype)
+    if key == "fp4x2":
+        raise refuse(prefix, spec, "MXFP4 (e2m1 values, an e8m0 scale per 32) has no linear method in "
+                     "this build yet: use an fp8, int8 or int4 checkpoint")
+    if key not in METHODS:
+        raise refuse(prefix, spec, f"no linear method stores weights as {spec.quant_dtype}: this build "
+                     "runs fp8 (float8_e4m3fn), int8 and int4 (packed)")
+    method = METHODS[key](spec, prefix)
+    logger.debug("%s: %s", prefix, method)
+    return method
 
 
 def is_unquantized(m: nn.Module) -> bool:
@@ -41,7 +67,9 @@ def describe_layers(model: nn.Module) -> list[dict]:
         method = getattr(m, "method", None)
         if isinstance(method, LinearMethod):
             w = getattr(m, "weight", None)
+            shape = tuple(w.shape) if w is not None else None
+            if shape is None and hasattr(m, "out_features"):
+                shape = (m.out_features, m.in_features)  # packed weights: the logical shape
             rows.append({"layer": name, "class": type(m).__name__, "method": method.name,
-                         "format": method.format(m), "bytes": method.weight_bytes(m),
-                         "shape": tuple(w.shape) if w is not None else None})
+                         "format": method.format(m), "bytes": method.weight_bytes(m), "shape": shape})
     return rows

@@ -1,0 +1,192 @@
+"""What the quantized linear methods share: refusals, parameters with loaders that know the
+packed shards, activation fake quantization and the product.
+
+Scales of a packed layer (q/k/v, gate/up) are kept the way the checkpoint writes them:
+- one value per shard (per-tensor scales, `input_scale`, `weight_shape`): a tensor with a
+  leading dimension of one entry per shard (`per_shard_param`);
+- rows (per-channel scales, group scales, block scales, int4 zero points packed along the
+  output dimension): concatenated along rows like the weight, each shard taking
+  ceil(rows / rows_per_entry) entries (`row_param`), so that a shard whose size is not a
+  multiple of a 128-row block keeps its own blocks.
+
+The reference product dequantizes the weight to fp32, fake-quantizes the activations as the
+format defines (scale = amax / qmax, fp8 by `.to(torch.float8_e4m3fn)`, int8 by
+`torch.round` + clamp), multiplies in fp32 and returns the activations' dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.model_ops.quant.base import LinearMethod
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+INT8_MAX = 127.0
+_AMAX_MIN = 1e-12  # an all-zero row / tensor / group gets a tiny scale, not a division by 0
+
+
+def refuse(prefix: str, spec, reason: str) -> NotImplementedError:
+    """The error a layer raises at model build for a format it cannot run."""
+    return NotImplementedError(
+        f"layer '{prefix}' asks for quant_type={spec.quant_type.name} ({spec.quant_dtype}, "
+        f"quant_method={spec.quant_method!r}): {reason}")
+
+
+def shards(layer: nn.Module) -> list[tuple[object, int, int]]:
+    """(shard_id, first row, rows) of each checkpoint shard packed into `layer`."""
+    return [(sid, *layer.shard_range(sid)) for sid in layer.shard_ids()]
+
+
+def _register(layer: nn.Module, name: str, data: torch.Tensor, loader) -> nn.Parameter:
+    p = nn.Parameter(data, requires_grad=False)
+    p.weight_loader = loader
+    layer.register_parameter(name, p)
+    return p
+
+
+def weight_param(layer: nn.Module, name: str, shape: tuple, dtype: torch.dtype) -> nn.Parameter:
+    """A weight-like parameter (rows = output features) filled by the layer's loader."""
+    return _register(layer, name, torch.empty(shape, dtype=dtype), layer.weight_loader)
+
+
+def bias_param(layer: nn.Module, out_features: int, bias: bool) -> None:
+    if bias:
+        weight_param(layer, "bias", (out_features,), torch.get_default_dtype())
+    else:
+        layer.register_parameter("bias", None)
+
+
+def per_shard_param(layer: nn.Module, name: str, tail: tuple = (), dtype=torch.float32) -> nn.Parameter:
+    """One entry of shape `tail` per shard; a checkpoint tensor of `prod(tail)` values
+    (0-d, [1], [2] ...) lands in its shard's entry."""
+    ids = layer.shard_ids()
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.numel() != max(1, math.prod(tail)) or shard_id not in ids:
+            raise ValueError(f"{layer.prefix}.{name}: checkpoint tensor shape {tuple(loaded.shape)} "
+                             f"(shard {shard_id!r}) does not fit one entry of shape {tail} per shard {ids}")
+        param.data[ids.index(shard_id)].copy_(loaded.reshape(tail))
+
+    return _register(layer, name, torch.ones((len(ids), *tail), dtype=dtype), load)
+
+
+def row_ranges(layer: nn.Module, rows_per_entry: int) -> dict:
+    """shard_id -> (first entry, entries) when each shard's rows take
+    ceil(rows / rows_per_entry) entries of a row-concatenated tensor."""
+    out, start = {}, 0
+    for sid, _, size in shards(layer):
+        n = -(-size // rows_per_entry)
+        out[sid] = (start, n)
+        start += n
+    return out
+
+
+def row_param(layer: nn.Module, name: str, cols: int, dtype=torch.float32, rows_per_entry: int = 1,
+              fill: float = 1.0) -> nn.Parameter:
+    """[sum of entries over shards, cols]; a checkpoint tensor [entries, cols] (or [entries]
+    when cols is 1, as Quark writes per-channel scales) lands in its shard's entries."""
+    ranges = row_ranges(layer, rows_per_entry)
+    total = sum(n for _, n in ranges.values())
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        start, n = ranges[shard_id] if shard_id is not None else (0, total)
+        if loaded.dim() == 1 and cols == 1:
+            loaded = loaded.reshape(-1, 1)
+        if tuple(loaded.shape) != (n, cols):
+            raise ValueError(f"{layer.prefix}.{name}: checkpoint tensor shape {tuple(loaded.shape)} "
+                             f"(shard {shard_id!r}) != expected {(n, cols)}")
+        param.data[start:start + n].copy_(loaded)
+
+    return _register(layer, name, torch.full((total, cols), fill, dtype=dtype), load)
+
+
+def expand_rows(layer: nn.Module, t: torch.Tensor, rows_per_entry: int, unpack=None) -> torch.Tensor:
+    """A row-concatenated tensor (see `row_param`) -> one row per output feature: each
+    shard's entries repeated (or `unpack`ed) to rows_per_entry rows, cut to the shard."""
+    if rows_per_entry == 1 and unpack is None:
+        return t
+    parts = []
+    for sid, _, size in shards(layer):
+        start, n = row_ranges(layer, rows_per_entry)[sid]
+        chunk = t[start:start + n]
+        chunk = unpack(chunk) if unpack is not None else chunk.repeat_interleave(rows_per_entry, 0)
+        parts.append(chunk[:size])
+    return torch.cat(parts, 0)
+
+
+def per_row_from_shards(layer: nn.Module, values: torch.Tensor) -> torch.Tensor:
+    """[shards] (one value per shard) -> [out, 1] (each row its shard's value)."""
+    sizes = torch.tensor([size for _, _, size in shards(layer)], device=values.device)
+    return values.float().repeat_interleave(sizes).reshape(-1, 1)
+
+
+def _amax_scale(x: torch.Tensor, qmax: float, dim=None) -> torch.Tensor:
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    return amax.clamp(min=_AMAX_MIN) / qmax
+
+
+def _round(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "fp8":
+        return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return torch.round(x).clamp(-128, 127)
+
+
+def fake_quant_act(x: torch.Tensor, kind: str, scheme: str, group: int | None = None,
+                   static_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Activations quantized then dequantized (fp32) as the format defines. `kind`: "fp8"
+    (e4m3, qmax 448) or "int8" (symmetric, qmax 127, round half to even); `scheme`: "none",
+    "tensor" (one scale for the whole input: `static_scale` or amax / qmax), "token" (one
+    per row) or "group" (one per row and `group` columns)."""
+    x = x.float()
+    if scheme == "none":
+        return x
+    qmax = FP8_MAX if kind == "fp8" else INT8_MAX
+    if static_scale is not None:
+        s = static_scale.float()
+    elif scheme == "tensor":
+        s = _amax_scale(x, qmax)
+    elif scheme == "token":
+        s = _amax_scale(x, qmax, dim=-1)
+    else:
+        g = x.unflatten(-1, (-1, group))
+        s = _amax_scale(g, qmax, dim=-1)
+        return (_round(g / s, kind) * s).flatten(-2)
+    return _round(x / s, kind) * s
+
+
+def product(x: torch.Tensor, x32: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x32 W32^T (+ b) in fp32, returned in x's dtype."""
+    return F.linear(x32, w32, bias.float() if bias is not None else None).to(x.dtype)
+
+
+class QuantLinearMethod(LinearMethod):
+    """A quantized method: `spec` (the layer's LayerQuantConfig), `prefix` (for errors).
+
+    Torch reference on every device: the weight is dequantized to fp32 at each call and
+    multiplied by F.linear (a GPU runs the same dequantize-then-F.linear until a fused kernel
+    lands: correct, not fast). Nothing is ever left dequantized in the layer."""
+
+    def __init__(self, spec, prefix: str):
+        self.spec, self.prefix = spec, prefix
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Everything the layer stores: checkpoint tensors and the buffers derived from them."""
+        seen, total = set(), 0
+        for t in list(layer.parameters(recurse=False)) + list(layer.buffers(recurse=False)):
+            key = (t.data_ptr(), t.numel())
+            if key not in seen:  # a buffer that is its parameter is stored once
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        return total
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.format_spec()})"
+
+    def format_spec(self) -> str:
+        raise NotImplementedError
+
+    def format(self, layer: nn.Module) -> str:
+        return self.format_spec()

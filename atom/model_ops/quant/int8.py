@@ -1,0 +1,48 @@
+"""INT8 W8A8: per-channel int8 weights x per-token dynamic int8 activations.
+
+Format (compressed-tensors "int-quantized", W {8, int, channel, symmetric}, A {8, int,
+token, dynamic}): `weight` int8 [out, in], `weight_scale` [out, 1] (packed layers:
+concatenated along rows like the weight); w = weight * scale. Activations per row:
+scale = amax / 127, q = clamp(round_half_even(x / scale), -128, 127), x ~ q * scale
+(fake quant in the reference product). Asymmetric int8 and Quark's per-tensor static int8
+(with zero points) are refused by name.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.model_ops.quant.common import (QuantLinearMethod, bias_param, fake_quant_act, product, refuse,
+                                         row_param, weight_param)
+from atom.quant_spec import QuantType
+
+
+class Int8LinearMethod(QuantLinearMethod):
+    name = "int8"
+
+    def __init__(self, spec, prefix: str):
+        super().__init__(spec, prefix)
+        if spec.quant_type is not QuantType.per_Token:
+            raise refuse(prefix, spec, "int8 weights run per channel (W8A8) in this build; per-tensor "
+                         "int8 (Quark, static, zero points) has no method yet")
+        if spec.symmetric is False:
+            raise refuse(prefix, spec, "asymmetric int8 (zero points) has no method yet")
+        self.act = spec.act_scheme or "token"
+        if self.act not in ("token", "none") or not spec.is_dynamic and self.act != "none":
+            raise refuse(prefix, spec, f"int8 weights with {'static' if not spec.is_dynamic else 'dynamic'} "
+                         f"{self.act!r} activations: this build runs dynamic per-token activations "
+                         "(W8A8) or none (W8A16)")
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        weight_param(layer, "weight", (out_features, in_features), torch.int8)
+        row_param(layer, "weight_scale", 1)
+        bias_param(layer, out_features, bias)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float() * layer.weight_scale.float()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return product(x, fake_quant_act(x, "int8", self.act), self.dequantized_weight(layer), layer.bias)
+
+    def format_spec(self) -> str:
+        return "int8 per-channel, " + ("act dynamic per-token" if self.act == "token" else "weight only")
