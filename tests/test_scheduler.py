@@ -188,3 +188,25 @@ def test_sequence_outgrowing_the_whole_cache_finishes_as_length():
             break
     assert finished == [s] and s.finish_reason == "length" and s.num_tokens == 13  # 12 slots + the last sampled token
     assert sch.block_manager.num_free_blocks == 3
+
+
+def test_a_forked_completion_that_waits_keeps_its_shared_blocks():
+    """n > 1: a completion forked onto its parent's prompt blocks that cannot be admitted
+    (no free block for the rest of its prompt) keeps the shared blocks while it waits, and
+    computes only the tokens after them once admitted (before: it dropped them and
+    recomputed the whole prompt)."""
+    bm = BlockManager(3, 16)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = list(range(1, 41))  # 40 tokens: 3 blocks, the first 2 full ones shareable
+    parent, child = Sequence(ids, sp), Sequence(ids, sp)
+    child.index, parent.forks = 1, [child]
+    sched.add(parent)
+    sched.postprocess(sched.schedule(), [[7]])  # the prompt's K/V exist: the child is forked
+    assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 32
+    batch = sched.schedule()  # the parent decodes; the child finds no free block for tokens 32-39
+    assert batch.seqs == [parent] and child in sched.waiting
+    assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 32
+    sched.finish(parent, "length")
+    batch = sched.schedule()
+    assert batch.seqs == [child] and batch.num_new_tokens == [8]  # only the tokens after the shared blocks

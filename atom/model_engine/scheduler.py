@@ -216,7 +216,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.num_preempted
                and len(self.running) < self.max_num_seqs and self._admit_allowed(now)):
             seq = self.waiting[0]
-            if not seq.block_table and not seq.needs_prompt_logprobs:
+            looked_up = not seq.block_table and not seq.needs_prompt_logprobs
+            if looked_up:
                 bm.allocate_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_append(seq, n) and not self.running:
@@ -224,8 +225,10 @@ class Scheduler:
                 fits = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
                 n = min(n, fits)
             if n <= 0 or not bm.can_append(seq, n):
-                bm.free(seq)  # hand back its prefix hits; it is retried next step
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                if looked_up:  # hand back its prefix hits; it looks them up again next step
+                    bm.free(seq)
+                    seq.num_computed_tokens = seq.num_cached_tokens = 0
+                # else a forked completion keeps its shared prompt blocks (they cannot be looked up)
                 break
             self.waiting.popleft()
             bm.append_slots(seq, n)
