@@ -221,3 +221,15 @@ def test_compiled_code_does_not_guard_on_the_plan(monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     torch.testing.assert_close(compiled(x), first)  # the torch product, nothing of the plan
     torch._dynamo.reset()
+
+
+def test_dummy_prefills_for_profiling_and_warm_up(tiny_qwen3):
+    """The dummy prefills the GPU start-up profiles and compiles on: consecutive blocks from
+    block 0, one forward over all of them."""
+    llm = LLM(tiny_qwen3, enable_log_stats=False, num_kvcache_blocks=8)
+    runner = llm.engine.runner
+    seqs, num_blocks = runner.dummy_prefills([40, 20])
+    assert num_blocks == 5 and [s.block_table for s in seqs] == [[0, 1, 2], [3, 4]]
+    with torch.inference_mode():
+        hidden, meta = runner.dummy_forward(seqs)
+    assert hidden.shape == (60, llm.config.hf_config.hidden_size) and meta.cu_seqlens_q.tolist() == [0, 40, 60]

@@ -59,15 +59,10 @@ def compile_model(runner) -> None:
 def warm_up_compiled(runner, num_tokens: int = 32) -> None:
     """Compile now, on a dummy prefill of `num_tokens` tokens into the first blocks (free
     until a request takes them, which overwrites them), not in the first request's step."""
-    from atom.model_engine.sequence import Sequence
     t0 = time.perf_counter()
-    bs = runner.block_size
-    seq = Sequence(list(range(num_tokens)))
-    seq.block_table = list(range(min(runner.num_blocks, -(-num_tokens // bs))))
-    seq.num_new_tokens = min(num_tokens, len(seq.block_table) * bs)
+    seqs, _ = runner.dummy_prefills([min(num_tokens, runner.num_blocks * runner.block_size)])
     with torch.inference_mode():
-        ids, positions, meta = runner.to_device(runner.prepare_host([seq]))
-        runner.forward(torch.zeros_like(ids), positions, meta)
+        runner.dummy_forward(seqs)
     torch.cuda.synchronize(runner.device)
     logger.info("compiled the model (level %d) in %.1f s", runner.compile_level, time.perf_counter() - t0)
 

@@ -203,24 +203,16 @@ class ModelRunner:
         Runs the forward and the LM head on sequences of at most max_model_len tokens,
         against a temporary KV cache just big enough for them, and measures the peak of
         what the forward allocated on top of that."""
-        cfg, bs = self.config, self.block_size
+        cfg = self.config
         total = cfg.max_num_batched_tokens
-        lens = [min(cfg.max_model_len, total - i) for i in range(0, total, cfg.max_model_len)]
-        seqs, num_blocks = [], 0
-        for n in lens:
-            s = Sequence(list(range(n)))
-            s.block_table = list(range(num_blocks, num_blocks + -(-n // bs)))
-            s.num_new_tokens = n
-            num_blocks += len(s.block_table)
-            seqs.append(s)
+        seqs, num_blocks = self.dummy_prefills([min(cfg.max_model_len, total - i)
+                                                for i in range(0, total, cfg.max_model_len)])
         self.kv_cache_manager.allocate(num_blocks)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
-            host = self.prepare_host(seqs)
-            input_ids, positions, meta = self.to_device(host)
-            hidden = self.forward(torch.zeros_like(input_ids), positions, meta)
+            hidden, meta = self.dummy_forward(seqs)
             self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -229,6 +221,23 @@ class ModelRunner:
         torch.cuda.empty_cache()
         logger.info("profiling forward of %d tokens: peak %.2f GiB of activations", total, peak / 2**30)
         return peak
+
+    def dummy_prefills(self, lens: list[int]) -> tuple[list[Sequence], int]:
+        """Whole-prompt prefills of these lengths (token ids 0..n-1) over consecutive blocks
+        from block 0, and the number of blocks they take (for profiling and warm-up)."""
+        seqs, num_blocks = [], 0
+        for n in lens:
+            s = Sequence(list(range(n)))
+            s.block_table = list(range(num_blocks, num_blocks + -(-n // self.block_size)))
+            s.num_new_tokens = n
+            num_blocks += len(s.block_table)
+            seqs.append(s)
+        return seqs, num_blocks
+
+    def dummy_forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The forward of `seqs` (from `dummy_prefills`) on token id 0 everywhere: (hidden, meta)."""
+        input_ids, positions, meta = self.to_device(self.prepare_host(seqs))
+        return self.forward(torch.zeros_like(input_ids), positions, meta), meta
 
     def allocate_kv_cache(self) -> int:
         n = self.get_num_blocks()

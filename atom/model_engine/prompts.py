@@ -8,7 +8,7 @@ One prompt is any of
   also carry `"prompt"`, kept as the output's prompt text).
 Several prompts are a list (or tuple) of these, or a 2-D integer array / tensor (one row
 each). `split_prompts` splits what `LLM.generate` was given into single prompts,
-`parse_prompt` checks one, `parse_prompts` does both. A value that is no prompt is a
+`parse_prompt` checks one (`LLMEngine.add_request` takes the same forms). A value that is no prompt is a
 `TypeError` naming what was passed and what is allowed; whether ids are in the vocabulary
 is the engine's check (`LLMEngine.add_request`). `as_sampling_params` takes a
 `SamplingParams` or a dict of its fields (as vLLM users pass them).
@@ -146,10 +146,6 @@ def split_prompts(prompts: Any) -> list:
     raise TypeError(f"prompts={_describe(prompts)} is invalid: pass one prompt ({ALLOWED}) or a "
                     f"list of them{hint}")
 
-
-def parse_prompts(prompts: Any) -> list[Prompt]:
-    """What `generate` was given -> one `Prompt` each; the first bad one raises."""
-    return [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(split_prompts(prompts))]
 
 
 def as_sampling_params(sp: Any, what: str = "sampling_params"):

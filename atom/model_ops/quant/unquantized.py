@@ -1,9 +1,8 @@
 """The unquantized linear method: weights in the model's dtype, x W^T (+ b).
 
 Where the product runs:
-- CPU, fp32: oneDNN's matmul (on the 2-core machine, over the embedded model's layers, 0.54x
-  the time of `F.linear`'s BLAS call at one row, 0.72x at 32 rows, the same at 8 and 0.92x
-  at 256: `python -m atom.benchmarks.cpu_gemm`).
+- CPU, fp32: oneDNN's matmul (faster than `F.linear`'s BLAS call on the embedded model's
+  shapes: `python -m atom.benchmarks.cpu_gemm`; figures in docs/perf/raw).
 - GPU, one row (batch-1 decode), a shape where the engine's kernel plan chose it: the Triton
   GEMV (`kernels.gemv`).
 - GPU otherwise (outside torch.compile): the Triton GEMM when the plan says so
