@@ -212,11 +212,8 @@ def test_second_call_is_cache_hit(converted, monkeypatch):
         raise AssertionError("cache hit expected, but it converted again")
 
     monkeypatch.setattr(embedded, "_convert", no_convert)
-    start = time.monotonic()
-    again = embedded.ensure_embedded_model(path)
-    elapsed = time.monotonic() - start
+    again = embedded.ensure_embedded_model(path)  # no_convert proves it is a hit
     assert Path(again) == path
-    assert elapsed < 1.0
     assert (path / embedded.MARKER_FILE).stat().st_mtime_ns == marker_mtime
     assert (path / "model.safetensors").stat().st_ino == weights_inode
 
