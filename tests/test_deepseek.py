@@ -146,3 +146,30 @@ def test_bad_routing_config_fails_at_load(tmp_path):
     json.dump(cfg, open(f"{path}/config.json", "w"))
     with pytest.raises(ValueError, match="topk_method='bogus'"):
         LLM(path, enable_log_stats=False, num_kvcache_blocks=8)
+
+
+def test_mtp_layers_in_the_checkpoint_are_skipped(tmp_path):
+    """A V3 checkpoint's multi-token-prediction layer (after the last decoder layer) loads past."""
+    from safetensors.torch import save_file
+    path = make_tiny_deepseek(tmp_path / "m", "v3")
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(4, 4),
+               "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(4, 4)}, f"{path}/mtp.safetensors")
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=8)
+    assert len(llm.engine.runner.model.model.layers) == 3
+
+
+def test_deepseek_v2_lite_shape():
+    """The benchmark shape (REFERENCE.md) builds (on the meta device): 15.7 B parameters, MLA
+    with a 576-value latent per token and layer = 31,104 B/token in bf16, YaRN mscale 0.707."""
+    from atom.benchmarks.workloads import write_model_config
+    from atom.models.deepseek_v2 import DeepseekV2ForCausalLM
+    cfg = transformers.AutoConfig.from_pretrained(write_model_config("deepseek-v2-lite"))
+    with torch.device("meta"):
+        model = DeepseekV2ForCausalLM(cfg)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == 15.7
+    attn = model.model.layers[0].self_attn.attn
+    spec = attn.kv_cache_spec(torch.bfloat16)
+    assert spec.page_bytes(1) * cfg.num_hidden_layers == 31104
+    assert not hasattr(model.model.layers[0].mlp, "experts") and len(model.model.layers[1].mlp.experts) == 64
+    assert not hasattr(model.model.layers[0].self_attn, "fused_qkv_a_proj")  # no q_lora_rank
+    assert "kv_a_proj_with_mqa" not in model.packed_modules_mapping

@@ -213,6 +213,13 @@ class DeepseekV2ForCausalLM(nn.Module):
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """DeepSeek-V3 checkpoints hold `num_nextn_predict_layers` multi-token-prediction layers
+        after the last decoder layer (model.layers.{num_hidden_layers}...): not run here."""
+        parts = name.split(".")
+        return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and int(parts[2]) >= self.config.num_hidden_layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of every token; `compute_logits` on the rows to sample."""
         return self.model(input_ids, positions)
