@@ -173,3 +173,15 @@ def test_deepseek_v2_lite_shape():
     assert not hasattr(model.model.layers[0].mlp, "experts") and len(model.model.layers[1].mlp.experts) == 64
     assert not hasattr(model.model.layers[0].self_attn, "fused_qkv_a_proj")  # no q_lora_rank
     assert "kv_a_proj_with_mqa" not in model.packed_modules_mapping
+
+
+def test_moe_dense_form_equals_the_expert_loop(tmp_path):
+    """The form torch.compile traces (every expert on every token, weight 0 where not chosen)
+    gives the per-expert loop's result."""
+    path = make_tiny_deepseek(tmp_path / "m", "v3")
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=8)
+    moe = llm.engine.runner.model.model.layers[1].mlp
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
+    w, ids = moe.gate(x)
+    torch.testing.assert_close(moe.experts_forward_dense(x, w, ids), moe.experts_forward(x, w, ids))
+    assert len(set(ids.flatten().tolist())) > 3  # several experts take part

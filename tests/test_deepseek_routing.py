@@ -130,3 +130,12 @@ def test_noaux_tc_needs_the_bias():
     r = DeepseekRouting(16, 2, "noaux_tc", "sigmoid")
     with pytest.raises(ValueError, match="e_score_correction_bias"):
         r(torch.randn(3, 16))
+
+
+def test_load_frame_counts_tokens_per_expert():
+    r = DeepseekRouting(8, 2, "group_limited_greedy", n_group=4, topk_group=1)
+    ids = r(torch.randn(30, 8, generator=torch.Generator().manual_seed(5)))[1]
+    df = r.load_frame(ids)
+    assert list(df.columns) == ["expert", "group", "tokens"] and df["tokens"].sum() == 60
+    assert df["tokens"].tolist() == [int((ids == e).sum()) for e in range(8)]
+    assert df.groupby("group")["tokens"].sum().sum() == 60

@@ -83,6 +83,15 @@ class DeepseekRouting:
     def __call__(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None):
         return deepseek_topk(router_logits, self, correction_bias)
 
+    def load_frame(self, ids: torch.Tensor):
+        """A DataFrame of how many tokens each expert (and its group) got from `ids` [T, top_k]:
+        for a notebook, e.g. `routing.load_frame(routing(logits)[1]).plot.bar(x="expert", y="tokens")`."""
+        import pandas as pd
+        counts = torch.bincount(ids.flatten().cpu(), minlength=self.num_experts).tolist()
+        per_group = self.num_experts // self.n_group
+        return pd.DataFrame({"expert": range(self.num_experts), "group": [e // per_group for e in range(self.num_experts)],
+                             "tokens": counts})
+
 
 def _group_mask(choice: torch.Tensor, r: DeepseekRouting) -> torch.Tensor:
     """[T, E] bool: experts in the `topk_group` best groups of each token."""

@@ -81,7 +81,10 @@ class DeepseekMoE(nn.Module):
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert[ids[t, k]](x[t]): a loop over the experts that got tokens.
         INTEGRATION POINT: the fused MoE layer (stacked expert weights, grouped GEMM) replaces
-        this loop and `self.experts`; the routing above stays."""
+        this loop and `self.experts`; the routing above stays. Under torch.compile (no
+        data-dependent shapes) every expert runs on every token with weight 0 where not chosen."""
+        if torch.compiler.is_compiling():
+            return self.experts_forward_dense(x, weights, ids)
         out = torch.zeros_like(x)
         hit = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(hit):
@@ -90,6 +93,13 @@ class DeepseekMoE(nn.Module):
             tok, slot = torch.where(ids == e)
             y = self.experts[e](x[tok]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    def experts_forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            w = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1], 0 where e was not chosen
+            out = out + (expert(x) * w).to(out.dtype)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ The torch references: `atom.model_ops.attention.mla_torch.latent_decode_ref` and
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -179,6 +180,7 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
     return dict(BLOCK_H=block_h, TILE_N=tile_n, num_splits=splits, num_warps=4 if r_pad <= 256 else 8)
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # an H200: only the interpreter's choice depends on it
