@@ -185,3 +185,14 @@ def test_moe_dense_form_equals_the_expert_loop(tmp_path):
     w, ids = moe.gate(x)
     torch.testing.assert_close(moe.experts_forward_dense(x, w, ids), moe.experts_forward(x, w, ids))
     assert len(set(ids.flatten().tolist())) > 3  # several experts take part
+
+
+def test_deepseek_v2_lite_roofline_cost():
+    """The roofline reads the latent KV (31,104 B/token) and, per MoE layer, the top-6 + 2
+    shared experts: 2.45 B parameters multiplied per token (with the LM head), V2-Lite's
+    published 2.4 B activated of 15.7 B."""
+    from atom.benchmarks.roofline import model_cost
+    from atom.benchmarks.workloads import MODEL_CONFIGS
+    c = model_cost(MODEL_CONFIGS["deepseek-v2-lite"])
+    assert c.kv_bytes_per_token == 31104
+    assert 2.35e9 < c.matmul_params < 2.5e9 and c.params == c.matmul_params + 102400 * 2048
