@@ -1,6 +1,7 @@
 """MLA over the latent cache: the torch reference (expanded prefill, absorbed decode) against
 plain dense attention on expanded keys / values; the Triton decode kernel (split-KV) and cache
 write against the reference (interpreter on CPU); the latent cache's size."""
+import importlib.util
 import math
 
 import pytest
@@ -132,9 +133,10 @@ def test_latent_spec_block_count():
 
 # --- the Triton kernels (interpreter on CPU) ----------------------------------------------
 
-triton = pytest.importorskip("triton")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 
+@needs_triton
 @pytest.mark.parametrize("splits", [1, 2, 4, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_mla_decode_matches_reference(splits, dtype):
@@ -151,6 +153,7 @@ def test_triton_mla_decode_matches_reference(splits, dtype):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@needs_triton
 def test_triton_mla_decode_workspace_and_split_choice():
     """Small batches split (the choice depends on shapes only); the workspace's views are used,
     and a batch too big for the workspace runs unsplit with the same result."""
@@ -178,6 +181,7 @@ def test_triton_mla_decode_workspace_and_split_choice():
         mla_decode(ql, qp, cache, tables, lens, Rk + 1, 0.5)
 
 
+@needs_triton
 def test_triton_latent_write_matches_reference():
     from atom.model_ops.kernels.mla_decode import write_latent
     g = torch.Generator().manual_seed(2)
@@ -189,6 +193,7 @@ def test_triton_latent_write_matches_reference():
     assert torch.equal(a, b) and a.abs().sum() > 0
 
 
+@needs_triton
 def test_triton_backend_matches_torch_backend_on_a_mixed_step():
     from atom.model_ops.attention.mla_triton import TritonMLABackend
     outs = []
@@ -202,3 +207,43 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_step():
             outs.append((layer(q_nope, q_pe, new[:, :R], new[:, R:]), layer.kv_cache.clone()))
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=2e-5, rtol=2e-5)
     assert torch.equal(outs[1][1], outs[0][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_triton_mla_decode_v2_lite_shape_on_gpu(batch):
+    """DeepSeek-V2-Lite's decode shape (16 heads, latent 512 + 64, bf16, block 16) on the GPU,
+    with the split count the shape picks, against the reference in fp32."""
+    from atom.model_ops.kernels.mla_decode import MLAWorkspace, mla_decode
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Hq, Rk, P, bs = 16, 512, 64, 16
+    lens = torch.randint(1, 2048, (batch,), generator=g, device="cuda", dtype=torch.int32)
+    nb = int((lens + bs - 1).div(bs, rounding_mode="floor").sum())
+    cache = torch.randn(nb, bs, Rk + P, generator=g, device="cuda").bfloat16()
+    perm = torch.randperm(nb, generator=g, device="cuda").int()
+    width = -(-int(lens.max()) // bs)
+    tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+    at = 0
+    for b, L in enumerate(lens.tolist()):
+        n = -(-L // bs)
+        tables[b, :n] = perm[at:at + n]
+        at += n
+    ql = torch.randn(batch, Hq, Rk, generator=g, device="cuda").bfloat16()
+    qp = torch.randn(batch, Hq, P, generator=g, device="cuda").bfloat16()
+    ws = MLAWorkspace(64, Hq, Rk, device="cuda")
+    out = mla_decode(ql, qp, cache, tables, lens, Rk, 0.1147, workspace=ws)
+    ref = latent_decode_ref(ql.float(), qp.float(), cache.float(), tables, lens.tolist(), 0.1147)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_quantized_kv_b_proj_is_refused_at_build():
+    kv_b = Linear(R, H * (NOPE + V), prefix="model.layers.0.self_attn.kv_b_proj")
+    kv_b.method = type("FakeFp8", (), {"name": "fp8"})()
+    with pytest.raises(ValueError, match="kv_b_proj is quantized"):
+        MLAAttention(H, R, NOPE, ROPE, V, scale=0.3, layer_idx=0, kv_b_proj=kv_b)
+
+
+def test_fp8_latent_cache_is_refused():
+    layer, _ = _layer()
+    with pytest.raises(ValueError, match="kv_cache_dtype=float8_e4m3fn is not implemented for MLA"):
+        layer.kv_cache_spec(torch.float8_e4m3fn)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.model_ops.attention.mla_torch import TorchMLABackend
+
 
 class MLAAttention(nn.Module):
     kind = "latent"  # the KV-cache spec kind its backends declare
@@ -29,7 +31,11 @@ class MLAAttention(nn.Module):
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, scale: float, layer_idx: int, kv_b_proj: nn.Module):
         super().__init__()
-        from atom.model_ops.attention.mla_torch import TorchMLABackend
+        method = getattr(getattr(kv_b_proj, "method", None), "name", "unquantized")
+        if method != "unquantized":  # the absorbed decode multiplies by its weight directly
+            raise ValueError(f"{getattr(kv_b_proj, 'prefix', 'kv_b_proj')} is quantized ({method}): MLA needs "
+                             "kv_b_proj unquantized; exclude it from quantization (quantization_config "
+                             "ignore / exclude_layers)")
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.scale = scale
@@ -50,11 +56,7 @@ class MLAAttention(nn.Module):
     def absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, R], W_UV [H, v, R]): views of `kv_b_proj`'s weight for the absorbed decode."""
         proj = self.kv_b_proj
-        w = getattr(proj, "weight", None)
-        if w is None or not w.dtype.is_floating_point or w.element_size() < 2:
-            raise ValueError(f"{getattr(proj, 'prefix', 'kv_b_proj')}: the absorbed MLA decode needs an "
-                             f"unquantized kv_b_proj (method {getattr(proj.method, 'name', '?')})")
-        w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
     def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,6 +91,9 @@ class MLABackend:
     name = "mla"
 
     def kv_cache_spec(self, layer, dtype: torch.dtype) -> LatentAttentionSpec:
+        if dtype.itemsize < 2:  # an FP8 latent cache needs scales in the write and the decode
+            raise ValueError(f"kv_cache_dtype={str(dtype).removeprefix('torch.')} is not implemented for MLA "
+                             "(latent) layers yet: use the model's dtype (bf16)")
         return LatentAttentionSpec(layer.latent_dim, dtype)
 
     def write_kv(self, layer, kv_c: torch.Tensor, k_pe: torch.Tensor, meta) -> None:
