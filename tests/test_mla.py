@@ -247,3 +247,32 @@ def test_fp8_latent_cache_is_refused():
     layer, _ = _layer()
     with pytest.raises(ValueError, match="kv_cache_dtype=float8_e4m3fn is not implemented for MLA"):
         layer.kv_cache_spec(torch.float8_e4m3fn)
+
+
+@needs_triton
+def test_triton_backend_on_a_padded_graph_batch():
+    """A decode batch as a CUDA graph replays it: no host lists, padding rows with no query
+    token, context 0 and slot -1 (nothing written, output rows left finite)."""
+    from atom.model_ops.attention.mla_triton import TritonMLABackend
+    layer, _ = _layer(seed=6)
+    layer.backend = TritonMLABackend([layer], 16)
+    gen = torch.Generator().manual_seed(7)
+    meta, _, new, q_nope, q_pe = _mixed_step(layer, gen, [1, 1], [6, 11])
+    ref_cache = layer.kv_cache.clone()
+    with forward_context(meta):
+        ref = TorchMLABackend().forward(layer, q_nope, q_pe, new[:, :R], new[:, R:])
+    layer.kv_cache.copy_(ref_cache)
+    pad = lambda x: torch.cat((x, torch.randn(2, *x.shape[1:], generator=gen)))  # noqa: E731
+    graph_meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([6, 11, 0, 0], dtype=torch.int32),
+        block_tables=torch.cat((meta.block_tables, torch.zeros(2, meta.block_tables.shape[1], dtype=torch.int32))),
+        slot_mapping=torch.cat((meta.slot_mapping, torch.tensor([-1, -1]))), max_query_len=1, max_seq_len=64,
+        attn_backend=layer.backend)
+    with forward_context(graph_meta):
+        out = layer.backend.forward(layer, pad(q_nope), pad(q_pe), pad(new[:, :R]), pad(new[:, R:]))
+    torch.testing.assert_close(out[:2], ref, atol=2e-5, rtol=2e-5)
+    assert torch.isfinite(out).all()
+    assert torch.equal(layer.kv_cache.view(-1, R + ROPE)[meta.slot_mapping], new)
+    written = (layer.kv_cache != ref_cache).any(-1).sum()
+    assert int(written) == 2  # only the two real rows' slots
