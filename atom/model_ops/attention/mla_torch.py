@@ -8,7 +8,8 @@ cache: one shared "KV head" of dim R + P, values its first R dims), `expanded_pr
 `MLABackend.forward` is shared by the torch and Triton backends: it writes the step's latents,
 runs the decode rows (one query token) in the absorbed form through `decode_latent` (what a
 backend provides) and every other sequence (prefill chunks over any cached prefix, multi-token
-steps) in the expanded form.
+steps) in the expanded form: their contexts' latents gathered from the cache in one index,
+expanded by one `kv_b_proj` product, attended per sequence.
 """
 from __future__ import annotations
 
@@ -39,12 +40,6 @@ def write_latent_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tens
     if valid is not None:
         latent, slots = latent[valid], slots[valid]
     cache.view(-1, cache.shape[-1]).index_copy_(0, slots, latent.to(cache.dtype))
-
-
-def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[length, R + P] latents of one sequence."""
-    nb = -(-length // cache.shape[1])
-    return gather_blocks(cache, block_table[:nb])[:length]
 
 
 def absorb_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -133,14 +128,34 @@ class MLABackend:
             out_lat = self.decode_latent(layer, q_lat, q_pe[tok], meta.block_tables[seq_idx], meta.seq_lens[seq_idx],
                                          [slens[i] for i in dec], meta)
             out[tok] = unabsorb_output(out_lat, w_uv)
-        q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)
-        for i, n in enumerate(qlens):
-            if n <= 1:
-                continue
-            s = starts[i]
-            k, v = layer.expand_kv(gather_latent(layer.kv_cache, meta.block_tables[i], slens[i]))
-            out[s:s + n] = expanded_prefill_ref(q[s:s + n], k, v, layer.scale)
+        slots, spans = self._prefill_plan(meta, qlens, slens, starts, layer.kv_cache.shape[1])
+        if spans:  # one gather and one kv_b_proj product for every prefill's context
+            q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)
+            k, v = layer.expand_kv(layer.kv_cache.view(-1, layer.latent_dim).index_select(0, slots))
+            for s, n, c, L in spans:
+                out[s:s + n] = expanded_prefill_ref(q[s:s + n], k[c:c + L], v[c:c + L], layer.scale)
         return out
+
+    @staticmethod
+    def _prefill_plan(meta, qlens, slens, starts, block_size: int):
+        """Cache slots of every prefill sequence's context, concatenated, and per sequence
+        (first query token, query tokens, first context row, context length); once per step."""
+        plan = meta.step_cache.get("mla_prefill")
+        if plan is None:
+            pre = [i for i, n in enumerate(qlens) if n > 1]
+            slots, spans = None, []
+            if pre:
+                dev = meta.block_tables.device
+                lens = [slens[i] for i in pre]
+                first = [0, *itertools.accumulate(lens)]
+                lens_t = torch.tensor(lens, device=dev)
+                rows = torch.repeat_interleave(torch.tensor(pre, device=dev), lens_t)
+                pos = torch.arange(first[-1], device=dev) - torch.repeat_interleave(
+                    torch.tensor(first[:-1], device=dev), lens_t)
+                slots = meta.block_tables[rows, pos // block_size].long() * block_size + pos % block_size
+                spans = [(starts[i], qlens[i], first[j], slens[i]) for j, i in enumerate(pre)]
+            plan = meta.step_cache["mla_prefill"] = (slots, spans)
+        return plan
 
 
 class TorchMLABackend(MLABackend):
