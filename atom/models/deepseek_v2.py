@@ -81,9 +81,10 @@ class DeepseekMoE(nn.Module):
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert[ids[t, k]](x[t]): a loop over the experts that got tokens.
         INTEGRATION POINT: the fused MoE layer (stacked expert weights, grouped GEMM) replaces
-        this loop and `self.experts`; the routing above stays. Under torch.compile (no
-        data-dependent shapes) every expert runs on every token with weight 0 where not chosen."""
-        if torch.compiler.is_compiling():
+        this loop and `self.experts`; the routing above stays. Under torch.compile and CUDA-graph
+        capture (no data-dependent shapes, no host sync) every expert runs on every token, with
+        weight 0 where not chosen."""
+        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self.experts_forward_dense(x, weights, ids)
         out = torch.zeros_like(x)
         hit = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
