@@ -28,7 +28,27 @@ class ModelCost:
     head_dim: int
 
 
+def deepseek_cost(cfg: dict, dtype_bytes: int = 2) -> ModelCost:
+    """MLA + MoE (DeepSeek-V2/V3): KV is one latent (kv_lora_rank + rope dims) per token and
+    layer; a step reads the dense layers, the shared experts and, as a floor, only the top-k
+    routed experts of each MoE layer (what batch 1 activates; larger batches read more)."""
+    h, L, H = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    nope, rope, v, r = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    q_rank = cfg.get("q_lora_rank")
+    q = h * q_rank + q_rank * H * (nope + rope) if q_rank else h * H * (nope + rope)
+    attn = q + h * (r + rope) + r * H * (nope + v) + H * v * h
+    dense = cfg.get("first_k_dense_replace", 0) or 0
+    expert = 3 * h * cfg["moe_intermediate_size"]
+    active = (cfg["num_experts_per_tok"] + (cfg.get("n_shared_experts") or 0)) * expert + h * cfg["n_routed_experts"]
+    body = L * attn + dense * 3 * h * cfg["intermediate_size"] + (L - dense) * active
+    embed = cfg["vocab_size"] * h
+    read = body + embed * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    return ModelCost(read, body + embed, L * (r + rope) * dtype_bytes, L, H, nope + rope)
+
+
 def model_cost(cfg: dict, dtype_bytes: int = 2) -> ModelCost:
+    if "kv_lora_rank" in cfg:
+        return deepseek_cost(cfg, dtype_bytes)
     h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // hq

@@ -23,6 +23,19 @@ MODEL_CONFIGS = {
                       "original_max_position_embeddings": 8192},
         max_position_embeddings=131072, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
         bos_token_id=128000, eos_token_id=128009),
+    # MLA (no q_lora_rank, latent 512 + 64 rope: 31,104 B/token in bf16) and a MoE of 64 routed
+    # experts (top-6, greedy softmax routing) + 2 shared from layer 1; layer 0 dense
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+        moe_layer_freq=1, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=False, scoring_func="softmax", rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707,
+                      "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+        max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+        attention_bias=False, torch_dtype="bfloat16", bos_token_id=100000, eos_token_id=100001),
 }
 
 

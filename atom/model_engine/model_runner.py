@@ -28,7 +28,8 @@ from atom.model_engine.sequence import PLACEHOLDER, Sequence
 from atom.model_engine.step_extras import StepLogprobs, sample_processed, score_prompts
 from atom.model_loader.loader import init_dummy_weights, load_weights
 from atom.model_engine.kv_cache import KVCacheManager
-from atom.model_ops.attention import Attention, AttentionMetadata, TorchAttentionBackend, forward_context
+from atom.model_ops.attention import AttentionMetadata, forward_context
+from atom.model_ops.attention.selector import attention_backend_for, attention_layers
 from atom.model_ops.quant import LinearMethod
 from atom.model_ops.sampler import Sampler, SamplingTensors
 from atom.models.registry import resolve_architecture
@@ -119,13 +120,10 @@ class ModelRunner:
         self.decode_forward = self.model  # what decode CUDA graphs capture (gpu_setup decides)
         self.compile_level = 0
         self.graph_mode = None
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attn_layers = attention_layers(self.model)
         kernels = platform.kernel_backend() if self.device.type == "cuda" else "torch"
-        if kernels != "torch":  # the attention op over these layers' caches (its own scratch)
-            from atom.model_ops.attention.triton_backend import TritonAttentionBackend
-            self.attn_backend = TritonAttentionBackend(self.attn_layers, max_num_tokens=1024, device=self.device)
-        else:
-            self.attn_backend = TorchAttentionBackend()
+        # by the layers' kind (full / latent); a GPU backend owns the op's scratch
+        self.attn_backend = attention_backend_for(self.attn_layers, kernels, max_num_tokens=1024, device=self.device)
         self.set_attention_backend(self.attn_backend)
         self.plan = None
         self.install_plan(KernelPlan(backend=kernels, fusions=default_fusions(kernels)))

@@ -3,7 +3,8 @@
 Checkpoint names are mapped through the model's `packed_modules_mapping`
 (`...q_proj.weight` -> `...qkv_proj.weight`, shard "q") and copied by the parameter's
 `weight_loader`; plain parameters are copied as they are. Every parameter must be
-written exactly once (tied ones excepted), or loading fails naming what is missing.
+written exactly once (tied ones excepted), or loading fails naming what is missing. A model
+may name checkpoint tensors it does not run (`skip_checkpoint_tensor(name) -> bool`).
 """
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ def load_weights(model: nn.Module, path: str) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[str] = set()
+    skip = getattr(model, "skip_checkpoint_tensor", None)  # e.g. DeepSeek-V3's multi-token-prediction layers
     for f in files:
         with safe_open(f, framework="pt", device="cpu") as st:
             for name in st.keys():
-                if "rotary_emb.inv_freq" in name:
+                if "rotary_emb.inv_freq" in name or (skip is not None and skip(name)):
                     continue
                 if tied and name == "lm_head.weight":
                     continue  # tied to the embedding, which the checkpoint also holds

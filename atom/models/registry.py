@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 
 _MODELS = {
+    "DeepseekV2ForCausalLM": ("atom.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("atom.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "LlamaForCausalLM": ("atom.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("atom.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("atom.models.qwen3", "Qwen3ForCausalLM"),

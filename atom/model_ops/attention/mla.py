@@ -1,0 +1,84 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3): the layer.
+
+The cache holds one latent vector per token: the normalised compressed KV `kv_c`
+(`kv_lora_rank`) followed by the rotated shared rope key `k_pe` (`qk_rope_head_dim`), through
+`LatentAttentionSpec` (576 values per token and layer for DeepSeek-V2-Lite, against 2 x 16 x
+192 for the expanded keys and values). `kv_b_proj` ([H * (nope + v), kv_lora_rank]) maps a
+latent to every head's non-rope key and value:
+
+- prefill (and chunked continuations, prefix-cache hits, multi-token steps): the context's
+  latents are read from the cache and expanded through `kv_b_proj`; ordinary causal
+  attention runs with head dims (nope + rope) for q, k and v for values.
+- decode (one query token): the absorbed form. A query's non-rope part goes into the latent
+  space through W_UK (the key rows of `kv_b_proj`): q_lat = q_nope W_UK [H, kv_lora_rank];
+  scores = q_lat . kv_c + q_pe . k_pe over the latent cache (one "KV head" shared by all
+  heads); out_lat = softmax . kv_c; out = out_lat W_UV^T (the value rows). Nothing is expanded.
+
+The layer's backend (one per engine, `attention.selector`) writes the latent cache (the one
+place) and attends: `TorchMLABackend` (reference, CPU), `TritonMLABackend` (split-KV decode kernel).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.model_ops.attention.mla_torch import TorchMLABackend
+
+
+class MLAAttention(nn.Module):
+    kind = "latent"  # the KV-cache spec kind its backends declare
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, scale: float, layer_idx: int, kv_b_proj: nn.Module):
+        super().__init__()
+        method = getattr(getattr(kv_b_proj, "method", None), "name", "unquantized")
+        if method != "unquantized":  # the absorbed decode multiplies by its weight directly
+            raise ValueError(f"{getattr(kv_b_proj, 'prefix', 'kv_b_proj')} is quantized ({method}): MLA needs "
+                             "kv_b_proj unquantized; exclude it from quantization (quantization_config "
+                             "ignore / exclude_layers)")
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.kv_cache = torch.empty(0)  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        # the attention module owns kv_b_proj; a tuple keeps it out of this module's parameters
+        self._kv_b = (kv_b_proj,)
+        self.backend = TorchMLABackend()
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kv_b_proj(self) -> nn.Module:
+        return self._kv_b[0]
+
+    def absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, R], W_UV [H, v, R]): views of `kv_b_proj`'s weight for the absorbed decode."""
+        proj = self.kv_b_proj
+        w = proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached latents [L, R + P] -> keys [L, H, nope + rope], values [L, H, v]."""
+        L, R = latent.shape[0], self.kv_lora_rank
+        kv = self.kv_b_proj(latent[:, :R]).view(L, self.num_heads, -1)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_pe = latent[:, None, R:].expand(L, self.num_heads, self.qk_rope_head_dim)
+        return torch.cat((k_nope, k_pe.to(k_nope.dtype)), dim=-1), v
+
+    def kv_cache_spec(self, dtype: torch.dtype):
+        """What this layer stores per token (its backend decides the layout)."""
+        return self.backend.kv_cache_spec(self, dtype)
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                k_pe: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, nope], q_pe [T, H, rope] (rotated), kv_c [T, R] (normalised), k_pe [T, rope]
+        (rotated) -> [T, H * v]. Writes this step's latents into the cache first."""
+        T = q_nope.shape[0]
+        return self.backend.forward(self, q_nope, q_pe, kv_c, k_pe).reshape(T, -1)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, nope={self.qk_nope_head_dim}, "
+                f"rope={self.qk_rope_head_dim}, v={self.v_head_dim}, backend={self.backend.name}, "
+                f"cache={tuple(self.kv_cache.shape)}")

@@ -1,0 +1,61 @@
+"""The Triton MLA backend: the latent-cache write and the split-KV absorbed decode in Triton,
+behind one custom op.
+
+`atom::mla_attention(q_nope, q_pe, kv_c, k_pe, output, layer_idx)` (our name for the guide's
+`aiter.mla_attention` splitting op) writes this step's latents into layer `layer_idx`'s cache
+and attends for the whole batch: decode rows absorbed (W_UK in, `mla_decode` over the latent
+cache, W_UV out: no host sync, CUDA-graph safe), other rows expanded from the cache through
+`kv_b_proj` and attended by the torch reference (SDPA per sequence; a Triton prefill over
+expanded K/V is not built yet). Being a registered op it is opaque to torch.compile. The op
+finds the engine's backend (its layers and split-KV scratch) through the forward context.
+"""
+from __future__ import annotations
+
+import torch
+
+from atom.model_ops.attention.metadata import get_forward_context
+from atom.model_ops.attention.mla_torch import MLABackend
+from atom.model_ops.kernels.mla_decode import MLAWorkspace, mla_decode, write_latent
+
+OP_NAME = "atom::mla_attention"
+
+
+class TritonMLABackend(MLABackend):
+    """One per engine: its MLA layers (by layer index) and the split-KV scratch."""
+    name = "triton-mla"
+
+    def __init__(self, layers: list, max_num_tokens: int = 1024, device=None, max_split_seqs: int = 64):
+        self.layers = list(layers)
+        a = layers[0]
+        # splits pay only for small batches: scratch for up to `max_split_seqs` sequences
+        self.workspace = MLAWorkspace(min(max_num_tokens, max_split_seqs), a.num_heads, a.kv_lora_rank,
+                                      device=device)
+
+    def write_kv(self, layer, kv_c, k_pe, meta) -> None:
+        write_latent(kv_c, k_pe, layer.kv_cache, meta.slot_mapping)
+
+    def decode_latent(self, layer, q_lat, q_pe, block_tables, seq_lens, seq_lens_host, meta) -> torch.Tensor:
+        return mla_decode(q_lat.contiguous(), q_pe.contiguous(), layer.kv_cache, block_tables, seq_lens,
+                          layer.kv_lora_rank, layer.scale, workspace=self.workspace)
+
+    def forward(self, layer, q_nope, q_pe, kv_c, k_pe) -> torch.Tensor:
+        """Opaque to torch.compile: the op reads the forward context, this method does not."""
+        out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_head_dim)
+        torch.ops.atom.mla_attention(q_nope, q_pe, kv_c.contiguous(), k_pe.contiguous(), out, layer.layer_idx)
+        return out
+
+    def __repr__(self) -> str:
+        return f"TritonMLABackend(layers={len(self.layers)}, workspace={self.workspace!r})"
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("output",))
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                  output: torch.Tensor, layer_idx: int) -> None:
+    backend = get_forward_context().attn_backend
+    layer = backend.layers[layer_idx]
+    output.copy_(MLABackend.forward(backend, layer, q_nope, q_pe, kv_c, k_pe))
+
+
+@mla_attention.register_fake
+def _(q_nope, q_pe, kv_c, k_pe, output, layer_idx) -> None:
+    return None

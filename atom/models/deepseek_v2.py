@@ -1,0 +1,244 @@
+"""DeepSeek-V2 / V3: multi-head latent attention and a mixture of experts with shared experts.
+
+Reads like the architecture: embed -> N x (RMSNorm, MLA, residual, RMSNorm, MLP or MoE,
+residual) -> RMSNorm -> LM head. The first `first_k_dense_replace` layers have a dense MLP;
+the others a MoE of `n_routed_experts` experts (top `num_experts_per_tok`, DeepSeek routing:
+`deepseek_routing`) plus `n_shared_experts` always-on experts.
+
+MLA (DeepSeek-V2 paper, section 2.1): queries come from `q_proj`, or with `q_lora_rank`
+from a low-rank pair (`q_a_proj`, RMSNorm, `q_b_proj`); keys and values from one compressed
+latent `kv_a_proj_with_mqa` -> [kv_c (kv_lora_rank) | k_pe (qk_rope_head_dim)], kv_c
+RMSNorm'd. With `q_lora_rank`, `q_a_proj` and `kv_a_proj_with_mqa` (same input) are one
+packed matrix `fused_qkv_a_proj` loaded from the two checkpoint tensors. Only the rope dims
+rotate (interleaved pairs, YaRN scaling); the layer caches [kv_c | k_pe] per token
+(`MLAAttention`), which expands or absorbs `kv_b_proj` itself.
+
+The MoE block runs its experts in a plain per-expert loop (`DeepseekMoE.experts_forward`):
+the place the integrator switches to the fused MoE layer (atom.model_ops.moe).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.model_ops.activation import SiluAndMul
+from atom.model_ops.attention.mla import MLAAttention
+from atom.model_ops.embedding import LMHead, VocabEmbedding
+from atom.model_ops.linear import Linear, MergedLinear
+from atom.model_ops.norm import RMSNorm
+from atom.model_ops.rotary import rope_parameters
+from atom.model_ops.rotary_yarn import DeepseekRotaryEmbedding, mla_softmax_scale
+from atom.models.deepseek_routing import DeepseekRouting
+
+
+class DeepseekMLP(nn.Module):
+    """SiLU-gated MLP (dense layers, each routed expert, the shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, quant_config=quant_config,
+                                         prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(intermediate_size, hidden_size, quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DeepseekRouter(nn.Module):
+    """Router logits (fp32, as DeepSeek keeps the gate) -> (weights, expert ids) by `routing`."""
+
+    def __init__(self, hidden_size: int, routing: DeepseekRouting):
+        super().__init__()
+        self.routing = routing
+        self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
+        if routing.uses_correction_bias:  # V3: balances load, chooses, never weighs
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(routing.num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        return self.routing(logits, self.e_score_correction_bias)
+
+    def extra_repr(self) -> str:
+        return repr(self.routing)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg, routing: DeepseekRouting, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.gate = DeepseekRouter(cfg.hidden_size, routing)
+        self.experts = nn.ModuleList(
+            DeepseekMLP(cfg.hidden_size, cfg.moe_intermediate_size, quant_config, f"{prefix}.experts.{i}")
+            for i in range(routing.num_experts))
+        n_shared = getattr(cfg, "n_shared_experts", None) or 0
+        self.shared_experts = (DeepseekMLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared, quant_config,
+                                           f"{prefix}.shared_experts") if n_shared else None)
+
+    def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert[ids[t, k]](x[t]): a loop over the experts that got tokens.
+        INTEGRATION POINT: the fused MoE layer (stacked expert weights, grouped GEMM) replaces
+        this loop and `self.experts`; the routing above stays. Under torch.compile and CUDA-graph
+        capture (no data-dependent shapes, no host sync) every expert runs on every token, with
+        weight 0 where not chosen."""
+        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self.experts_forward_dense(x, weights, ids)
+        out = torch.zeros_like(x)
+        hit = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        for e, count in enumerate(hit):
+            if count == 0:
+                continue
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](x[tok]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    def experts_forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            w = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1], 0 where e was not chosen
+            out = out + (expert(x) * w).to(out.dtype)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts_forward(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekV2Attention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, rotary_emb: DeepseekRotaryEmbedding, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk_head_dim = self.nope + self.rope
+        H, hidden = self.num_heads, cfg.hidden_size
+        bias = getattr(cfg, "attention_bias", False)
+        if self.q_lora_rank:
+            self.fused_qkv_a_proj = MergedLinear(hidden, [self.q_lora_rank, self.kv_lora_rank + self.rope], bias=bias,
+                                                 quant_config=quant_config, prefix=f"{prefix}.fused_qkv_a_proj")
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(self.q_lora_rank, H * qk_head_dim, quant_config=quant_config,
+                                   prefix=f"{prefix}.q_b_proj")
+        else:
+            self.q_proj = Linear(hidden, H * qk_head_dim, quant_config=quant_config, prefix=f"{prefix}.q_proj")
+            self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope, bias=bias,
+                                             quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), quant_config=quant_config,
+                                prefix=f"{prefix}.kv_b_proj")
+        self.o_proj = Linear(H * self.v_dim, hidden, bias=bias, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = rotary_emb  # one table for all layers
+        scale = mla_softmax_scale(qk_head_dim, rope_parameters(cfg))
+        self.attn = MLAAttention(H, self.kv_lora_rank, self.nope, self.rope, self.v_dim, scale, layer_idx,
+                                 kv_b_proj=self.kv_b_proj)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        T = hidden.shape[0]
+        if self.q_lora_rank:
+            q_a, kv_a = self.fused_qkv_a_proj(hidden).split([self.q_lora_rank, self.kv_lora_rank + self.rope], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a.contiguous()))
+        else:
+            q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
+        q_nope, q_pe = q.view(T, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
+        kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        return self.o_proj(self.attn(q_nope, q_pe, kv_c, k_pe))
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, rotary_emb, routing: DeepseekRouting, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.self_attn = DeepseekV2Attention(cfg, layer_idx, rotary_emb, quant_config, f"{prefix}.self_attn")
+        if layer_idx >= (getattr(cfg, "first_k_dense_replace", 0) or 0):
+            self.mlp = DeepseekMoE(cfg, routing, quant_config, f"{prefix}.mlp")
+        else:
+            self.mlp = DeepseekMLP(cfg.hidden_size, cfg.intermediate_size, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        """(hidden, residual) -> (hidden, residual): the residual add is fused into each norm."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+def check_config(cfg) -> None:
+    """Refuse what this file does not implement, before any weight is made."""
+    freq = getattr(cfg, "moe_layer_freq", 1) or 1
+    if freq != 1:
+        raise ValueError(f"moe_layer_freq={freq} is not supported: only 1 (every layer from first_k_dense_replace)")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported: only 'silu'")
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, cfg, quant_config=None, prefix: str = "model"):
+        super().__init__()
+        check_config(cfg)
+        routing = DeepseekRouting.from_hf_config(cfg)
+        interleaved = getattr(cfg, "rope_interleave", True) if cfg.model_type == "deepseek_v3" else True
+        rotary_emb = DeepseekRotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, rope_parameters(cfg),
+                                             interleaved=interleaved)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(cfg, i, rotary_emb, routing, quant_config, f"{prefix}.layers.{i}")
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg, quant_config=None):
+        super().__init__()
+        self.config = cfg
+        if not cfg.q_lora_rank:  # no q_a_proj: kv_a_proj_with_mqa is a layer of its own
+            self.packed_modules_mapping = {k: v for k, v in self.packed_modules_mapping.items()
+                                           if v[0] != "fused_qkv_a_proj"}
+        self.model = DeepseekV2Model(cfg, quant_config)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """DeepSeek-V3 checkpoints hold `num_nextn_predict_layers` multi-token-prediction layers
+        after the last decoder layer (model.layers.{num_hidden_layers}...): not run here."""
+        parts = name.split(".")
+        return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and int(parts[2]) >= self.config.num_hidden_layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token; `compute_logits` on the rows to sample."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """The same model; its config routes by sigmoid scores with a correction bias (noaux_tc)
+    and may rotate its rope dims by halves (`rope_interleave=false`)."""
