@@ -38,8 +38,8 @@ from typing import Any, Optional
 from torch import nn
 
 from atom.model_ops.linear import Linear
-from atom.model_ops.quant.online import (FORMATS, check_source, needs_gather, requantize_layer, source_weight,
-                                         split_size, target_for, tp_split)
+from atom.model_ops.quant.online import (FORMATS, check_source, needs_gather, refusal, requantize_layer,
+                                         source_weight, split_size, target_for, tp_split)
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +146,10 @@ class OnlineQuantPlan:
             if reason is not None:
                 raise ValueError(f"{FIELD}.{field}={fmt!r} targets layer '{name}', which cannot be "
                                  f"quantized online: {reason}; exclude it (exclude_layer)")
-            # a shape the format cannot hold (e.g. int4 groups): the method refuses by name
-            probe = _Probe(layers[name])
-            target.method(name).create_weights(probe, probe.in_features, probe.out_features, False)
+            why = refusal(target, layers[name])  # a shape the format cannot hold (e.g. int4 groups)
+            if why is not None:
+                raise NotImplementedError(f"{FIELD}.{field}={fmt!r} targets layer '{name}': {why}; "
+                                          "exclude it (exclude_layer)")
 
     # -- the pass ---------------------------------------------------------------------------
     def apply(self, model: nn.Module, tp_size: int = 1, model_name: str = "") -> dict:
@@ -189,19 +190,6 @@ class OnlineQuantPlan:
     def __repr__(self) -> str:
         return (f"OnlineQuantPlan(global={self.global_format!r}, layers={dict(self.layer_formats)!r}, "
                 f"exclude={self.exclude!r})")
-
-
-class _Probe(nn.Module):
-    """A stand-in with `layer`'s shape and shards, for a method's shape refusals."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.prefix, self.in_features, self.out_features = layer.prefix, layer.in_features, layer.out_features
-        self.shard_ids, self.shard_range = layer.shard_ids, layer.shard_range
-        self.weight_loader = None
-
-    def register_parameter(self, name, param) -> None:  # nothing is allocated for real
-        pass
 
 
 def apply_online_quant(model: nn.Module, config, plan: OnlineQuantPlan) -> dict:

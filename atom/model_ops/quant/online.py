@@ -181,6 +181,28 @@ def source_weight(layer: nn.Module) -> torch.Tensor:
     return layer.weight.float() if m.name == "unquantized" else m.dequantized_weight(layer)
 
 
+def refusal(target: Target, layer: nn.Module) -> Optional[str]:
+    """Why `target`'s method cannot hold `layer`'s shape (None: it can), found by building
+    its parameters on the meta device (nothing is allocated)."""
+    probe = _Probe(layer)
+    try:
+        with torch.device("meta"):
+            target.method(layer.prefix).create_weights(probe, layer.in_features, layer.out_features, False)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+class _Probe(nn.Module):
+    """A stand-in with `layer`'s name, shape and shards, for a method's shape refusals."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.prefix, self.in_features, self.out_features = layer.prefix, layer.in_features, layer.out_features
+        self.shard_ids, self.shard_range = layer.shard_ids, layer.shard_range
+        self.weight_loader = layer.weight_loader
+
+
 # --- the swap ---------------------------------------------------------------------------------
 def requantize_layer(layer: nn.Module, target: Target, weight: torch.Tensor | None = None) -> Callable[[], None]:
     """Rebuild `layer` with `target`'s method, filled with its producer's tensors for
@@ -259,6 +281,6 @@ def scales_of(target: Target, w: torch.Tensor) -> torch.Tensor:
     return next(v for k, v in out.items() if k.startswith("weight_scale"))
 
 
-__all__ = ["TARGETS", "FORMATS", "Target", "target_for", "check_source", "source_weight", "requantize_layer",
+__all__ = ["TARGETS", "FORMATS", "Target", "target_for", "refusal", "check_source", "source_weight", "requantize_layer",
            "tp_split", "needs_gather", "split_size", "scales_of", "pack_int4", "produce_ptpc_fp8",
            "produce_fp8_block", "produce_w8a8_int8", "produce_w4a16"]
