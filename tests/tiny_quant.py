@@ -43,10 +43,10 @@ def make_tiny_fp8_block_model(path, **overrides) -> str:
 
 
 def make_fragile(model, decoder: int, channel: int = 0, outlier: float = 1e6) -> str:
-    """Make `model.layers.<decoder>.mlp.down_proj` fragile without changing the model's
-    output: gate and up rows `channel` are zeroed, so that input column of down_proj is
-    exactly 0, and that column is set to `outlier`. Any per-row quantization of down_proj
-    then has scales ~outlier / qmax and rounds every other weight of the row to ~0.
+    """Make `model.layers.<decoder>.mlp.down_proj` fragile: gate and up rows `channel` are
+    zeroed, so that input column of down_proj is exactly 0, and that column is set to
+    `outlier` (which then never reaches the output). Any per-row quantization of down_proj
+    has scales ~outlier / qmax and rounds every other weight of the row to ~0.
     Returns the layer's name."""
     mlp = model.model.layers[decoder].mlp
     inter = mlp.down_proj.in_features
