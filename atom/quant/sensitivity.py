@@ -102,13 +102,22 @@ class SensitivityExplorer:
                 undo()
         return {**out, "bytes_before": before, "bytes_after": after}
 
-    def run(self, fmt: str, by: str = "layer") -> pd.DataFrame:
+    def run(self, fmt: str, by: str = "layer", within: list[str] | str | None = None) -> pd.DataFrame:
         """One row per group: KL (mean / max, nats), top-1 agreement and perplexity with only
         that group quantized to `fmt`, its weight bytes before / after, and `rank` (1: the
-        largest KL). A group whose layers the format cannot hold gets NaNs and `status`."""
+        largest KL). A group whose layers the format cannot hold gets NaNs and `status`.
+        `within`: only the groups whose layers lie under these module names (e.g. the
+        decoder layers a coarser run found sensitive)."""
         target_for(fmt, "", "fmt")  # a bad / unavailable format fails before any work
+        prefixes = [within] if isinstance(within, str) else within
+        groups = self.groups(by)
+        if prefixes is not None:
+            groups = {g: names for g, names in groups.items()
+                      if all(any(n == p or n.startswith(p + ".") for p in prefixes) for n in names)}
+            if not groups:
+                raise ValueError(f"within={within!r} is invalid: no {by} group lies under it")
         rows = []
-        for group, names in self.groups(by).items():
+        for group, names in groups.items():
             row = {"group": group, "layers": len(names), "status": "ok"}
             try:
                 row.update(self.quantized_scores(fmt, names))
