@@ -508,6 +508,7 @@ class Config:
             "cudagraph_mode": None if cc.cudagraph_mode is None else cc.cudagraph_mode.name,
             "capture_sizes": self.capture_sizes,
             "quant": self.quant_config.compute_hash() if self.quant_config else None,
+            "online_quant": self.online_quant_config,  # re-quantized layers change the graph
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

@@ -242,3 +242,10 @@ def test_smollm2_ptpc_fp8_online(smollm2_path, in_tmp):
     info = llm.engine.runner.online_quant_info
     assert info["num_layers"] == 120 and info["num_quantized"] == 112
     assert "Paris" in out.text and out.token_ids[:6] == ref.token_ids[:6]
+
+
+def test_compile_cache_key_includes_the_online_config(tiny_llama):
+    from atom.config import Config
+    plain = Config(tiny_llama).compute_hash()
+    assert Config(tiny_llama, online_quant_config={}).compute_hash() == plain
+    assert Config(tiny_llama, online_quant_config=PTPC).compute_hash() != plain

@@ -35,6 +35,7 @@ import re
 import time
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from atom.model_ops.linear import Linear
@@ -196,6 +197,8 @@ def apply_online_quant(model: nn.Module, config, plan: OnlineQuantPlan) -> dict:
     """What the model runner does after loading: apply `plan`, write the info file."""
     info = plan.apply(model, tp_size=getattr(config, "tensor_parallel_size", 1) or 1,
                       model_name=str(getattr(config, "model", "")))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the replaced weights' memory, before the KV cache is sized
     info["info_path"] = plan.write_info(info, getattr(config, "torch_profiler_dir", None))
     return info
 
