@@ -27,13 +27,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
-from atom.quant_spec import online_quant_spec
+from atom.quant_spec import ONLINE_QUANT_FORMATS, online_quant_spec
 from atom.utils import envs
 from atom.compilation_config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from atom.config_checks import (_check_bool, _check_choice, _check_int, _check_int_list,  # noqa: F401
@@ -360,18 +361,34 @@ class Config:
         if unknown:
             raise _invalid(name, cfg, f"unknown keys {unknown}; allowed: {list(ONLINE_QUANT_KEYS)}")
         out = dict(cfg)
+        formats = f"must be one of {sorted(ONLINE_QUANT_FORMATS)}"
+
+        def check_format(field: str, fmt: Any) -> None:
+            try:
+                online_quant_spec(fmt)
+            except ValueError:
+                raise _invalid(f"{name}.{field}", fmt, formats) from None
+
         if "global_quant_config" in out:
-            online_quant_spec(out["global_quant_config"])
+            check_format("global_quant_config", out["global_quant_config"])
         layers = out.get("layer_quant_config", {})
         if not isinstance(layers, dict):
-            raise _invalid(name, cfg, "layer_quant_config must map layer patterns to formats")
-        for fmt in layers.values():
-            online_quant_spec(fmt)
+            raise _invalid(f"{name}.layer_quant_config", layers, "must map layer patterns to formats")
+        for pattern, fmt in layers.items():
+            check_format(f"layer_quant_config[{pattern!r}]", fmt)
+        out["layer_quant_config"] = dict(layers)
         exclude = out.get("exclude_layer", [])
         if isinstance(exclude, str):
             exclude = [exclude]
-        if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
-            raise _invalid(name, cfg, "exclude_layer must be a string or a list of strings")
+        if not isinstance(exclude, list) or not all(isinstance(e, str) and e for e in exclude):
+            raise _invalid(f"{name}.exclude_layer", out.get("exclude_layer"),
+                           "must be a non-empty string or a list of them")
+        for entry in exclude:
+            if entry.startswith("re:"):
+                try:
+                    re.compile(entry[3:])
+                except re.error as exc:
+                    raise _invalid(f"{name}.exclude_layer", entry, f"bad regex ({exc})") from None
         out["exclude_layer"] = exclude
         return out
 
@@ -491,6 +508,7 @@ class Config:
             "cudagraph_mode": None if cc.cudagraph_mode is None else cc.cudagraph_mode.name,
             "capture_sizes": self.capture_sizes,
             "quant": self.quant_config.compute_hash() if self.quant_config else None,
+            "online_quant": self.online_quant_config,  # re-quantized layers change the graph
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

@@ -275,7 +275,6 @@ def test_llm_construction_makes_status_line_visible(unconfigured_logging, tiny_l
 UNSUPPORTED = [
     (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
-    (dict(online_quant_config={"global_quant_config": "ptpc_fp8"}), "online_quant_config="),
     (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}), "speculative_config=.*mtp"),
     (dict(parallel_config={"data_parallel_size": 2}), "parallel_config.data_parallel_size=2"),
     (dict(enable_expert_parallel=True), "enable_expert_parallel=True"),

@@ -528,8 +528,12 @@ def test_online_quant_config_valid(tiny_model_dir):
 @pytest.mark.parametrize(
     "value,match",
     [
-        ({"global_quant_config": "int3"}, "online quant format 'int3' is invalid"),
-        ({"layer_quant_config": {"*": "bogus"}}, "online quant format 'bogus'"),
+        ({"global_quant_config": "int3"},
+         r"online_quant_config.global_quant_config='int3' is invalid: must be one of \['mxfp4', 'ptpc_fp8'\]"),
+        ({"layer_quant_config": {"*": "bogus"}}, r"online_quant_config.layer_quant_config\['\*'\]='bogus'"),
+        ({"layer_quant_config": ["*"]}, "online_quant_config.layer_quant_config=.* must map layer patterns"),
+        ({"exclude_layer": "re:(unclosed"}, r"online_quant_config.exclude_layer='re:\(unclosed' is invalid: bad regex"),
+        ({"exclude_layer": ""}, "online_quant_config.exclude_layer='' is invalid"),
         ({"unknown": 1}, "unknown keys"),
         ({"exclude_layer": [1]}, "exclude_layer"),
         ("[1,2]", "online_quant_config"),

@@ -27,6 +27,7 @@ from atom.model_engine.scheduler import ScheduledBatch, eos_token_ids
 from atom.model_engine.sequence import PLACEHOLDER, Sequence
 from atom.model_engine.step_extras import StepLogprobs, sample_processed, score_prompts
 from atom.model_loader.loader import init_dummy_weights, load_weights
+from atom.model_loader.online_quant import OnlineQuantPlan, apply_online_quant
 from atom.model_engine.kv_cache import KVCacheManager
 from atom.model_ops.attention import AttentionMetadata, forward_context
 from atom.model_ops.attention.selector import attention_backend_for, attention_layers
@@ -108,6 +109,9 @@ class ModelRunner:
                 self.model = model_cls(hf, quant_config)
         finally:
             torch.set_default_dtype(prev)
+        online = OnlineQuantPlan.from_config(config)
+        if online is not None:  # refusals (a format without a method, a source it cannot read) before loading
+            online.check(self.model)
         if config.load_dummy:
             init_dummy_weights(self.model, config.load_dummy)
         else:
@@ -115,6 +119,8 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(getattr(m, "method", None), LinearMethod):
                 m.method.process_weights_after_loading(m)
+        # online_quant_config: each targeted layer re-quantized in place; the summary it wrote
+        self.online_quant_info = apply_online_quant(self.model, config, online) if online is not None else None
         self.model.eval()
         self.model_forward = self.model  # replaced by a compiled callable at levels 1-3
         self.decode_forward = self.model  # what decode CUDA graphs capture (gpu_setup decides)
