@@ -10,13 +10,14 @@ plus the server's own: `--host` (127.0.0.1), `--server-port` (8000), `--served-m
 `--shutdown-timeout` (seconds SIGTERM waits for requests in flight). The engine runs with
 `asyncio_mode=True` (`AsyncLLMEngine`). SIGTERM / Ctrl-C: new requests get a 503 (and new
 connections are refused once the listener closes), requests in flight finish within the
-timeout, then what is left is aborted and the process exits.
+timeout, then what is left is aborted and the process exits (0).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
 
 logger = logging.getLogger("atom.entrypoints.openai_server")
@@ -103,13 +104,19 @@ def serve(args: argparse.Namespace) -> None:
     app, _ = build(args)
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:   # SIGTERM / SIGINT: refuse new requests
+        def handle_exit(self, sig, frame) -> None:
+            """SIGTERM / SIGINT: refuse new requests, let uvicorn drain; a second SIGINT
+            exits at once. Unlike uvicorn's own, the signal is not raised again afterwards:
+            a clean drain exits 0."""
             serving = getattr(app.state, "serving", None)
             if serving is not None and not serving.draining:
                 serving.draining = True
                 logger.info("signal %s: draining (at most %.0f s), refusing new requests",
                             sig, args.shutdown_timeout)
-            super().handle_exit(sig, frame)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
 
     config = uvicorn.Config(app, host=args.host, port=args.server_port, access_log=False,
                             log_level=args.uvicorn_log_level, lifespan="on",

@@ -66,7 +66,6 @@ class EngineSnapshot:
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
-    num_added: int = 0         # add commands the thread has handled (accepted or refused)
 
 
 @dataclasses.dataclass
@@ -93,7 +92,6 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._num_submitted = 0
         self.snapshot = EngineSnapshot()
         self.error: BaseException | None = None   # why the thread stopped, if it failed
 
@@ -137,9 +135,15 @@ class AsyncLLMEngine:
 
     @property
     def num_pending(self) -> int:
-        """Requests waiting to be scheduled: the engine's waiting queue plus those submitted
-        that the thread has not taken in yet."""
-        return self.snapshot.num_waiting + self._num_submitted - self.snapshot.num_added
+        return self.num_pending_with(0)
+
+    def num_pending_with(self, num_new: int) -> int:
+        """Requests waiting for a place in the running batch: those held beyond
+        `max_num_seqs` (exact on arrival, whatever the engine thread has taken in yet), or the
+        engine's own waiting queue when that is longer (KV blocks or the token budget are
+        the limit)."""
+        cap = self.engine.config.max_num_seqs if self.engine is not None else 0
+        return max(len(self._streams) + num_new - cap, self.snapshot.num_waiting)
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
@@ -153,7 +157,6 @@ class AsyncLLMEngine:
         rid = request_id or self.new_request_id()
         fut = self._loop.create_future()
         self._streams[rid] = asyncio.Queue()
-        self._num_submitted += 1
         self._commands.put(_Add(rid, prompt, params, fut))
         try:
             await fut
@@ -278,8 +281,6 @@ class AsyncLLMEngine:
                 self._loop.call_soon_threadsafe(_set_exception, cmd.future, e)
             else:
                 self._loop.call_soon_threadsafe(_set_result, cmd.future, cmd.request_id)
-            finally:
-                self._bump_added()
             return True
         kind, rid = cmd
         if kind == "abort":
@@ -297,10 +298,6 @@ class AsyncLLMEngine:
             except Exception:  # noqa: BLE001 - metrics must never stop the engine
                 logger.exception("on_step hook failed")
 
-    def _bump_added(self) -> None:
-        self.snapshot = dataclasses.replace(self.snapshot, num_added=self.snapshot.num_added + 1,
-                                            num_waiting=len(self.engine.scheduler.waiting))
-
     def _publish(self) -> None:
         e = self.engine
         bm, sched = e.block_manager, e.scheduler
@@ -308,8 +305,7 @@ class AsyncLLMEngine:
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
             prefix_query_tokens=bm.num_query_tokens, prefix_hit_tokens=bm.num_hit_tokens,
-            num_preemptions=sched.num_preemptions, num_steps=e.stats.num_steps,
-            num_added=self.snapshot.num_added)
+            num_preemptions=sched.num_preemptions, num_steps=e.stats.num_steps)
 
     def _log_status(self, force: bool = False) -> None:
         s = self.snapshot

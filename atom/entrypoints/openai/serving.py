@@ -79,7 +79,7 @@ class OpenAIServing:
             raise APIError(503, "the engine is not running", type="service_unavailable",
                            code="engine_dead")
         limit = self.max_waiting_requests
-        if limit is not None and self.engine.num_pending + num_new > limit:
+        if limit is not None and self.engine.num_pending_with(num_new) > limit:
             raise APIError(503, f"the waiting queue is full ({self.engine.num_pending} waiting, "
                                 f"max_waiting_requests={limit}): retry later",
                            type="service_unavailable", code="queue_full")
