@@ -5,6 +5,7 @@ bad requests in the middle fail alone; clients that leave mid-stream free their 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import subprocess
 import time
@@ -247,3 +248,23 @@ def test_full_queue_is_503_and_sigterm_drains_under_load(tiny_llama):
     finally:
         srv.kill()
     assert "draining" in srv.log()
+
+
+def test_serving_benchmark_smoke(server, tmp_path):
+    from atom.benchmarks import serving
+    out = tmp_path / "bench.json"
+    rc = serving.main(["--base-url", server.url, "--api-key", KEY, "--num-prompts", "12",
+                       "--input-len", "16", "--output-len", "6", "--vocab-size", "512",
+                       "--request-rate", "inf", "40", "--max-concurrency", "6", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == MODEL and report["provenance"]["commit"]
+    assert [r["request_rate"] for r in report["runs"]] == ["inf", 40.0]
+    for r in report["runs"]:
+        assert r["completed"] == 12 and r["failed"] == 0
+        assert r["total_output_tokens"] == sum(q.output_len for q in serving.make_requests(
+            "random", 12, 16, 6, 0.5, 512, 10, 0, False))
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert 0 < r[key]["p50"] <= r[key]["p99"]
+        assert r["request_throughput"] > 0 and r["output_throughput"] > 0
+    server.wait_idle()
