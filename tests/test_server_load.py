@@ -268,3 +268,12 @@ def test_serving_benchmark_smoke(server, tmp_path):
             assert 0 < r[key]["p50"] <= r[key]["p99"]
         assert r["request_throughput"] > 0 and r["output_throughput"] > 0
     server.wait_idle()
+    # and the report and a scrape as DataFrames / a plot, for notebooks
+    import matplotlib
+    matplotlib.use("Agg")
+    from atom.viz import metrics_frame, plot_serving, serving_frame
+    df = serving_frame(report)
+    assert list(df["completed"]) == [12, 12] and "tpot_ms_p50" in df
+    assert plot_serving(df).axes
+    mf = metrics_frame(httpx.get(server.url + "/metrics").text)
+    assert "atom:kv_cache_free_blocks" in set(mf["name"])
