@@ -6,9 +6,9 @@ requests are kept (default 10,000 each; `LLM(..., stats_window=N)`, `set_window(
 None keeps all), so a long-running engine's memory stays flat. `steps()` / `requests()`
 return pandas DataFrames for notebooks and plots (`atom.viz`). The periodic engine-status
 line of `enable_log_stats` is produced here too (logger `atom.engine`), and, at the same
-interval, the `[Cache Stats]` line (its own gate: on with prefix caching): the prefix cache's
-cumulative hit and queried tokens since start, where the status line's rate is windowed
-over the last `cache_hit_rate_window` requests.
+interval, the `[Cache Stats]` line (logger `atom.engine.cache`; its own gate: on with prefix
+caching): the prefix cache's cumulative hit and queried tokens since start, where the status
+line's rate is windowed over the last `cache_hit_rate_window` requests.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 logger = logging.getLogger("atom.engine")
+cache_logger = logging.getLogger("atom.engine.cache")  # the [Cache Stats] line
 
 DEFAULT_WINDOW = 10_000  # steps and requests kept by default
 
@@ -94,7 +95,7 @@ class EngineStats:
                     f"generation {self._tokens_since_log[1] / max(dt, 1e-9):.1f} tok/s")
             logger.info(line)
         if self.log_cache_stats and prefix_cache is not None:
-            logger.info(cache_stats_line(*prefix_cache))
+            cache_logger.info(cache_stats_line(*prefix_cache))
         self._last_log, self._tokens_since_log = now, [0, 0]
         return line
 
