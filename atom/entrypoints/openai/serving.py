@@ -221,13 +221,13 @@ class OpenAIServing:
         """Add the job's engine requests; on any refusal abort those added and raise a 400."""
         self.check_accepting(len(job.prompts))
         try:
-            for i, p in enumerate(job.prompts):
+            for p in job.prompts:
                 job.rids.append(await self.engine.add_request(
                     {"prompt": p.text, "prompt_token_ids": p.token_ids} if p.text is not None
                     else {"prompt_token_ids": p.token_ids}, job.params))
         except (ValueError, TypeError) as e:
             self.cancel(job)
-            raise from_value_error(e, "prompt" if len(job.prompts) == 1 else f"prompt") from None
+            raise from_value_error(e, "prompt") from None
         except EngineDeadError as e:
             self.cancel(job)
             raise APIError(503, str(e), type="service_unavailable", code="engine_dead") from None
