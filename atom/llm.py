@@ -17,7 +17,8 @@ Keywords besides `Config`'s fields: `dtype` ("auto": the checkpoint's; "bfloat16
 `record_stats` (per-step records, `llm.stats`; on by default), `stats_window` (how many
 step and request records are kept, default 10,000; None: all), `async_scheduling`
 (default: on a GPU) launches the next decode step before the current one's tokens reach
-the host. Building an `LLM` makes ATOM's INFO lines (engine-status line included) visible
+the host. `asyncio_mode=True` is refused here (it is the server's engine loop,
+`AsyncLLMEngine`). Building an `LLM` makes ATOM's INFO lines (engine-status line included) visible
 on stderr unless logging is configured already (`atom.utils.log_setup`).
 """
 from __future__ import annotations
@@ -49,6 +50,10 @@ class LLM:
             raise TypeError(f"LLM() got unknown keyword argument(s) {unknown}: "
                             f"valid ones are the fields of atom.Config, dtype, seed, record_stats, "
                             f"stats_window and async_scheduling")
+        if kwargs.get("asyncio_mode"):
+            raise ValueError("asyncio_mode=True is invalid for LLM, which steps its engine itself: "
+                             "use atom.model_engine.async_engine.AsyncLLMEngine or the server "
+                             "(python -m atom.entrypoints.openai_server), whose engine loop it is")
         forced_dtype = parse_dtype(dtype)
         check_seed(seed)
         check_window(stats_window)

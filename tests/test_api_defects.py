@@ -279,7 +279,6 @@ UNSUPPORTED = [
     (dict(parallel_config={"data_parallel_size": 2}), "parallel_config.data_parallel_size=2"),
     (dict(enable_expert_parallel=True), "enable_expert_parallel=True"),
     (dict(enable_dp_attention=True), "enable_dp_attention=True"),
-    (dict(asyncio_mode=True), "asyncio_mode=True"),
 ]
 
 
@@ -292,8 +291,16 @@ def test_unsupported_settings_are_refused_before_weights_load(kwargs, named, no_
 
 def test_all_unsupported_settings_are_named_at_once(no_model_load):
     with pytest.raises(ValueError) as e:
-        LLM("embedded", tensor_parallel_size=8, kv_cache_dtype="fp8", asyncio_mode=True)
-    assert all(s in str(e.value) for s in ("tensor_parallel_size=8", "kv_cache_dtype='fp8'", "asyncio_mode"))
+        LLM("embedded", tensor_parallel_size=8, kv_cache_dtype="fp8", enable_dp_attention=True)
+    assert all(s in str(e.value) for s in ("tensor_parallel_size=8", "kv_cache_dtype='fp8'",
+                                           "enable_dp_attention"))
+
+
+def test_asyncio_mode_is_the_servers_loop_and_refused_by_llm(no_model_load):
+    from atom.model_engine.supported import unsupported_settings
+    assert unsupported_settings(Config(model="embedded", asyncio_mode=True)) == []
+    with pytest.raises(ValueError, match="asyncio_mode=True is invalid for LLM.*AsyncLLMEngine"):
+        LLM("embedded", asyncio_mode=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU warning")

@@ -245,15 +245,16 @@ class EngineArgs:
             )
         return kwargs
 
-    def create_engine_config(self) -> Config:
+    def create_engine_config(self, **overrides: Any) -> Config:
         """The validated :class:`Config` these arguments describe (``--dtype`` applied to
-        ``torch_dtype``)."""
+        ``torch_dtype``); ``overrides``: Config fields no flag sets (the server's
+        ``asyncio_mode=True``)."""
         from atom.utils.dtypes import parse_dtype
         from atom.utils.seed import check_seed
 
         dtype = parse_dtype(self.dtype, "--dtype")
         check_seed(self.seed, "--seed")
-        config = Config(**self._config_kwargs())
+        config = Config(**{**self._config_kwargs(), **overrides})
         if dtype is not None:
             config.torch_dtype = dtype
         return config

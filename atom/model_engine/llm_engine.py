@@ -81,7 +81,8 @@ class LLMEngine:
         self.proposer = proposer  # draft tokens for multi-token steps; None: one token a step
         self.default_output_kind = default_output_kind  # for requests without their own
         self.stats = EngineStats(record_stats, config.enable_log_stats, config.throughput_log_interval,
-                                 config.cache_hit_rate_window)
+                                 config.cache_hit_rate_window,
+                                 log_cache_stats=config.enable_prefix_caching)
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.runner!r}, {self.scheduler!r}, {self.block_manager!r})"
@@ -213,7 +214,8 @@ class LLMEngine:
             "prefix_query_tokens": bm.num_query_tokens - queries0,
             "preemptions": batch.num_preempted, "graph_size": handle.graph_size,
         })
-        self.stats.maybe_log(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage)
+        self.stats.maybe_log(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
+                             prefix_cache=(bm.num_hit_tokens, bm.num_query_tokens))
         return outputs
 
     def _propose(self) -> None:

@@ -5,7 +5,10 @@ Cheap enough to stay on (a dict append per step); `Config`-level switch
 requests are kept (default 10,000 each; `LLM(..., stats_window=N)`, `set_window(N)`;
 None keeps all), so a long-running engine's memory stays flat. `steps()` / `requests()`
 return pandas DataFrames for notebooks and plots (`atom.viz`). The periodic engine-status
-line of `enable_log_stats` is produced here too (logger `atom.engine`).
+line of `enable_log_stats` is produced here too (logger `atom.engine`), and, at the same
+interval, the `[Cache Stats]` line (logger `atom.engine.cache`; its own gate: on with prefix
+caching): the prefix cache's cumulative hit and queried tokens since start, where the status
+line's rate is windowed over the last `cache_hit_rate_window` requests.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 from collections import deque
 
 logger = logging.getLogger("atom.engine")
+cache_logger = logging.getLogger("atom.engine.cache")  # the [Cache Stats] line
 
 DEFAULT_WINDOW = 10_000  # steps and requests kept by default
 
@@ -25,11 +29,20 @@ def check_window(window: int | None) -> int | None:
     return window
 
 
+def cache_stats_line(hit_tokens: int, query_tokens: int) -> str:
+    """The `[Cache Stats]` line: cumulative prefix-cache hits over queried prompt tokens."""
+    rate = hit_tokens / query_tokens if query_tokens else 0.0
+    return (f"[Cache Stats] prefix cache since start: {hit_tokens} of {query_tokens} queried "
+            f"prompt tokens hit ({rate:.1%})")
+
+
 class EngineStats:
     def __init__(self, enabled: bool = True, log_stats: bool = True, log_interval: float = 10.0,
-                 hit_rate_window: int = 1000, window: int | None = DEFAULT_WINDOW):
+                 hit_rate_window: int = 1000, window: int | None = DEFAULT_WINDOW,
+                 log_cache_stats: bool = False):
         self.enabled = enabled
         self.log_stats = log_stats
+        self.log_cache_stats = log_cache_stats
         self.log_interval = log_interval
         self.step_rows: deque[dict] = deque()
         self.request_rows: deque[dict] = deque()
@@ -63,18 +76,26 @@ class EngineStats:
         q = sum(x[1] for x in self._window)
         return sum(x[0] for x in self._window) / q if q else 0.0
 
-    def maybe_log(self, running: int, waiting: int, kv_usage: float, force: bool = False) -> str | None:
-        if not self.log_stats:
+    def maybe_log(self, running: int, waiting: int, kv_usage: float, force: bool = False,
+                  prefix_cache: tuple[int, int] | None = None) -> str | None:
+        """Every `log_interval` seconds (or `force`): the engine-status line (returned) when
+        `log_stats`, the `[Cache Stats]` line when `log_cache_stats` and `prefix_cache`
+        ((hit tokens, queried tokens) since start) is given."""
+        if not (self.log_stats or self.log_cache_stats):
             return None
         now = time.perf_counter()
         dt = now - self._last_log
         if dt < self.log_interval and not force:
             return None
-        line = (f"Engine: running {running} reqs, waiting {waiting} reqs, KV usage {kv_usage:.1%}, "
-                f"prefix-cache hit rate {self.windowed_hit_rate:.1%}, "
-                f"prompt {self._tokens_since_log[0] / max(dt, 1e-9):.1f} tok/s, "
-                f"generation {self._tokens_since_log[1] / max(dt, 1e-9):.1f} tok/s")
-        logger.info(line)
+        line = None
+        if self.log_stats:
+            line = (f"Engine: running {running} reqs, waiting {waiting} reqs, KV usage {kv_usage:.1%}, "
+                    f"prefix-cache hit rate {self.windowed_hit_rate:.1%}, "
+                    f"prompt {self._tokens_since_log[0] / max(dt, 1e-9):.1f} tok/s, "
+                    f"generation {self._tokens_since_log[1] / max(dt, 1e-9):.1f} tok/s")
+            logger.info(line)
+        if self.log_cache_stats and prefix_cache is not None:
+            cache_logger.info(cache_stats_line(*prefix_cache))
         self._last_log, self._tokens_since_log = now, [0, 0]
         return line
 

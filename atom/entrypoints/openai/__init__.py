@@ -1,0 +1,1 @@
+"""OpenAI-compatible server pieces: protocol, serving, metrics, errors, app."""

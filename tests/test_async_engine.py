@@ -1,0 +1,137 @@
+"""`AsyncLLMEngine` in-process (tiny random Llama): concurrent requests stream the tokens
+`LLM.generate` gives, a refused request fails alone, leaving a stream aborts the request and
+frees its blocks, a failing step fails only the requests then in flight; the `[Cache Stats]`
+line is cumulative and has its own gate."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from atom import LLM, SamplingParams
+from atom.model_engine.async_engine import AsyncLLMEngine, EngineError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, max_model_len=128, enforce_eager=True, enable_log_stats=False)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41], [100] * 20]
+SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def test_concurrent_streams_equal_generate(llm):
+    want = [o.token_ids for o in llm.generate(PROMPTS, SP, use_tqdm=False)]
+
+    async def main():
+        eng = AsyncLLMEngine.from_engine(llm.engine)
+        await eng.start()
+        try:
+            async def one(p):
+                toks, finals = [], []
+                async for out in eng.generate(p, SP):
+                    toks += out.outputs[0].new_token_ids
+                    finals.append(out.finished)
+                assert finals[-1] and not any(finals[:-1])
+                return toks
+            return await asyncio.gather(*map(one, PROMPTS)), repr(eng)
+        finally:
+            await eng.shutdown()
+
+    got, text = _run(main())
+    assert got == want
+    assert "AsyncLLMEngine(running" in text
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_refused_request_fails_alone_and_leaving_aborts(llm):
+    bm = llm.engine.block_manager
+
+    async def main():
+        seen = []
+        eng = AsyncLLMEngine.from_engine(llm.engine, on_step=lambda outs, now: seen.extend(outs))
+        await eng.start()
+        try:
+            good = asyncio.create_task(_collect(eng, [5, 6], SP))
+            with pytest.raises(ValueError, match="prompt token ids"):
+                await eng.add_request([5, 10**6], SP)
+            long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+            agen = eng.generate([7, 8, 9], long)
+            first = await agen.__anext__()          # it runs ...
+            assert not first.finished
+            await agen.aclose()                     # ... and the client leaves
+            for _ in range(200):
+                if bm.num_free_blocks == bm.num_blocks and not llm.engine.requests:
+                    break
+                await asyncio.sleep(0.01)
+            toks = await good
+            return toks, eng.snapshot, [o.outputs[0].finish_reason for o in seen if o.finished]
+        finally:
+            await eng.shutdown()
+
+    toks, snap, reasons = _run(main())
+    assert len(toks) == 10
+    assert snap.num_free_blocks == snap.num_blocks and bm.num_free_blocks == bm.num_blocks
+    assert sorted(reasons) == ["abort", "length"]
+
+
+async def _collect(eng, prompt, sp):
+    toks = []
+    async for out in eng.generate(prompt, sp):
+        toks += out.outputs[0].new_token_ids
+    return toks
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(llm, monkeypatch):
+    real = llm.engine.step
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        return real()
+
+    async def main():
+        eng = AsyncLLMEngine.from_engine(llm.engine)
+        await eng.start()
+        monkeypatch.setattr(llm.engine, "step", flaky)
+        try:
+            with pytest.raises(EngineError, match="injected"):
+                await _collect(eng, [5, 6, 7], SP)
+            return await _collect(eng, [5, 6, 7], SP)   # served after the failure
+        finally:
+            await eng.shutdown()
+
+    toks = _run(main())
+    monkeypatch.undo()
+    assert toks == llm.generate([[5, 6, 7]], SP, use_tqdm=False)[0].token_ids
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_cache_stats_line_is_cumulative_with_its_own_gate(tiny_llama, caplog):
+    caplog.set_level(logging.INFO, logger="atom.engine")
+    on = LLM(tiny_llama, max_model_len=128, enforce_eager=True, enable_prefix_caching=True,
+             enable_log_stats=False, throughput_log_interval=1e-6)
+    prompt = list(range(10, 60))               # three full 16-token blocks
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    on.generate([prompt], sp, use_tqdm=False)
+    on.generate([prompt], sp, use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if "[Cache Stats]" in r.getMessage()]
+    assert lines and not any("Engine: running" in r.getMessage() for r in caplog.records)
+    bm = on.engine.block_manager
+    assert lines[-1].endswith(f"{bm.num_hit_tokens} of {bm.num_query_tokens} queried prompt tokens "
+                              f"hit ({bm.num_hit_tokens / bm.num_query_tokens:.1%})")
+    assert bm.num_hit_tokens >= 48
+    caplog.clear()
+    off = LLM(tiny_llama, max_model_len=128, enforce_eager=True, throughput_log_interval=1e-6)
+    off.generate([prompt], sp, use_tqdm=False)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("Engine: running" in m for m in msgs) and not any("[Cache Stats]" in m for m in msgs)
