@@ -29,6 +29,7 @@ from atom.model_engine.step_extras import StepLogprobs, sample_processed, score_
 from atom.model_loader.loader import init_dummy_weights, load_weights
 from atom.model_engine.kv_cache import KVCacheManager
 from atom.model_ops.attention import Attention, AttentionMetadata, TorchAttentionBackend, forward_context
+from atom.model_ops.moe import ExpertLoadRecorder, FusedMoE, MoEMethod
 from atom.model_ops.quant import LinearMethod
 from atom.model_ops.sampler import Sampler, SamplingTensors
 from atom.models.registry import resolve_architecture
@@ -112,7 +113,7 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         for m in self.model.modules():
-            if isinstance(getattr(m, "method", None), LinearMethod):
+            if isinstance(getattr(m, "method", None), (LinearMethod, MoEMethod)):
                 m.method.process_weights_after_loading(m)
         self.model.eval()
         self.model_forward = self.model  # replaced by a compiled callable at levels 1-3
