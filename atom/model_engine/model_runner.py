@@ -87,6 +87,7 @@ class StepHandle:
     graph_size: int | None = None       # the CUDA graph replayed, None: no graph
     timing: dict = field(default_factory=dict)  # prepare_s, launch_s, sample_s (host seconds)
     logprobs: StepLogprobs | None = None  # rows that ask (step_extras); on the host after collect
+    expert_counts: "torch.Tensor | np.ndarray | None" = None  # [MoE layers, experts] pairs (routing stats)
 
 
 class ModelRunner:
@@ -141,8 +142,21 @@ class ModelRunner:
         self._pinned: list[torch.Tensor | None] = [None, None]  # sampled-token copies, alternating
         self._pinned_turn = 0
         self.graphs = None
+        self.expert_recorder: ExpertLoadRecorder | None = None  # routing statistics (record_expert_load)
         if self.device.type == "cuda":
             self.setup_gpu()
+
+    # --- routing statistics -------------------------------------------------------------------
+    def record_expert_load(self, on: bool = True) -> ExpertLoadRecorder | None:
+        """Count (token, expert) pairs per MoE layer in every step (`StepHandle.expert_counts`).
+        While on, steps run eagerly (a CUDA graph would count its padding rows too)."""
+        if self.expert_recorder is not None:
+            self.expert_recorder.detach()
+            self.expert_recorder = None
+        if on:
+            layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+            self.expert_recorder = ExpertLoadRecorder(layers, self.device).attach()
+        return self.expert_recorder
 
     # --- the kernel plan ------------------------------------------------------------------
     def install_plan(self, plan: KernelPlan) -> KernelPlan:
@@ -338,7 +352,7 @@ class ModelRunner:
             else:
                 fed = prev.tokens[self._to_device(np.asarray(src, np.int64))]
         graphs = self.graphs
-        if graphs is not None and graphs.can_run(host):
+        if graphs is not None and self.expert_recorder is None and graphs.can_run(host):
             hidden = graphs.replay(host, fed)
             graph_size = graphs.last_size
         else:
@@ -347,6 +361,8 @@ class ModelRunner:
             graph_size = None
         handle = StepHandle(len(seqs), host.sample_rows, {seqs[r].seq_id: i for i, r in enumerate(host.sample_rows)},
                             graph_size=graph_size)
+        if self.expert_recorder is not None:
+            handle.expert_counts = self.expert_recorder.take()
         if any(s.needs_prompt_logprobs for s in seqs):
             score_prompts(self, seqs, host.cu_seqlens_q, hidden, handle)
         if host.sample_rows:
@@ -412,6 +428,8 @@ class ModelRunner:
                         at += c
         if handle.logprobs is not None:
             handle.logprobs.to_host(handle.num_seqs)
+        if handle.expert_counts is not None:
+            handle.expert_counts = handle.expert_counts.cpu().numpy()
         handle.timing["sample_s"] = time.perf_counter() - t0  # waiting for the device
         return out
 

@@ -4,7 +4,9 @@ Cheap enough to stay on (a dict append per step); `Config`-level switch
 `LLMEngine(..., record_stats=False)` turns it off. Only the last `window` steps and
 requests are kept (default 10,000 each; `LLM(..., stats_window=N)`, `set_window(N)`;
 None keeps all), so a long-running engine's memory stays flat. `steps()` / `requests()`
-return pandas DataFrames for notebooks and plots (`atom.viz`). The periodic engine-status
+return pandas DataFrames for notebooks and plots (`atom.viz`). With routing statistics on
+(`LLM(..., record_expert_load=True)`, MoE models) each step also keeps its tokens per
+expert per MoE layer: `expert_load()` (same window). The periodic engine-status
 line of `enable_log_stats` is produced here too (logger `atom.engine`).
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ class EngineStats:
         self.log_interval = log_interval
         self.step_rows: deque[dict] = deque()
         self.request_rows: deque[dict] = deque()
+        self.expert_rows: deque[tuple] = deque()  # (step, layer ids, counts [layers, experts])
         self.set_window(window)
         self._window: deque[tuple[int, int]] = deque(maxlen=hit_rate_window)  # (hit, query) tokens
         self._last_log = time.perf_counter()
@@ -44,6 +47,7 @@ class EngineStats:
         self.window = check_window(window)
         self.step_rows = deque(self.step_rows, maxlen=window)
         self.request_rows = deque(self.request_rows, maxlen=window)
+        self.expert_rows = deque(self.expert_rows, maxlen=window)
 
     def record_step(self, row: dict) -> None:
         self.num_steps += 1
@@ -52,6 +56,25 @@ class EngineStats:
         if self.enabled:
             row["step"] = self.num_steps
             self.step_rows.append(row)
+
+    def record_expert_load(self, step: int, layer_ids: list[int], counts) -> None:
+        """One step's (token, expert) pairs per MoE layer (`counts` [layers, experts], numpy)."""
+        if self.enabled:
+            self.expert_rows.append((step, list(layer_ids), counts))
+
+    def expert_load(self):
+        """Tokens routed to each expert: one row per (step, layer, expert), column `tokens`
+        (a token counts once for each of its top_k experts)."""
+        import numpy as np
+        import pandas as pd
+        if not self.expert_rows:
+            return pd.DataFrame({"step": [], "layer": [], "expert": [], "tokens": []}, dtype="int64")
+        parts = []
+        for step, layers, counts in self.expert_rows:
+            L, E = counts.shape
+            parts.append(pd.DataFrame({"step": np.full(L * E, step), "layer": np.repeat(layers, E),
+                                       "expert": np.tile(np.arange(E), L), "tokens": counts.reshape(-1)}))
+        return pd.concat(parts, ignore_index=True)
 
     def record_request(self, row: dict, hit_tokens: int, query_tokens: int) -> None:
         self._window.append((hit_tokens, query_tokens))
@@ -89,3 +112,4 @@ class EngineStats:
     def clear(self) -> None:
         self.step_rows.clear()
         self.request_rows.clear()
+        self.expert_rows.clear()
