@@ -69,13 +69,14 @@ def make_case(experts: int, width: int, hidden: int, top_k: int, tokens: int, dt
 def tune(experts: int, width: int, hidden: int, top_k: int, dtype: torch.dtype, tokens=DEFAULT_TOKENS,
          device: str = "cuda", device_name: str | None = None, bench: Callable | None = None,
          space: list[dict] | None = None, check: bool = True) -> tuple[TileTable, dict]:
-    """(table, timings in us per T). `bench(fn) -> microseconds`; default: triton's do_bench."""
+    """(table, timings in us per T). `bench(fn, case) -> microseconds`, `case` naming what `fn`
+    runs ({"tokens", "config", "sort"}); default: triton's do_bench of `fn`."""
     from atom.model_ops.activation import silu_and_mul
     from atom.model_ops.moe.experts_ref import experts_reference
     from atom.model_ops.moe.experts_triton import fused_experts
     if bench is None:
         import triton.testing
-        bench = lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50)  # noqa: E731
+        bench = lambda fn, case: 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50)  # noqa: E731
     space = space or search_space()
     name = device_name or (torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu")
     table = TileTable(experts, width, hidden, str(dtype).removeprefix("torch."), name)
@@ -86,7 +87,8 @@ def tune(experts: int, width: int, hidden: int, top_k: int, dtype: torch.dtype, 
         best, best_us, tried = None, float("inf"), 0
         for cfg in space:
             try:
-                us = bench(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=cfg, sort=True))
+                us = bench(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=cfg, sort=True),
+                           {"tokens": T, "config": cfg, "sort": True})
             except Exception as e:  # a tile that does not compile / fit here
                 logger.debug("T=%d %s failed: %s", T, cfg, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 continue
@@ -95,7 +97,8 @@ def tune(experts: int, width: int, hidden: int, top_k: int, dtype: torch.dtype, 
                 best, best_us = cfg, us
         if best is None:
             raise RuntimeError(f"no tile of the search space ran at T={T} for E={experts} I={width} H={hidden}")
-        unsorted_us = bench(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=best, sort=False))
+        unsorted_us = bench(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=best, sort=False),
+                            {"tokens": T, "config": best, "sort": False})
         if check:
             ref = experts_reference(x, w13, w2, weights, ids, silu_and_mul).float()
             got = fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=best, sort=True).float()
