@@ -19,5 +19,20 @@ from atom.model_ops.moe.method import MOE_METHODS, MoEMethod, UnquantizedMoEMeth
 from atom.model_ops.moe.router import SCORINGS, TopK, check_routing, topk_select
 from atom.model_ops.moe.routing_stats import ExpertLoadRecorder
 
-__all__ = ["ACTIVATIONS", "ExpertLoadRecorder", "FusedMoE", "MOE_METHODS", "MoEMethod", "SCORINGS", "TopK",
+
+
+def describe_moe_layers(model) -> list[dict]:
+    """One dict per `FusedMoE` of `model`: layer, experts, top_k, width, routing, activation,
+    method, format, bytes, shared experts (`atom.viz.moe_layers_frame` makes a DataFrame)."""
+    rows = []
+    for name, m in model.named_modules():
+        if isinstance(m, FusedMoE):
+            rows.append({"layer": name, "experts": m.num_experts, "top_k": m.topk.top_k,
+                         "width": m.intermediate_size, "routing": m.topk.extra_repr(),
+                         "activation": m.activation_name, "method": m.method.name, "format": m.method.format(m),
+                         "bytes": m.method.weight_bytes(m), "shared_experts": m.shared_experts is not None})
+    return rows
+
+
+__all__ = ["describe_moe_layers", "ACTIVATIONS", "ExpertLoadRecorder", "FusedMoE", "MOE_METHODS", "MoEMethod", "SCORINGS", "TopK",
            "UnquantizedMoEMethod", "check_routing", "experts_reference", "moe_method_for", "topk_select"]
