@@ -64,6 +64,27 @@ class TestTriton:
         got = fused_experts(x, w13, w2, w, ids, silu_and_mul_ref, b13, b2, config=TILE, sort=sort)
         torch.testing.assert_close(got, dense(x, w13, w2, w, ids, b13, b2), rtol=1e-4, atol=1e-4)
 
+    def test_custom_op_and_a_fullgraph_compile_match_the_reference(self):
+        """Under torch.compile (fullgraph, as level 3 compiles) the layer calls the Triton path
+        through the opaque `atom::moe_experts` op; eager and compiled agree with the reference."""
+        from atom.model_ops.moe import FusedMoE, TopK
+        from atom.model_ops.moe.experts_op import moe_experts
+        x, w13, w2, w, ids, b13, b2 = case(T=6, bias=True)
+        table = TileTable(4, 16, 32, "float32", "cpu", {8: TILE})
+        got = moe_experts(x, w13, w2, w, ids, b13, b2, "silu", table.to_json())
+        torch.testing.assert_close(got, dense(x, w13, w2, w, ids, b13, b2), rtol=1e-4, atol=1e-4)
+        layer = FusedMoE(4, 32, 16, TopK(4, 2, renormalize=True))
+        layer.load_state_dict({"w13_weight": w13, "w2_weight": w2})
+        layer.plan = KernelPlan(moe_kernel="triton")
+        layer.plan_installed(layer.plan)
+        logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, backend="eager", fullgraph=True)
+        with torch.no_grad():
+            want = experts_reference(x, w13, w2, *TopK(4, 2, renormalize=True)(logits), silu_and_mul_ref)
+            torch.testing.assert_close(compiled(x, logits), want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(layer(x, logits), want, rtol=1e-4, atol=1e-4)
+
     def test_moe_align_groups_pairs_by_expert(self):
         from atom.model_ops.moe.experts_triton import moe_align
         ids = torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]])
@@ -114,7 +135,7 @@ def test_tile_selection_and_files(tmp_path):
     assert other.source is None and other.config_for(1, 2) == default_config(1, 2, 8)
     plan = KernelPlan(moe_config_dirs=(str(tmp_path),))
     x = torch.randn(1, 32)
-    assert plan.moe_tiles(8, 16, 32, x).source is None  # the CPU is not the H200
+    assert plan.moe_tiles(8, 16, 32, x.dtype, x.device).source is None  # the CPU is not the H200
     assert (8, 16, 32, "float32", "cpu") in plan.moe_tile_tables and plan.to_frame()["kind"].tolist() == ["moe"]
 
 

@@ -121,6 +121,7 @@ class ModelRunner:
         self.decode_forward = self.model  # what decode CUDA graphs capture (gpu_setup decides)
         self.compile_level = 0
         self.graph_mode = None
+        self.expert_recorder: ExpertLoadRecorder | None = None  # routing statistics (record_expert_load)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         kernels = platform.kernel_backend() if self.device.type == "cuda" else "torch"
         if kernels != "torch":  # the attention op over these layers' caches (its own scratch)
@@ -142,14 +143,14 @@ class ModelRunner:
         self._pinned: list[torch.Tensor | None] = [None, None]  # sampled-token copies, alternating
         self._pinned_turn = 0
         self.graphs = None
-        self.expert_recorder: ExpertLoadRecorder | None = None  # routing statistics (record_expert_load)
         if self.device.type == "cuda":
             self.setup_gpu()
 
     # --- routing statistics -------------------------------------------------------------------
     def record_expert_load(self, on: bool = True) -> ExpertLoadRecorder | None:
         """Count (token, expert) pairs per MoE layer in every step (`StepHandle.expert_counts`).
-        While on, steps run eagerly (a CUDA graph would count its padding rows too)."""
+        While on, steps run eagerly, without CUDA graphs (a graph would count its padding rows
+        too) and without the compiled model."""
         if self.expert_recorder is not None:
             self.expert_recorder.detach()
             self.expert_recorder = None
@@ -167,6 +168,8 @@ class ModelRunner:
         for m in self.model.modules():
             if "plan" in m.__dict__:
                 m.plan = plan
+                if hasattr(m, "plan_installed"):  # layers that read their choices once (MoE tiles)
+                    m.plan_installed(plan)
         fusions.install(self.model, plan)
         self.plan = plan
         if getattr(self, "sampler", None) is not None:
@@ -326,8 +329,11 @@ class ModelRunner:
         return st
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model on one step's inputs: compiled (levels 1-3), or eager while routing
+        statistics are recorded (the recorder is host-side bookkeeping a graph would not see)."""
+        fn = self.model if self.expert_recorder is not None else self.model_forward
         with forward_context(self.bind(meta)):
-            return self.model_forward(input_ids, positions)
+            return fn(input_ids, positions)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch | list[Sequence]) -> list[list[int]]:

@@ -113,18 +113,18 @@ class KernelPlan:
     def experts_kernel(self, x: torch.Tensor) -> str:
         """"triton" (the grouped GEMM) or "reference" (the per-expert torch loop) for the
         experts of a MoE layer on `x`: `moe_kernel`, where "auto" means Triton wherever this
-        plan runs kernels for `x` (a GPU, or `force_kernels`), never under torch.compile."""
-        if torch.compiler.is_compiling() or self.moe_kernel == "reference":
-            return "reference"
-        if self.moe_kernel == "triton":
-            return "triton"
-        return "triton" if self.kernels_for(x) is not None else "reference"
+        plan's backend runs kernels for `x` (a GPU, or `force_kernels`). Under torch.compile
+        too: the layer then calls the Triton path through the `atom::moe_experts` op."""
+        if self.moe_kernel != "auto":
+            return self.moe_kernel
+        return "triton" if self.backend != "torch" and (x.is_cuda or self.force_kernels) else "reference"
 
-    def moe_tiles(self, experts: int, width: int, hidden: int, x: torch.Tensor):
-        """The MoE `TileTable` of this shape for `x`'s dtype and GPU, read once (tuned file or
-        defaults, `atom.model_ops.moe.tile_configs`)."""
-        device = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
-        key = (experts, width, hidden, _dtype_name(x.dtype), device)
+    def moe_tiles(self, experts: int, width: int, hidden: int, dtype: torch.dtype, device: torch.device | str):
+        """The MoE `TileTable` of this shape for this dtype and device, read once (tuned file for
+        the GPU's name, or defaults; `atom.model_ops.moe.tile_configs`)."""
+        device = torch.device(device)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        key = (experts, width, hidden, _dtype_name(dtype), name)
         table = self.moe_tile_tables.get(key)
         if table is None:
             from atom.model_ops.moe.tile_configs import find_tiles

@@ -52,9 +52,13 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.topk = topk
         self.activation = activation_of(activation)
+        self.activation_has_name = isinstance(activation, str)
         self.activation_name = activation if isinstance(activation, str) else getattr(activation, "__name__", "custom")
+        self.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built (the runner sets it)
         self.shared_experts = shared_experts
         self.plan = None       # the engine's KernelPlan (set by the runner)
+        self.tiles = None      # this shape's TileTable from the plan (plan_installed)
+        self.tiles_json = ""
         self.recorder = None   # an ExpertLoadRecorder while routing statistics are on
         self.expert_parts: dict[str, tuple[str, ...]] = {}
         self._filled: dict[str, set] = {}
@@ -123,6 +127,13 @@ class FusedMoE(nn.Module):
         out += [(re.compile(rf"\.{x}\.gate_up_proj(\.weight)?$"), f".{experts}.w13_weight", "w13"),
                 (re.compile(rf"\.{x}\.down_proj(\.weight)?$"), f".{experts}.w2_weight", "w2")]
         return out
+
+    def plan_installed(self, plan):
+        """Read this layer's tile table from the plan once (outside any compiled region)."""
+        device = next(self.parameters()).device
+        self.tiles = plan.moe_tiles(self.num_experts, self.intermediate_size, self.hidden_size, self.act_dtype, device)
+        self.tiles_json = self.tiles.to_json()
+        return self.tiles
 
     # --- forward ---------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,

@@ -19,12 +19,11 @@ class ExpertLoadRecorder:
         self.layers = list(layers)
         self.layer_ids = [m.layer_idx if m.layer_idx is not None else i for i, m in enumerate(self.layers)]
         self.num_experts = [m.num_experts for m in self.layers]
-        self._row = {id(m): i for i, m in enumerate(self.layers)}
         self.counts = torch.zeros(len(self.layers), max(self.num_experts), dtype=torch.int64, device=device)
 
     def attach(self) -> "ExpertLoadRecorder":
-        for m in self.layers:
-            m.recorder = self
+        for i, m in enumerate(self.layers):
+            m.recorder, m.record_row = self, i
         return self
 
     def detach(self) -> None:
@@ -34,7 +33,7 @@ class ExpertLoadRecorder:
 
     def record(self, layer: nn.Module, topk_ids: torch.Tensor) -> None:
         flat = topk_ids.reshape(-1).to(torch.int64)
-        self.counts[self._row[id(layer)]].scatter_add_(0, flat, torch.ones_like(flat))
+        self.counts[layer.record_row].scatter_add_(0, flat, torch.ones_like(flat))
 
     def take(self) -> torch.Tensor:
         """This step's counts [layers, experts] (a copy on the device); the buffer restarts at 0."""

@@ -89,18 +89,32 @@ class TileTable:
         path.write_text(json.dumps(self.to_dict(timings), indent=1) + "\n")
         return path
 
+    def to_json(self) -> str:
+        """The table as one string (what the `atom::moe_experts` op takes; its source kept)."""
+        return json.dumps({**self.to_dict(), "source": self.source}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TileTable":
+        table = cls.from_data(json.loads(text), "a tile table")
+        table.source = json.loads(text).get("source")
+        return table
+
     @classmethod
     def from_file(cls, path: str | Path) -> "TileTable":
         path = Path(path)
-        data = json.loads(path.read_text())
+        table = cls.from_data(json.loads(path.read_text()), f"MoE tile file {path}")
+        table.source = str(path)
+        return table
+
+    @classmethod
+    def from_data(cls, data: dict, where: str) -> "TileTable":
         try:
-            configs = {int(k): check_tile(v, f"{path.name} [{k}]") for k, v in data["configs"].items()}
+            configs = {int(k): check_tile(v, f"{where} [{k}]") for k, v in data["configs"].items()}
             umt = data.get("unsorted_max_tokens")
             return cls(int(data["experts"]), int(data["width"]), int(data["hidden"]), str(data["dtype"]),
-                       str(data["device"]), configs, None if umt is None else int(umt), str(path))
+                       str(data["device"]), configs, None if umt is None else int(umt))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"MoE tile file {path} is malformed ({e}): rewrite it with "
-                             "python -m atom.tuning.moe_tune") from e
+            raise ValueError(f"{where} is malformed ({e}): rewrite it with python -m atom.tuning.moe_tune") from e
 
 
 def find_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype | str, device_name: str,
