@@ -192,3 +192,18 @@ def test_tune_reads_the_shape_of_a_model(tmp_path):
         dict(experts=8, width=14336, hidden=4096, top_k=2)
     with pytest.raises(ValueError, match="names no experts"):
         shape_of_model(write_model_config("qwen3-0.6b", str(tmp_path / "d")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 2048])
+@pytest.mark.parametrize("shape", [(128, 768, 2048, 8), (8, 1792, 4096, 2)])  # Qwen3-30B-A3B; Mixtral at width / 8
+def test_fused_experts_bf16_on_gpu(T, shape):
+    from atom.model_ops.activation import silu_and_mul
+    from atom.model_ops.moe.experts_triton import fused_experts
+    from atom.tuning.moe_tune import make_case
+    E, I, H, k = shape
+    x, w13, w2, w, ids = make_case(E, I, H, k, T, torch.bfloat16, "cuda")
+    ref = experts_reference(x, w13, w2, w, ids, silu_and_mul).float()
+    for sort in (True, False):
+        got = fused_experts(x, w13, w2, w, ids, silu_and_mul, sort=sort).float()
+        assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2, sort

@@ -150,3 +150,15 @@ def test_routing_stats_off_by_default_and_refused_without_moe(tmp_path, tiny_lla
     assert all(m.recorder is None for m in llm.engine.runner.model.modules() if hasattr(m, "recorder"))
     with pytest.raises(ValueError, match="need a model with MoE layers: this one has none"):
         LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=16, record_expert_load=True)
+
+
+def test_dummy_weights_run(tmp_path):
+    """A folder with only config.json (the benchmarks' way) builds and generates: the stacked
+    experts get dummy values like any parameter."""
+    path = make_tiny_moe(tmp_path, "qwen3_moe")
+    os.remove(os.path.join(path, "model.safetensors"))
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=16, load_dummy="xavier")
+    w13 = llm.engine.runner.model.model.layers[0].mlp.experts.w13_weight
+    assert w13.abs().sum() > 0 and 0.05 < float(w13.std()) < 0.5  # xavier over each expert's [2I, H]
+    out = llm.generate(prompts(lens=(9,)), GREEDY, use_tqdm=False)
+    assert len(out[0].token_ids) == 16
