@@ -207,3 +207,15 @@ def test_fused_experts_bf16_on_gpu(T, shape):
     for sort in (True, False):
         got = fused_experts(x, w13, w2, w, ids, silu_and_mul, sort=sort).float()
         assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2, sort
+
+
+def test_experts_benchmark_floor_and_shapes(capsys):
+    from atom.benchmarks.moe_experts import experts_floor_s, main, moe_shape
+    assert moe_shape("qwen3-30b-a3b") == (128, 768, 2048, 8) and moe_shape("mixtral-8x7b") == (8, 14336, 4096, 2)
+    with pytest.raises(ValueError, match="has no experts"):
+        moe_shape("qwen3-0.6b")
+    ids = torch.tensor([[0, 5], [5, 7]])  # 3 experts activated
+    want = (3 * 3 * 2048 * 768 * 2 + 2 * 2 * 2048 * 2) / 4.3e12
+    assert experts_floor_s(ids, 768, 2048) == pytest.approx(want)
+    if not torch.cuda.is_available():
+        assert main(["--model", "mixtral-8x7b"]) == 2 and "needs a GPU" in capsys.readouterr().err

@@ -107,7 +107,8 @@ def _edit_config(path, **fields):
     ("qwen3_moe", dict(use_sliding_window=True), r"use_sliding_window=True is not implemented"),
     ("qwen3_moe", dict(hidden_act="gelu_new"), r"hidden_act='gelu_new' has no gated MoE activation"),
     ("mixtral", dict(sliding_window=64), r"sliding_window=64 is not implemented for Mixtral"),
-    ("mixtral", dict(num_local_experts=0), r"num_experts=0 is invalid"),
+    ("mixtral", dict(num_local_experts=0), r"num_local_experts=0 is invalid"),
+    ("mixtral", dict(num_experts_per_tok=5), r"num_experts_per_tok=5 is invalid.*num_local_experts=4"),
 ])
 def test_bad_configs_fail_at_load(tmp_path, arch, fields, match):
     path = make_tiny_moe(tmp_path, arch)

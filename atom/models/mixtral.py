@@ -20,6 +20,12 @@ from atom.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 def check_config(cfg) -> None:
     """ValueError naming the field for a Mixtral config this file cannot run."""
+    E, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    if isinstance(E, bool) or not isinstance(E, int) or E < 1:
+        raise ValueError(f"num_local_experts={E!r} is invalid: Mixtral needs an integer >= 1 experts")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
+        raise ValueError(f"num_experts_per_tok={k!r} is invalid: each token picks an integer number of experts "
+                         f"in [1, num_local_experts={E}]")
     window = getattr(cfg, "sliding_window", None)
     if window is not None and window < cfg.max_position_embeddings:
         raise ValueError(f"sliding_window={window} is not implemented for Mixtral in this build: only None "
