@@ -222,8 +222,7 @@ class LLMEngine:
             "preemptions": batch.num_preempted, "graph_size": handle.graph_size,
         })
         if handle.expert_counts is not None:
-            self.stats.record_expert_load(self.stats.num_steps, self.runner.expert_recorder.layer_ids,
-                                          handle.expert_counts)
+            self.stats.record_expert_load(self.stats.num_steps, handle.expert_layers, handle.expert_counts)
         self.stats.maybe_log(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage)
         return outputs
 

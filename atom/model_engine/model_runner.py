@@ -88,6 +88,7 @@ class StepHandle:
     timing: dict = field(default_factory=dict)  # prepare_s, launch_s, sample_s (host seconds)
     logprobs: StepLogprobs | None = None  # rows that ask (step_extras); on the host after collect
     expert_counts: "torch.Tensor | np.ndarray | None" = None  # [MoE layers, experts] pairs (routing stats)
+    expert_layers: list[int] | None = None  # the decoder layer of each row of expert_counts
 
 
 class ModelRunner:
@@ -369,6 +370,7 @@ class ModelRunner:
                             graph_size=graph_size)
         if self.expert_recorder is not None:
             handle.expert_counts = self.expert_recorder.take()
+            handle.expert_layers = self.expert_recorder.layer_ids
         if any(s.needs_prompt_logprobs for s in seqs):
             score_prompts(self, seqs, host.cu_seqlens_q, hidden, handle)
         if host.sample_rows:

@@ -69,12 +69,12 @@ class EngineStats:
         import pandas as pd
         if not self.expert_rows:
             return pd.DataFrame({"step": [], "layer": [], "expert": [], "tokens": []}, dtype="int64")
-        parts = []
-        for step, layers, counts in self.expert_rows:
-            L, E = counts.shape
-            parts.append(pd.DataFrame({"step": np.full(L * E, step), "layer": np.repeat(layers, E),
-                                       "expert": np.tile(np.arange(E), L), "tokens": counts.reshape(-1)}))
-        return pd.concat(parts, ignore_index=True)
+        E = max(c.shape[1] for _, _, c in self.expert_rows)
+        counts = np.concatenate([np.pad(c, ((0, 0), (0, E - c.shape[1]))) for _, _, c in self.expert_rows])
+        steps = np.concatenate([np.full(c.shape[0], step) for step, _, c in self.expert_rows])
+        layers = np.concatenate([np.asarray(ls) for _, ls, _ in self.expert_rows])
+        return pd.DataFrame({"step": np.repeat(steps, E), "layer": np.repeat(layers, E),
+                             "expert": np.tile(np.arange(E), len(counts)), "tokens": counts.reshape(-1)})
 
     def record_request(self, row: dict, hit_tokens: int, query_tokens: int) -> None:
         self._window.append((hit_tokens, query_tokens))
