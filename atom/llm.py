@@ -15,7 +15,8 @@ aborts the call's requests, freeing their KV blocks, before it propagates.
 Keywords besides `Config`'s fields: `dtype` ("auto": the checkpoint's; "bfloat16",
 "float16", "float32" or a torch.dtype), `seed` (seeds random / numpy / torch once, here),
 `record_stats` (per-step records, `llm.stats`; on by default), `stats_window` (how many
-step and request records are kept, default 10,000; None: all), `async_scheduling`
+step and request records are kept, default 10,000; None: all), `record_expert_load`
+(MoE models: tokens per expert per layer per step, `llm.stats.expert_load()`), `async_scheduling`
 (default: on a GPU) launches the next decode step before the current one's tokens reach
 the host. `asyncio_mode=True` is refused here (it is the server's engine loop,
 `AsyncLLMEngine`). Building an `LLM` makes ATOM's INFO lines (engine-status line included) visible
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 class LLM:
     def __init__(self, model: str = "embedded", record_stats: bool = True,
                  async_scheduling: bool | None = None, dtype: Any = "auto", seed: int | None = None,
-                 stats_window: int | None = DEFAULT_WINDOW, **kwargs):
+                 stats_window: int | None = DEFAULT_WINDOW, record_expert_load: bool = False, **kwargs):
         from atom.config import Config
         from atom.model_engine.llm_engine import LLMEngine
         from atom.utils.dtypes import parse_dtype
@@ -49,7 +50,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown keyword argument(s) {unknown}: "
                             f"valid ones are the fields of atom.Config, dtype, seed, record_stats, "
-                            f"stats_window and async_scheduling")
+                            f"stats_window, record_expert_load and async_scheduling")
         if kwargs.get("asyncio_mode"):
             raise ValueError("asyncio_mode=True is invalid for LLM, which steps its engine itself: "
                              "use atom.model_engine.async_engine.AsyncLLMEngine or the server "
@@ -63,7 +64,8 @@ class LLM:
             logger.info("dtype=%s overrides the checkpoint's %s", forced_dtype, self.config.torch_dtype)
             self.config.torch_dtype = forced_dtype
         self.seed = set_seed(seed)
-        self.engine = LLMEngine(self.config, record_stats=record_stats, async_scheduling=async_scheduling)
+        self.engine = LLMEngine(self.config, record_stats=record_stats, async_scheduling=async_scheduling,
+                                record_expert_load=record_expert_load)
         self.engine.stats.set_window(stats_window)
         self.tokenizer = self.engine.tokenizer
 

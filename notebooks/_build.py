@@ -16,11 +16,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _cells_engine import NOTEBOOKS as ENGINE  # noqa: E402
+from _cells_moe import NOTEBOOKS as MOE  # noqa: E402
 from _cells_quant import NOTEBOOKS as QUANT  # noqa: E402
 from _cells_seams import NOTEBOOKS as SEAMS  # noqa: E402
 from _cells_tuning import NOTEBOOKS as TUNING  # noqa: E402
 
-NOTEBOOKS = {**ENGINE, **TUNING, **SEAMS, **QUANT}
+NOTEBOOKS = {**ENGINE, **TUNING, **SEAMS, **QUANT, **MOE}
 
 
 def build(name: str, cells: list[tuple[str, str]]) -> nbformat.NotebookNode:

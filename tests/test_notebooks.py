@@ -23,7 +23,8 @@ def test_notebooks_exist_and_are_stored_without_outputs():
     names = [p.stem for p in NOTEBOOKS]
     assert names == ["01_quickstart", "02_config_and_cli", "03_block_manager_prefix_cache",
                      "04_scheduler_chunked_prefill", "05_quantization_dispatch",
-                     "06_cuda_graph_capture_sizes", "07_benchmark_roofline", "08_engine_parts", "09_quant_sensitivity"]
+                     "06_cuda_graph_capture_sizes", "07_benchmark_roofline", "08_engine_parts", "09_quant_sensitivity",
+                     "10_moe_routing"]
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:

@@ -1,7 +1,9 @@
 """The physical floor of a workload: bytes over HBM bandwidth, FLOPs over peak.
 
 Decode steps are bound by bytes: every step reads the weights once plus the KV of every
-active sequence. Prefill is bound by FLOPs (2 x params x tokens, plus attention).
+active sequence. For a MoE model "the weights" are the dense part plus the experts the step
+activates: with B tokens routed uniformly to k of E experts, E * (1 - (1 - k/E)^B) experts per
+sparse layer are expected to be read (`ModelCost.step_weight_params`). Prefill is bound by FLOPs (2 x params x tokens, plus attention).
 The floor assumes every sequence is admitted at once (the best case for batching).
 
     python -m atom.benchmarks.roofline --model qwen3-0.6b [--bandwidth 4.3e12 --flops 790e12]
@@ -26,6 +28,33 @@ class ModelCost:
     layers: int
     q_heads: int
     head_dim: int
+    moe_layers: int = 0      # sparse layers (their experts are not in params / matmul_params)
+    experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0   # one expert's gate, up and down
+
+    def step_weight_params(self, tokens: int) -> float:
+        """Weights one step of `tokens` tokens reads: the dense ones and the expected
+        activated experts (uniform routing)."""
+        if not self.moe_layers:
+            return self.params
+        active = self.experts * (1 - (1 - self.top_k / self.experts) ** max(tokens, 0))
+        return self.params + self.moe_layers * active * self.expert_params
+
+    def token_matmul_params(self) -> int:
+        return self.matmul_params + self.moe_layers * self.top_k * self.expert_params
+
+
+def _moe_shape(cfg: dict) -> tuple[int, int, int, int, set[int]]:
+    """(experts, top_k, width, router rows, sparse layer indices) of a Qwen3-MoE / Mixtral config."""
+    E = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if not E:
+        return 0, 0, 0, 0, set()
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = {i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
+    width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    return E, cfg["num_experts_per_tok"], width, E, sparse
 
 
 def deepseek_cost(cfg: dict, dtype_bytes: int = 2) -> ModelCost:
@@ -52,12 +81,14 @@ def model_cost(cfg: dict, dtype_bytes: int = 2) -> ModelCost:
     h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // hq
-    per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i
+    E, k, width, router, sparse = _moe_shape(cfg)
+    attn = h * (hq + 2 * hkv) * d + hq * d * h
+    body = L * attn + (L - len(sparse)) * 3 * h * i + len(sparse) * router * h
     embed = cfg["vocab_size"] * h
     tied = cfg.get("tie_word_embeddings", False)
-    body = L * per_layer
     read = body + embed * (1 if tied else 2)
-    return ModelCost(read, body + embed, 2 * L * hkv * d * dtype_bytes, L, hq, d)
+    return ModelCost(read, body + embed, 2 * L * hkv * d * dtype_bytes, L, hq, d,
+                     len(sparse), E, k, 3 * h * width if E else 0)
 
 
 @dataclass
@@ -72,9 +103,8 @@ class Floor:
 def workload_floor(cfg: dict, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
                    bandwidth: float = H200_BANDWIDTH, flops: float = H200_BF16_FLOPS) -> Floor:
     c = model_cost(cfg, dtype_bytes)
-    weight_bytes = c.params * dtype_bytes
     # prefill: linear FLOPs + causal attention FLOPs (QK^T and PV: 2 * 2 * n^2/2 * heads * d)
-    pf = sum(2 * c.matmul_params * n + 2 * c.layers * c.q_heads * c.head_dim * n * n for n in prompt_lens)
+    pf = sum(2 * c.token_matmul_params() * n + 2 * c.layers * c.q_heads * c.head_dim * n * n for n in prompt_lens)
     prefill_s = pf / flops
     # decode: step t reads the weights and the KV of every sequence still running
     decode_s = 0.0
@@ -83,8 +113,8 @@ def workload_floor(cfg: dict, prompt_lens: list[int], output_lens: list[int], dt
     for t in range(1, steps):
         alive = [(o, p) for o, p in alive if o > t]
         kv = sum(p + t for _, p in alive) * c.kv_bytes_per_token
-        step_flops = 2 * c.matmul_params * len(alive)
-        decode_s += max((weight_bytes + kv) / bandwidth, step_flops / flops)
+        step_flops = 2 * c.token_matmul_params() * len(alive)
+        decode_s += max((c.step_weight_params(len(alive)) * dtype_bytes + kv) / bandwidth, step_flops / flops)
     total = prefill_s + decode_s
     out = sum(output_lens)
     return Floor(total, decode_s, prefill_s, out, out / total)
@@ -94,7 +124,7 @@ def decode_floor_ms(cfg: dict, batch: int, context: int, dtype_bytes: int = 2,
                     bandwidth: float = H200_BANDWIDTH) -> float:
     """Lower bound of one decode step's time at `batch` sequences of `context` tokens."""
     c = model_cost(cfg, dtype_bytes)
-    return (c.params * dtype_bytes + batch * context * c.kv_bytes_per_token) / bandwidth * 1e3
+    return (c.step_weight_params(batch) * dtype_bytes + batch * context * c.kv_bytes_per_token) / bandwidth * 1e3
 
 
 def main(argv=None) -> None:

@@ -36,6 +36,19 @@ MODEL_CONFIGS = {
                       "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
         max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
         attention_bias=False, torch_dtype="bfloat16", bos_token_id=100000, eos_token_id=100001),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=40960, hidden_act="silu", attention_bias=False,
+        use_sliding_window=False, torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, max_position_embeddings=32768, sliding_window=None, hidden_act="silu",
+        torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
 }
 
 

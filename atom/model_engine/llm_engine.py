@@ -62,7 +62,8 @@ class LLMEngine:
     def __init__(self, config, model_runner: ModelRunner | None = None, tokenizer=None,
                  record_stats: bool = True, async_scheduling: bool | None = None,
                  proposer: Proposer | None = None,
-                 default_output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
+                 default_output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                 record_expert_load: bool = False):
         check_supported(config, model_runner.device if model_runner is not None else None)
         self.config = config
         self.runner = model_runner or ModelRunner(config)
@@ -83,6 +84,13 @@ class LLMEngine:
         self.stats = EngineStats(record_stats, config.enable_log_stats, config.throughput_log_interval,
                                  config.cache_hit_rate_window,
                                  log_cache_stats=config.enable_prefix_caching)
+        if record_expert_load:
+            self.record_expert_load(True)
+
+    def record_expert_load(self, on: bool = True) -> None:
+        """Routing statistics: tokens per expert per MoE layer in every step, in
+        `stats.expert_load()` (ValueError for a model without MoE layers)."""
+        self.runner.record_expert_load(on)
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.runner!r}, {self.scheduler!r}, {self.block_manager!r})"
@@ -214,6 +222,8 @@ class LLMEngine:
             "prefix_query_tokens": bm.num_query_tokens - queries0,
             "preemptions": batch.num_preempted, "graph_size": handle.graph_size,
         })
+        if handle.expert_counts is not None:
+            self.stats.record_expert_load(self.stats.num_steps, handle.expert_layers, handle.expert_counts)
         self.stats.maybe_log(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
                              prefix_cache=(bm.num_hit_tokens, bm.num_query_tokens))
         return outputs

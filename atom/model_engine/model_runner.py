@@ -31,6 +31,7 @@ from atom.model_loader.online_quant import OnlineQuantPlan, apply_online_quant
 from atom.model_engine.kv_cache import KVCacheManager
 from atom.model_ops.attention import AttentionMetadata, forward_context
 from atom.model_ops.attention.selector import attention_backend_for, attention_layers
+from atom.model_ops.moe import ExpertLoadRecorder, FusedMoE, MoEMethod
 from atom.model_ops.quant import LinearMethod
 from atom.model_ops.sampler import Sampler, SamplingTensors
 from atom.models.registry import resolve_architecture
@@ -88,6 +89,8 @@ class StepHandle:
     graph_size: int | None = None       # the CUDA graph replayed, None: no graph
     timing: dict = field(default_factory=dict)  # prepare_s, launch_s, sample_s (host seconds)
     logprobs: StepLogprobs | None = None  # rows that ask (step_extras); on the host after collect
+    expert_counts: "torch.Tensor | np.ndarray | None" = None  # [MoE layers, experts] pairs (routing stats)
+    expert_layers: list[int] | None = None  # the decoder layer of each row of expert_counts
 
 
 class ModelRunner:
@@ -117,7 +120,7 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model)
         for m in self.model.modules():
-            if isinstance(getattr(m, "method", None), LinearMethod):
+            if isinstance(getattr(m, "method", None), (LinearMethod, MoEMethod)):
                 m.method.process_weights_after_loading(m)
         # online_quant_config: each targeted layer re-quantized in place; the summary it wrote
         self.online_quant_info = apply_online_quant(self.model, config, online) if online is not None else None
@@ -126,6 +129,7 @@ class ModelRunner:
         self.decode_forward = self.model  # what decode CUDA graphs capture (gpu_setup decides)
         self.compile_level = 0
         self.graph_mode = None
+        self.expert_recorder: ExpertLoadRecorder | None = None  # routing statistics (record_expert_load)
         self.attn_layers = attention_layers(self.model)
         kernels = platform.kernel_backend() if self.device.type == "cuda" else "torch"
         # by the layers' kind (full / latent); a GPU backend owns the op's scratch
@@ -147,6 +151,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.setup_gpu()
 
+    # --- routing statistics -------------------------------------------------------------------
+    def record_expert_load(self, on: bool = True) -> ExpertLoadRecorder | None:
+        """Count (token, expert) pairs per MoE layer in every step (`StepHandle.expert_counts`).
+        While on, steps run eagerly, without CUDA graphs (a graph would count its padding rows
+        too) and without the compiled model."""
+        if self.expert_recorder is not None:
+            self.expert_recorder.detach()
+            self.expert_recorder = None
+        if on:
+            layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+            self.expert_recorder = ExpertLoadRecorder(layers, self.device).attach()
+        return self.expert_recorder
+
     # --- the kernel plan ------------------------------------------------------------------
     def install_plan(self, plan: KernelPlan) -> KernelPlan:
         """Hand `plan` to every layer that consults one and install its fusions on the
@@ -156,6 +173,8 @@ class ModelRunner:
         for m in self.model.modules():
             if "plan" in m.__dict__:
                 m.plan = plan
+                if hasattr(m, "plan_installed"):  # layers that read their choices once (MoE tiles)
+                    m.plan_installed(plan)
         fusions.install(self.model, plan)
         self.plan = plan
         if getattr(self, "sampler", None) is not None:
@@ -315,8 +334,11 @@ class ModelRunner:
         return st
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model on one step's inputs: compiled (levels 1-3), or eager while routing
+        statistics are recorded (the recorder is host-side bookkeeping a graph would not see)."""
+        fn = self.model if self.expert_recorder is not None else self.model_forward
         with forward_context(self.bind(meta)):
-            return self.model_forward(input_ids, positions)
+            return fn(input_ids, positions)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch | list[Sequence]) -> list[list[int]]:
@@ -341,7 +363,7 @@ class ModelRunner:
             else:
                 fed = prev.tokens[self._to_device(np.asarray(src, np.int64))]
         graphs = self.graphs
-        if graphs is not None and graphs.can_run(host):
+        if graphs is not None and self.expert_recorder is None and graphs.can_run(host):
             hidden = graphs.replay(host, fed)
             graph_size = graphs.last_size
         else:
@@ -350,6 +372,9 @@ class ModelRunner:
             graph_size = None
         handle = StepHandle(len(seqs), host.sample_rows, {seqs[r].seq_id: i for i, r in enumerate(host.sample_rows)},
                             graph_size=graph_size)
+        if self.expert_recorder is not None:
+            handle.expert_counts = self.expert_recorder.take()
+            handle.expert_layers = self.expert_recorder.layer_ids
         if any(s.needs_prompt_logprobs for s in seqs):
             score_prompts(self, seqs, host.cu_seqlens_q, hidden, handle)
         if host.sample_rows:
@@ -415,6 +440,8 @@ class ModelRunner:
                         at += c
         if handle.logprobs is not None:
             handle.logprobs.to_host(handle.num_seqs)
+        if handle.expert_counts is not None:
+            handle.expert_counts = handle.expert_counts.cpu().numpy()
         handle.timing["sample_s"] = time.perf_counter() - t0  # waiting for the device
         return out
 

@@ -8,7 +8,9 @@ return pandas DataFrames for notebooks and plots (`atom.viz`). The periodic engi
 line of `enable_log_stats` is produced here too (logger `atom.engine`), and, at the same
 interval, the `[Cache Stats]` line (logger `atom.engine.cache`; its own gate: on with prefix
 caching): the prefix cache's cumulative hit and queried tokens since start, where the status
-line's rate is windowed over the last `cache_hit_rate_window` requests.
+line's rate is windowed over the last `cache_hit_rate_window` requests. With routing statistics on
+(`LLM(..., record_expert_load=True)`, MoE models) each step also keeps its tokens per
+expert per MoE layer: `expert_load()` (same window).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class EngineStats:
         self.log_interval = log_interval
         self.step_rows: deque[dict] = deque()
         self.request_rows: deque[dict] = deque()
+        self.expert_rows: deque[tuple] = deque()  # (step, layer ids, counts [layers, experts])
         self.set_window(window)
         self._window: deque[tuple[int, int]] = deque(maxlen=hit_rate_window)  # (hit, query) tokens
         self._last_log = time.perf_counter()
@@ -57,6 +60,7 @@ class EngineStats:
         self.window = check_window(window)
         self.step_rows = deque(self.step_rows, maxlen=window)
         self.request_rows = deque(self.request_rows, maxlen=window)
+        self.expert_rows = deque(self.expert_rows, maxlen=window)
 
     def record_step(self, row: dict) -> None:
         self.num_steps += 1
@@ -65,6 +69,25 @@ class EngineStats:
         if self.enabled:
             row["step"] = self.num_steps
             self.step_rows.append(row)
+
+    def record_expert_load(self, step: int, layer_ids: list[int], counts) -> None:
+        """One step's (token, expert) pairs per MoE layer (`counts` [layers, experts], numpy)."""
+        if self.enabled:
+            self.expert_rows.append((step, list(layer_ids), counts))
+
+    def expert_load(self):
+        """Tokens routed to each expert: one row per (step, layer, expert), column `tokens`
+        (a token counts once for each of its top_k experts)."""
+        import numpy as np
+        import pandas as pd
+        if not self.expert_rows:
+            return pd.DataFrame({"step": [], "layer": [], "expert": [], "tokens": []}, dtype="int64")
+        E = max(c.shape[1] for _, _, c in self.expert_rows)
+        counts = np.concatenate([np.pad(c, ((0, 0), (0, E - c.shape[1]))) for _, _, c in self.expert_rows])
+        steps = np.concatenate([np.full(c.shape[0], step) for step, _, c in self.expert_rows])
+        layers = np.concatenate([np.asarray(ls) for _, ls, _ in self.expert_rows])
+        return pd.DataFrame({"step": np.repeat(steps, E), "layer": np.repeat(layers, E),
+                             "expert": np.tile(np.arange(E), len(counts)), "tokens": counts.reshape(-1)})
 
     def record_request(self, row: dict, hit_tokens: int, query_tokens: int) -> None:
         self._window.append((hit_tokens, query_tokens))
@@ -110,3 +133,4 @@ class EngineStats:
     def clear(self) -> None:
         self.step_rows.clear()
         self.request_rows.clear()
+        self.expert_rows.clear()

@@ -74,9 +74,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, quant_config=None, prefix: str = ""):
         super().__init__()
         self.self_attn = self.attention_cls(cfg, layer_idx, rotary_emb, quant_config, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(cfg, layer_idx, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg, layer_idx: int, quant_config, prefix: str) -> nn.Module:
+        """The layer's MLP (MoE families return their sparse block for the sparse layers)."""
+        return LlamaMLP(cfg, quant_config, prefix)
 
     def forward(self, positions, hidden, residual):
         """(hidden, residual) -> (hidden, residual): the residual add is fused into each norm."""

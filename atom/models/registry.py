@@ -9,6 +9,8 @@ _MODELS = {
     "LlamaForCausalLM": ("atom.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("atom.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("atom.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("atom.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("atom.models.mixtral", "MixtralForCausalLM"),
 }
 
 

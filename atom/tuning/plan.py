@@ -3,7 +3,8 @@
 Which kernel library the layers call (torch references, Triton, AITER), which fusions the
 runner installs on the decoder layers (see `fusions`), the one-row GEMV configuration chosen
 per (N, K, dtype, variant) with the timings that chose it, and the cuBLASLt algorithm chosen
-per (rows, N, K, dtype) with its timings. Each engine owns its plan; the layers hold a
+per (rows, N, K, dtype) with its timings, and the experts kernel of MoE layers with the tile
+tables it read (`moe_tiles`, from `atom/model_ops/moe/configs/`). Each engine owns its plan; the layers hold a
 reference to it (`layer.plan`), never a module global, so two engines in one process keep
 their own choices.
 
@@ -32,6 +33,7 @@ FUSIONS = (
     "rope_in_attention",  # decode: the attention kernel rotates q/k and writes K/V itself
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
+MOE_KERNELS = ("auto", "reference", "triton")  # experts kernel: auto = Triton where the plan runs kernels
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -56,6 +58,9 @@ class KernelPlan:
     lt_timings: dict = field(default_factory=dict)    # same key -> (F.linear us, best us, tried)
     lt_configs: dict = field(default_factory=dict, repr=False)  # enumerations (search cache)
     force_kernels: bool = False            # use the kernels on CPU tensors too (Triton's interpreter)
+    moe_kernel: str = "auto"               # the experts kernel (MOE_KERNELS)
+    moe_config_dirs: tuple = ()            # folders searched for MoE tile files before the package's
+    moe_tile_tables: dict = field(default_factory=dict, repr=False)  # (E, I, H, dtype, device) -> TileTable
 
     def __post_init__(self):
         from atom.platform import BACKENDS
@@ -65,6 +70,9 @@ class KernelPlan:
         if bad:
             raise ValueError(f"fusions={bad} are invalid: choose among {', '.join(FUSIONS)}")
         self.fusions = tuple(self.fusions)
+        if self.moe_kernel not in MOE_KERNELS:
+            raise ValueError(f"moe_kernel={self.moe_kernel!r} is invalid: choose one of {', '.join(MOE_KERNELS)}")
+        self.moe_config_dirs = tuple(self.moe_config_dirs)
         self._kernels = None
 
     # --- what the layers ask ------------------------------------------------------------
@@ -102,6 +110,27 @@ class KernelPlan:
         prod, algo = hit
         return prod(x, w, algo)
 
+    def experts_kernel(self, x: torch.Tensor) -> str:
+        """"triton" (the grouped GEMM) or "reference" (the per-expert torch loop) for the
+        experts of a MoE layer on `x`: `moe_kernel`, where "auto" means Triton wherever this
+        plan's backend runs kernels for `x` (a GPU, or `force_kernels`). Under torch.compile
+        too: the layer then calls the Triton path through the `atom::moe_experts` op."""
+        if self.moe_kernel != "auto":
+            return self.moe_kernel
+        return "triton" if self.backend != "torch" and (x.is_cuda or self.force_kernels) else "reference"
+
+    def moe_tiles(self, experts: int, width: int, hidden: int, dtype: torch.dtype, device: torch.device | str):
+        """The MoE `TileTable` of this shape for this dtype and device, read once (tuned file for
+        the GPU's name, or defaults; `atom.model_ops.moe.tile_configs`)."""
+        device = torch.device(device)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        key = (experts, width, hidden, _dtype_name(dtype), name)
+        table = self.moe_tile_tables.get(key)
+        if table is None:
+            from atom.model_ops.moe.tile_configs import find_tiles
+            table = self.moe_tile_tables[key] = find_tiles(*key, folders=self.moe_config_dirs)
+        return table
+
     def has(self, fusion: str) -> bool:
         return fusion in self.fusions
 
@@ -117,6 +146,9 @@ class KernelPlan:
             out.append({"kind": "gemm", "rows": rows, "n": n, "k": k, "dtype": _dtype_name(dt), "variant": "plain",
                         "library_us": round(base, 2), "best_us": round(best, 2),
                         "runs": "cublaslt" if (rows, n, k, dt) in self.lt else "library", "tried": tried})
+        for (e, i, h, dt, dev), table in self.moe_tile_tables.items():
+            out.append({"kind": "moe", "rows": len(table.configs), "n": 2 * i, "k": h, "dtype": dt,
+                        "variant": f"E={e}", "runs": table.source or "default tiles", "device": dev})
         return out
 
     def to_frame(self):
@@ -125,6 +157,7 @@ class KernelPlan:
 
     def __repr__(self) -> str:
         return (f"KernelPlan(backend={self.backend}, fusions={list(self.fusions)}, triton_gemm={self.triton_gemm}, "
+                f"moe_kernel={self.moe_kernel}, "
                 f"gemv={len(self.gemv)}/{len(self.gemv_timings)} chosen/timed, "
                 f"cublaslt={len(self.lt)}/{len(self.lt_timings)} chosen/timed)")
 
@@ -132,6 +165,7 @@ class KernelPlan:
     def to_dict(self) -> dict:
         return {
             "backend": self.backend, "fusions": list(self.fusions), "triton_gemm": self.triton_gemm,
+            "moe_kernel": self.moe_kernel, "moe_config_dirs": [str(d) for d in self.moe_config_dirs],
             "gemv": [{"key": [n, k, _dtype_name(dt), v], "config": cfg,
                       "timings": list(self.gemv_timings.get((n, k, dt, v), ()))}
                      for (n, k, dt, v), cfg in self.gemv.items()],
@@ -146,7 +180,8 @@ class KernelPlan:
     @classmethod
     def from_dict(cls, data: dict) -> "KernelPlan":
         plan = cls(backend=data.get("backend", "torch"), fusions=tuple(data.get("fusions", ())),
-                   triton_gemm=bool(data.get("triton_gemm", False)))
+                   triton_gemm=bool(data.get("triton_gemm", False)), moe_kernel=data.get("moe_kernel", "auto"),
+                   moe_config_dirs=tuple(data.get("moe_config_dirs", ())))
         for e in data.get("gemv", []):
             n, k, dt, v = e["key"]
             plan.gemv[(int(n), int(k), _dtype(dt), v)] = dict(e["config"])

@@ -2,7 +2,8 @@
 KV cache. Each takes an `LLM`, an `LLMEngine` or a `ModelRunner` (the first also a model).
 
     linear_methods_frame(llm)   # layer, class, method, format, bytes, shape
-    kernel_plan_frame(llm)      # one row per start-up choice (GEMV, cuBLASLt)
+    moe_layers_frame(llm)       # one row per MoE layer: experts, top_k, width, routing, method, bytes
+    kernel_plan_frame(llm)      # one row per start-up choice (GEMV, cuBLASLt, MoE tiles)
     kv_cache_frame(llm)         # one row per attention layer: kind, dtype, page shape, bytes
 """
 from __future__ import annotations
@@ -24,6 +25,14 @@ def linear_methods_frame(src: Any) -> pd.DataFrame:
     from atom.model_ops.quant import describe_layers
     model = src if isinstance(src, nn.Module) else _runner_of(src).model
     return pd.DataFrame(describe_layers(model), columns=["layer", "class", "method", "format", "bytes", "shape"])
+
+
+def moe_layers_frame(src: Any) -> pd.DataFrame:
+    from atom.model_ops.moe import describe_moe_layers
+    model = src if isinstance(src, nn.Module) else _runner_of(src).model
+    return pd.DataFrame(describe_moe_layers(model), columns=["layer", "experts", "top_k", "width", "routing",
+                                                              "activation", "method", "format", "bytes",
+                                                              "shared_experts"])
 
 
 def kernel_plan_frame(src: Any) -> pd.DataFrame:

@@ -1,0 +1,38 @@
+"""Mixture-of-experts: the layer, its routing, its weight methods and its kernels.
+
+    from atom.model_ops.moe import FusedMoE, TopK
+    moe = FusedMoE(num_experts, hidden, width, TopK(num_experts, top_k, renormalize=True), prefix=...)
+    y = moe(x, router_logits)
+
+- `router.py`: `TopK` (softmax / sigmoid scoring, renormalisation, grouped choice, scaling;
+  or a `select_fn` of a family's own), `check_routing` (errors at build).
+- `method.py`: `MoEMethod` (the quantization seam) and `UnquantizedMoEMethod`; `moe_method_for`.
+- `layer.py`: `FusedMoE` (stacked w13 [E, 2I, H] / w2 [E, H, I], loaders, shared experts).
+- `experts_ref.py`: the torch reference (a loop over the experts that got tokens).
+- `experts_triton.py`: the grouped GEMM over pairs sorted by expert, and the unsorted
+  small-batch path; `tile_configs.py` + `configs/`: tuned tiles per shape and GPU.
+- `routing_stats.py`: `ExpertLoadRecorder` (tokens per expert per layer per step).
+"""
+from atom.model_ops.moe.experts_ref import experts_reference
+from atom.model_ops.moe.layer import ACTIVATIONS, FusedMoE
+from atom.model_ops.moe.method import MOE_METHODS, MoEMethod, UnquantizedMoEMethod, moe_method_for
+from atom.model_ops.moe.router import SCORINGS, TopK, check_routing, topk_select
+from atom.model_ops.moe.routing_stats import ExpertLoadRecorder
+
+
+
+def describe_moe_layers(model) -> list[dict]:
+    """One dict per `FusedMoE` of `model`: layer, experts, top_k, width, routing, activation,
+    method, format, bytes, shared experts (`atom.viz.moe_layers_frame` makes a DataFrame)."""
+    rows = []
+    for name, m in model.named_modules():
+        if isinstance(m, FusedMoE):
+            rows.append({"layer": name, "experts": m.num_experts, "top_k": m.topk.top_k,
+                         "width": m.intermediate_size, "routing": m.topk.extra_repr(),
+                         "activation": m.activation_name, "method": m.method.name, "format": m.method.format(m),
+                         "bytes": m.method.weight_bytes(m), "shared_experts": m.shared_experts is not None})
+    return rows
+
+
+__all__ = ["describe_moe_layers", "ACTIVATIONS", "ExpertLoadRecorder", "FusedMoE", "MOE_METHODS", "MoEMethod", "SCORINGS", "TopK",
+           "UnquantizedMoEMethod", "check_routing", "experts_reference", "moe_method_for", "topk_select"]

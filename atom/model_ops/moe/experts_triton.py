@@ -1,0 +1,192 @@
+"""The experts on Triton: a grouped GEMM over (token, expert) pairs sorted by expert.
+
+    y = fused_experts(x, w13, w2, topk_weights, topk_ids, activation, tiles=table)
+
+Two paths, both two products with the activation between (the layer's, on [pairs, 2I]):
+
+- sorted (`moe_align` + `_moe_gemm_kernel`): the T*k pairs are grouped by expert and each
+  expert's group is padded to a multiple of BLOCK_M, so that a program multiplies BLOCK_M
+  rows of one expert by a BLOCK_N slice of that expert's weights (tensor-core `tl.dot`).
+  The sort runs as a few torch ops on the device without a host sync: the padded layout has
+  a static upper bound of cdiv(pairs, BLOCK_M) + E blocks; blocks past the end hold expert
+  -1 and return at once.
+- unsorted (`_moe_gemv_kernel`): one program per (pair, BLOCK_N slice), a dot product over
+  K without tensor cores and without any sorting.
+
+The small-batch rule (`skips_sorting`): sort only when T*k > E, i.e. when an expert gets
+more than one pair on average. Below that nearly every BLOCK_M tile would be padding (at
+least 15 of 16 rows), each expert's weights are read about once per pair either way, and the
+sort's five small launches are pure overhead. A tuned tile file may replace the rule by the
+measured crossover (`unsorted_max_tokens`, see `tile_configs`).
+
+The second product multiplies each pair's row by its routing weight; the k rows of a token
+are summed in fp32. fp32 inputs use full-precision dots ("ieee", no TF32).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.model_ops.moe.tile_configs import TileTable, default_config
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, rw_ptr,
+                         N, K, num_pairs, num_m_blocks, a_div, stride_am, stride_we, stride_wn, stride_be, stride_om,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
+        """out[p] = a[p // a_div] @ w[e]^T (+ b[e]) (* rw[p]) for the BLOCK_M pairs p of one
+        expert e in the sorted order."""
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        e = tl.load(block_expert_ptr + pid_m)
+        if e < 0:
+            return
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pairs < num_pairs
+        a_rows = (pairs // a_div).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        ap = a_ptr + a_rows[:, None] * stride_am + rk[None, :]
+        wp = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = tl.load(ap, mask=valid[:, None] & (rk[None, :] + k < K), other=0.0)
+            w = tl.load(wp, mask=(rn[None, :] < N) & (rk[:, None] + k < K), other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            ap += BLOCK_K
+            wp += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if MUL_WEIGHT:
+            acc *= tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (rn[None, :] < N))
+
+    @triton.jit
+    def _moe_gemv_kernel(a_ptr, w_ptr, b_ptr, out_ptr, ids_ptr, rw_ptr, N, K, a_div,
+                         stride_am, stride_we, stride_wn, stride_be, stride_om,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr):
+        """out[p] = a[p // a_div] @ w[ids[p]]^T (+ b) (* rw[p]) for one pair p, one BLOCK_N slice."""
+        p = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        ap = a_ptr + (p // a_div).to(tl.int64) * stride_am + rk
+        wp = w_ptr + e * stride_we + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = tl.load(ap, mask=rk + k < K, other=0.0).to(tl.float32)
+            w = tl.load(wp, mask=(rn[:, None] < N) & (rk[None, :] + k < K), other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+            ap += BLOCK_K
+            wp += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e * stride_be + rn, mask=rn < N, other=0.0).to(tl.float32)
+        if MUL_WEIGHT:
+            acc *= tl.load(rw_ptr + p).to(tl.float32)
+        tl.store(out_ptr + p.to(tl.int64) * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by expert, each expert padded to a multiple of `block_m`.
+
+    Returns `sorted_pairs` [num_blocks * block_m] int32 (pair index t*k + j, or the pair count
+    as padding) and `block_expert` [num_blocks] int32 (the expert of each block, -1 past the
+    end). num_blocks = cdiv(pairs, block_m) + E, a bound that needs no host sync."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    P = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    experts_sorted = flat[order]
+    dest = (ends - padded)[experts_sorted] + torch.arange(P, device=dev) - first_of_expert[experts_sorted]
+    num_blocks = -(-P // block_m) + num_experts
+    sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=dev)
+    sorted_pairs[dest] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+def skips_sorting(tokens: int, top_k: int, num_experts: int, tiles: TileTable | None = None) -> bool:
+    """The small-batch rule of the module docstring (or the tuned crossover)."""
+    if tiles is not None and tiles.unsorted_max_tokens is not None:
+        return tokens <= tiles.unsorted_max_tokens
+    return tokens * top_k <= num_experts
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def expert_product(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, topk_ids: torch.Tensor,
+                   a_div: int, weights: torch.Tensor | None, cfg: dict, sorted_layout=None) -> torch.Tensor:
+    """[pairs, N]: row p = a[p // a_div] @ w[ids[p]]^T (+ bias) (* weights[p]); through the
+    sorted layout (`moe_align`) when given, else the unsorted per-pair kernel."""
+    P = topk_ids.numel()
+    E, N, K = w.shape
+    out = torch.empty(P, N, dtype=a.dtype, device=a.device)
+    if P == 0:
+        return out
+    ids = topk_ids.reshape(-1)
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = bias if bias is not None else out
+    rw = weights.reshape(-1) if weights is not None else out
+    common = dict(HAS_BIAS=bias is not None, MUL_WEIGHT=weights is not None)
+    sb = bias.stride(0) if bias is not None else 0
+    if sorted_layout is None:
+        bn = min(cfg.get("BLOCK_N", 64), triton.next_power_of_2(N))
+        grid = (P, triton.cdiv(N, bn))
+        _moe_gemv_kernel[grid](a, w, b, out, ids, rw, N, K, a_div, a.stride(0), w.stride(0), w.stride(1), sb,
+                               out.stride(0), BLOCK_N=bn, BLOCK_K=min(128, triton.next_power_of_2(K)),
+                               num_warps=4, **common)
+        return out
+    sorted_pairs, block_expert = sorted_layout
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    num_m = block_expert.numel()
+    grid = (num_m * triton.cdiv(N, bn),)
+    _moe_gemm_kernel[grid](a, w, b, out, sorted_pairs, block_expert, rw, N, K, P, num_m, a_div,
+                           a.stride(0), w.stride(0), w.stride(1), sb, out.stride(0),
+                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 1),
+                           DOT_PREC=_dot_prec(a.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                           **common)
+    return out
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  tiles: TileTable | None = None, config: dict | None = None, sort: bool | None = None) -> torch.Tensor:
+    """The routed sum of the experts, [T, H] (see the module docstring). `config` overrides
+    the tile table's choice; `sort` forces a path (None: the small-batch rule)."""
+    if not HAS_TRITON:
+        raise RuntimeError("fused_experts needs triton; the torch reference is experts_reference")
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    k = topk_ids.shape[1]
+    if w13.shape[2] != H or w2.shape != (E, H, two_i // 2):
+        raise ValueError(f"experts weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {H}")
+    if T == 0:
+        return torch.zeros_like(x)
+    cfg = config or (tiles.config_for(T, k) if tiles is not None else default_config(T, k, E))
+    if sort is None:
+        sort = not skips_sorting(T, k, E, tiles)
+    layout = moe_align(topk_ids, E, cfg["BLOCK_M"]) if sort else None
+    h = expert_product(x, w13, w13_bias, topk_ids, k, None, cfg, layout)
+    y = expert_product(activation(h), w2, w2_bias, topk_ids, 1, topk_weights, cfg, layout)
+    return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)

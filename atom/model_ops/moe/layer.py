@@ -1,0 +1,152 @@
+"""`FusedMoE`: a mixture-of-experts layer with stacked expert weights.
+
+    moe = FusedMoE(num_experts=8, hidden_size=64, intermediate_size=32,
+                   topk=TopK(8, 2, renormalize=True), prefix="model.layers.0.mlp.experts")
+    y = moe(x, router_logits)          # x [T, H], router_logits [T, E] (the model's gate)
+
+Router logits in, the `TopK` choice (pluggable), the experts through the layer's `MoEMethod`
+(from the quantization config; the method holds the weights and picks the kernel the
+engine's `KernelPlan` chose), plus optional shared experts (any module on x, added to the
+routed sum). `activation` maps the [n, 2I] gate-up output to [n, I]: a name ("silu") or a
+callable, so a family with its own gated activation passes it in.
+
+Loading: each stacked parameter has `weight_loader(param, tensor, (expert_id, part))`; a
+per-expert tensor fills one expert's rows of one part ("w1" gate, "w3" up, "w2" down), a
+fused 3-D tensor (expert_id None) fills every expert, part "w13" meaning all parts of w13 in
+order. `checkpoint_mapping()` gives the regexes a model lists as `expert_params_mapping`
+for the loader. `missing_shards()` names what the checkpoint did not fill.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+from torch import nn
+
+from atom.model_ops.activation import silu_and_mul
+from atom.model_ops.moe.method import MoEMethod, moe_method_for
+from atom.model_ops.moe.router import TopK
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": silu_and_mul}
+
+
+def activation_of(activation: str | Callable) -> Callable:
+    if callable(activation):
+        return activation
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"hidden_act={activation!r} has no gated MoE activation here: choose one of "
+                         f"{', '.join(ACTIVATIONS)} or pass a callable")
+    return ACTIVATIONS[activation]
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, topk: TopK,
+                 activation: str | Callable = "silu", bias: bool = False, shared_experts: nn.Module | None = None,
+                 quant_config=None, prefix: str = "", layer_idx: int | None = None):
+        super().__init__()
+        if topk.num_experts != num_experts:
+            raise ValueError(f"{prefix}: the router picks among {topk.num_experts} experts but the layer has "
+                             f"{num_experts}")
+        self.prefix, self.layer_idx = prefix, layer_idx
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.topk = topk
+        self.activation = activation_of(activation)
+        self.activation_has_name = isinstance(activation, str)
+        self.activation_name = activation if isinstance(activation, str) else getattr(activation, "__name__", "custom")
+        self.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built (the runner sets it)
+        self.shared_experts = shared_experts
+        self.plan = None       # the engine's KernelPlan (set by the runner)
+        self.tiles = None      # this shape's TileTable from the plan (plan_installed)
+        self.tiles_json = ""
+        self.recorder = None   # an ExpertLoadRecorder while routing statistics are on
+        self.expert_parts: dict[str, tuple[str, ...]] = {}
+        self._filled: dict[str, set] = {}
+        self.method: MoEMethod = moe_method_for(quant_config, prefix)
+        self.method.create_weights(self, num_experts, hidden_size, intermediate_size, bias)
+
+    # --- parameters and loading ---------------------------------------------------------
+    def add_expert_param(self, name: str, tensor: torch.Tensor, parts: tuple[str, ...]) -> nn.Parameter:
+        """Register a stacked per-expert parameter [E, ...] whose dim 1 splits equally into
+        `parts` (in order); it gets this layer's weight_loader."""
+        if tensor.shape[0] != self.num_experts or (len(parts) > 1 and tensor.shape[1] % len(parts)):
+            raise ValueError(f"{self.prefix}.{name}: shape {tuple(tensor.shape)} is not [E={self.num_experts}, "
+                             f"{len(parts)} x rows, ...]")
+        p = nn.Parameter(tensor, requires_grad=False)
+        p.weight_loader = self.weight_loader
+        p.expert_param = name
+        self.register_parameter(name, p)
+        self.expert_parts[name] = tuple(parts)
+        self._filled[name] = set()
+        return p
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple) -> None:
+        name = param.expert_param
+        parts = self.expert_parts[name]
+        expert, part = shard
+        if part == "w13" or (len(parts) == 1 and part == parts[0]):
+            which, rows = list(parts), slice(None)
+        elif part in parts:
+            size = param.shape[1] // len(parts)
+            i = parts.index(part)
+            which, rows = [part], slice(i * size, (i + 1) * size)
+        else:
+            raise ValueError(f"{self.prefix}.{name}: checkpoint part {part!r} is not one of {parts}")
+        if expert is not None and not 0 <= expert < self.num_experts:
+            raise ValueError(f"{self.prefix}: checkpoint expert {expert} is outside [0, {self.num_experts})")
+        target = param.data[:, rows] if expert is None else param.data[expert, rows]
+        if tuple(loaded.shape) != tuple(target.shape):
+            where = "all experts" if expert is None else f"expert {expert}"
+            raise ValueError(f"{self.prefix}.{name}: checkpoint tensor for {where}, part {part}, has shape "
+                             f"{tuple(loaded.shape)}, expected {tuple(target.shape)}")
+        target.copy_(loaded)
+        experts = range(self.num_experts) if expert is None else [expert]
+        self._filled[name].update((e, w) for e in experts for w in which)
+
+    def missing_shards(self) -> list[str]:
+        """'param[expert].part' for every expert part the checkpoint has not written."""
+        out = []
+        for name, parts in self.expert_parts.items():
+            got = self._filled[name]
+            out += [f"{self.prefix}.{name}[{e}].{w}" for e in range(self.num_experts) for w in parts
+                    if (e, w) not in got]
+        return out
+
+    @staticmethod
+    def checkpoint_mapping(gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
+                           experts: str = "experts") -> list[tuple[re.Pattern, str, str]]:
+        """(regex, target suffix, part) for the loader: per-expert tensors
+        `{experts}.{e}.{gate|up|down}.weight` and the fused 3-D `{experts}.gate_up_proj` [E, 2I, H] /
+        `{experts}.down_proj` [E, H, I] that transformers >= 5 writes (with or without `.weight`)."""
+        x = re.escape(experts)
+        out = [(re.compile(rf"\.{x}\.(?P<expert>\d+)\.{re.escape(src)}\.weight$"), f".{experts}.{dst}", part)
+               for src, dst, part in ((gate, "w13_weight", "w1"), (up, "w13_weight", "w3"), (down, "w2_weight", "w2"))]
+        out += [(re.compile(rf"\.{x}\.(?P<expert>\d+)\.{re.escape(src)}\.bias$"),
+                 f".{experts}.{dst}", part)
+                for src, dst, part in ((gate, "w13_bias", "w1"), (up, "w13_bias", "w3"), (down, "w2_bias", "w2"))]
+        out += [(re.compile(rf"\.{x}\.gate_up_proj(\.weight)?$"), f".{experts}.w13_weight", "w13"),
+                (re.compile(rf"\.{x}\.down_proj(\.weight)?$"), f".{experts}.w2_weight", "w2")]
+        return out
+
+    def plan_installed(self, plan):
+        """Read this layer's tile table from the plan once (outside any compiled region)."""
+        device = next(self.parameters()).device
+        self.tiles = plan.moe_tiles(self.num_experts, self.intermediate_size, self.hidden_size, self.act_dtype, device)
+        self.tiles_json = self.tiles.to_json()
+        return self.tiles
+
+    # --- forward ---------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        topk_weights, topk_ids = self.topk(router_logits, correction_bias)
+        if self.recorder is not None:
+            self.recorder.record(self, topk_ids)
+        out = self.method.apply(self, hidden, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "
+                f"activation={self.activation_name}, bias={'w13_bias' in self.expert_parts}, "
+                f"method={self.method.name}")

@@ -1,0 +1,147 @@
+"""Tune the experts' grouped-GEMM tiles for one MoE shape on this GPU and write the file.
+
+    python -m atom.tuning.moe_tune --model <folder with config.json> [--dtype bfloat16]
+    python -m atom.tuning.moe_tune --experts 128 --width 768 --hidden 2048 --top-k 8 \
+        [--tokens 1,2,4,...] [--out atom/model_ops/moe/configs]
+
+For each token count T it times the sorted path (`fused_experts(sort=True)`) under every
+tile of `search_space()` and the unsorted small-batch path, on random inputs routed by a
+random softmax top-k, checks the winner against the torch reference, and writes a
+`TileTable` (`atom.model_ops.moe.tile_configs`): the best tile per T, the timings, and
+`unsorted_max_tokens`, the largest T of the leading run of counts at which the unsorted
+path beat the best tile (None when it never did). Runs on a GPU only (the timings mean
+nothing elsewhere); `tune()` takes the timer as an argument so its search and bookkeeping
+can be exercised without one.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import sys
+from typing import Callable
+
+import torch
+
+from atom.model_ops.moe.tile_configs import CONFIG_DIR, TileTable, check_tile
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def search_space() -> list[dict]:
+    """Tiles tried per token count (powers of two; warps and stages as Hopper likes them)."""
+    out = []
+    for bm, bn, bk, gm, w, s in itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (64, 128), (1, 8),
+                                                  (4, 8), (2, 3, 4)):
+        if bm * bn >= 128 * 256 and w == 4:
+            continue  # too many accumulators per thread
+        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=w, num_stages=s))
+    return out
+
+
+def shape_of_model(folder: str) -> dict:
+    """experts, width, hidden, top_k from a HF config.json (Qwen3-MoE, Mixtral, DeepSeek, GPT-OSS names)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
+    width = c.get("moe_intermediate_size") or c.get("intermediate_size")
+    if not experts or not width:
+        raise ValueError(f"{folder}/config.json names no experts (num_experts / num_local_experts / "
+                         "n_routed_experts) or width (moe_intermediate_size / intermediate_size)")
+    return dict(experts=int(experts), width=int(width), hidden=int(c["hidden_size"]),
+                top_k=int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 1))
+
+
+def make_case(experts: int, width: int, hidden: int, top_k: int, tokens: int, dtype, device, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+    w13 = (torch.randn(experts, 2 * width, hidden, generator=g, device=device) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, width, generator=g, device=device) * width ** -0.5).to(dtype)
+    logits = torch.randn(tokens, experts, generator=g, device=device)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return x, w13, w2, weights, ids
+
+
+def tune(experts: int, width: int, hidden: int, top_k: int, dtype: torch.dtype, tokens=DEFAULT_TOKENS,
+         device: str = "cuda", device_name: str | None = None, bench: Callable | None = None,
+         space: list[dict] | None = None, check: bool = True) -> tuple[TileTable, dict]:
+    """(table, timings in us per T). `bench(fn, case) -> microseconds`, `case` naming what `fn`
+    runs ({"tokens", "config", "sort"}); default: triton's do_bench of `fn`."""
+    from atom.model_ops.activation import silu_and_mul
+    from atom.model_ops.moe.experts_ref import experts_reference
+    from atom.model_ops.moe.experts_triton import fused_experts
+    if bench is None:
+        import triton.testing
+        bench = lambda fn, case: 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50)  # noqa: E731
+    space = space or search_space()
+    name = device_name or (torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu")
+    table = TileTable(experts, width, hidden, str(dtype).removeprefix("torch."), name)
+    timings: dict[str, dict] = {}
+    unsorted_wins = []
+    for T in sorted(tokens):
+        x, w13, w2, weights, ids = make_case(experts, width, hidden, top_k, T, dtype, device)
+        best, best_us, tried = None, float("inf"), 0
+        for cfg in space:
+            try:
+                us = bench(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=cfg, sort=True),
+                           {"tokens": T, "config": cfg, "sort": True})
+            except Exception as e:  # a tile that does not compile / fit here
+                logger.debug("T=%d %s failed: %s", T, cfg, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                continue
+            tried += 1
+            if us < best_us:
+                best, best_us = cfg, us
+        if best is None:
+            raise RuntimeError(f"no tile of the search space ran at T={T} for E={experts} I={width} H={hidden}")
+        unsorted_us = bench(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=best, sort=False),
+                            {"tokens": T, "config": best, "sort": False})
+        if check:
+            ref = experts_reference(x, w13, w2, weights, ids, silu_and_mul).float()
+            got = fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=best, sort=True).float()
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+            if err > tol:
+                raise RuntimeError(f"T={T}: the best tile {best} is off the reference by {err:.2e} (> {tol})")
+        table.configs[T] = check_tile(best, f"T={T}")
+        timings[str(T)] = {"sorted_us": round(best_us, 2), "unsorted_us": round(unsorted_us, 2), "tried": tried}
+        unsorted_wins.append((T, unsorted_us < best_us))
+        logger.info("T=%d: %s %.1f us (unsorted %.1f us, %d tiles ran)", T, best, best_us, unsorted_us, tried)
+    lead = list(itertools.takewhile(lambda tw: tw[1], unsorted_wins))
+    table.unsorted_max_tokens = lead[-1][0] if lead else None
+    return table, timings
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="a folder with config.json (instead of the shape flags)")
+    ap.add_argument("--experts", type=int)
+    ap.add_argument("--width", type=int, help="the expert's intermediate size I")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--top-k", type=int)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
+    ap.add_argument("--out", default=str(CONFIG_DIR), help="folder for the tile file")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.model:
+        shape = shape_of_model(args.model)
+    elif None in (args.experts, args.width, args.hidden, args.top_k):
+        ap.error("give --model, or all of --experts, --width, --hidden, --top-k")
+    else:
+        shape = dict(experts=args.experts, width=args.width, hidden=args.hidden, top_k=args.top_k)
+    if not torch.cuda.is_available():
+        print("no CUDA device: moe_tune times kernels on a GPU and must run there", file=sys.stderr)
+        return 2
+    tokens = tuple(int(t) for t in args.tokens.split(",") if t)
+    table, timings = tune(**shape, dtype=getattr(torch, args.dtype), tokens=tokens)
+    path = table.save(args.out, timings)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

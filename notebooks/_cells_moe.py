@@ -1,0 +1,127 @@
+"""Cells of notebook 10: MoE routing on a tiny Qwen3-MoE (see _build.py)."""
+
+from _cells_engine import SETUP
+
+MOE = [
+    ("md", """
+# 10 · MoE routing: which expert gets which token, layer by layer, step by step
+
+A mixture-of-experts layer sends each token to `top_k` of its `E` experts. ATOM's `FusedMoE`
+takes the router's logits, picks the experts with a `TopK` (softmax top-k, optionally
+renormalised; sigmoid and grouped choice for DeepSeek), and runs the experts through its
+`MoEMethod` with the kernel the engine's plan chose. With `record_expert_load=True` the engine
+counts, in every step, how many tokens each expert of each layer received.
+
+Here on a tiny random Qwen3-MoE (3 layers, the middle one dense, 8 experts, top-2), built
+with transformers in a temporary folder: nothing is downloaded.
+"""),
+    ("code", SETUP + """
+import tempfile
+import torch, transformers
+cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                  max_position_embeddings=1024, initializer_range=0.4, tie_word_embeddings=False)
+torch.manual_seed(0)
+hf_model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+path = tempfile.mkdtemp(prefix="tiny-qwen3-moe-")
+hf_model.save_pretrained(path)
+sorted(p.name for p in __import__("pathlib").Path(path).iterdir())
+"""),
+    ("md", "## The engine and its MoE layers\nLayers 0 and 2 are sparse; layer 1 keeps a dense MLP (`mlp_only_layers`)."),
+    ("code", """
+from atom import LLM, SamplingParams
+from atom.viz import moe_layers_frame
+llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=64, max_num_batched_tokens=64, record_expert_load=True)
+layers = moe_layers_frame(llm)
+print(layers[["layer", "experts", "top_k", "width", "method", "bytes"]].to_string())
+assert layers["layer"].tolist() == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"]
+assert (layers["bytes"] == 8 * 3 * 64 * 32 * 4).all()   # E x (gate, up, down) x H x I, fp32
+llm.engine.runner.model.model.layers[0].mlp
+"""),
+    ("md", """
+## The router alone
+`TopK` is a plain module: logits in, (weights, expert ids) out. With `renormalize` (Qwen3's
+`norm_topk_prob`, Mixtral always) the chosen probabilities sum to one.
+"""),
+    ("code", """
+from atom.model_ops.moe import TopK
+logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.1, 3.0, 2.9]])
+for renorm in (False, True):
+    w, ids = TopK(4, 2, renormalize=renorm)(logits)
+    print(f"renormalize={renorm}: ids {ids.tolist()}  weights {w.numpy().round(3).tolist()}")
+assert torch.allclose(w.sum(-1), torch.ones(2)) and ids.tolist() == [[0, 1], [2, 3]]
+"""),
+    ("md", "## Generate, and check against transformers\nGreedy tokens from ATOM and from transformers on the same weights (fp32) are identical."),
+    ("code", """
+g = torch.Generator().manual_seed(1)
+prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 30, 70, 120)]
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+ref = [hf_model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+       for p in prompts]
+assert [o.token_ids for o in outs] == ref
+print(len(llm.stats.steps()), "steps;", [len(o.token_ids) for o in outs], "tokens each")
+"""),
+    ("md", """
+## Tokens per expert, per layer, per step
+`llm.stats.expert_load()` has one row per (step, layer, expert). Each token counts once per
+chosen expert, so a layer's counts in a step add up to the step's tokens times `top_k`.
+"""),
+    ("code", """
+from atom.viz import expert_load_frame, expert_load_summary, plot_expert_load
+load = expert_load_frame(llm)
+print(load.head(8).to_string())
+steps = llm.stats.steps().set_index("step")
+per_step = load.groupby(["step", "layer"])["tokens"].sum().unstack()
+for layer in per_step.columns:
+    assert (per_step[layer] == 2 * (steps["prefill_tokens"] + steps["decode_tokens"])).all()
+expert_load_summary(llm)
+"""),
+    ("md", "## The plot\nLeft: each layer's share of tokens per expert over the run. Right: the busiest expert's load over the mean, per step (1 = balanced)."),
+    ("code", """
+fig = plot_expert_load(llm)
+assert len(fig.axes) >= 2
+fig
+"""),
+    ("md", """
+## How the experts run
+On a CPU the plan picks the torch reference (a loop over the experts that got tokens); on a
+GPU the Triton grouped GEMM over (token, expert) pairs sorted by expert. Sorting pays only
+when an expert gets more than one pair on average (`T * top_k > E`); below that the unsorted
+path multiplies each pair directly. `moe_align` shows the sorted layout: blocks of `BLOCK_M`
+pairs, each block one expert's, padded.
+"""),
+    ("code", """
+import pandas as pd
+from atom.model_ops.moe.experts_triton import moe_align, skips_sorting
+plan = llm.engine.runner.plan
+print(plan, "->", plan.experts_kernel(torch.zeros(1, 64)))
+ids = torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]])
+pairs, block_expert = moe_align(ids, num_experts=4, block_m=4)
+print(pd.DataFrame(pairs.view(-1, 4).numpy(), index=[f"expert {e}" for e in block_expert.tolist()]).replace(ids.numel(), "·"))
+rule = pd.DataFrame([{"model": m, "tokens": T, "path": "sorted" if not skips_sorting(T, k, E) else "unsorted"}
+                     for m, E, k in (("Qwen3-30B-A3B", 128, 8), ("Mixtral-8x7B", 8, 2)) for T in (1, 4, 16, 64)])
+assert plan.experts_kernel(torch.zeros(1, 64)) == "reference"
+assert rule.set_index(["model", "tokens"]).loc[("Qwen3-30B-A3B", 16), "path"] == "unsorted"
+rule.pivot(index="tokens", columns="model", values="path")
+"""),
+    ("md", """
+## What a decode step reads
+A decode step reads the dense weights plus the experts its tokens activate: with B tokens,
+about E (1 - (1 - k/E)^B) experts per sparse layer. For Qwen3-30B-A3B that is 3.4 B
+parameters at batch 1 and nearly all 30.5 B by batch 64 (`atom.benchmarks.roofline`).
+"""),
+    ("code", """
+from atom.benchmarks.roofline import model_cost
+from atom.benchmarks.workloads import MODEL_CONFIGS
+c = model_cost(MODEL_CONFIGS["qwen3-30b-a3b"])
+batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+active = pd.Series([c.step_weight_params(b) / 1e9 for b in batches], index=batches, name="B params read per step")
+assert 3.0 < active[1] < 3.6 and active[256] > 30
+ax = active.plot(logx=True, marker="o", title="Qwen3-30B-A3B: weights a decode step reads")
+ax.set_xlabel("tokens in the step"); ax.set_ylabel("billion parameters")
+ax.figure
+"""),
+]
+
+NOTEBOOKS = {"10_moe_routing": MOE}
