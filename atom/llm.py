@@ -14,11 +14,16 @@ aborts the call's requests, freeing their KV blocks, before it propagates.
 
 Keywords besides `Config`'s fields: `dtype` ("auto": the checkpoint's; "bfloat16",
 "float16", "float32" or a torch.dtype), `seed` (seeds random / numpy / torch once, here),
-`record_stats` (per-step records, `llm.stats`; on by default), `stats_window` (how many
+`record_stats` (per-step records, `llm.stats`; on by default; not under data parallel), `stats_window` (how many
 step and request records are kept, default 10,000; None: all), `async_scheduling`
 (default: on a GPU) launches the next decode step before the current one's tokens reach
 the host. Building an `LLM` makes ATOM's INFO lines (engine-status line included) visible
 on stderr unless logging is configured already (`atom.utils.log_setup`).
+
+`tensor_parallel_size > 1` spawns one worker process per extra rank
+(`atom.distributed.executor`); `parallel_config.data_parallel_size > 1` runs that many engine
+replicas in their own processes behind a router (`atom.distributed.data_parallel`).
+`llm.shutdown()` (or `with LLM(...) as llm:`) reaps them; so do collection and exit.
 """
 from __future__ import annotations
 
@@ -58,7 +63,11 @@ class LLM:
             logger.info("dtype=%s overrides the checkpoint's %s", forced_dtype, self.config.torch_dtype)
             self.config.torch_dtype = forced_dtype
         self.seed = set_seed(seed)
-        self.engine = LLMEngine(self.config, record_stats=record_stats, async_scheduling=async_scheduling)
+        if self.config.parallel_config.data_parallel_size > 1:  # replicas in their own processes
+            from atom.distributed.data_parallel import DataParallelEngine
+            self.engine = DataParallelEngine(self.config)
+        else:
+            self.engine = LLMEngine(self.config, record_stats=record_stats, async_scheduling=async_scheduling)
         self.engine.stats.set_window(stats_window)
         self.tokenizer = self.engine.tokenizer
 
@@ -70,8 +79,22 @@ class LLM:
     def __repr__(self) -> str:
         return f"LLM({self.config.model!r}, {self.engine!r})"
 
+    def shutdown(self) -> None:
+        """Stop and reap the engine's worker processes (tensor / data parallel); also done
+        when the LLM is collected and at exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def start_profile(self) -> None:
         """Start the torch profiler; traces go to `torch_profiler_dir` (see the guide)."""
+        if not hasattr(self.engine, "runner"):
+            raise NotImplementedError("start_profile() profiles one engine's runner; under data_parallel_size > 1 "
+                                      "the replicas run in their own processes")
         self.engine.runner.start_profile()
 
     def stop_profile(self) -> None:
