@@ -20,7 +20,8 @@ the front end lives on the host of rank 0, and other hosts start theirs with
 (its own tensor-parallel workers when `tensor_parallel_size > 1`; on GPUs replica i sees
 GPUs i*tp .. i*tp + tp - 1).
 
-Only final outputs come back (no per-step streaming through the router). A replica that
+Only final outputs come back (no per-step streaming through the router); each carries
+`dp_rank`, the replica that served it. A replica that
 dies or fails makes the next `step()` raise `ReplicaFailure` naming it; `shutdown()` (also
 at collection / exit) stops and reaps every local replica.
 """
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from atom.distributed.group import DEFAULT_TIMEOUT_S, init_group, make_store
 from atom.distributed.router import DPRouter
-from atom.distributed.worker import _watch_parent
+from atom.distributed.worker import _exit_now, _watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ def _visible_devices(local_rank: int, tp: int) -> str | None:
 
 # --- the replica process ------------------------------------------------------------------
 def replica_main(config, dp_rank: int, host: str, port: int, parent_pid: int | None,
-                 devices: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 devices: str | None, timeout_s: float = DEFAULT_TIMEOUT_S, exit_process: bool = True) -> None:
+    """A replica: its engine, the data-parallel group, then requests until "stop". Ends the
+    process (`exit_process`, a spawned replica) or raises SystemExit(1) on a failure."""
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if devices is not None:
@@ -112,7 +115,7 @@ def replica_main(config, dp_rank: int, host: str, port: int, parent_pid: int | N
     dp_size = config.parallel_config.data_parallel_size
     store = make_store(host, port, dp_size + 1, False, timeout_s)
     engine = group = None
-    doing = "loading the model"
+    doing, code = "loading the model", 0
     try:
         engine = LLMEngine(config)
         doing = "joining the data-parallel group"
@@ -127,12 +130,16 @@ def replica_main(config, dp_rank: int, host: str, port: int, parent_pid: int | N
             _push(store, _OUT_KEY, ("error", dp_rank, doing, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         except Exception:
             pass
-        raise SystemExit(1)
+        code = 1
     finally:
         if engine is not None:
             engine.shutdown()
         if group is not None:
             group.shutdown()
+    if exit_process:
+        _exit_now(code)
+    if code:
+        raise SystemExit(code)
 
 
 def serve_requests(engine, store, dp_rank: int) -> int:
@@ -200,6 +207,16 @@ def serve_replicas(config, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     returns 0 when all stopped cleanly, 1 otherwise."""
     pc = config.parallel_config
     ranks = list(range(pc.data_parallel_rank, pc.data_parallel_rank + pc.data_parallel_size_local))
+    if len(ranks) == 1:  # one replica on this host: it runs in this process
+        logger.info("data-parallel replicas %s started (pids [%d]), front end at %s:%d", ranks, os.getpid(),
+                    pc.data_parallel_master_ip, pc.data_parallel_master_port)
+        try:
+            replica_main(replica_config(config, ranks[0], 0), ranks[0], pc.data_parallel_master_ip,
+                         pc.data_parallel_master_port, None, _visible_devices(0, config.tensor_parallel_size), timeout_s,
+                         exit_process=False)
+        except SystemExit as e:
+            return int(e.code or 0)
+        return 0
     procs = start_replicas(config, ranks, pc.data_parallel_master_ip, pc.data_parallel_master_port, timeout_s)
     logger.info("data-parallel replicas %s started (pids %s), front end at %s:%d", ranks,
                 [p.pid for p in procs.values()], pc.data_parallel_master_ip, pc.data_parallel_master_port)
@@ -240,7 +257,8 @@ class DataParallelEngine:
         except BaseException:
             self.shutdown()
             raise
-        logger.info("data parallel: %d replicas (%s), %s", self.size, config.dp_load_balance,
+        logger.info("data parallel: %d replicas (%s) in a group of %d, host and pid of each: %s", self.size,
+                    config.dp_load_balance, min(i["group_size"] for i in self.replicas.values()),
                     {r: (i["host"], i["pid"]) for r, i in sorted(self.replicas.items())})
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -353,6 +371,7 @@ class DataParallelEngine:
             if message[0] == "outputs":
                 for out in message[2]:
                     if self.router.finish(out.request_id) is not None:  # not aborted meanwhile
+                        out.dp_rank = message[1]  # the replica that served it
                         outputs.append(out)
         return outputs
 

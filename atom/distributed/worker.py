@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -26,6 +27,15 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
         if os.getppid() != parent_pid:
             os._exit(3)
+
+
+def _exit_now(code: int) -> None:
+    """End a worker process once its engine is shut down: flush, then skip the interpreter's
+    teardown (seconds of native destructors on a loaded host; nothing of it is needed)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def worker_main(config, rank: int, world_size: int, host: str, port: int, device: str, conn,
@@ -53,10 +63,12 @@ def worker_main(config, rank: int, world_size: int, host: str, port: int, device
             conn.send(("error", rank, doing, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         except Exception:  # the driver is gone
             pass
-        raise SystemExit(1)
-    finally:
-        if state is not None:
-            state.shutdown()
+        code = 1
+    else:
+        code = 0
+    if state is not None:
+        state.shutdown()
+    _exit_now(code)
 
 
 def serve(runner) -> int:
