@@ -182,8 +182,9 @@ def free_port() -> int:
 
 
 def test_two_launchers_on_loopback_form_one_group_and_serve(tiny_llama, reference):
+    """Each "host" runs one replica of two tensor-parallel ranks (-tp 2): four model ranks."""
     port = free_port()
-    common = [sys.executable, "-m", "atom.distributed.launch", "--model", tiny_llama, "-dp", "2",
+    common = [sys.executable, "-m", "atom.distributed.launch", "--model", tiny_llama, "-dp", "2", "-tp", "2",
               "--data-parallel-size-local", "1", "--data-parallel-master-ip", "127.0.0.1",
               "--data-parallel-master-port", str(port)]
     host_b = subprocess.Popen(common + ["--data-parallel-rank", "1", "--master-addr", "127.0.0.2"],
@@ -201,6 +202,6 @@ def test_two_launchers_on_loopback_form_one_group_and_serve(tiny_llama, referenc
     assert head.returncode == 0, head.stderr[-2000:]
     assert host_b.returncode == 0, b_err[-2000:]
     assert "2 replicas (round_robin) in a group of 2" in head.stderr
-    assert "data-parallel replicas [1] started" in b_err
+    assert "data-parallel replicas [1] started" in b_err and "tensor parallel: 2 ranks (gloo)" in b_err
     lines = [json.loads(line) for line in head.stdout.strip().splitlines()]
     assert [line["token_ids"] for line in lines] == ref[:4]
