@@ -193,21 +193,24 @@ class TensorParallelExecutor:
         return WorkerFailure(msg)
 
     def explain(self, error: BaseException, doing: str) -> BaseException:
-        """The error to raise for `error` (raised by a collective or a step): a WorkerFailure
-        when a worker died or reported one (then the executor is shut down), else `error`."""
+        """The error to raise for `error`, raised by a step or a collective. A step that
+        fails anywhere leaves the ranks out of step (the others wait in a collective the
+        driver never reaches), so the engine stops: a WorkerFailure naming the rank that
+        died or raised, or, when none did, the driver (rank 0) and its error; the executor
+        shuts down and every later step raises the same. A KeyboardInterrupt propagates as
+        it is (the engine stops all the same)."""
         if isinstance(error, WorkerFailure):
             self.failure = self.failure or error
             return error
         if self.failure is not None:
             return self.failure
-        if not self.workers or (self._dead_worker() is None and not isinstance(error, RuntimeError)):
-            return error  # a plain error of the driver's own (a bad request): the group is fine
         failure = self._failure(doing)
-        if "no worker exited" in str(failure) and not _is_group_error(error):
-            return error
+        if "no worker exited" in str(failure):
+            failure = WorkerFailure(f"tensor-parallel rank 0 (the driver) raised {type(error).__name__}: {error} "
+                                    f"while the engine was {doing}; the ranks are out of step, so the engine stopped")
         self.failure = failure
         self.shutdown()
-        return failure
+        return error if isinstance(error, KeyboardInterrupt) else failure
 
     # --- shutdown -----------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -225,10 +228,15 @@ class TensorParallelExecutor:
         self.store = None
         self._finalizer.detach()
 
+    def frame(self):
+        """A DataFrame: one row per rank (0: the driver) with its pid, device and state."""
+        import pandas as pd
+        rows = [{"rank": 0, "pid": os.getpid(), "device": str(self.device), "alive": self.failure is None,
+                 "exitcode": None}]
+        rows += [{"rank": w.rank, "pid": w.pid, "device": str(device_for_rank(self.device, w.rank)),
+                  "alive": w.alive, "exitcode": w.process.exitcode} for w in self.workers]
+        return pd.DataFrame(rows)
+
     def __repr__(self) -> str:
         return f"TensorParallelExecutor(world_size={self.world_size}, workers={self.workers})"
 
-
-def _is_group_error(error: BaseException) -> bool:
-    text = str(error)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset", "gloo", "NCCL", "Timed out"))

@@ -47,7 +47,7 @@ def worker_main(config, rank: int, world_size: int, host: str, port: int, device
     from atom.distributed.group import DEFAULT_TIMEOUT_S, init_group, make_store
     from atom.model_engine.model_runner import ModelRunner
     doing = "joining the group"
-    state = None
+    state, progress = None, {}
     try:
         store = make_store(host, port, world_size, False, timeout_s or DEFAULT_TIMEOUT_S)
         state = init_group(rank, world_size, store, device, prefix, timeout_s or DEFAULT_TIMEOUT_S)
@@ -57,8 +57,10 @@ def worker_main(config, rank: int, world_size: int, host: str, port: int, device
         runner = ModelRunner(config, device, state)
         conn.send(("ready", rank, os.getpid()))
         doing = "serving steps"
-        serve(runner)
+        serve(runner, progress)
     except BaseException as e:  # noqa: BLE001  (reported, then the process exits non-zero)
+        if doing == "serving steps":
+            doing = progress.get("doing", doing)
         try:
             conn.send(("error", rank, doing, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         except Exception:  # the driver is gone
@@ -71,10 +73,13 @@ def worker_main(config, rank: int, world_size: int, host: str, port: int, device
     _exit_now(code)
 
 
-def serve(runner) -> int:
-    """Run the driver's steps until it says "stop"; returns the number of steps run."""
+def serve(runner, progress: dict | None = None) -> int:
+    """Run the driver's steps until it says "stop"; returns the number of steps run.
+    `progress["doing"]` says what the loop is at (for the error report)."""
     steps = 0
+    progress = progress if progress is not None else {}
     while True:
+        progress["doing"] = f"waiting for step {runner.num_steps + 1}"
         message = runner.parallel.broadcast_object()
         kind = message[0]
         if kind == "stop":
@@ -83,6 +88,7 @@ def serve(runner) -> int:
             _, seqs, released = message
             for seq_id in released:
                 runner.release(seq_id)
+            progress["doing"] = f"running step {runner.num_steps + 1} ({len(seqs)} sequences)"
             runner.run(seqs)
             steps += 1
         elif kind == "call":  # a runner method without collectives (start_profile / stop_profile)

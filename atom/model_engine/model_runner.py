@@ -337,12 +337,15 @@ class ModelRunner:
             return self._launch(batch, prev)
         try:
             return self._launch(batch, prev)
-        except Exception as e:
+        except BaseException as e:  # the ranks are out of step now: on_failure stops the engine
             seqs = batch.seqs if isinstance(batch, ScheduledBatch) else batch
             n_prefill = sum(1 for s in seqs if s.num_new_tokens > 1)
             doing = (f"running step {self.num_steps} ({n_prefill} prefill and {len(seqs) - n_prefill} decode "
                      "sequences)")
-            raise self.on_failure(e, doing) from e
+            error = self.on_failure(e, doing)
+            if error is e:
+                raise
+            raise error from e
 
     @torch.inference_mode()
     def _launch(self, batch: ScheduledBatch | list[Sequence], prev: "StepHandle | None" = None) -> "StepHandle":
