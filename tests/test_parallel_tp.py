@@ -1,8 +1,8 @@
 """Tensor parallel on a CPU (gloo, one worker process per extra rank): TP=2 gives the greedy
 tokens of TP=1 and transformers (tiny Llama and Qwen3, fp32; an int4 checkpoint), the
 driver's layers hold their shards, the workers are processes that end with the engine (also
-when the driver raises), and a worker killed mid-run ends the engine with an error naming
-it instead of a hang."""
+when the driver raises, after serving or mid-step), and a worker killed mid-run ends the
+engine with an error naming it instead of a hang."""
 from __future__ import annotations
 
 import json
@@ -74,6 +74,19 @@ def test_tp2_int4_checkpoint_matches_tp1_and_fake_quant_transformers(tmp_path):
         down = llm.engine.runner.model.model.layers[0].mlp.down_proj
         assert tuple(down.weight_packed.shape) == (128, 128 // 8) and tuple(down.weight_scale.shape) == (128, 2)
         assert tokens(llm) == ref
+        # a step that fails on the driver leaves the ranks out of step: the engine stops, naming it
+        runner = llm.engine.runner
+
+        def broken(seqs):
+            raise RuntimeError("the driver's step broke")
+
+        runner.prepare_host = broken
+        with pytest.raises(WorkerFailure, match=r"rank 0 \(the driver\) raised RuntimeError: the driver's step "
+                                                r"broke while the engine was running step \d+ .*stopped"):
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert wait_gone([w.pid for w in llm.engine.executor.workers]) == []
+        with pytest.raises(WorkerFailure, match="the driver"):
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert all(not w.alive for w in llm.engine.executor.workers)
 
 
