@@ -143,3 +143,12 @@ def test_building_context_reaches_layers_and_is_left_behind():
         layer = MergedLinear(16, [8, 8])
     assert layer.tp is tp and layer.out_features == 8 and "tp=column:1/2" in repr(layer)
     assert MergedLinear(16, [8, 8]).tp.world_size == 1  # outside: one rank
+
+
+def test_a_family_whose_layers_do_not_split_is_refused_before_any_process(tiny_llama, monkeypatch):
+    from atom.config import Config
+    from atom.distributed.executor import TensorParallelExecutor
+    from atom.models.llama import LlamaForCausalLM
+    monkeypatch.setattr(LlamaForCausalLM, "supports_tensor_parallel", False)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not implemented for LlamaForCausalLM"):
+        TensorParallelExecutor(Config(tiny_llama, tensor_parallel_size=2))

@@ -76,6 +76,16 @@ def _reap(workers: list[WorkerHandle], grace_s: float = 5.0) -> None:
             w.process.join(grace_s)
 
 
+def check_tensor_parallel(config) -> None:
+    """Refuse, before any process starts, a model family whose layers do not split across
+    ranks (`supports_tensor_parallel` on its class), naming it."""
+    from atom.models.registry import resolve_architecture
+    model_cls = resolve_architecture(config.hf_config)
+    if config.tensor_parallel_size > 1 and not getattr(model_cls, "supports_tensor_parallel", False):
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} is not implemented for "
+                         f"{model_cls.__name__} in this build yet: its layers do not split across ranks; use 1")
+
+
 def device_for_rank(base: torch.device, rank: int) -> torch.device:
     """cuda:r for rank r on a GPU host (from the driver's device index); the CPU otherwise."""
     if base.type != "cuda":
@@ -89,6 +99,7 @@ class TensorParallelExecutor:
         from atom.model_engine.model_runner import ModelRunner
         self.config = config
         self.world_size = config.tensor_parallel_size
+        check_tensor_parallel(config)
         self.device = torch.device(device) if device is not None else platform.default_device()
         if self.device.type == "cuda" and torch.cuda.device_count() < (self.device.index or 0) + self.world_size:
             raise ValueError(f"tensor_parallel_size={self.world_size} needs {self.world_size} GPUs; "

@@ -103,6 +103,9 @@ class ModelRunner:
         hf = config.hf_config
         self.dtype = config.torch_dtype if isinstance(config.torch_dtype, torch.dtype) else torch.bfloat16
         model_cls = resolve_architecture(hf)  # before anything expensive
+        if self.parallel.world_size > 1:
+            from atom.distributed.executor import check_tensor_parallel
+            check_tensor_parallel(config)
         quant_config = getattr(config, "quant_config", None)
         if quant_config is not None:  # checkpoint names (q_proj) -> the packed layers (qkv_proj)
             quant_config.remap_layer_name(hf, getattr(model_cls, "packed_modules_mapping", None))

@@ -110,6 +110,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     model_cls = LlamaModel
+    supports_tensor_parallel = True  # its layers split across ranks (atom.model_ops.linear)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
