@@ -21,7 +21,8 @@ the host. Building an `LLM` makes ATOM's INFO lines (engine-status line included
 on stderr unless logging is configured already (`atom.utils.log_setup`).
 
 `tensor_parallel_size > 1` spawns one worker process per extra rank
-(`atom.distributed.executor`); `parallel_config.data_parallel_size > 1` runs that many engine
+(`atom.distributed.executor`); `data_parallel_size > 1` (or `parallel_config=
+{"data_parallel_size": ...}`, with the other ParallelConfig fields) runs that many engine
 replicas in their own processes behind a router (`atom.distributed.data_parallel`).
 `llm.shutdown()` (or `with LLM(...) as llm:`) reaps them; so do collection and exit.
 """
@@ -48,6 +49,8 @@ class LLM:
         from atom.utils.dtypes import parse_dtype
         from atom.utils.log_setup import ensure_visible
         from atom.utils.seed import check_seed, set_seed
+        if "data_parallel_size" in kwargs:  # vLLM's spelling: into parallel_config
+            kwargs["parallel_config"] = _with_dp_size(kwargs.get("parallel_config"), kwargs.pop("data_parallel_size"))
         known = {f.name for f in dataclasses.fields(Config) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -149,6 +152,20 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _with_dp_size(parallel_config: Any, size: Any):
+    """`parallel_config` (None, a dict or a ParallelConfig) with data_parallel_size = `size`."""
+    from atom.config import ParallelConfig
+    if parallel_config is None:
+        return {"data_parallel_size": size}
+    if isinstance(parallel_config, dict):
+        return {**parallel_config, "data_parallel_size": size}
+    if isinstance(parallel_config, ParallelConfig):
+        local = parallel_config.data_parallel_size_local  # defaulted to the old size: default again
+        local = None if local == parallel_config.data_parallel_size else local
+        return dataclasses.replace(parallel_config, data_parallel_size=size, data_parallel_size_local=local)
+    return parallel_config  # Config names the bad type
 
 
 def _sampling_list(sampling_params: Any, n: int) -> list[SamplingParams]:

@@ -86,6 +86,14 @@ def test_parallel_config_takes_the_atom_dp_overrides(monkeypatch):
             pc.data_parallel_master_ip, pc.data_parallel_master_port) == (4, 2, 2, "10.1.2.3", 29611)
 
 
+def test_llm_takes_data_parallel_size_into_parallel_config():
+    from atom.llm import _with_dp_size
+    assert _with_dp_size(None, 2) == {"data_parallel_size": 2}
+    assert _with_dp_size({"data_parallel_rank": 0}, 3) == {"data_parallel_rank": 0, "data_parallel_size": 3}
+    pc = _with_dp_size(ParallelConfig(data_parallel_master_port=29601), 2)
+    assert (pc.data_parallel_size, pc.data_parallel_size_local, pc.data_parallel_master_port) == (2, 2, 29601)
+
+
 def test_the_front_end_refuses_a_host_that_is_not_rank_0(tiny_llama):
     from atom.config import Config
     from atom.distributed.data_parallel import DataParallelEngine
@@ -114,7 +122,7 @@ def expected_routes(strategy, lengths, req_equiv=512):
 
 @pytest.fixture(scope="module")
 def dp_llm(tiny_llama):
-    llm = LLM(tiny_llama, parallel_config={"data_parallel_size": 2}, num_kvcache_blocks=64, enable_log_stats=False)
+    llm = LLM(tiny_llama, data_parallel_size=2, num_kvcache_blocks=64, enable_log_stats=False)
     yield llm
     llm.shutdown()
 
