@@ -14,13 +14,19 @@ aborts the call's requests, freeing their KV blocks, before it propagates.
 
 Keywords besides `Config`'s fields: `dtype` ("auto": the checkpoint's; "bfloat16",
 "float16", "float32" or a torch.dtype), `seed` (seeds random / numpy / torch once, here),
-`record_stats` (per-step records, `llm.stats`; on by default), `stats_window` (how many
+`record_stats` (per-step records, `llm.stats`; on by default; not under data parallel), `stats_window` (how many
 step and request records are kept, default 10,000; None: all), `record_expert_load`
 (MoE models: tokens per expert per layer per step, `llm.stats.expert_load()`), `async_scheduling`
 (default: on a GPU) launches the next decode step before the current one's tokens reach
 the host. `asyncio_mode=True` is refused here (it is the server's engine loop,
 `AsyncLLMEngine`). Building an `LLM` makes ATOM's INFO lines (engine-status line included) visible
 on stderr unless logging is configured already (`atom.utils.log_setup`).
+
+`tensor_parallel_size > 1` spawns one worker process per extra rank
+(`atom.distributed.executor`); `data_parallel_size > 1` (or `parallel_config=
+{"data_parallel_size": ...}`, with the other ParallelConfig fields) runs that many engine
+replicas in their own processes behind a router (`atom.distributed.data_parallel`).
+`llm.shutdown()` (or `with LLM(...) as llm:`) reaps them; so do collection and exit.
 """
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ class LLM:
         from atom.utils.dtypes import parse_dtype
         from atom.utils.log_setup import ensure_visible
         from atom.utils.seed import check_seed, set_seed
+        if "data_parallel_size" in kwargs:  # vLLM's spelling: into parallel_config
+            kwargs["parallel_config"] = _with_dp_size(kwargs.get("parallel_config"), kwargs.pop("data_parallel_size"))
         known = {f.name for f in dataclasses.fields(Config) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -64,8 +72,12 @@ class LLM:
             logger.info("dtype=%s overrides the checkpoint's %s", forced_dtype, self.config.torch_dtype)
             self.config.torch_dtype = forced_dtype
         self.seed = set_seed(seed)
-        self.engine = LLMEngine(self.config, record_stats=record_stats, async_scheduling=async_scheduling,
-                                record_expert_load=record_expert_load)
+        if self.config.parallel_config.data_parallel_size > 1:  # replicas in their own processes
+            from atom.distributed.data_parallel import DataParallelEngine
+            self.engine = DataParallelEngine(self.config)
+        else:
+            self.engine = LLMEngine(self.config, record_stats=record_stats, async_scheduling=async_scheduling,
+                                    record_expert_load=record_expert_load)
         self.engine.stats.set_window(stats_window)
         self.tokenizer = self.engine.tokenizer
 
@@ -77,8 +89,22 @@ class LLM:
     def __repr__(self) -> str:
         return f"LLM({self.config.model!r}, {self.engine!r})"
 
+    def shutdown(self) -> None:
+        """Stop and reap the engine's worker processes (tensor / data parallel); also done
+        when the LLM is collected and at exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def start_profile(self) -> None:
         """Start the torch profiler; traces go to `torch_profiler_dir` (see the guide)."""
+        if not hasattr(self.engine, "runner"):
+            raise NotImplementedError("start_profile() profiles one engine's runner; under data_parallel_size > 1 "
+                                      "the replicas run in their own processes")
         self.engine.runner.start_profile()
 
     def stop_profile(self) -> None:
@@ -133,6 +159,20 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _with_dp_size(parallel_config: Any, size: Any):
+    """`parallel_config` (None, a dict or a ParallelConfig) with data_parallel_size = `size`."""
+    from atom.config import ParallelConfig
+    if parallel_config is None:
+        return {"data_parallel_size": size}
+    if isinstance(parallel_config, dict):
+        return {**parallel_config, "data_parallel_size": size}
+    if isinstance(parallel_config, ParallelConfig):
+        local = parallel_config.data_parallel_size_local  # defaulted to the old size: default again
+        local = None if local == parallel_config.data_parallel_size else local
+        return dataclasses.replace(parallel_config, data_parallel_size=size, data_parallel_size_local=local)
+    return parallel_config  # Config names the bad type
 
 
 def _sampling_list(sampling_params: Any, n: int) -> list[SamplingParams]:

@@ -66,6 +66,11 @@ class LLMEngine:
                  record_expert_load: bool = False):
         check_supported(config, model_runner.device if model_runner is not None else None)
         self.config = config
+        self.executor = None  # tensor parallel: the workers of ranks 1.. (atom.distributed)
+        if model_runner is None and config.tensor_parallel_size > 1:
+            from atom.distributed.executor import TensorParallelExecutor
+            self.executor = TensorParallelExecutor(config)
+            model_runner = self.executor.runner
         self.runner = model_runner or ModelRunner(config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.block_manager = BlockManager(self.runner.num_blocks, config.kv_cache_block_size,
@@ -77,6 +82,11 @@ class LLMEngine:
         # overlap: launch decode step N+1 before step N's tokens reach the host (GPU default)
         self.async_scheduling = (self.runner.device.type == "cuda" if async_scheduling is None
                                  else async_scheduling)
+        if self.async_scheduling and self.runner.parallel.world_size > 1:
+            if async_scheduling:
+                logger.warning("async_scheduling is off under tensor parallel (each step's tokens reach "
+                               "the workers with the next step)")
+            self.async_scheduling = False
         self._ahead = None  # (batch, handle) of a launched look-ahead step
         self.num_lookahead_steps = 0
         self.proposer = proposer  # draft tokens for multi-token steps; None: one token a step
@@ -94,6 +104,12 @@ class LLMEngine:
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.runner!r}, {self.scheduler!r}, {self.block_manager!r})"
+
+    def shutdown(self) -> None:
+        """Stop and reap the tensor-parallel workers (also done when the engine is collected
+        and at exit); a no-op for a one-rank engine."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # --- requests --------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

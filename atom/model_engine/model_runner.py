@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from atom import platform
+from atom.distributed.state import ParallelState, building
 from atom.model_engine.scheduler import ScheduledBatch, eos_token_ids
 from atom.model_engine.sequence import PLACEHOLDER, Sequence
 from atom.model_engine.step_extras import StepLogprobs, sample_processed, score_prompts
@@ -94,13 +95,22 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config, device: torch.device | str | None = None):
+    def __init__(self, config, device: torch.device | str | None = None, parallel: ParallelState | None = None):
+        """`parallel`: this rank's tensor-parallel group (None: one rank). Rank 0 (the driver)
+        sends each step to the other ranks (`atom.distributed.worker.serve`) as it launches it."""
         self.config = config
+        self.parallel = parallel if parallel is not None else ParallelState.single()
+        self._released: list[int] = []  # seq ids finished since the last step (sent to the workers)
+        self.on_failure = None  # set by a TensorParallelExecutor: error, what -> the error to raise
+        self.num_steps = 0
         self.device = torch.device(device) if device is not None else platform.default_device()
         self.block_size = config.kv_cache_block_size
         hf = config.hf_config
         self.dtype = config.torch_dtype if isinstance(config.torch_dtype, torch.dtype) else torch.bfloat16
         model_cls = resolve_architecture(hf)  # before anything expensive
+        if self.parallel.world_size > 1:
+            from atom.distributed.executor import check_tensor_parallel
+            check_tensor_parallel(config)
         quant_config = getattr(config, "quant_config", None)
         if quant_config is not None:  # checkpoint names (q_proj) -> the packed layers (qkv_proj)
             quant_config.remap_layer_name(hf, getattr(model_cls, "packed_modules_mapping", None))
@@ -108,7 +118,7 @@ class ModelRunner:
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), building(self.parallel):
                 self.model = model_cls(hf, quant_config)
         finally:
             torch.set_default_dtype(prev)
@@ -214,7 +224,7 @@ class ModelRunner:
             budget = CPU_KV_CACHE_BYTES
         # never more than max_num_seqs full-length sequences need
         cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
-        n = min(self.kv_cache_manager.num_blocks_for(budget), cap)
+        n = self.parallel.min_int(min(self.kv_cache_manager.num_blocks_for(budget), cap))  # ranks agree
         if n < 1:
             raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no "
                              "memory for the KV cache: raise it or lower max_num_batched_tokens")
@@ -345,14 +355,37 @@ class ModelRunner:
         """Run one step; returns the sampled tokens per sequence (see `collect`)."""
         return self.collect(self.launch(batch))
 
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch | list[Sequence], prev: "StepHandle | None" = None) -> "StepHandle":
         """Enqueue a step's forward and sampling on the device without waiting for it.
 
         With `prev`, placeholder input tokens (a look-ahead step) are taken on the device
-        from the tokens `prev` sampled, so no host round trip separates the two steps."""
+        from the tokens `prev` sampled, so no host round trip separates the two steps.
+        Under tensor parallel, an error is handed to `on_failure` (the executor's: a rank
+        that died becomes a `WorkerFailure` naming it and this step)."""
+        if self.on_failure is None:
+            return self._launch(batch, prev)
+        try:
+            return self._launch(batch, prev)
+        except BaseException as e:  # the ranks are out of step now: on_failure stops the engine
+            seqs = batch.seqs if isinstance(batch, ScheduledBatch) else batch
+            n_prefill = sum(1 for s in seqs if s.num_new_tokens > 1)
+            doing = (f"running step {self.num_steps} ({n_prefill} prefill and {len(seqs) - n_prefill} decode "
+                     "sequences)")
+            error = self.on_failure(e, doing)
+            if error is e:
+                raise
+            raise error from e
+
+    @torch.inference_mode()
+    def _launch(self, batch: ScheduledBatch | list[Sequence], prev: "StepHandle | None" = None) -> "StepHandle":
         seqs = batch.seqs if isinstance(batch, ScheduledBatch) else batch
+        self.num_steps += 1
         t0 = time.perf_counter()
+        if self.parallel.world_size > 1 and self.parallel.is_driver:
+            if prev is not None:
+                raise ValueError("look-ahead steps (async_scheduling) do not run under tensor parallel yet")
+            self.publish(("step", [step_view(s) for s in seqs], self._released))
+            self._released = []
         host = self.prepare_host(seqs)
         t1 = time.perf_counter()
         fed = None
@@ -472,10 +505,32 @@ class ModelRunner:
         self.profiler.stop()
         self.profiler = None
 
-    def release(self, seq: Sequence) -> None:
-        """Forget per-request state (its sampling generator) once it finished."""
-        self.generators.pop(seq.seq_id, None)
+    def release(self, seq: Sequence | int) -> None:
+        """Forget per-request state (its sampling generator) once it finished (the workers
+        with the next step)."""
+        seq_id = seq if isinstance(seq, int) else seq.seq_id
+        self.generators.pop(seq_id, None)
+        if self.parallel.world_size > 1 and self.parallel.is_driver:
+            self._released.append(seq_id)
+
+    # --- tensor parallel: the driver's messages to the other ranks -----------------------
+    def publish(self, message: tuple) -> None:
+        """Rank 0: one message (a step, or "stop") to every other rank, once."""
+        self.parallel.broadcast_object(message)
 
     def __repr__(self) -> str:
-        return (f"ModelRunner({type(self.model).__name__}, device={self.device}, dtype={self.dtype}, "
+        tp = f", tp_rank={self.parallel.rank}/{self.parallel.world_size}" if self.parallel.world_size > 1 else ""
+        return (f"ModelRunner({type(self.model).__name__}, device={self.device}, dtype={self.dtype}{tp}, "
                 f"kv_blocks={self.num_blocks}x{self.block_size}, attention={self.attn_backend.name}, plan={self.plan!r})")
+
+
+_NOT_SENT = ("forks", "prompt_token_ids", "prompt")  # what the workers' runners never read
+
+
+def step_view(seq: Sequence) -> Sequence:
+    """A copy of `seq` with what a runner reads in a step (no siblings, no prompt text), for
+    sending to the other tensor-parallel ranks."""
+    view = object.__new__(Sequence)
+    view.__dict__ = {k: v for k, v in seq.__dict__.items() if k not in _NOT_SENT}
+    view.forks = []
+    return view

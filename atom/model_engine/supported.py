@@ -3,13 +3,15 @@
 `Config` accepts and validates every field of the guide (so it can be built and inspected
 anywhere); an engine that would silently ignore one of them is worse than none. So
 `LLMEngine` calls `check_supported(config)` first: one `ValueError` lists every setting
-that is not implemented here (tensor / data / expert parallelism, DP attention, an FP8 KV
-cache, speculative decoding), each with its field and value. Online quantization runs
-(`atom.model_loader.online_quant`; its MXFP4 target is refused there, at model build, until the
-MXFP4 method is in). `asyncio_mode` runs in `atom.model_engine.async_engine.AsyncLLMEngine`
-(the server's engine loop); the offline `LLM`, which steps the engine itself, refuses it. It
-also checks the kernel backend (`ATOM_KERNEL_BACKEND`, `atom.platform`) and warns, once, that
-a compilation level above 0 does nothing on a CPU.
+that is not implemented here (expert parallelism, DP attention, an FP8 KV cache,
+speculative decoding), each with its field and value. Tensor parallel
+(`atom.distributed.executor`) and data parallel (`atom.distributed.data_parallel`) run.
+Online quantization runs (`atom.model_loader.online_quant`; its MXFP4 target is refused
+there, at model build, until the MXFP4 method is in). `asyncio_mode` runs in
+`atom.model_engine.async_engine.AsyncLLMEngine` (the server's engine loop); the offline `LLM`,
+which steps the engine itself, refuses it. It also checks the kernel backend
+(`ATOM_KERNEL_BACKEND`, `atom.platform`) and warns, once, that a compilation level above 0
+does nothing on a CPU.
 """
 from __future__ import annotations
 
@@ -42,12 +44,6 @@ def unsupported_settings(config: Any) -> list[str]:
     def refuse(field: str, value: Any, allowed: str) -> None:
         found.append(f"{field}={value!r} is {WHY}: {allowed}")
 
-    tp = _get(config, "tensor_parallel_size", 1)
-    if tp != 1:
-        refuse("tensor_parallel_size", tp, "only 1 (one device) runs")
-    dp = _get(config, "parallel_config.data_parallel_size", 1)
-    if dp != 1:
-        refuse("parallel_config.data_parallel_size", dp, "only 1 runs (--data-parallel-size)")
     for flag in ("enable_expert_parallel", "enable_dp_attention"):
         if _get(config, flag, False):
             refuse(flag, True, "leave it False")

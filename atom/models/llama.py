@@ -15,7 +15,7 @@ from torch import nn
 from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.attention import Attention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
-from atom.model_ops.linear import Linear, MergedLinear, QKVLinear
+from atom.model_ops.linear import MergedLinear, QKVLinear, RowParallelLinear
 from atom.model_ops.norm import RMSNorm
 from atom.model_ops.rotary import RotaryEmbedding, rope_parameters
 
@@ -34,7 +34,7 @@ class LlamaAttention(nn.Module):
         bias = getattr(cfg, "attention_bias", False)
         self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                   bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias,
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias,
                              quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb  # one table for all layers
         if self.qk_norm:
@@ -60,7 +60,7 @@ class LlamaMLP(nn.Module):
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias,
                                          quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias,
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias,
                                 quant_config=quant_config, prefix=f"{prefix}.down_proj")
         self.act = SiluAndMul()
 
@@ -114,6 +114,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     model_cls = LlamaModel
+    supports_tensor_parallel = True  # its layers split across ranks (atom.model_ops.linear)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.distributed.state import current_parallel_state
 from atom.model_ops.attention.metadata import (AttentionMetadata, current_forward_context, forward_context,
                                                get_forward_context, set_forward_context)
 from atom.model_ops.attention.torch_backend import TorchAttentionBackend
@@ -21,8 +22,14 @@ __all__ = ["Attention", "AttentionMetadata", "TorchAttentionBackend", "forward_c
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
+                 tp=None):
+        """`num_heads` / `num_kv_heads`: the model's; the layer keeps this tensor-parallel
+        rank's (`tp`, default: the model being built, `atom.distributed.building`)."""
         super().__init__()
+        tp = tp if tp is not None else current_parallel_state()
+        num_heads = tp.split(num_heads, "num_attention_heads")
+        num_kv_heads = tp.kv_heads(num_kv_heads)[0]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_idx = layer_idx

@@ -5,6 +5,12 @@ The quantization config hands each linear layer a method for its prefix
 (each with the layer's `weight_loader`, which knows the packed shards), post-processes them
 once the checkpoint is loaded (repacking, scales), and computes the product. Adding a
 format adds a method file; the layers and the models stay as they are.
+
+Tensor parallel: `create_weights` is handed the rank's in / out features, and each
+parameter declares how it shards (`output_dim`, `rows_per_entry`, `input_dim`,
+`input_pack`; None: the same on every rank; `quant.common._register` sets them); the
+layer narrows each checkpoint tensor to the rank's slice before the parameter's loader
+runs (`atom.model_ops.linear`). A method that declares nothing is refused under TP.
 """
 from __future__ import annotations
 

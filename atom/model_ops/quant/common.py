@@ -40,16 +40,23 @@ def shards(layer: nn.Module) -> list[tuple[object, int, int]]:
     return [(sid, *layer.shard_range(sid)) for sid in layer.shard_ids()]
 
 
-def _register(layer: nn.Module, name: str, data: torch.Tensor, loader) -> nn.Parameter:
+def _register(layer: nn.Module, name: str, data: torch.Tensor, loader, output_dim=None, rows_per_entry=1,
+              input_dim=None, input_pack=1) -> nn.Parameter:
+    """A parameter with its loader and how it shards across tensor-parallel ranks
+    (`atom.model_ops.linear`): `output_dim` / `input_dim` (None: the same on every rank), each
+    entry along them covering `rows_per_entry` output rows / `input_pack` input columns."""
     p = nn.Parameter(data, requires_grad=False)
     p.weight_loader = loader
+    p.output_dim, p.rows_per_entry, p.input_dim, p.input_pack = output_dim, rows_per_entry, input_dim, input_pack
     layer.register_parameter(name, p)
     return p
 
 
-def weight_param(layer: nn.Module, name: str, shape: tuple, dtype: torch.dtype) -> nn.Parameter:
-    """A weight-like parameter (rows = output features) filled by the layer's loader."""
-    return _register(layer, name, torch.empty(shape, dtype=dtype), layer.weight_loader)
+def weight_param(layer: nn.Module, name: str, shape: tuple, dtype: torch.dtype, input_pack: int = 1) -> nn.Parameter:
+    """A weight-like parameter (rows = output features, columns = input features, `input_pack`
+    of them per stored element) filled by the layer's loader."""
+    return _register(layer, name, torch.empty(shape, dtype=dtype), layer.weight_loader, output_dim=0,
+                     input_dim=1 if len(shape) > 1 else None, input_pack=input_pack)
 
 
 def bias_param(layer: nn.Module, out_features: int, bias: bool) -> None:
@@ -85,9 +92,11 @@ def row_ranges(layer: nn.Module, rows_per_entry: int) -> dict:
 
 
 def row_param(layer: nn.Module, name: str, cols: int, dtype=torch.float32, rows_per_entry: int = 1,
-              fill: float = 1.0) -> nn.Parameter:
+              fill: float = 1.0, input_pack: int | None = None) -> nn.Parameter:
     """[sum of entries over shards, cols]; a checkpoint tensor [entries, cols] (or [entries]
-    when cols is 1, as Quark writes per-channel scales) lands in its shard's entries."""
+    when cols is 1, as Quark writes per-channel scales) lands in its shard's entries.
+    `input_pack`: input columns per column (a block or group scale); None: cols do not
+    follow the input (per-channel)."""
     ranges = row_ranges(layer, rows_per_entry)
     total = sum(n for _, n in ranges.values())
 
@@ -100,7 +109,9 @@ def row_param(layer: nn.Module, name: str, cols: int, dtype=torch.float32, rows_
                              f"(shard {shard_id!r}) != expected {(n, cols)}")
         param.data[start:start + n].copy_(loaded)
 
-    return _register(layer, name, torch.full((total, cols), fill, dtype=dtype), load)
+    return _register(layer, name, torch.full((total, cols), fill, dtype=dtype), load, output_dim=0,
+                     rows_per_entry=rows_per_entry, input_dim=None if input_pack is None else 1,
+                     input_pack=input_pack or 1)
 
 
 def expand_rows(layer: nn.Module, t: torch.Tensor, rows_per_entry: int, unpack=None) -> torch.Tensor:

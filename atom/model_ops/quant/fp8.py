@@ -74,7 +74,7 @@ class Fp8LinearMethod(QuantLinearMethod):
             row_param(layer, self.scale_name, 1)
         else:
             bn, bk = self.block
-            row_param(layer, self.scale_name, -(-in_features // bk), rows_per_entry=bn)
+            row_param(layer, self.scale_name, -(-in_features // bk), rows_per_entry=bn, input_pack=bk)
         if self.static:
             per_shard_param(layer, "input_scale")
         bias_param(layer, out_features, bias)

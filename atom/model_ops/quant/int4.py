@@ -58,23 +58,23 @@ class Int4LinearMethod(QuantLinearMethod):
             raise refuse(self.prefix, self.spec, f"in_features={in_features} is not a multiple of group_size={g}: "
                          f"the pack-quantized format has no partial group (llm-compressor refuses it){hint}")
         self.groups = in_features // g
-        weight_param(layer, "weight_packed", (out_features, -(-in_features // 8)), torch.int32)
-        row_param(layer, "weight_scale", self.groups)
+        weight_param(layer, "weight_packed", (out_features, -(-in_features // 8)), torch.int32, input_pack=8)
+        row_param(layer, "weight_scale", self.groups, input_pack=g)
         if not self.symmetric:
-            row_param(layer, "weight_zero_point", self.groups, dtype=torch.int32, rows_per_entry=8, fill=0)
+            row_param(layer, "weight_zero_point", self.groups, dtype=torch.int32, rows_per_entry=8, fill=0,
+                      input_pack=g)
         shape = per_shard_param(layer, "weight_shape", (2,), dtype=torch.int64)
-        shape.data.copy_(torch.tensor([[layer.shard_range(sid)[1], in_features] for sid in layer.shard_ids()]))
+        shape.data.copy_(torch.tensor([layer.checkpoint_shape(sid) for sid in layer.shard_ids()]))
         shape.keep_on_dummy = True  # dummy weights leave the expected shapes in place
         bias_param(layer, out_features, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Checks each shard's `weight_shape`; unpacks the zero points to one row per output."""
         for i, sid in enumerate(layer.shard_ids()):
-            rows = layer.shard_range(sid)[1]
+            want = tuple(layer.checkpoint_shape(sid))  # the whole shard, before a tensor-parallel split
             got = tuple(int(v) for v in layer.weight_shape[i])
-            if got != (rows, layer.in_features):
-                raise ValueError(f"{self.prefix}: checkpoint weight_shape {got} (shard {sid!r}) != "
-                                 f"{(rows, layer.in_features)}")
+            if got != want:
+                raise ValueError(f"{self.prefix}: checkpoint weight_shape {got} (shard {sid!r}) != {want}")
         if not self.symmetric:
             zp = expand_rows(layer, layer.weight_zero_point.data, 8, unpack=lambda c: unpack_int4(c.t()).t())
             layer.register_buffer("zero_point", zp.to(torch.int8).contiguous(), persistent=False)

@@ -51,9 +51,11 @@ class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         layer.weight.weight_loader = layer.weight_loader
+        layer.weight.output_dim, layer.weight.input_dim = 0, 1  # how it shards (model_ops.linear)
         if bias:
             layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             layer.bias.weight_loader = layer.weight_loader
+            layer.bias.output_dim, layer.bias.input_dim = 0, None
         else:
             layer.register_parameter("bias", None)
 
