@@ -1,0 +1,178 @@
+"""Sliding windows, attention sinks and the FP8 KV cache in the torch reference backend and the
+Triton unified kernel (interpreter on CPU), against a plain dense-softmax torch reference.
+
+The dense reference here is written independently of both: per sequence, the contiguous keys
+and values, scores, the causal + window mask, the sink as one more softmax column, softmax,
+then the product with the values."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from atom.model_ops.attention import AttentionMetadata  # noqa: E402
+from atom.model_ops.attention.torch_native import (LayerAttention, paged_attention,  # noqa: E402
+                                                   quantize_fp8, write_kv_cache)
+from atom.model_ops.attention.triton_unified import paged_attention_ref  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def dense_attention(q, k, v, positions, scale, sinks=None, window=None):
+    """q [n, Hq, D] at absolute `positions` [n]; k / v [L, Hkv, D] of the whole context."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    j = torch.arange(k.shape[0])[None, :]
+    p = positions[:, None]
+    visible = j <= p
+    if window is not None:
+        visible &= p - j < window
+    s = s.masked_fill(~visible[None], float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.float()[:, None, None].expand(-1, s.shape[1], 1)], -1)
+    w = torch.softmax(s, -1)[..., :k.shape[0]]
+    return torch.einsum("hqk,khd->qhd", w, v)
+
+
+def paged_batch(query_lens, context_lens, hq, hkv, d, bs, seed=0, dtype=torch.float32):
+    """A ragged batch over scattered blocks, plus each sequence's contiguous K/V."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    max_blocks = max(-(-L // bs) for L in seq_lens) + 1
+    num_blocks = sum(-(-L // bs) for L in seq_lens) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32), 0
+    kc = torch.zeros(num_blocks, bs, hkv, d, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    ks, vs = [], []
+    for i, L in enumerate(seq_lens):
+        nb = -(-L // bs)
+        tables[i, :nb] = torch.tensor(perm[used:used + nb])
+        used += nb
+        k, v = torch.randn(L, hkv, d, generator=g).to(dtype), torch.randn(L, hkv, d, generator=g).to(dtype)
+        slots = tables[i, torch.arange(L) // bs].long() * bs + torch.arange(L) % bs
+        kc.view(-1, hkv, d)[slots], vc.view(-1, hkv, d)[slots] = k, v
+        ks.append(k)
+        vs.append(v)
+    T = sum(query_lens)
+    q = torch.randn(T, hq, d, generator=g).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    meta = AttentionMetadata(cu, torch.tensor(seq_lens, dtype=torch.int32), tables,
+                             torch.zeros(T, dtype=torch.int64), max(query_lens), max(seq_lens),
+                             list(query_lens), seq_lens)
+    return q, kc, vc, meta, ks, vs
+
+
+def expected(q, meta, ks, vs, scale, sinks, window):
+    out = torch.empty(q.shape, dtype=torch.float32)
+    cu = meta.cu_seqlens_q.tolist()
+    for i, L in enumerate(meta.seq_lens.tolist()):
+        n = cu[i + 1] - cu[i]
+        if n:
+            out[cu[i]:cu[i + 1]] = dense_attention(q[cu[i]:cu[i + 1]], ks[i], vs[i], torch.arange(L - n, L),
+                                                   scale, sinks, window)
+    return out
+
+
+# decodes of several lengths (the torch backend groups them), a fresh prefill, a chunked
+# continuation over cached context (as after a prefix-cache hit), a one-token context
+QUERY_LENS = [1, 1, 1, 1, 37, 20, 1, 6]
+CONTEXT_LENS = [70, 66, 30, 0, 0, 45, 9, 50]
+SHAPES = [(4, 2, 32, 16), (6, 3, 64, 16), (8, 8, 32, 32)]  # (hq, hkv, d, block_size)
+WINDOWS = [None, 1, 7, 40, 4096]  # 1: only itself; 4096: longer than any context
+
+
+def _sinks(hq, seed):
+    return torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_torch_backend_window_and_sinks_match_dense(hq, hkv, d, bs, window, with_sinks):
+    q, kc, vc, meta, ks, vs = paged_batch(QUERY_LENS, CONTEXT_LENS, hq, hkv, d, bs, seed=hq + d)
+    sinks = _sinks(hq, hkv) if with_sinks else None
+    want = expected(q, meta, ks, vs, d ** -0.5, sinks, window)
+    out = paged_attention(q, kc, vc, meta, d ** -0.5, LayerAttention(sinks, window))
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    ref = paged_attention_ref(q, kc, vc, torch.full_like(q, float("nan")), meta.cu_seqlens_q, meta.seq_lens,
+                              meta.block_tables, d ** -0.5, meta.max_query_len, sinks=sinks, sliding_window=window)
+    torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5, 60])
+def test_torch_single_decode_window_and_sinks(window):
+    q, kc, vc, meta, ks, vs = paged_batch([1], [77], 6, 2, 32, 16, seed=3)
+    sinks = _sinks(6, 1)
+    out = paged_attention(q, kc, vc, meta, 0.2, LayerAttention(sinks, window))
+    torch.testing.assert_close(out, expected(q, meta, ks, vs, 0.2, sinks, window), rtol=1e-4, atol=1e-5)
+
+
+def test_sinks_change_the_output():
+    """A check that could not fail otherwise: large sinks take mass off the values."""
+    q, kc, vc, meta, ks, vs = paged_batch([5, 1], [3, 20], 4, 2, 32, 16, seed=1)
+    plain = paged_attention(q, kc, vc, meta, 0.2)
+    sunk = paged_attention(q, kc, vc, meta, 0.2, LayerAttention(torch.full((4,), 8.0), None))
+    assert sunk.norm() < 0.05 * plain.norm()
+
+
+def test_window_layers_share_nothing_in_the_step_cache():
+    """Layers with different windows in one step each get their own decode plan."""
+    q, kc, vc, meta, ks, vs = paged_batch([1, 1, 1], [40, 20, 5], 4, 2, 32, 16, seed=2)
+    for window in (None, 4, None, 4, 12):
+        out = paged_attention(q, kc, vc, meta, 0.2, LayerAttention(None, window))
+        torch.testing.assert_close(out, expected(q, meta, ks, vs, 0.2, None, window), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ FP8 cache
+
+def _fp8_cache_like(kc, vc, k_scale, v_scale):
+    """The same entries, written through the cache write into an FP8 cache."""
+    kq, vq = torch.zeros(kc.shape, dtype=FP8), torch.zeros(vc.shape, dtype=FP8)
+    n = kc.shape[0] * kc.shape[1]
+    write_kv_cache(kc.view(n, *kc.shape[2:]), vc.view(n, *vc.shape[2:]), kq, vq, torch.arange(n), None,
+                   k_scale, v_scale)
+    return kq, vq
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# FP8 e4m3 keeps 3 mantissa bits: each entry within 2^-4 relative (6.25%), so attention
+# outputs over random data land ~2-4% off in relative norm; 6% is the bound asserted.
+FP8_REL_TOL = 0.06
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 0.02)], ids=["unit-scales", "scaled"])
+def test_fp8_cache_write_and_torch_attention_close_to_full_precision(scales):
+    hq, hkv, d, bs = 6, 3, 64, 16
+    q, kc, vc, meta, ks, vs = paged_batch(QUERY_LENS, CONTEXT_LENS, hq, hkv, d, bs, seed=7)
+    k_scale, v_scale = torch.tensor(scales[0]), torch.tensor(scales[1])
+    kq, vq = _fp8_cache_like(kc, vc, k_scale, v_scale)
+    assert kq.dtype == FP8 and kq.element_size() == 1
+    # what was stored is x / scale rounded to e4m3 (saturating), read back as fp8 * scale
+    torch.testing.assert_close(kq.float() * k_scale, kc, rtol=0.07, atol=0.02 * scales[0])
+    assert torch.equal(kq, quantize_fp8(kc, k_scale, FP8))
+    opts = LayerAttention(_sinks(hq, 0), 30, k_scale, v_scale)
+    full = paged_attention(q, kc, vc, meta, d ** -0.5, LayerAttention(opts.sinks, 30))
+    out = paged_attention(q, kq, vq, meta, d ** -0.5, opts)
+    assert torch.isfinite(out).all()
+    assert _rel(out, full) < FP8_REL_TOL
+    # and exactly the dense math on the dequantized entries
+    ref = paged_attention_ref(q, kq, vq, torch.empty_like(q), meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                              d ** -0.5, meta.max_query_len, sinks=opts.sinks, sliding_window=30,
+                              k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_cache_write_saturates_instead_of_nan():
+    kc, vc = torch.zeros(2, 16, 1, 8, dtype=FP8), torch.zeros(2, 16, 1, 8, dtype=FP8)
+    k = torch.full((1, 1, 8), 1e4)
+    write_kv_cache(k, -k, kc, vc, torch.tensor([3]))
+    assert torch.equal(kc[0, 3].float(), torch.full((1, 8), 448.0))
+    assert torch.equal(vc[0, 3].float(), torch.full((1, 8), -448.0))
