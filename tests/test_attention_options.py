@@ -176,3 +176,111 @@ def test_fp8_cache_write_saturates_instead_of_nan():
     write_kv_cache(k, -k, kc, vc, torch.tensor([3]))
     assert torch.equal(kc[0, 3].float(), torch.full((1, 8), 448.0))
     assert torch.equal(vc[0, 3].float(), torch.full((1, 8), -448.0))
+
+
+# ------------------------------------------------------------------------------ Triton kernel
+
+triton = pytest.importorskip("triton")
+from atom.model_ops.attention import triton_unified as _tu  # noqa: E402
+from atom.model_ops.attention.triton_unified import AttentionOptions, DecodeRope, unified_attention  # noqa: E402
+
+_INTERPRET = type(_tu._unified_attn_kernel).__name__ == "InterpretedFunction"
+needs_kernel = pytest.mark.skipif(not (_INTERPRET or torch.cuda.is_available()),
+                                  reason="the kernels were defined compiled without a GPU")
+
+
+def _unified(q, kc, vc, meta, scale, opts, **kw):
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, kc, vc, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
+                      meta.max_query_len, options=opts, **kw)
+    assert not torch.isnan(out).any(), "unwritten output rows"
+    return out
+
+
+# interpreter-sized: fewer / shorter sequences than the torch cases
+TRITON_Q = [1, 1, 1, 23, 9, 1]
+TRITON_CTX = [70, 40, 0, 0, 60, 9]
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d,bs", [(4, 2, 32, 16), (6, 3, 64, 32)])
+@pytest.mark.parametrize("window", [None, 1, 20, 100])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_triton_window_and_sinks_match_dense(hq, hkv, d, bs, window, with_sinks):
+    q, kc, vc, meta, ks, vs = paged_batch(TRITON_Q, TRITON_CTX, hq, hkv, d, bs, seed=hq * d)
+    sinks = _sinks(hq, 5) if with_sinks else None
+    out = _unified(q, kc, vc, meta, d ** -0.5, AttentionOptions(sinks, window))
+    torch.testing.assert_close(out, expected(q, meta, ks, vs, d ** -0.5, sinks, window), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("window", [None, 9, 33])
+def test_triton_split_kv_with_window_and_sinks(splits, window):
+    """Decode segments: the sink counts once (first segment), windowed tiles are split too."""
+    q, kc, vc, meta, ks, vs = paged_batch([1, 1, 1, 1], [130, 70, 8, 0], 4, 1, 32, 16, seed=splits)
+    sinks = _sinks(4, splits)
+    out = _unified(q, kc, vc, meta, 0.25, AttentionOptions(sinks, window), num_kv_splits=splits)
+    torch.testing.assert_close(out, expected(q, meta, ks, vs, 0.25, sinks, window), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_triton_window_tiles_smaller_than_query_block():
+    """A 64-token prefill and a chunk with TILE_N 16: windows cut through several tiles of one
+    query block (edge, unmasked and diagonal tile ranges all non-empty)."""
+    q, kc, vc, meta, ks, vs = paged_batch([64, 30], [0, 50], 4, 2, 32, 16, seed=4)
+    for window in (3, 17, 40):
+        out = _unified(q, kc, vc, meta, 0.2, AttentionOptions(None, window), config={"TILE_N": 16})
+        torch.testing.assert_close(out, expected(q, meta, ks, vs, 0.2, None, window), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 0.02)], ids=["unit-scales", "scaled"])
+def test_triton_fp8_cache_close_to_full_precision(scales):
+    from atom.model_ops.kernels import reshape_and_cache, reshape_and_cache_ref
+    hq, hkv, d, bs = 4, 2, 64, 16
+    q, kc, vc, meta, ks, vs = paged_batch(TRITON_Q, TRITON_CTX, hq, hkv, d, bs, seed=9)
+    k_scale, v_scale = torch.tensor(scales[0]), torch.tensor(scales[1])
+    # the Triton cache write quantizes exactly like the reference write (x / scale, saturated, RNE)
+    n = kc.shape[0] * bs
+    kq, vq = torch.zeros(kc.shape, dtype=FP8), torch.zeros(kc.shape, dtype=FP8)
+    reshape_and_cache(kc.view(n, hkv, d), vc.view(n, hkv, d), kq, vq, torch.arange(n), k_scale, v_scale)
+    kr, vr = torch.zeros_like(kq), torch.zeros_like(vq)
+    reshape_and_cache_ref(kc.view(n, hkv, d), vc.view(n, hkv, d), kr, vr, torch.arange(n), k_scale, v_scale)
+    assert torch.equal(kq.view(torch.uint8), kr.view(torch.uint8))
+    assert torch.equal(vq.view(torch.uint8), vr.view(torch.uint8))
+    opts = AttentionOptions(_sinks(hq, 1), 25, k_scale, v_scale)
+    out = _unified(q, kq, vq, meta, d ** -0.5, opts)
+    full = _unified(q, kc, vc, meta, d ** -0.5, AttentionOptions(opts.sinks, 25))
+    assert _rel(out, full) < FP8_REL_TOL
+    # the kernel's dequantization is exact: the same as the torch reference on the same fp8 cache
+    torch.testing.assert_close(out, paged_attention(q, kq, vq, meta, d ** -0.5, LayerAttention(*opts)),
+                               rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_triton_decode_rope_writes_fp8():
+    """The decode path with the rotary embedding folded in writes k / v into an FP8 cache
+    quantized with the layer's scales, and attends over it (against the torch reference)."""
+    from atom.model_ops.kernels import rotary_embedding_ref
+    hq, hkv, d, bs = 4, 2, 32, 16
+    q, kc, vc, meta, ks, vs = paged_batch([1, 1], [20, 5], hq, hkv, d, bs, seed=6)
+    k_scale, v_scale = torch.tensor(0.5), torch.tensor(0.25)
+    kq, vq = _fp8_cache_like(kc, vc, k_scale, v_scale)
+    kr, vr = kq.clone(), vq.clone()
+    g = torch.Generator().manual_seed(0)
+    k_new, v_new = torch.randn(2, hkv, d, generator=g), torch.randn(2, hkv, d, generator=g)
+    pos = meta.seq_lens.long() - 1
+    slots = (meta.block_tables[torch.arange(2), pos // bs].long() * bs + pos % bs)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(128).float()[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], -1)
+    opts = AttentionOptions(_sinks(hq, 2), 12, k_scale, v_scale)
+    out = _unified(q, kq, vq, meta, 0.2, opts, rope=DecodeRope(cs, k_new, v_new, slots))
+    # reference: rotate, write through the torch cache write, attend
+    qr, kr_new = rotary_embedding_ref(pos, q.reshape(2, -1).clone(), k_new.reshape(2, -1).clone(), cs, d)
+    write_kv_cache(kr_new.view(2, hkv, d), v_new, kr, vr, slots, None, k_scale, v_scale)
+    close = (kq.view(torch.uint8) == kr.view(torch.uint8)).float().mean()
+    assert close > 0.95, close
+    ref = paged_attention(qr.view(2, hq, d), kr, vr, meta, 0.2, LayerAttention(*opts))
+    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.02)

@@ -61,7 +61,7 @@ import torch
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton  # None without triton
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.kv_cache import slot_offset
+    from atom.model_ops.kernels.kv_cache import fp8_saturate, interpreted, slot_offset
     from atom.model_ops.kernels.triton_import import pdl_start
 
 __all__ = [
@@ -168,7 +168,7 @@ if HAS_TRITON:
                       stride_knt, stride_vnt, stride_kb, stride_ks, stride_vb, stride_vs,
                       offs_d, cs_ptr, stride_cs, kw_ptr, eps, ks_ptr, vs_ptr,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
-                      KV_FP8: tl.constexpr):
+                      KV_FP8: tl.constexpr, EXACT_ROUND: tl.constexpr):
         """Decode with the rotary embedding folded in: this step's key (rotated) and value of
         token `tok` (at `kn_ptr` / `vn_ptr` for this kv head), into the paged caches at the
         token's slot (none if < 0); into an FP8 cache as x / scale, saturated at +-448."""
@@ -179,8 +179,8 @@ if HAS_TRITON:
                        HEAD_DIM, NORM)
         v = tl.load(vn_ptr + tok * stride_vnt + offs_d[None, :], mask=d_ok, other=0.0)
         if KV_FP8:
-            k = tl.minimum(tl.maximum(k / tl.load(ks_ptr), -448.0), 448.0)
-            v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(vs_ptr), -448.0), 448.0)
+            k = fp8_saturate(k, ks_ptr, EXACT_ROUND)
+            v = fp8_saturate(v, vs_ptr, EXACT_ROUND)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         ok = d_ok & (offs_d * 0 + slot >= 0)[None, :]  # (a vector compare: the interpreter's masks)
         slot = tl.maximum(slot, 0)
@@ -220,6 +220,7 @@ if HAS_TRITON:
         HAS_SINKS: tl.constexpr,
         SLIDING: tl.constexpr,
         KV_FP8: tl.constexpr,
+        EXACT_ROUND: tl.constexpr,
     ):
         pdl_start(PDL)
         # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
@@ -278,7 +279,7 @@ if HAS_TRITON:
                               q_start.to(tl.int64), seq_len - 1, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
                               stride_knt, stride_vnt, stride_kb, stride_ks, stride_vb, stride_vs,
                               offs_d, cs_ptr, stride_cs, kw_ptr, norm_eps, ks_ptr, vs_ptr,
-                              HEAD_DIM, BLOCK_SIZE, QK_NORM, KV_FP8)
+                              HEAD_DIM, BLOCK_SIZE, QK_NORM, KV_FP8, EXACT_ROUND)
                 tl.debug_barrier()  # the block's stores are visible to its loads below
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -512,7 +513,7 @@ def _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables):
         raise ValueError("block_tables must have a contiguous last dimension")
 
 
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)  # (AMD gfx942 e4m3fnuz: max 240, not supported yet)
 
 
 class AttentionOptions(NamedTuple):
@@ -674,7 +675,7 @@ def unified_attention(
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
         HAS_SINKS=options.sinks is not None, SLIDING=options.sliding_window is not None,
-        KV_FP8=k_cache.dtype in FP8_CACHE_DTYPES,
+        KV_FP8=k_cache.dtype in FP8_CACHE_DTYPES, EXACT_ROUND=k_cache.dtype in FP8_CACHE_DTYPES and interpreted(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
@@ -738,7 +739,7 @@ def paged_attention_ref(
         blocks = block_tables[b, :nblk].long()
         k = k_cache[blocks].reshape(-1, Hkv, D)[:L].float()
         v = v_cache[blocks].reshape(-1, Hkv, D)[:L].float()
-        if k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        if k_cache.dtype in FP8_CACHE_DTYPES:
             k = k * (1.0 if k_scale is None else k_scale.float())
             v = v * (1.0 if v_scale is None else v_scale.float())
         k = k.repeat_interleave(qpkv, dim=1)  # [L, Hq, D]

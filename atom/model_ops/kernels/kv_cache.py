@@ -8,6 +8,8 @@ past the largest e4m3 value gives NaN).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
@@ -21,6 +23,24 @@ if HAS_TRITON:
         return (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_row
 
     @triton.jit
+    def fp8_saturate(x, scale_ptr, EXACT_ROUND: tl.constexpr):
+        """x / scale in fp32, saturated at +-448 (the largest e4m3 value), for a store into an
+        FP8 cache. EXACT_ROUND (Triton's interpreter only): round to the e4m3 grid here, nearest
+        even, because the interpreter's fp32 -> fp8 cast drops the carry when the mantissa rounds
+        up (1.96 -> 1.0); the GPUs' conversion instruction rounds correctly by itself."""
+        x = tl.minimum(tl.maximum(x.to(tl.float32) / tl.load(scale_ptr), -448.0), 448.0)
+        if EXACT_ROUND:
+            e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            e = tl.maximum(e, -6)  # below 2^-6 the e4m3 subnormals: a fixed step of 2^-9
+            step = (((e - 3) + 127) << 23).to(tl.float32, bitcast=True)
+            y = x / step
+            r = tl.floor(y + 0.5)
+            odd = (r.to(tl.int32) & 1) != 0
+            r = tl.where((r - y == 0.5) & odd, r - 1.0, r)
+            x = tl.where(r == 0.0, x * 0.0, r * step)  # (keeps the sign of a zero)
+        return x
+
+    @triton.jit
     def _reshape_and_cache_kernel(
         k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
@@ -28,6 +48,7 @@ if HAS_TRITON:
         stride_vcb, stride_vcs, stride_vch,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+        EXACT_ROUND: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -41,13 +62,18 @@ if HAS_TRITON:
         k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         if KV_FP8:
-            k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(ks_ptr), -448.0), 448.0)
-            v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(vs_ptr), -448.0), 448.0)
+            k = fp8_saturate(k, ks_ptr, EXACT_ROUND)
+            v = fp8_saturate(v, vs_ptr, EXACT_ROUND)
         tl.store(kc_ptr + row_k + h[:, None] * stride_kch + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc_ptr + row_v + h[:, None] * stride_vch + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)  # (AMD gfx942 e4m3fnuz: max 240, not supported yet)
+
+
+def interpreted() -> bool:
+    """Whether Triton kernels run under its interpreter (TRITON_INTERPRET=1, the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -82,6 +108,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=H, HEAD_DIM=D, H_PAD=H_PAD, D_PAD=D_PAD, BLOCK_SIZE=k_cache.shape[1], KV_FP8=fp8,
+        EXACT_ROUND=fp8 and interpreted(),
         num_warps=4 if H_PAD * D_PAD >= 1024 else 1,
     )
 
