@@ -97,6 +97,14 @@ class LatentAttentionSpec:
         layer.kv_cache = torch.empty(0)
 
 
+def _scales(layer, spec) -> dict:
+    """An FP8 cache's per-layer scales and where they came from (checkpoint or the default)."""
+    if spec.dtype.itemsize != 1 or not hasattr(layer, "k_scale"):
+        return {}
+    return {"k_scale": float(layer.k_scale), "v_scale": float(layer.v_scale),
+            "scale_source": getattr(layer, "kv_scale_source", "default 1.0")}
+
+
 class KVCacheManager:
     """Sizes all layers' caches from one budget, allocates them and binds each layer's view.
 
@@ -162,8 +170,8 @@ class KVCacheManager:
                  "page_shape": spec.page_shape(self.block_size),
                  "bytes_per_token": spec.page_bytes(self.block_size) // self.block_size,
                  "bytes_per_block": spec.page_bytes(self.block_size),
-                 "bytes": spec.page_bytes(self.block_size) * self.num_blocks}
-                for num, (_, spec) in self.layers.items()]
+                 "bytes": spec.page_bytes(self.block_size) * self.num_blocks, **_scales(layer, spec)}
+                for num, (layer, spec) in self.layers.items()]
 
     def to_frame(self):
         import pandas as pd

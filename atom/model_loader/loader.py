@@ -2,8 +2,10 @@
 
 Checkpoint names are mapped through the model's `packed_modules_mapping`
 (`...q_proj.weight` -> `...qkv_proj.weight`, shard "q") and copied by the parameter's
-`weight_loader`; plain parameters are copied as they are. Every parameter must be
-written exactly once (tied ones excepted), or loading fails naming what is missing.
+`weight_loader`; plain parameters are copied as they are; per-layer FP8 KV-cache scales
+(`self_attn.k_scale`, `k_proj.output_scale`, ...) go to the attention layers (`kv_scales`).
+Every parameter must be written exactly once (tied ones excepted), or loading fails naming
+what is missing.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import os
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from atom.model_loader.kv_scales import attention_index, load_kv_scale, log_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[str] = set()
+    kv_index = attention_index(model)  # where FP8 KV-cache scales go
     for f in files:
         with safe_open(f, framework="pt", device="cpu") as st:
             for name in st.keys():
@@ -45,6 +50,8 @@ def load_weights(model: nn.Module, path: str) -> None:
                     continue  # tied to the embedding, which the checkpoint also holds
                 target, shard = _target(name, packed)
                 param = params.get(target)
+                if param is None and load_kv_scale(kv_index, name, lambda: st.get_tensor(name)):
+                    continue
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} in {f} has no place in "
                                      f"{type(model).__name__}")
@@ -58,6 +65,7 @@ def load_weights(model: nn.Module, path: str) -> None:
                                          f"model shape {tuple(param.shape)}")
                     param.data.copy_(tensor)
                 loaded.add(f"{target}#{shard}")
+    log_kv_scales(kv_index)
     expected = {n for n in params if not (tied and n == "lm_head.weight")}
     missing = sorted(n for n in expected if not any(k.split("#")[0] == n for k in loaded))
     if missing:

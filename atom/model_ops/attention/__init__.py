@@ -48,6 +48,7 @@ class Attention(nn.Module):
         # FP8 KV-cache scales: the checkpoint's k_scale / v_scale (the loader routes them), else 1.0
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+        self.kv_scale_source = "default 1.0"  # "checkpoint" once the loader copied them
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend = TorchAttentionBackend()
