@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from atom.model_ops.attention import AttentionMetadata  # noqa: E402
+from atom.model_ops.attention import Attention, AttentionMetadata  # noqa: E402
 from atom.model_ops.attention.torch_native import (LayerAttention, paged_attention,  # noqa: E402
                                                    quantize_fp8, write_kv_cache)
 from atom.model_ops.attention.triton_unified import paged_attention_ref  # noqa: E402
@@ -284,3 +284,35 @@ def test_triton_decode_rope_writes_fp8():
     assert close > 0.95, close
     ref = paged_attention(qr.view(2, hq, d), kr, vr, meta, 0.2, LayerAttention(*opts))
     torch.testing.assert_close(out, ref, rtol=0.02, atol=0.02)
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_layer_hands_its_options_to_the_backend(backend):
+    """`Attention(..., sliding_window=W, sinks=param)`: the layer's own forward (cache write +
+    attention) over a prefill and then a decode, on each backend, against the dense reference;
+    the sinks stay the caller's parameter (not registered twice)."""
+    from atom.model_engine.kv_cache import KVCacheManager
+    from atom.model_ops.attention import forward_context
+    from atom.model_ops.attention.triton_backend import TritonAttentionBackend
+    hq, hkv, d, bs, W = 4, 2, 32, 16, 5
+    sinks = torch.nn.Parameter(_sinks(hq, 3))
+    layer = Attention(hq, hkv, d, d ** -0.5, 0, sliding_window=W, sinks=sinks)
+    assert [n for n, _ in layer.named_parameters()] == [] and layer.sinks is sinks
+    assert sorted(n for n, _ in layer.named_buffers()) == ["k_scale", "v_scale"]
+    KVCacheManager({0: (layer, layer.kv_cache_spec(torch.float32))}, bs).allocate(4)
+    if backend == "triton":
+        layer.backend = TritonAttentionBackend([layer], 64, "cpu")
+    g = torch.Generator().manual_seed(0)
+    n = 20
+    q, k, v = (torch.randn(n + 1, h, d, generator=g) for h in (hq, hkv, hkv))
+    for lo, hi in ((0, n), (n, n + 1)):  # the prompt, then one decode step over the cache
+        meta = AttentionMetadata(torch.tensor([0, hi - lo], dtype=torch.int32), torch.tensor([hi], dtype=torch.int32),
+                                 torch.tensor([[2, 0]], dtype=torch.int32),
+                                 torch.tensor([(2 if p < bs else 0) * bs + p % bs for p in range(lo, hi)]),
+                                 hi - lo, hi, [hi - lo], [hi])
+        meta.attn_backend = layer.backend
+        with forward_context(meta):
+            out = layer(q[lo:hi].reshape(hi - lo, -1), k[lo:hi].reshape(hi - lo, -1), v[lo:hi].reshape(hi - lo, -1))
+        want = dense_attention(q[lo:hi], k[:hi], v[:hi], torch.arange(lo, hi), d ** -0.5, sinks.detach(), W)
+        torch.testing.assert_close(out.view(hi - lo, hq, d), want, rtol=1e-4, atol=1e-5)
