@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from atom.model_ops.attention import Attention, AttentionMetadata  # noqa: E402
-from atom.model_ops.attention.torch_native import (LayerAttention, paged_attention,  # noqa: E402
-                                                   quantize_fp8, write_kv_cache)
+from atom.model_ops.attention.options import AttentionOptions  # noqa: E402
+from atom.model_ops.attention.torch_native import paged_attention, quantize_fp8, write_kv_cache  # noqa: E402
 from atom.model_ops.attention.triton_unified import paged_attention_ref  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -97,7 +97,7 @@ def test_torch_backend_window_and_sinks_match_dense(hq, hkv, d, bs, window, with
     q, kc, vc, meta, ks, vs = paged_batch(QUERY_LENS, CONTEXT_LENS, hq, hkv, d, bs, seed=hq + d)
     sinks = _sinks(hq, hkv) if with_sinks else None
     want = expected(q, meta, ks, vs, d ** -0.5, sinks, window)
-    out = paged_attention(q, kc, vc, meta, d ** -0.5, LayerAttention(sinks, window))
+    out = paged_attention(q, kc, vc, meta, d ** -0.5, AttentionOptions(sinks, window))
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     ref = paged_attention_ref(q, kc, vc, torch.full_like(q, float("nan")), meta.cu_seqlens_q, meta.seq_lens,
                               meta.block_tables, d ** -0.5, meta.max_query_len, sinks=sinks, sliding_window=window)
@@ -108,7 +108,7 @@ def test_torch_backend_window_and_sinks_match_dense(hq, hkv, d, bs, window, with
 def test_torch_single_decode_window_and_sinks(window):
     q, kc, vc, meta, ks, vs = paged_batch([1], [77], 6, 2, 32, 16, seed=3)
     sinks = _sinks(6, 1)
-    out = paged_attention(q, kc, vc, meta, 0.2, LayerAttention(sinks, window))
+    out = paged_attention(q, kc, vc, meta, 0.2, AttentionOptions(sinks, window))
     torch.testing.assert_close(out, expected(q, meta, ks, vs, 0.2, sinks, window), rtol=1e-4, atol=1e-5)
 
 
@@ -116,7 +116,7 @@ def test_sinks_change_the_output():
     """A check that could not fail otherwise: large sinks take mass off the values."""
     q, kc, vc, meta, ks, vs = paged_batch([5, 1], [3, 20], 4, 2, 32, 16, seed=1)
     plain = paged_attention(q, kc, vc, meta, 0.2)
-    sunk = paged_attention(q, kc, vc, meta, 0.2, LayerAttention(torch.full((4,), 8.0), None))
+    sunk = paged_attention(q, kc, vc, meta, 0.2, AttentionOptions(torch.full((4,), 8.0), None))
     assert sunk.norm() < 0.05 * plain.norm()
 
 
@@ -124,7 +124,7 @@ def test_window_layers_share_nothing_in_the_step_cache():
     """Layers with different windows in one step each get their own decode plan."""
     q, kc, vc, meta, ks, vs = paged_batch([1, 1, 1], [40, 20, 5], 4, 2, 32, 16, seed=2)
     for window in (None, 4, None, 4, 12):
-        out = paged_attention(q, kc, vc, meta, 0.2, LayerAttention(None, window))
+        out = paged_attention(q, kc, vc, meta, 0.2, AttentionOptions(None, window))
         torch.testing.assert_close(out, expected(q, meta, ks, vs, 0.2, None, window), rtol=1e-4, atol=1e-5)
 
 
@@ -158,8 +158,8 @@ def test_fp8_cache_write_and_torch_attention_close_to_full_precision(scales):
     # what was stored is x / scale rounded to e4m3 (saturating), read back as fp8 * scale
     torch.testing.assert_close(kq.float() * k_scale, kc, rtol=0.07, atol=0.02 * scales[0])
     assert torch.equal(kq, quantize_fp8(kc, k_scale, FP8))
-    opts = LayerAttention(_sinks(hq, 0), 30, k_scale, v_scale)
-    full = paged_attention(q, kc, vc, meta, d ** -0.5, LayerAttention(opts.sinks, 30))
+    opts = AttentionOptions(_sinks(hq, 0), 30, k_scale, v_scale)
+    full = paged_attention(q, kc, vc, meta, d ** -0.5, AttentionOptions(opts.sinks, 30))
     out = paged_attention(q, kq, vq, meta, d ** -0.5, opts)
     assert torch.isfinite(out).all()
     assert _rel(out, full) < FP8_REL_TOL
@@ -182,7 +182,7 @@ def test_fp8_cache_write_saturates_instead_of_nan():
 
 triton = pytest.importorskip("triton")
 from atom.model_ops.attention import triton_unified as _tu  # noqa: E402
-from atom.model_ops.attention.triton_unified import AttentionOptions, DecodeRope, unified_attention  # noqa: E402
+from atom.model_ops.attention.triton_unified import DecodeRope, unified_attention  # noqa: E402
 
 _INTERPRET = type(_tu._unified_attn_kernel).__name__ == "InterpretedFunction"
 needs_kernel = pytest.mark.skipif(not (_INTERPRET or torch.cuda.is_available()),
@@ -254,7 +254,7 @@ def test_triton_fp8_cache_close_to_full_precision(scales):
     full = _unified(q, kc, vc, meta, d ** -0.5, AttentionOptions(opts.sinks, 25))
     assert _rel(out, full) < FP8_REL_TOL
     # the kernel's dequantization is exact: the same as the torch reference on the same fp8 cache
-    torch.testing.assert_close(out, paged_attention(q, kq, vq, meta, d ** -0.5, LayerAttention(*opts)),
+    torch.testing.assert_close(out, paged_attention(q, kq, vq, meta, d ** -0.5, opts),
                                rtol=1e-4, atol=1e-5)
 
 
@@ -282,7 +282,7 @@ def test_triton_decode_rope_writes_fp8():
     write_kv_cache(kr_new.view(2, hkv, d), v_new, kr, vr, slots, None, k_scale, v_scale)
     close = (kq.view(torch.uint8) == kr.view(torch.uint8)).float().mean()
     assert close > 0.95, close
-    ref = paged_attention(qr.view(2, hq, d), kr, vr, meta, 0.2, LayerAttention(*opts))
+    ref = paged_attention(qr.view(2, hq, d), kr, vr, meta, 0.2, opts)
     torch.testing.assert_close(out, ref, rtol=0.02, atol=0.02)
 
 

@@ -22,9 +22,9 @@ from torch import nn
 from atom.model_ops.attention.metadata import (AttentionMetadata, current_forward_context, forward_context,
                                                get_forward_context, set_forward_context)
 from atom.model_ops.attention.torch_backend import TorchAttentionBackend
-from atom.model_ops.attention.torch_native import LayerAttention
+from atom.model_ops.attention.options import AttentionOptions
 
-__all__ = ["Attention", "AttentionMetadata", "TorchAttentionBackend", "forward_context", "get_forward_context",
+__all__ = ["Attention", "AttentionMetadata", "AttentionOptions", "TorchAttentionBackend", "forward_context", "get_forward_context",
            "current_forward_context", "set_forward_context"]
 
 
@@ -54,9 +54,9 @@ class Attention(nn.Module):
         self.backend = TorchAttentionBackend()
 
     @property
-    def options(self) -> LayerAttention:
+    def options(self) -> AttentionOptions:
         """The sliding window, sinks and FP8 scales the backend applies to this layer."""
-        return LayerAttention(self.sinks, self.sliding_window, self.k_scale, self.v_scale)
+        return AttentionOptions(self.sinks, self.sliding_window, self.k_scale, self.v_scale)
 
     def kv_cache_spec(self, dtype: torch.dtype):
         """What this layer stores per token (its backend decides the layout)."""

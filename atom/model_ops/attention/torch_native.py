@@ -5,7 +5,7 @@ block table into one padded tensor and attended in a single masked SDPA call. Pr
 (and chunked continuations) are done one sequence at a time, each with a causal mask
 offset by its cached context length.
 
-Per layer options (`LayerAttention`): a sliding window W (a query at position p sees the
+Per layer options (`AttentionOptions`): a sliding window W (a query at position p sees the
 keys at p - W < j <= p, as transformers' `sliding_window` masks), attention sinks (a learned
 logit per query head that joins the softmax denominator and carries no value, GPT-OSS),
 and an FP8 cache: keys / values are stored as e4m3 of x / scale (clamped to +-448) and read
@@ -14,29 +14,15 @@ back as fp8 * scale with the layer's `k_scale` / `v_scale`.
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple, Optional
-
 import torch
 import torch.nn.functional as F
 
 from atom.model_ops.attention.metadata import AttentionMetadata
+from atom.model_ops.attention.options import AttentionOptions
+from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES as FP8_DTYPES, FP8_MAX
 
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_DTYPES = (torch.float8_e4m3fn,)  # (AMD gfx942 e4m3fnuz: max 240, not supported yet)
-
-
-class LayerAttention(NamedTuple):
-    """What one layer adds to plain causal attention. `sinks` [Hq] (any float dtype) or None;
-    `sliding_window` W or None (full attention); `k_scale` / `v_scale` 0-d fp32 tensors, read
-    only when the cache is FP8."""
-    sinks: Optional[torch.Tensor] = None
-    sliding_window: Optional[int] = None
-    k_scale: Optional[torch.Tensor] = None
-    v_scale: Optional[torch.Tensor] = None
-
-
-PLAIN = LayerAttention()
+PLAIN = AttentionOptions()
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -122,9 +108,9 @@ def _window_start(first_pos: int, window: int | None) -> int:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, opts: LayerAttention = PLAIN) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; the new tokens' K/V must already be in the cache.
-    `opts`: the layer's sliding window, sinks and FP8 scales (`LayerAttention`)."""
+    `opts`: the layer's sliding window, sinks and FP8 scales (`AttentionOptions`)."""
     host = meta.step_cache.get("host_lists")
     if host is None:  # once per step, shared by all layers
         qlens = meta.query_lens_host or (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
@@ -168,12 +154,12 @@ def _fold_heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.reshape(B, num_kv_heads, Hq // num_kv_heads, D)
 
 
-def _folded_sinks(opts: LayerAttention, num_kv_heads: int) -> torch.Tensor | None:
+def _folded_sinks(opts: AttentionOptions, num_kv_heads: int) -> torch.Tensor | None:
     """Sinks [Hq] as [1, Hkv, G, 1], matching `_fold_heads`."""
     return None if opts.sinks is None else opts.sinks.view(1, num_kv_heads, -1, 1)
 
 
-def _decode_one(q, k_cache, v_cache, block_table, length, scale, opts: LayerAttention = PLAIN) -> torch.Tensor:
+def _decode_one(q, k_cache, v_cache, block_table, length, scale, opts: AttentionOptions = PLAIN) -> torch.Tensor:
     lo = _window_start(length - 1, opts.sliding_window)
     k = dequantize(_gather(k_cache, block_table, length)[lo:], opts.k_scale, q.dtype)[None].transpose(1, 2)
     v = dequantize(_gather(v_cache, block_table, length)[lo:], opts.v_scale, q.dtype)[None].transpose(1, 2)
@@ -218,7 +204,7 @@ def _decode_plan(meta: AttentionMetadata, idx: list[int], starts: list[int], sle
     return plan
 
 
-def _decode_batch(q, k_cache, v_cache, meta, scale, out, idx, starts, slens, opts: LayerAttention = PLAIN):
+def _decode_batch(q, k_cache, v_cache, meta, scale, out, idx, starts, slens, opts: AttentionOptions = PLAIN):
     for tables, mask, width, tok in _decode_plan(meta, idx, starts, slens, k_cache.shape[1], q.device,
                                                  opts.sliding_window):
         k = dequantize(gather_blocks(k_cache, tables)[:, :width], opts.k_scale, q.dtype)  # [B, width, Hkv, D]

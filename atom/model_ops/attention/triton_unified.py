@@ -58,6 +58,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from atom.model_ops.attention.options import AttentionOptions
+from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton  # None without triton
 
 if HAS_TRITON:
@@ -511,20 +513,6 @@ def _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables):
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if block_tables.stride(-1) != 1:
         raise ValueError("block_tables must have a contiguous last dimension")
-
-
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)  # (AMD gfx942 e4m3fnuz: max 240, not supported yet)
-
-
-class AttentionOptions(NamedTuple):
-    """What a layer adds to plain causal attention: `sinks` [Hq] (a logit per query head in the
-    softmax denominator), `sliding_window` W (keys p - W < j <= p), and the FP8 cache's
-    `k_scale` / `v_scale` (0-d fp32 device tensors; 1.0 when None). Same fields as the torch
-    backend's `LayerAttention`, so a layer's `options` serves both."""
-    sinks: Optional[torch.Tensor] = None
-    sliding_window: Optional[int] = None
-    k_scale: Optional[torch.Tensor] = None
-    v_scale: Optional[torch.Tensor] = None
 
 
 def _check_options(opts, q: torch.Tensor, k_cache: torch.Tensor) -> None:

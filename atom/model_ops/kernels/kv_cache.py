@@ -68,7 +68,10 @@ if HAS_TRITON:
         tl.store(vc_ptr + row_v + h[:, None] * stride_vch + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)  # (AMD gfx942 e4m3fnuz: max 240, not supported yet)
+# FP8 caches are e4m3fn (largest finite value 448). AMD gfx942's e4m3fnuz (largest 240)
+# is not supported yet: a cache of it would need its own saturation bound.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+FP8_MAX = 448.0
 
 
 def interpreted() -> bool:
@@ -122,7 +125,7 @@ def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=No
     blk, off = slots // bs, slots % bs
     key, value = key[keep], value[keep]
     if k_cache.dtype in FP8_CACHE_DTYPES:
-        key = (key.float() / (1.0 if k_scale is None else k_scale)).clamp(-448.0, 448.0)
-        value = (value.float() / (1.0 if v_scale is None else v_scale)).clamp(-448.0, 448.0)
+        key = (key.float() / (1.0 if k_scale is None else k_scale)).clamp(-FP8_MAX, FP8_MAX)
+        value = (value.float() / (1.0 if v_scale is None else v_scale)).clamp(-FP8_MAX, FP8_MAX)
     k_cache[blk, off] = key.to(k_cache.dtype)
     v_cache[blk, off] = value.to(v_cache.dtype)
