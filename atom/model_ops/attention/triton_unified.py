@@ -179,7 +179,7 @@ if HAS_TRITON:
         k = tl.load(k_row + offs_d[None, :], mask=d_ok, other=0.0)
         k = _rope_rows(k_row, k, tl.zeros([1], tl.int32) + pos, d_ok, offs_d, cs_ptr, stride_cs, kw_ptr, eps,
                        HEAD_DIM, NORM)
-        v = tl.load(vn_ptr + tok * stride_vnt + offs_d[None, :], mask=d_ok, other=0.0)
+        v = tl.load(vn_ptr + tok * stride_vnt + offs_d[None, :], mask=d_ok, other=0.0).to(tl.float32)
         if KV_FP8:
             k = fp8_saturate(k, ks_ptr, EXACT_ROUND)
             v = fp8_saturate(v, vs_ptr, EXACT_ROUND)
