@@ -112,6 +112,27 @@ def test_torch_single_decode_window_and_sinks(window):
     torch.testing.assert_close(out, expected(q, meta, ks, vs, 0.2, sinks, window), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_sinks_and_window_as_transformers_gpt_oss_defines_them(window):
+    """transformers' GPT-OSS attention (`eager_attention_forward`: the sinks as a last softmax
+    column, dropped after; an additive causal + sliding-window mask) on a chunk over cached
+    context gives the torch backend's output."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    hq, hkv, d, n, ctx = 8, 2, 16, 9, 14
+    q, kc, vc, meta, ks, vs = paged_batch([n], [ctx], hq, hkv, d, 16, seed=8)
+    sinks = _sinks(hq, 4)
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups = sinks, hq // hkv
+    L = ctx + n
+    qpos, kpos = torch.arange(ctx, L)[:, None], torch.arange(L)[None, :]
+    hidden = (kpos > qpos) | ((qpos - kpos >= window) if window else torch.zeros_like(kpos > qpos))
+    mask = torch.zeros(n, L).masked_fill(hidden, float("-inf"))[None, None]
+    hf, _ = eager_attention_forward(module, q.transpose(0, 1)[None], ks[0].transpose(0, 1)[None],
+                                    vs[0].transpose(0, 1)[None], mask, scaling=d ** -0.5)
+    out = paged_attention(q, kc, vc, meta, d ** -0.5, AttentionOptions(sinks, window))
+    torch.testing.assert_close(out, hf[0], rtol=1e-4, atol=1e-5)
+
+
 def test_sinks_change_the_output():
     """A check that could not fail otherwise: large sinks take mass off the values."""
     q, kc, vc, meta, ks, vs = paged_batch([5, 1], [3, 20], 4, 2, 32, 16, seed=1)
