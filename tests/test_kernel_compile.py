@@ -38,6 +38,7 @@ def _compile_all() -> dict:
     rotary = importlib.import_module("atom.model_ops.kernels.rotary")
     gemv_rope = importlib.import_module("atom.model_ops.kernels.gemv_rope")
     attn = importlib.import_module("atom.model_ops.attention.triton_unified")
+    kv_cache = importlib.import_module("atom.model_ops.kernels.kv_cache")
     gemm = importlib.import_module("atom.model_ops.kernels.gemm")
     rmsnorm = importlib.import_module("atom.model_ops.kernels.rmsnorm")
     activation = importlib.import_module("atom.model_ops.kernels.activation")
@@ -56,8 +57,25 @@ def _compile_all() -> dict:
                           dict(f32, pos_ptr="*i64", slot_ptr="*i64", cs_ptr="*fp32")),
         "attention_decode_split": (attn._unified_attn_kernel,
                                    dict(QPKV=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16,
-                                        BLOCK_Q=4, TILE_N=64, NUM_SPLITS=16, DOT_PREC="tf32", PDL=True),
+                                        BLOCK_Q=4, TILE_N=64, NUM_SPLITS=16, DOT_PREC="tf32", PDL=True,
+                                        HAS_SINKS=False, SLIDING=False, KV_FP8=False, EXACT_ROUND=False),
                                    dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32")),
+        # GPT-OSS-style layers over an FP8 cache: sinks, a sliding window, e4m3 K/V read and (the
+        # decode rope path) written; the fp32 -> e4m3 store is the saturating conversion
+        "attention_fp8_window_sinks": (attn._unified_attn_kernel,
+                                       dict(QPKV=8, NUM_KV_HEADS=8, HEAD_DIM=64, HEAD_PAD=64, BLOCK_SIZE=16,
+                                            BLOCK_M=16, BLOCK_Q=2, TILE_N=64, NUM_SPLITS=4, DOT_PREC="tf32", PDL=True,
+                                            ROPE=True, QK_NORM=False, HAS_SINKS=True, SLIDING=True, KV_FP8=True,
+                                            EXACT_ROUND=False),
+                                       dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32", k_ptr="*fp8e4nv",
+                                            v_ptr="*fp8e4nv", slot_ptr="*i64", cs_ptr="*fp32", sinks_ptr="*fp32",
+                                            ks_ptr="*fp32", vs_ptr="*fp32", norm_eps="fp32"),
+                                       ("griddepcontrol.wait", "cvt.rn.satfinite.e4m3x2.f32")),
+        "kv_write_fp8": (kv_cache._reshape_and_cache_kernel,
+                         dict(NUM_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128, BLOCK_SIZE=16, KV_FP8=True,
+                              EXACT_ROUND=False),
+                         dict(kc_ptr="*fp8e4nv", vc_ptr="*fp8e4nv", slot_ptr="*i64", ks_ptr="*fp32", vs_ptr="*fp32"),
+                         ("cvt.rn.satfinite.e4m3x2.f32",)),
         "add_rmsnorm": (rmsnorm._rmsnorm_kernel, dict(BLOCK=4096, HAS_RES=True, PDL=True), f32),
         "silu_and_mul": (activation._silu_and_mul_kernel, dict(BLOCK=1024, PDL=True), {}),
         "merge": (attn._merge_kernel, dict(HEAD_DIM=128, HEAD_PAD=128, NUM_SPLITS=16, PDL=True),
@@ -96,7 +114,8 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(got) == {"gemv_fused_gated", "gemv_plain_ahead", "gemv_norm_rope", "rope_kv_write",
-                        "attention_decode_split", "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma",
+                        "attention_decode_split", "attention_fp8_window_sinks", "kv_write_fp8",
+                        "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma",
                         "sampling_block_stats", "sampling_pick"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;

@@ -2,9 +2,12 @@
 allocates and binds them.
 
 Each attention layer declares a spec through its backend (`Attention.kv_cache_spec()`):
-full keys and values per KV head (`FullAttentionSpec`), or one latent vector per token
+full keys and values per KV head (`FullAttentionSpec`; a sliding-window layer says its window,
+and still keeps every token's entries), or one latent vector per token
 (`LatentAttentionSpec`, as multi-head latent attention stores it). All layers share the
-block ids the `BlockManager` hands out, so one block costs the sum of every layer's page;
+block ids the `BlockManager` hands out, so one block costs the sum of every layer's page
+(a spec's dtype sets its element size: an FP8 cache, `kv_cache_dtype_of("fp8", ...)`, halves
+a bf16 page, so the same memory holds twice the blocks);
 the manager turns one memory budget into a block count, allocates one tensor per group of
 layers with equal specs and binds each layer's view (`spec.bind`).
 
@@ -26,13 +29,31 @@ from atom.parallel_config import KVCacheConfig, KVCacheTensor
 logger = logging.getLogger(__name__)
 
 
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn}  # kv_cache_dtype -> storage dtype ("bf16": the model's)
+
+
+def kv_cache_dtype_of(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of the KV cache: "bf16" keeps the model's dtype (bf16, or fp32 / fp16
+    when the model runs in those), "fp8" stores e4m3 keys and values with per-layer scales."""
+    if kv_cache_dtype == "bf16":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid: choose 'bf16' or 'fp8'")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 @dataclass(frozen=True)
 class FullAttentionSpec:
-    """Keys and values of every KV head: a page is [2, block_size, num_kv_heads, head_dim]."""
+    """Keys and values of every KV head: a page is [2, block_size, num_kv_heads, head_dim].
+    `sliding_window`: the layer attends its last W tokens only (all tokens stay cached)."""
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    kind = "full"
+    sliding_window: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.sliding_window is None else f"sliding({self.sliding_window})"
 
     def page_shape(self, block_size: int) -> tuple[int, ...]:
         return (2, block_size, self.num_kv_heads, self.head_dim)
@@ -74,6 +95,14 @@ class LatentAttentionSpec:
 
     def unbind(self, layer) -> None:
         layer.kv_cache = torch.empty(0)
+
+
+def _scales(layer, spec) -> dict:
+    """An FP8 cache's per-layer scales and where they came from (checkpoint or the default)."""
+    if spec.dtype.itemsize != 1 or not hasattr(layer, "k_scale"):
+        return {}
+    return {"k_scale": float(layer.k_scale), "v_scale": float(layer.v_scale),
+            "scale_source": getattr(layer, "kv_scale_source", "default 1.0")}
 
 
 class KVCacheManager:
@@ -138,9 +167,11 @@ class KVCacheManager:
 
     def rows(self) -> list[dict]:
         return [{"layer": num, "kind": spec.kind, "dtype": str(spec.dtype).removeprefix("torch."),
-                 "page_shape": spec.page_shape(self.block_size), "bytes_per_block": spec.page_bytes(self.block_size),
-                 "bytes": spec.page_bytes(self.block_size) * self.num_blocks}
-                for num, (_, spec) in self.layers.items()]
+                 "page_shape": spec.page_shape(self.block_size),
+                 "bytes_per_token": spec.page_bytes(self.block_size) // self.block_size,
+                 "bytes_per_block": spec.page_bytes(self.block_size),
+                 "bytes": spec.page_bytes(self.block_size) * self.num_blocks, **_scales(layer, spec)}
+                for num, (layer, spec) in self.layers.items()]
 
     def to_frame(self):
         import pandas as pd

@@ -29,7 +29,7 @@ from atom.model_engine.sequence import PLACEHOLDER, Sequence
 from atom.model_engine.step_extras import StepLogprobs, sample_processed, score_prompts
 from atom.model_loader.loader import init_dummy_weights, load_weights
 from atom.model_loader.online_quant import OnlineQuantPlan, apply_online_quant
-from atom.model_engine.kv_cache import KVCacheManager
+from atom.model_engine.kv_cache import KVCacheManager, kv_cache_dtype_of
 from atom.model_ops.attention import AttentionMetadata, forward_context
 from atom.model_ops.attention.selector import attention_backend_for, attention_layers
 from atom.model_ops.moe import ExpertLoadRecorder, FusedMoE, MoEMethod
@@ -152,8 +152,10 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids(config)  # what min_tokens suppresses (unless ignore_eos)
         logger.info("loaded %s (%s, %s) in %.1f s", type(self.model).__name__, self.dtype,
                     self.device, time.perf_counter() - t0)
+        # "bf16": the model's dtype; "fp8": e4m3 entries (half a bf16 page: twice the blocks)
+        self.kv_dtype = kv_cache_dtype_of(getattr(config, "kv_cache_dtype", "bf16"), self.dtype)
         self.kv_cache_manager = KVCacheManager(
-            {a.layer_idx: (a, a.kv_cache_spec(self.dtype)) for a in self.attn_layers}, self.block_size, self.device)
+            {a.layer_idx: (a, a.kv_cache_spec(self.kv_dtype)) for a in self.attn_layers}, self.block_size, self.device)
         self.num_blocks = self.allocate_kv_cache()
         self._pinned: list[torch.Tensor | None] = [None, None]  # sampled-token copies, alternating
         self._pinned_turn = 0

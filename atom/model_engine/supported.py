@@ -3,7 +3,7 @@
 `Config` accepts and validates every field of the guide (so it can be built and inspected
 anywhere); an engine that would silently ignore one of them is worse than none. So
 `LLMEngine` calls `check_supported(config)` first: one `ValueError` lists every setting
-that is not implemented here (expert parallelism, DP attention, an FP8 KV cache,
+that is not implemented here (expert parallelism, DP attention,
 speculative decoding), each with its field and value. Tensor parallel
 (`atom.distributed.executor`) and data parallel (`atom.distributed.data_parallel`) run.
 Online quantization runs (`atom.model_loader.online_quant`; its MXFP4 target is refused
@@ -11,7 +11,8 @@ there, at model build, until the MXFP4 method is in). `asyncio_mode` runs in
 `atom.model_engine.async_engine.AsyncLLMEngine` (the server's engine loop); the offline `LLM`,
 which steps the engine itself, refuses it. It also checks the kernel backend
 (`ATOM_KERNEL_BACKEND`, `atom.platform`) and warns, once, that a compilation level above 0
-does nothing on a CPU.
+does nothing on a CPU. (`kv_cache_dtype="fp8"` runs: e4m3 keys and values with per-layer
+scales, `kv_cache.py`.)
 """
 from __future__ import annotations
 
@@ -47,9 +48,6 @@ def unsupported_settings(config: Any) -> list[str]:
     for flag in ("enable_expert_parallel", "enable_dp_attention"):
         if _get(config, flag, False):
             refuse(flag, True, "leave it False")
-    kv = _get(config, "kv_cache_dtype", "bf16")
-    if kv != "bf16":
-        refuse("kv_cache_dtype", kv, "only 'bf16' (the KV cache has the model's dtype)")
     spec = _get(config, "speculative_config")
     if spec is not None:
         method = _get(spec, "method")

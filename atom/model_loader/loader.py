@@ -6,7 +6,9 @@ e.g. Mixtral's `.block_sparse_moe.` -> `.mlp.`), then mapped through its
 `...experts.3.gate_proj.weight` -> `...experts.w13_weight`, shard (3, "w1"); a fused 3-D
 `...experts.gate_up_proj` -> shard (None, "w13")) and its `packed_modules_mapping`
 (`...q_proj.weight` -> `...qkv_proj.weight`, shard "q"), and copied by the parameter's
-`weight_loader`; plain parameters are copied as they are. Every parameter must be
+`weight_loader`; plain parameters are copied as they are; per-layer FP8 KV-cache scales
+(`self_attn.k_scale`, `k_proj.output_scale`, ...) go to the attention layers (`kv_scales`).
+Every parameter must be
 written exactly once (tied ones excepted), and every module with `missing_shards()` (a MoE
 layer: each expert's parts) must report none, or loading fails naming what is missing. A model
 may name checkpoint tensors it does not run (`skip_checkpoint_tensor(name) -> bool`).
@@ -20,6 +22,8 @@ import os
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from atom.model_loader.kv_scales import attention_index, load_kv_scale, log_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[str] = set()
     skip = getattr(model, "skip_checkpoint_tensor", None)  # e.g. DeepSeek-V3's multi-token-prediction layers
+    kv_index = attention_index(model)  # where FP8 KV-cache scales go
     for f in files:
         with safe_open(f, framework="pt", device="cpu") as st:
             for name in st.keys():
@@ -59,6 +64,8 @@ def load_weights(model: nn.Module, path: str) -> None:
                     continue  # tied to the embedding, which the checkpoint also holds
                 target, shard = _target(_renamed(name, renames), packed, experts)
                 param = params.get(target)
+                if param is None and load_kv_scale(kv_index, name, lambda: st.get_tensor(name)):
+                    continue
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} in {f} has no place in "
                                      f"{type(model).__name__}")
@@ -72,6 +79,7 @@ def load_weights(model: nn.Module, path: str) -> None:
                                          f"model shape {tuple(param.shape)}")
                     param.data.copy_(tensor)
                 loaded.add(f"{target}#{shard}")
+    log_kv_scales(kv_index)
     expected = {n for n in params if not (tied and n == "lm_head.weight")}
     missing = sorted(n for n in expected if not any(k.split("#")[0] == n for k in loaded))
     missing += [s for m in model.modules() if hasattr(m, "missing_shards") for s in m.missing_shards()]

@@ -14,6 +14,7 @@ from torch import nn
 
 from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.attention import Attention
+from atom.model_ops.attention.windows import sliding_window_of
 from atom.model_ops.embedding import LMHead, VocabEmbedding
 from atom.model_ops.linear import MergedLinear, QKVLinear, RowParallelLinear
 from atom.model_ops.norm import RMSNorm
@@ -41,7 +42,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              self.head_dim ** -0.5, layer_idx)
+                              self.head_dim ** -0.5, layer_idx, sliding_window=sliding_window_of(cfg, layer_idx))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)

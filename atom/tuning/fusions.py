@@ -122,10 +122,10 @@ def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.
         rotary = (attn.rotary_emb.cos_sin_cache,) + ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
                                                      if qk_norm else ())
         return attn.o_proj(attn.attn(q, k, v, rotary))
-    if plan.has("rope+kv_write"):
+    target = attn.attn.backend.cache_target(attn.attn, meta) if plan.has("rope+kv_write") else None
+    if target is not None:  # (None: the backend writes this cache itself, e.g. FP8)
         # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
         norms = (attn.q_norm, attn.k_norm) if qk_norm else ()
-        target = attn.attn.backend.cache_target(attn.attn, meta)
         attn.rotary_emb(positions, q, k, *norms, kv_cache=(v, *target))
         return attn.o_proj(attn.attn(q, None, None))
     q, k = attn.rotary_emb(positions, q, k, *((attn.q_norm, attn.k_norm) if qk_norm else ()))
@@ -143,8 +143,9 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     fused = None
     if plan.has("norm+gemv+rope") and not getattr(attn, "qk_norm", False) and hidden.shape[0] == 1:
         target = attn.attn.backend.cache_target(attn.attn, get_forward_context())
-        fused = norm_linear_rope(self.input_layernorm, attn.qkv_proj, hidden, residual, positions,
-                                 attn.rotary_emb.cos_sin_cache, *target)
+        if target is not None:
+            fused = norm_linear_rope(self.input_layernorm, attn.qkv_proj, hidden, residual, positions,
+                                     attn.rotary_emb.cos_sin_cache, *target)
     if fused is not None:  # q rotated, k and v in the cache
         qkv, residual = fused
         hidden = attn.o_proj(attn.attn(qkv[:, :attn.qkv_proj.q_size], None, None))

@@ -6,6 +6,13 @@ A backend per attention kind: `TorchAttentionBackend` (the reference: CPU) and, 
 spec of the layers it serves (`kv_cache_spec`). The runner gives every layer its backend and
 binds its cache views through the `KVCacheManager`. The layer reads the per-forward
 `AttentionMetadata`.
+
+Per layer, from the constructor (model files pass them): `sliding_window` W (a query at
+position p sees keys p - W < j <= p; None: full causal attention) and `sinks` (a [num_heads]
+tensor of learned logits, one per query head, that join the softmax denominator, as GPT-OSS
+has them; the model owns and loads the parameter, the layer only reads it). The layer also
+holds `k_scale` / `v_scale` (fp32 scalars, 1.0 unless the checkpoint has them), which the
+backend uses when the cache it was bound to is FP8 (`kv_cache_dtype="fp8"`).
 """
 from __future__ import annotations
 
@@ -16,26 +23,47 @@ from atom.distributed.state import current_parallel_state
 from atom.model_ops.attention.metadata import (AttentionMetadata, current_forward_context, forward_context,
                                                get_forward_context, set_forward_context)
 from atom.model_ops.attention.torch_backend import TorchAttentionBackend
+from atom.model_ops.attention.options import AttentionOptions
 
-__all__ = ["Attention", "AttentionMetadata", "TorchAttentionBackend", "forward_context", "get_forward_context",
+__all__ = ["Attention", "AttentionMetadata", "AttentionOptions", "TorchAttentionBackend", "forward_context", "get_forward_context",
            "current_forward_context", "set_forward_context"]
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
-                 tp=None):
+                 tp=None, *, sliding_window: int | None = None, sinks: torch.Tensor | None = None):
         """`num_heads` / `num_kv_heads`: the model's; the layer keeps this tensor-parallel
-        rank's (`tp`, default: the model being built, `atom.distributed.building`)."""
+        rank's (`tp`, default: the model being built, `atom.distributed.building`); `sinks`
+        are this rank's heads' ([num_heads / tp])."""
         super().__init__()
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
+            raise ValueError(f"sliding_window={sliding_window!r} is invalid for layer {layer_idx}: "
+                             "give a positive number of tokens, or None for full attention")
         tp = tp if tp is not None else current_parallel_state()
         num_heads = tp.split(num_heads, "num_attention_heads")
         num_kv_heads = tp.kv_heads(num_kv_heads)[0]
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks of layer {layer_idx} must be [num_heads={num_heads}], got {tuple(sinks.shape)}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_idx = layer_idx
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
+        # the caller's parameter, read (not registered here: it is loaded under the caller's name)
+        self.__dict__["sinks"] = sinks
+        # FP8 KV-cache scales: the checkpoint's k_scale / v_scale (the loader routes them), else 1.0
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+        self.kv_scale_source = "default 1.0"  # "checkpoint" once the loader copied them
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend = TorchAttentionBackend()
+
+    @property
+    def options(self) -> AttentionOptions:
+        """The sliding window, sinks and FP8 scales the backend applies to this layer."""
+        return AttentionOptions(self.sinks, self.sliding_window, self.k_scale, self.v_scale)
 
     def kv_cache_spec(self, dtype: torch.dtype):
         """What this layer stores per token (its backend decides the layout)."""
@@ -57,5 +85,7 @@ class Attention(nn.Module):
         return out.view(T, -1)
 
     def extra_repr(self) -> str:
-        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"backend={self.backend.name}, cache={tuple(self.k_cache.shape)}")
+        extra = (f", sliding_window={self.sliding_window}" if self.sliding_window else "") + \
+            (", sinks" if self.sinks is not None else "")
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{extra}, "
+                f"backend={self.backend.name}, cache={tuple(self.k_cache.shape)} {str(self.k_cache.dtype)[6:]}")

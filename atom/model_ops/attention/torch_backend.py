@@ -1,7 +1,9 @@
 """The torch attention backend (CPU, and any device without the Triton kernels).
 
-Full keys and values per KV head in the paged cache (`FullAttentionSpec`); `write_kv` is the
-one place that writes them; attention is the reference in `torch_native`.
+Full keys and values per KV head in the paged cache (`FullAttentionSpec`, in the cache dtype
+the runner asks for: the model's, or FP8); `write_kv` is the one place that writes them
+(quantizing for an FP8 cache); attention is the reference in `torch_native` (with the layer's
+sliding window, sinks and FP8 scales).
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ class TorchAttentionBackend:
     name = "torch"
 
     def kv_cache_spec(self, layer, dtype: torch.dtype) -> FullAttentionSpec:
-        return FullAttentionSpec(layer.num_kv_heads, layer.head_dim, dtype)
+        return FullAttentionSpec(layer.num_kv_heads, layer.head_dim, dtype, layer.sliding_window)
 
     def write_kv(self, layer, k: torch.Tensor, v: torch.Tensor, meta) -> None:
-        torch_native.write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, meta.step_cache)
+        torch_native.write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, meta.step_cache,
+                                    layer.k_scale, layer.v_scale)
 
     def forward(self, layer, q, k, v, rotary=None) -> torch.Tensor:
         if rotary is not None:
@@ -28,7 +31,7 @@ class TorchAttentionBackend:
             raise ValueError("the torch attention backend needs this step's k and v")
         meta = get_forward_context()
         self.write_kv(layer, k, v, meta)
-        return torch_native.paged_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale)
+        return torch_native.paged_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale, layer.options)
 
     def __repr__(self) -> str:
         return "TorchAttentionBackend()"

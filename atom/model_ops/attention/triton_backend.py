@@ -8,6 +8,9 @@ attention kernel rotates them (after the q / k norms when their weights are give
 writes k and v itself. Being a registered op, it is opaque to torch.compile: level 3 splits
 the graph there (`splitting_ops`). The op finds the engine's backend (its layers and
 split-KV scratch) through the per-forward context, so engines in one process do not share them.
+Each layer's sinks, sliding window and FP8 scales (`Attention.options`) go to the kernel and
+the cache write; the fused rotary / GEMV cache writes are declined for an FP8 cache
+(`cache_target` is None), the attention kernel's own decode write quantizes.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 from atom.model_engine.kv_cache import FullAttentionSpec
 from atom.model_ops.attention.metadata import get_forward_context
 from atom.model_ops.attention.triton_unified import AttentionWorkspace, DecodeRope, unified_attention
-from atom.model_ops.kernels.kv_cache import reshape_and_cache
+from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES, reshape_and_cache
 
 OP_NAME = "atom::unified_attention_with_output"
 
@@ -33,14 +36,18 @@ class TritonAttentionBackend:
         self.workspace = AttentionWorkspace(max_num_tokens, a.num_heads, a.head_dim, device=device)
 
     def kv_cache_spec(self, layer, dtype: torch.dtype) -> FullAttentionSpec:
-        return FullAttentionSpec(layer.num_kv_heads, layer.head_dim, dtype)
+        return FullAttentionSpec(layer.num_kv_heads, layer.head_dim, dtype, layer.sliding_window)
 
     # --- the cache writes: the plain kernel here, and the target fused kernels write into
     def write_kv(self, layer, k: torch.Tensor, v: torch.Tensor, meta) -> None:
-        reshape_and_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+        reshape_and_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
 
-    def cache_target(self, layer, meta) -> tuple:
-        """(k_cache, v_cache, slot_mapping): where a fused kernel writes this step's K/V."""
+    def cache_target(self, layer, meta) -> tuple | None:
+        """(k_cache, v_cache, slot_mapping): where a fused kernel writes this step's K/V; None
+        for an FP8 cache (the rotary and GEMV kernels store plain casts; the fusions then run
+        unfused and this backend's `write_kv` quantizes)."""
+        if layer.k_cache.dtype in FP8_CACHE_DTYPES:
+            return None
         return layer.k_cache, layer.v_cache, meta.slot_mapping
 
     def forward(self, layer, q, k, v, rotary=None) -> torch.Tensor:
@@ -68,7 +75,8 @@ def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v:
     elif k is not None:
         backend.write_kv(layer, k, v, meta)
     unified_attention(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q, meta.seq_lens,
-                      meta.block_tables, layer.scale, meta.max_query_len, workspace=backend.workspace, rope=rope)
+                      meta.block_tables, layer.scale, meta.max_query_len, workspace=backend.workspace, rope=rope,
+                      options=layer.options)
 
 
 @unified_attention_with_output.register_fake

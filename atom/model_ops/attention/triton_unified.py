@@ -35,6 +35,14 @@ sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
 partial output and its log-sum-exp, and ``_merge_kernel`` combines them.  The
 scratch buffers come from an :class:`AttentionWorkspace` allocated once.
 
+Per layer (:class:`AttentionOptions`): a sliding window W narrows each row to keys
+``position - W < j <= position`` (tiles wholly before every row's window are skipped, the
+tiles across its lower edge are masked like the diagonal ones); attention sinks (a logit
+per query head in the softmax denominator, no value) start each row's online softmax at
+``m = sink, l = 1`` (in the first KV segment only, so the split-KV merge counts it once);
+an FP8 cache (e4m3 of x / scale) is read as fp8 and converted to the query dtype, with
+``k_scale`` folded into the softmax scale and ``v_scale`` into the output.
+
 Decode steps may fold the rotary embedding in (:class:`DecodeRope`): q arrives unrotated
 and is rotated in registers (after Qwen3's per-head q norm), and the one program of each
 (sequence, kv head) whose tiles end with this step's token rotates that token's key and
@@ -50,13 +58,16 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from atom.model_ops.attention.options import AttentionOptions
+from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton  # None without triton
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.kv_cache import slot_offset
+    from atom.model_ops.kernels.kv_cache import fp8_saturate, interpreted, slot_offset
     from atom.model_ops.kernels.triton_import import pdl_start
 
 __all__ = [
+    "AttentionOptions",
     "AttentionWorkspace",
     "DecodeRope",
     "unified_attention",
@@ -85,11 +96,12 @@ if HAS_TRITON:
     @triton.jit
     def _tile_step(
         acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
-        offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+        offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
-        DOT_PREC: tl.constexpr, MASKED: tl.constexpr,
+        DOT_PREC: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr, KV_FP8: tl.constexpr,
     ):
-        """One KV tile of online softmax. MASKED: tile crosses the diagonal or kv_end."""
+        """One KV tile of online softmax. MASKED: tile crosses the diagonal, kv_end or (SLIDING)
+        the lower edge of a row's window. KV_FP8: the cache holds fp8, converted to q's dtype."""
         kpos = t * TILE_N + offs_n
         k_ok = kpos < kv_end
         slot = kpos % BLOCK_SIZE
@@ -106,9 +118,13 @@ if HAS_TRITON:
                 k = tl.load(k_ptrs + blk[None, :] * stride_kb, mask=d_ok[:, None], other=0.0)
             else:
                 k = tl.load(k_ptrs + blk[None, :] * stride_kb)  # [HEAD_PAD, TILE_N]
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
         if MASKED:
             keep = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                keep = keep & (kpos[None, :] > q_pos[:, None] - window)
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -122,6 +138,8 @@ if HAS_TRITON:
             v = tl.load(v_ptrs + blk[:, None] * stride_vb, mask=d_ok[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs + blk[:, None] * stride_vb)  # [TILE_N, HEAD_PAD]
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         return acc, m_new, l_i
 
@@ -150,17 +168,21 @@ if HAS_TRITON:
     @triton.jit
     def _write_new_kv(kn_ptr, vn_ptr, slot_ptr, tok, pos, k_head, v_head,
                       stride_knt, stride_vnt, stride_kb, stride_ks, stride_vb, stride_vs,
-                      offs_d, cs_ptr, stride_cs, kw_ptr, eps,
-                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr):
+                      offs_d, cs_ptr, stride_cs, kw_ptr, eps, ks_ptr, vs_ptr,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
+                      KV_FP8: tl.constexpr, EXACT_ROUND: tl.constexpr):
         """Decode with the rotary embedding folded in: this step's key (rotated) and value of
         token `tok` (at `kn_ptr` / `vn_ptr` for this kv head), into the paged caches at the
-        token's slot (none if < 0)."""
+        token's slot (none if < 0); into an FP8 cache as x / scale, saturated at +-448."""
         d_ok = (offs_d < HEAD_DIM)[None, :]
         k_row = kn_ptr + tok * stride_knt + tl.zeros([1, 1], tl.int64)
         k = tl.load(k_row + offs_d[None, :], mask=d_ok, other=0.0)
         k = _rope_rows(k_row, k, tl.zeros([1], tl.int32) + pos, d_ok, offs_d, cs_ptr, stride_cs, kw_ptr, eps,
                        HEAD_DIM, NORM)
-        v = tl.load(vn_ptr + tok * stride_vnt + offs_d[None, :], mask=d_ok, other=0.0)
+        v = tl.load(vn_ptr + tok * stride_vnt + offs_d[None, :], mask=d_ok, other=0.0).to(tl.float32)
+        if KV_FP8:
+            k = fp8_saturate(k, ks_ptr, EXACT_ROUND)
+            v = fp8_saturate(v, vs_ptr, EXACT_ROUND)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         ok = d_ok & (offs_d * 0 + slot >= 0)[None, :]  # (a vector compare: the interpreter's masks)
         slot = tl.maximum(slot, 0)
@@ -183,6 +205,7 @@ if HAS_TRITON:
         stride_plt, stride_plh,
         cs_ptr, kn_ptr, vn_ptr, slot_ptr, qw_ptr, kw_ptr, norm_eps,
         stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
+        sinks_ptr, ks_ptr, vs_ptr, window,
         QPKV: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -196,6 +219,10 @@ if HAS_TRITON:
         PDL: tl.constexpr,
         ROPE: tl.constexpr,
         QK_NORM: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+        SLIDING: tl.constexpr,
+        KV_FP8: tl.constexpr,
+        EXACT_ROUND: tl.constexpr,
     ):
         pdl_start(PDL)
         # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
@@ -229,15 +256,20 @@ if HAS_TRITON:
             other=0.0,
         )
 
-        # keys this query block needs: [0, kv_end)
+        # keys this query block needs: [0, kv_end), from tile t_first with a window
         kv_end = ctx_len + tl.minimum(q_len, (local + 1) * BLOCK_Q)
         n_tiles = tl.cdiv(kv_end, TILE_N)
+        t_first = 0
+        lo_full = 0  # tiles from lo_full on are inside every row's window (its lower edge)
+        if SLIDING:
+            t_first = tl.maximum(ctx_len + local * BLOCK_Q - window + 1, 0) // TILE_N
+            lo_full = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
         if NUM_SPLITS > 1:
-            per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-            t_lo = split * per_split
+            per_split = tl.cdiv(n_tiles - t_first, NUM_SPLITS)
+            t_lo = t_first + split * per_split
             t_hi = tl.minimum(t_lo + per_split, n_tiles)
         else:
-            t_lo = 0
+            t_lo = t_first
             t_hi = n_tiles
         if ROPE:  # decode (one token per sequence): q arrives unrotated, k / v not yet cached
             q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
@@ -248,33 +280,50 @@ if HAS_TRITON:
                 _write_new_kv(kn_ptr + kvh * stride_knh, vn_ptr + kvh * stride_vnh, slot_ptr,
                               q_start.to(tl.int64), seq_len - 1, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
                               stride_knt, stride_vnt, stride_kb, stride_ks, stride_vb, stride_vs,
-                              offs_d, cs_ptr, stride_cs, kw_ptr, norm_eps, HEAD_DIM, BLOCK_SIZE, QK_NORM)
+                              offs_d, cs_ptr, stride_cs, kw_ptr, norm_eps, ks_ptr, vs_ptr,
+                              HEAD_DIM, BLOCK_SIZE, QK_NORM, KV_FP8, EXACT_ROUND)
                 tl.debug_barrier()  # the block's stores are visible to its loads below
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink's exp joins the denominator once: in the first segment
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            first = (tl.zeros([BLOCK_M], tl.int32) + split) == 0
+            m_i = tl.where(first, sink, m_i)
+            l_i = tl.where(first, 1.0, l_i)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        if KV_FP8:
+            scale_log2 = scale_log2 * tl.load(ks_ptr)
         bt_row = bt_ptr + b * stride_bt
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_vh
 
-        # Tiles wholly below the causal diagonal of every row in the block need
-        # no masks at all; only the last few tiles (the diagonal) do.
+        # Tiles wholly below the causal diagonal of every row in the block (and, with a
+        # window, wholly inside every row's window) need no masks at all; only the tiles
+        # across the window's lower edge [t_lo, edge_hi) and the diagonal [full_hi, t_hi) do.
         n_full = (ctx_len + local * BLOCK_Q + 1) // TILE_N
-        full_hi = tl.minimum(t_hi, n_full)
-        for t in range(t_lo, full_hi):
+        edge_hi = tl.minimum(tl.maximum(lo_full, t_lo), t_hi)
+        full_hi = tl.minimum(tl.maximum(n_full, edge_hi), t_hi)
+        for t in range(t_lo, edge_hi):
             acc, m_i, l_i = _tile_step(
                 acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
-                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, False)
-        for t in range(tl.maximum(t_lo, full_hi), t_hi):
+                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
+                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, True, SLIDING, KV_FP8)
+        for t in range(edge_hi, full_hi):
             acc, m_i, l_i = _tile_step(
                 acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
-                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, True)
+                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
+                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, False, SLIDING, KV_FP8)
+        for t in range(full_hi, t_hi):
+            acc, m_i, l_i = _tile_step(
+                acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
+                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
+                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, True, SLIDING, KV_FP8)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
+        if KV_FP8:
+            o = o * tl.load(vs_ptr)
         st_mask = row_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:
             tl.store(
@@ -466,6 +515,30 @@ def _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables):
         raise ValueError("block_tables must have a contiguous last dimension")
 
 
+def _check_options(opts, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    Hq = q.shape[1]
+    if opts.sinks is not None and (tuple(opts.sinks.shape) != (Hq,) or opts.sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be a contiguous [{Hq}] tensor, got {tuple(opts.sinks.shape)}")
+    W = opts.sliding_window
+    if W is not None and int(W) < 1:
+        raise ValueError(f"sliding_window={W} is invalid: must be >= 1 (or None for full attention)")
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    for name in ("k_scale", "v_scale"):
+        t = getattr(opts, name)
+        if fp8 and t is not None and t.numel() != 1:
+            raise ValueError(f"{name} must hold one value (a per-layer scale), got {tuple(t.shape)}")
+
+
+def _options_args(opts, q: torch.Tensor, k_cache: torch.Tensor) -> tuple:
+    """(sinks, k_scale, v_scale pointers, window) for the kernel; placeholders where unused."""
+    ks, vs = opts.k_scale, opts.v_scale
+    if k_cache.dtype in FP8_CACHE_DTYPES and (ks is None or vs is None):
+        one = torch.ones((), dtype=torch.float32, device=q.device)
+        ks, vs = (one if ks is None else ks), (one if vs is None else vs)
+    return (q if opts.sinks is None else opts.sinks, q if ks is None else ks, q if vs is None else vs,
+            int(opts.sliding_window or 0))
+
+
 class DecodeRope(NamedTuple):
     """Decode steps with the rotary embedding folded into the attention kernel: q comes
     unrotated, and the kernel rotates it, rotates this step's keys `k` [T, Hkv, D] and writes
@@ -518,10 +591,13 @@ def unified_attention(
     num_kv_splits: Optional[int] = None,
     config: Optional[dict] = None,
     rope: Optional[DecodeRope] = None,
+    options: Optional[AttentionOptions] = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; writes ``out`` in place and returns it.
     With ``rope`` (decode steps only) q is unrotated and this step's k / v are not in the
-    cache yet: the kernel rotates and writes them (:class:`DecodeRope`).
+    cache yet: the kernel rotates and writes them (:class:`DecodeRope`). ``options``: the
+    layer's sinks, sliding window and FP8 scales (:class:`AttentionOptions`); an FP8 cache
+    is recognised by its dtype.
 
     ``num_kv_splits``: None picks by shape (split only for decode-only batches
     with few programs); 1 forces one pass; a power of two forces that many
@@ -533,6 +609,8 @@ def unified_attention(
     if not HAS_TRITON:
         raise RuntimeError("unified_attention needs triton; use paged_attention_ref on CPU")
     _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables)
+    options = AttentionOptions() if options is None else options
+    _check_options(options, q, k_cache)
     if rope is not None:
         _check_rope(rope, q, k_cache, max(1, int(max_query_len)))
     T, Hq, D = q.shape
@@ -579,11 +657,13 @@ def unified_attention(
         block_tables.stride(0),
         po.stride(0), po.stride(1), po.stride(2) if splits > 1 else 0,
         plse.stride(0), plse.stride(1),
-        *_rope_args(rope, q),
+        *_rope_args(rope, q), *_options_args(options, q, k_cache),
         QPKV=Hq // Hkv, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
+        HAS_SINKS=options.sinks is not None, SLIDING=options.sliding_window is not None,
+        KV_FP8=k_cache.dtype in FP8_CACHE_DTYPES, EXACT_ROUND=k_cache.dtype in FP8_CACHE_DTYPES and interpreted(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
@@ -621,9 +701,16 @@ def paged_attention_ref(
     softmax_scale: float,
     max_query_len: int,
     workspace=None,
+    *,
+    sinks: Optional[torch.Tensor] = None,
+    sliding_window: Optional[int] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Torch reference of :func:`unified_attention` (per-sequence loop, fp32 math).
+    """Torch reference of :func:`unified_attention` (per-sequence loop, dense fp32 softmax).
 
+    ``sinks`` [Hq]: one more softmax column per head, with no value; ``sliding_window`` W:
+    a query at position p sees keys p - W < j <= p; an FP8 cache reads as fp8 * scale.
     Works on any device; writes ``out`` in place and returns it.
     """
     _, block_size, Hkv, D = k_cache.shape
@@ -640,14 +727,22 @@ def paged_attention_ref(
         blocks = block_tables[b, :nblk].long()
         k = k_cache[blocks].reshape(-1, Hkv, D)[:L].float()
         v = v_cache[blocks].reshape(-1, Hkv, D)[:L].float()
+        if k_cache.dtype in FP8_CACHE_DTYPES:
+            k = k * (1.0 if k_scale is None else k_scale.float())
+            v = v * (1.0 if v_scale is None else v_scale.float())
         k = k.repeat_interleave(qpkv, dim=1)  # [L, Hq, D]
         v = v.repeat_interleave(qpkv, dim=1)
         qq = q[qs:qe].float()  # [n, Hq, D]
         s = torch.einsum("qhd,khd->hqk", qq, k) * softmax_scale
         qpos = torch.arange(L - n, L, device=q.device)[:, None]
         kpos = torch.arange(L, device=q.device)[None, :]
-        s = s.masked_fill((kpos > qpos)[None], float("-inf"))
-        p = torch.softmax(s, dim=-1)
+        hide = kpos > qpos
+        if sliding_window is not None:
+            hide = hide | (kpos <= qpos - sliding_window)
+        s = s.masked_fill(hide[None], float("-inf"))
+        if sinks is not None:  # the sink column joins the denominator, then is dropped
+            s = torch.cat([s, sinks.float().view(Hq, 1, 1).expand(Hq, n, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :L]
         o = torch.einsum("hqk,khd->qhd", p, v)
         out[qs:qe] = o.to(out.dtype)
     return out
