@@ -99,9 +99,13 @@ def test_checkpoint_tensors_land_in_place(tmp_path):
     assert torch.equal(fused[:q_rank], t["model.layers.1.self_attn.q_a_proj.weight"])
     assert torch.equal(fused[q_rank:], t["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"])
     moe = model.model.layers[2].mlp
-    inter = moe.experts[5].down_proj.in_features
-    assert torch.equal(moe.experts[5].gate_up_proj.weight[:inter], t["model.layers.2.mlp.experts.5.gate_proj.weight"])
-    assert torch.equal(moe.experts[5].gate_up_proj.weight[inter:], t["model.layers.2.mlp.experts.5.up_proj.weight"])
+    inter = moe.experts.intermediate_size
+    w13, w2 = moe.experts.w13_weight[5], moe.experts.w2_weight[5]
+    assert torch.equal(w13[:inter], t["model.layers.2.mlp.experts.5.gate_proj.weight"])
+    assert torch.equal(w13[inter:], t["model.layers.2.mlp.experts.5.up_proj.weight"])
+    assert torch.equal(w2, t["model.layers.2.mlp.experts.5.down_proj.weight"])
+    shared = moe.shared_experts.gate_up_proj.weight
+    assert torch.equal(shared[:inter], t["model.layers.2.mlp.shared_experts.gate_proj.weight"])
     bias = t["model.layers.2.mlp.gate.e_score_correction_bias"]
     assert bias.abs().sum() > 0 and torch.equal(moe.gate.e_score_correction_bias, bias)
     assert moe.gate.weight.dtype == torch.float32
@@ -170,21 +174,84 @@ def test_deepseek_v2_lite_shape():
     attn = model.model.layers[0].self_attn.attn
     spec = attn.kv_cache_spec(torch.bfloat16)
     assert spec.page_bytes(1) * cfg.num_hidden_layers == 31104
-    assert not hasattr(model.model.layers[0].mlp, "experts") and len(model.model.layers[1].mlp.experts) == 64
+    assert not hasattr(model.model.layers[0].mlp, "experts") and model.model.layers[1].mlp.experts.num_experts == 64
     assert not hasattr(model.model.layers[0].self_attn, "fused_qkv_a_proj")  # no q_lora_rank
     assert "kv_a_proj_with_mqa" not in model.packed_modules_mapping
 
 
-def test_moe_dense_form_equals_the_expert_loop(tmp_path):
-    """The form torch.compile traces (every expert on every token, weight 0 where not chosen)
-    gives the per-expert loop's result."""
-    path = make_tiny_deepseek(tmp_path / "m", "v3")
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+def test_moe_block_equals_a_per_expert_loop(tmp_path, variant):
+    """The fused layer (stacked experts, TopK from the routing) + shared experts equals the
+    sum written out here: deepseek_topk's choice, each chosen expert's SiLU-gated MLP from its
+    own checkpoint tensors, weighted, plus the shared experts."""
+    import torch.nn.functional as F
+    from atom.models.deepseek_routing import deepseek_topk
+    path = make_tiny_deepseek(tmp_path / "m", variant)
+    with safe_open(f"{path}/model.safetensors", "pt") as st:
+        t = {k: st.get_tensor(k) for k in st.keys()}
     llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=8)
     moe = llm.engine.runner.model.model.layers[1].mlp
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
-    w, ids = moe.gate(x)
-    torch.testing.assert_close(moe.experts_forward_dense(x, w, ids), moe.experts_forward(x, w, ids))
+    pre = "model.layers.1.mlp"
+
+    def mlp(name, h):
+        return F.linear(F.silu(F.linear(h, t[f"{name}.gate_proj.weight"])) * F.linear(h, t[f"{name}.up_proj.weight"]),
+                        t[f"{name}.down_proj.weight"])
+
+    w, ids = deepseek_topk(F.linear(x, t[f"{pre}.gate.weight"]), moe.gate.routing,
+                           t.get(f"{pre}.gate.e_score_correction_bias"))
+    ref = mlp(f"{pre}.shared_experts", x)
+    for i in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            ref[i] += w[i, j] * mlp(f"{pre}.experts.{int(ids[i, j])}", x[i:i + 1])[0]
+    torch.testing.assert_close(moe(x), ref, rtol=1e-4, atol=1e-4)
     assert len(set(ids.flatten().tolist())) > 3  # several experts take part
+
+
+def test_routing_statistics_for_deepseek(tmp_path):
+    """record_expert_load counts tokens x top_k per MoE layer (1 and 2; layer 0 is dense)
+    every step, and changes no token."""
+    path = make_tiny_deepseek(tmp_path / "m", "v3")
+    ps = prompts(seed=5, lens=(7, 40))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32,
+              record_expert_load=True)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in ps]
+    load, steps = llm.stats.expert_load(), llm.stats.steps()
+    assert sorted(load["layer"].unique()) == [1, 2] and load["expert"].max() == 7
+    per = load.groupby(["step", "layer"])["tokens"].sum().unstack()
+    tokens = (steps.set_index("step")["prefill_tokens"] + steps.set_index("step")["decode_tokens"]).loc[per.index]
+    for layer in (1, 2):
+        assert per[layer].tolist() == (tokens * 3).tolist()  # num_experts_per_tok=3
+    assert len(per) == len(steps)
+
+
+def test_triton_experts_kernel_in_the_engine(tmp_path):
+    """The plan's Triton experts kernel (interpreted) inside the engine on a DeepSeek model:
+    transformers' tokens on a prefill and decode steps."""
+    pytest.importorskip("triton")
+    from atom.tuning.plan import KernelPlan
+    path = make_tiny_deepseek(tmp_path / "m", "v2")
+    ps = prompts(seed=6, lens=(6, 21))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32)
+    runner = llm.engine.runner
+    runner.install_plan(KernelPlan(moe_kernel="triton"))
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in ps]
+    assert runner.plan.moe_tile_tables
+
+
+def test_describe_moe_layers_shows_deepseek(tmp_path):
+    from atom.viz import moe_layers_frame
+    path = make_tiny_deepseek(tmp_path / "m", "v3")
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=8)
+    df = moe_layers_frame(llm)
+    assert list(df["layer"]) == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    row = df.iloc[0]
+    assert (row["experts"], row["top_k"], row["width"], row["shared_experts"], row["format"]) == (8, 3, 32, True, "float32")
+    assert "scoring=sigmoid" in row["routing"] and "groups=2/4" in row["routing"] and "scale=2.5" in row["routing"]
 
 
 def test_deepseek_v2_lite_roofline_cost():

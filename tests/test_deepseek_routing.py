@@ -139,3 +139,21 @@ def test_load_frame_counts_tokens_per_expert():
     assert list(df.columns) == ["expert", "group", "tokens"] and df["tokens"].sum() == 60
     assert df["tokens"].tolist() == [int((ids == e).sum()) for e in range(8)]
     assert df.groupby("group")["tokens"].sum().sum() == 60
+
+
+@pytest.mark.parametrize("top_k", [1, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_layer_topk_chooses_as_deepseek_topk(case, top_k):
+    """`to_topk()` (what DeepseekMoE's FusedMoE runs) gives deepseek_topk's experts and
+    weights, V2's normalise-or-scale rule included (top_k 1 scales, top_k 4 normalises)."""
+    kw = dict(CASES[case])
+    if case == "v2_norm_no_scale":
+        kw["scale_after_norm"] = False
+    r = DeepseekRouting(num_experts=16, top_k=top_k, **kw)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 16, generator=g) * 2
+    bias = torch.randn(16, generator=g) * 0.3 if r.uses_correction_bias else None
+    topk = r.to_topk()
+    got = topk(logits, bias)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64
+    _assert_same_routing(got, r(logits, bias))

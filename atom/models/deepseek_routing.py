@@ -17,8 +17,12 @@ multiplies them. V3 scales after normalising. V2 as DeepSeek wrote it scales onl
 not normalise (transformers 5.24's V2 never normalises; the published V2 configs set
 `norm_topk_prob=false`, where both agree).
 
-A pure function of the logits, so the MoE layer (here a per-expert loop, later the fused
-MoE layer) and notebooks share it.
+A pure function of the logits. `to_topk()` expresses it as the fused MoE layer's `TopK`
+(every rule above has a TopK equivalent: V2's groups score by their best softmax score, V3's
+by the sum of their two best biased scores; the "normalise or scale" rule becomes
+renormalise with scale 1, or scale without renormalising), which `DeepseekMoE` runs;
+`deepseek_topk` stays the written-out reference the tests hold the TopK to, and notebooks
+use it directly.
 """
 from __future__ import annotations
 
@@ -79,6 +83,16 @@ class DeepseekRouting:
     @property
     def uses_correction_bias(self) -> bool:
         return self.topk_method == "noaux_tc"
+
+    def to_topk(self):
+        """The `atom.model_ops.moe.TopK` that chooses as `deepseek_topk` does."""
+        from atom.model_ops.moe import TopK
+        grouped = self.topk_method != "greedy" and self.n_group > 1
+        normalise = self.norm_topk_prob and (self.top_k > 1 or self.scale_after_norm)
+        scale = self.routed_scaling_factor if (self.scale_after_norm or not normalise) else 1.0
+        return TopK(self.num_experts, self.top_k, scoring=self.scoring_func, renormalize=normalise,
+                    num_expert_group=self.n_group if grouped else None, topk_group=self.topk_group if grouped else None,
+                    routed_scaling_factor=scale)
 
     def __call__(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None):
         return deepseek_topk(router_logits, self, correction_bias)

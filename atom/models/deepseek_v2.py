@@ -13,8 +13,11 @@ packed matrix `fused_qkv_a_proj` loaded from the two checkpoint tensors. Only th
 rotate (interleaved pairs, YaRN scaling); the layer caches [kv_c | k_pe] per token
 (`MLAAttention`), which expands or absorbs `kv_b_proj` itself.
 
-The MoE block runs its experts in a plain per-expert loop (`DeepseekMoE.experts_forward`):
-the place the integrator switches to the fused MoE layer (atom.model_ops.moe).
+The MoE block is the gate (fp32 logits, V3's correction bias) and a `FusedMoE`
+(atom.model_ops.moe) with the routing's `TopK` (`DeepseekRouting.to_topk`) and the shared
+experts; per-expert checkpoint tensors `mlp.experts.{e}.{gate,up,down}_proj.*` load into its
+stacked parameters (`expert_params_mapping`), so quantized MoE methods and routing
+statistics apply as for the other MoE families.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.attention.mla import MLAAttention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
 from atom.model_ops.linear import Linear, MergedLinear
+from atom.model_ops.moe import FusedMoE
 from atom.model_ops.norm import RMSNorm
 from atom.model_ops.rotary import rope_parameters
 from atom.model_ops.rotary_yarn import DeepseekRotaryEmbedding, mla_softmax_scale
@@ -32,7 +36,7 @@ from atom.models.deepseek_routing import DeepseekRouting
 
 
 class DeepseekMLP(nn.Module):
-    """SiLU-gated MLP (dense layers, each routed expert, the shared experts)."""
+    """SiLU-gated MLP (the dense layers and the shared experts)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, quant_config=None, prefix: str = ""):
         super().__init__()
@@ -46,7 +50,8 @@ class DeepseekMLP(nn.Module):
 
 
 class DeepseekRouter(nn.Module):
-    """Router logits (fp32, as DeepSeek keeps the gate) -> (weights, expert ids) by `routing`."""
+    """The gate: router logits in fp32 (DeepSeek keeps the gate in fp32) and, for V3's
+    noaux_tc, the `e_score_correction_bias` the choice adds (never the weights)."""
 
     def __init__(self, hidden_size: int, routing: DeepseekRouting):
         super().__init__()
@@ -59,56 +64,32 @@ class DeepseekRouter(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())
-        return self.routing(logits, self.e_score_correction_bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight.float())
 
     def extra_repr(self) -> str:
         return repr(self.routing)
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, cfg, routing: DeepseekRouting, quant_config=None, prefix: str = ""):
+    """The gate's logits -> `FusedMoE` (routed experts stacked, chosen by the routing's
+    `TopK`) + the shared experts (a `DeepseekMLP` of width moe_intermediate_size x
+    n_shared_experts, kept under its checkpoint name `mlp.shared_experts` and handed to the
+    layer, which adds it to the routed sum)."""
+
+    def __init__(self, cfg, routing: DeepseekRouting, layer_idx: int, quant_config=None, prefix: str = ""):
         super().__init__()
         self.gate = DeepseekRouter(cfg.hidden_size, routing)
-        self.experts = nn.ModuleList(
-            DeepseekMLP(cfg.hidden_size, cfg.moe_intermediate_size, quant_config, f"{prefix}.experts.{i}")
-            for i in range(routing.num_experts))
         n_shared = getattr(cfg, "n_shared_experts", None) or 0
         self.shared_experts = (DeepseekMLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared, quant_config,
                                            f"{prefix}.shared_experts") if n_shared else None)
-
-    def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * expert[ids[t, k]](x[t]): a loop over the experts that got tokens.
-        INTEGRATION POINT: the fused MoE layer (stacked expert weights, grouped GEMM) replaces
-        this loop and `self.experts`; the routing above stays. Under torch.compile and CUDA-graph
-        capture (no data-dependent shapes, no host sync) every expert runs on every token, with
-        weight 0 where not chosen."""
-        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return self.experts_forward_dense(x, weights, ids)
-        out = torch.zeros_like(x)
-        hit = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
-        for e, count in enumerate(hit):
-            if count == 0:
-                continue
-            tok, slot = torch.where(ids == e)
-            y = self.experts[e](x[tok]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
-
-    def experts_forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            w = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1], 0 where e was not chosen
-            out = out + (expert(x) * w).to(out.dtype)
-        return out
+        self.experts = FusedMoE(routing.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, routing.to_topk(),
+                                activation="silu",
+                                shared_experts=self.shared_experts.forward if n_shared else None,
+                                quant_config=quant_config, prefix=f"{prefix}.experts", layer_idx=layer_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts_forward(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
 
 
 class DeepseekV2Attention(nn.Module):
@@ -158,7 +139,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepseekV2Attention(cfg, layer_idx, rotary_emb, quant_config, f"{prefix}.self_attn")
         if layer_idx >= (getattr(cfg, "first_k_dense_replace", 0) or 0):
-            self.mlp = DeepseekMoE(cfg, routing, quant_config, f"{prefix}.mlp")
+            self.mlp = DeepseekMoE(cfg, routing, layer_idx, quant_config, f"{prefix}.mlp")
         else:
             self.mlp = DeepseekMLP(cfg.hidden_size, cfg.intermediate_size, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -208,6 +189,7 @@ class DeepseekV2Model(nn.Module):
 
 
 class DeepseekV2ForCausalLM(nn.Module):
+    expert_params_mapping = FusedMoE.checkpoint_mapping()
     packed_modules_mapping = {
         "q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),

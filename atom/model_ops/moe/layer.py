@@ -6,8 +6,9 @@
 
 Router logits in, the `TopK` choice (pluggable), the experts through the layer's `MoEMethod`
 (from the quantization config; the method holds the weights and picks the kernel the
-engine's `KernelPlan` chose), plus optional shared experts (any module on x, added to the
-routed sum). `activation` maps the [n, 2I] gate-up output to [n, I]: a name ("silu") or a
+engine's `KernelPlan` chose), plus optional shared experts added to the routed sum: a module
+on x (registered here, as `shared_experts`), or a callable on x such as the bound `forward`
+of a module the model keeps under its own checkpoint name (DeepSeek's `mlp.shared_experts`). `activation` maps the [n, 2I] gate-up output to [n, I]: a name ("silu") or a
 callable, so a family with its own gated activation passes it in.
 
 Loading: each stacked parameter has `weight_loader(param, tensor, (expert_id, part))`; a
@@ -42,7 +43,7 @@ def activation_of(activation: str | Callable) -> Callable:
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, topk: TopK,
-                 activation: str | Callable = "silu", bias: bool = False, shared_experts: nn.Module | None = None,
+                 activation: str | Callable = "silu", bias: bool = False, shared_experts: nn.Module | Callable | None = None,
                  quant_config=None, prefix: str = "", layer_idx: int | None = None):
         super().__init__()
         if topk.num_experts != num_experts:
@@ -112,18 +113,22 @@ class FusedMoE(nn.Module):
                     if (e, w) not in got]
         return out
 
+    #: per-expert tensor suffixes the loader maps (values and biases; quantized methods' scales)
+    CHECKPOINT_SUFFIXES = ("weight", "bias", "weight_scale", "input_scale")
+
     @staticmethod
     def checkpoint_mapping(gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
                            experts: str = "experts") -> list[tuple[re.Pattern, str, str]]:
         """(regex, target suffix, part) for the loader: per-expert tensors
-        `{experts}.{e}.{gate|up|down}.weight` and the fused 3-D `{experts}.gate_up_proj` [E, 2I, H] /
-        `{experts}.down_proj` [E, H, I] that transformers >= 5 writes (with or without `.weight`)."""
+        `{experts}.{e}.{gate|up|down}.{suffix}` for each of `CHECKPOINT_SUFFIXES` (`.weight` ->
+        `w13_weight` / `w2_weight`, `.weight_scale` -> `w13_weight_scale` / `w2_weight_scale`, ...;
+        a suffix the layer's method did not create has no place and fails loading, naming the
+        tensor), and the fused 3-D `{experts}.gate_up_proj` [E, 2I, H] / `{experts}.down_proj`
+        [E, H, I] that transformers >= 5 writes (with or without `.weight`)."""
         x = re.escape(experts)
-        out = [(re.compile(rf"\.{x}\.(?P<expert>\d+)\.{re.escape(src)}\.weight$"), f".{experts}.{dst}", part)
-               for src, dst, part in ((gate, "w13_weight", "w1"), (up, "w13_weight", "w3"), (down, "w2_weight", "w2"))]
-        out += [(re.compile(rf"\.{x}\.(?P<expert>\d+)\.{re.escape(src)}\.bias$"),
-                 f".{experts}.{dst}", part)
-                for src, dst, part in ((gate, "w13_bias", "w1"), (up, "w13_bias", "w3"), (down, "w2_bias", "w2"))]
+        out = [(re.compile(rf"\.{x}\.(?P<expert>\d+)\.{re.escape(src)}\.{suffix}$"), f".{experts}.{dst}_{suffix}", part)
+               for suffix in FusedMoE.CHECKPOINT_SUFFIXES
+               for src, dst, part in ((gate, "w13", "w1"), (up, "w13", "w3"), (down, "w2", "w2"))]
         out += [(re.compile(rf"\.{x}\.gate_up_proj(\.weight)?$"), f".{experts}.w13_weight", "w13"),
                 (re.compile(rf"\.{x}\.down_proj(\.weight)?$"), f".{experts}.w2_weight", "w2")]
         return out

@@ -17,8 +17,11 @@ its stored tensors (packed values, per-expert scales [E, ...]) made with `add_ex
 with the parts they split into along dim 1 (a per-channel scale of w13 is [E, 2I], parts
 "w1", "w3"; a per-tensor scale [E, 2] has one column per part), so the loader fills them from
 per-expert checkpoint tensors (`(expert_id, part)`) and from fused 3-D ones (`(None, part)`)
-without knowing the format; `apply` may call `experts_reference` on dequantized weights (the
-CPU reference) or its own kernel. Register it in `MOE_METHODS` under its dtype key.
+without knowing the format (the loader maps per-expert `weight_scale` / `input_scale`
+tensors to `w13_*` / `w2_*` parameters of the same suffix, `FusedMoE.checkpoint_mapping`);
+`apply` may run `experts_ref.routed_sum` with its own per-expert function (dequantize that
+expert, as `fp8_method.Fp8MoEMethod` does) or its own kernel. Register it in `MOE_METHODS`
+under its dtype key.
 """
 from __future__ import annotations
 
