@@ -68,9 +68,10 @@ def describe_layers(model: nn.Module) -> list[dict]:
         method = getattr(m, "method", None)
         if isinstance(method, LinearMethod):
             w = getattr(m, "weight", None)
-            shape = tuple(w.shape) if w is not None else None
-            if shape is None and hasattr(m, "out_features"):
-                shape = (m.out_features, m.in_features)  # packed weights: the logical shape
+            if hasattr(m, "out_features"):  # the logical shape, also for packed weights
+                shape = (m.out_features, m.in_features)
+            else:
+                shape = tuple(w.shape) if w is not None else None
             rows.append({"layer": name, "class": type(m).__name__, "method": method.name,
                          "format": method.format(m), "bytes": method.weight_bytes(m), "shape": shape})
     return rows

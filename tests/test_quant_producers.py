@@ -1,0 +1,67 @@
+"""Checkpoints written by the real producers (llm-compressor / compressed-tensors 0.19, AMD
+Quark 0.13; `tests/producers/make_checkpoints.py` in the producers' venv, see
+tests/quant_producers.py) load in ATOM and generate the greedy tokens transformers gives
+when it reloads the same checkpoint in fp32, with the same log-probabilities.
+
+Tolerance on the log-probabilities: both sides dequantize the weights exactly in fp32 and
+fake-quantize the activations with the same formulas, so what differs is fp32 summation
+order (~1e-6 relative) and, rarely, an activation that lands within an ulp of a rounding
+boundary of its fp8/int8/fp4 grid and rounds the other way; one such flip moves a logit
+by about one quantization step times a weight (~1e-3 on these models, |logit| <= 14).
+5e-3 is above that and far below what a wrong layout gives (the wrong nibble order or a
+transposed scale changes log-probs by > 0.5 and the tokens themselves).
+"""
+from __future__ import annotations
+
+import pytest
+
+from quant_producers import make_checkpoints, producer_python, reference
+
+#: scheme -> the format every quantized layer shows in linear_methods_frame
+SCHEMES = {
+    "ct_fp8_dynamic": "fp8 per-channel, act dynamic per-token",
+    "ct_fp8_block32": "fp8 block 32x32, act dynamic 1x32",
+    "ct_fp8_static": "fp8 per-tensor, act static per-tensor",
+    "ct_w8a8": "int8 per-channel, act dynamic per-token",
+    "ct_w4a16_g32": "int4 g32 sym",
+    "ct_w4a16_g64_asym": "int4 g64 asym",
+    "ct_mxfp4a16": "mxfp4 1x32 e8m0, weight only",
+    "ct_mxfp4": "mxfp4 1x32 e8m0, act dynamic mxfp4 1x32",
+    "quark_ptpc_fp8": "fp8 per-channel, act dynamic per-token",
+    "quark_fp8": "fp8 per-tensor, act static per-tensor",
+    "quark_int4_wo_32": "int4 g32 sym",
+    "quark_int4_wo_64": "int4 g64 sym",
+    "quark_mxfp4": "mxfp4 1x32 e8m0, act dynamic mxfp4 1x32",
+    "quark_mxfp4_weight_only": "mxfp4 1x32 e8m0, weight only",
+}
+LOGPROB_TOL = 5e-3
+
+
+@pytest.fixture(scope="session")
+def producer_checkpoints():
+    if producer_python() is None:
+        pytest.skip("the producers' venv (.venv-prod, or $ATOM_PRODUCER_PYTHON) is absent: `make producers` "
+                    "installs llm-compressor, compressed-tensors and amd-quark into it")
+    return make_checkpoints(list(SCHEMES))
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_producer_checkpoint_generates_like_transformers(producer_checkpoints, scheme):
+    from atom import LLM, SamplingParams
+    from atom.viz import linear_methods_frame
+    folder = producer_checkpoints / scheme
+    ref = reference(folder)
+    llm = LLM(str(folder), dtype="float32", enable_log_stats=False, num_kvcache_blocks=64)
+    sp = SamplingParams(temperature=0, max_tokens=len(ref["greedy"][0]), ignore_eos=True, logprobs=0)
+    outs = llm.generate(ref["prompts"], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref["greedy"]
+    for o, want in zip(outs, ref["logprobs"]):
+        got = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        assert got == pytest.approx(want, abs=LOGPROB_TOL)
+    frame = linear_methods_frame(llm)
+    quantized = frame[frame["method"] != "unquantized"]
+    assert len(quantized) == 8  # qkv, o, gate_up, down in each of the 2 layers; lm_head excluded
+    assert set(quantized["format"]) == {SCHEMES[scheme]}
+    for _, row in quantized.iterrows():  # stored quantized: well under the fp32 model's bytes
+        dense = row["shape"][0] * row["shape"][1] * 4
+        assert row["bytes"] < (0.2 if "4" in SCHEMES[scheme].split()[0] else 0.35) * dense, row.to_dict()
