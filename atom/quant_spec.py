@@ -236,7 +236,8 @@ class QuarkParser:
 
     ``weight.qscheme`` sets the quant type (``per_channel`` -> ``per_Token``,
     ``per_tensor`` -> ``per_Tensor``, ``per_group`` -> ``per_1x32``),
-    ``weight.dtype`` the quant dtype, and ``input_tensors.is_dynamic`` the
+    ``weight.dtype`` the quant dtype (``uint4``: ``torch.uint4``, which no linear method
+    runs, so such layers are refused at build rather than read as signed int4), and ``input_tensors.is_dynamic`` the
     dynamic flag (``True`` when absent).
     """
 
@@ -276,6 +277,11 @@ class QuarkParser:
                 f"quark weight.dtype={dtype_name!r} is invalid: must name fp8, fp4, "
                 "int8 or int4"
             )
+        if "uint4" in dtype_name.lower():
+            # unsigned nibbles with zero points: no method reads them, and reading them as
+            # the signed int4 layout would be silently wrong; the layer build refuses it
+            return LayerQuantConfig(_QUARK_QSCHEME[qscheme], torch.uint4, is_dynamic, self.method,
+                                    group_size=_pos_int(weight.get("group_size")), symmetric=False)
         details: dict[str, Any] = {}
         if qscheme == "per_group":
             details["group_size"] = _pos_int(weight.get("group_size"))

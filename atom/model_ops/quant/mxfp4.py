@@ -135,7 +135,9 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         super().__init__(spec, prefix)
         group = spec.group_size or MX_GROUP
         if group != MX_GROUP:
-            raise refuse(prefix, spec, f"MXFP4 has one E8M0 scale per {MX_GROUP} values, not group_size={group}")
+            nv = " (NVFP4: fp8 scales per 16 and a global scale, which has no method yet)" if group == 16 else ""
+            raise refuse(prefix, spec, f"fp4 weights run as MXFP4, one E8M0 scale per {MX_GROUP} values; "
+                         f"group_size={group} is another format{nv}")
         if spec.symmetric is False:
             raise refuse(prefix, spec, "MXFP4 is symmetric; a checkpoint with zero points is not MXFP4")
         self.act = spec.act_scheme or "none"
