@@ -14,12 +14,14 @@ import hashlib
 import json
 import os
 import subprocess
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "producers" / "make_checkpoints.py"
-VERSIONS = "llmcompressor==0.14.0.1 compressed-tensors==0.19.0 amd-quark==0.13 torch==2.13.0"
+#: the pinned producers (pyproject.toml's `producers` extra, what `make producers` installs)
+VERSIONS = re.search(r"^producers = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1) + " torch==2.13.0"
 
 
 def producer_python() -> str | None:
