@@ -38,7 +38,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ATOM_MODEL_CACHE", Path.home() / ".cache" / "atom")) / "quant-producers" / key
 
 
-def make_checkpoints(schemes: list[str], timeout: int = 1200) -> Path:
+def make_checkpoints(schemes: list[str], env: dict | None = None, timeout: int = 1200) -> Path:
     """Every scheme's folder (checkpoint + reference.json) under `cache_dir()`, produced by
     the script in the producers' venv for those not there yet."""
     exe = producer_python()
@@ -48,7 +48,7 @@ def make_checkpoints(schemes: list[str], timeout: int = 1200) -> Path:
     missing = [s for s in schemes if not (out / s / "reference.json").exists()]
     if missing:
         out.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         env.pop("PYTHONPATH", None)  # the producers' venv imports nothing of the engine's
         proc = subprocess.run([exe, str(SCRIPT), str(out), *missing], env=env, capture_output=True, text=True,
                               timeout=timeout)

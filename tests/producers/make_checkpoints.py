@@ -6,6 +6,9 @@ engine's:
 
     .venv-prod/bin/python tests/producers/make_checkpoints.py OUT_DIR [SCHEME ...]
 
+(no SCHEME: every tiny one; `smollm2_ct_fp8_dynamic` also needs $ATOM_SMOLLM2_BASE, the
+engine's embedded SmolLM2 folder.)
+
 For each scheme it builds a tiny random Llama or Qwen3 (bf16, seed 0, initializer_range
 0.4 so greedy tokens are decisive), quantizes it with llm-compressor (`oneshot`) or AMD
 Quark (`ModelQuantizer` + `export_safetensors`) exactly as QUANT_PRODUCERS.md's snippets
@@ -61,6 +64,12 @@ def base_model(arch: str, root: str):
     """The tiny random model, saved once under root/_base_ARCH and loaded from there (the
     producers read the model's name_or_path)."""
     import transformers
+    if arch == "smollm2":  # the engine's embedded SmolLM2 (fp32 safetensors), read in bf16
+        path = os.environ.get("ATOM_SMOLLM2_BASE", "")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"ATOM_SMOLLM2_BASE={path!r} is not a model folder: set it to the "
+                                    "embedded SmolLM2 (python -m atom.model_loader.embedded prints it)")
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     path = os.path.join(root, f"_base_{arch}")
     if not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(0)
@@ -81,6 +90,7 @@ def calib_dataset():
 def llmc_recipe(scheme: str):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.quantization import QuantizationModifier
+    scheme = scheme.replace("smollm2_", "")
     ignore = ["lm_head"]
     presets = {"ct_fp8_dynamic": "FP8_DYNAMIC", "ct_w8a8": "W8A8", "ct_mxfp4a16": "MXFP4A16", "ct_mxfp4": "MXFP4",
                "ct_fp8_static": "FP8"}
@@ -132,6 +142,7 @@ def produce_quark(scheme: str, arch: str, out: str, probe: torch.Tensor) -> torc
 #: scheme -> (producer, tiny architecture)
 SCHEMES = {
     "ct_fp8_dynamic": ("llmc", "qwen3"),
+    "smollm2_ct_fp8_dynamic": ("llmc", "smollm2"),  # 163 MB; base from $ATOM_SMOLLM2_BASE
     "ct_fp8_block32": ("llmc", "qwen3"),
     "ct_fp8_static": ("llmc", "llama"),
     "ct_w8a8": ("llmc", "qwen3"),
@@ -148,7 +159,14 @@ SCHEMES = {
 }
 
 
-def prompts() -> list[list[int]]:
+SMOLLM2_TEXTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+
+
+def prompts(arch: str = "tiny") -> list[list[int]]:
+    if arch == "smollm2":
+        import transformers
+        tok = transformers.AutoTokenizer.from_pretrained(os.environ["ATOM_SMOLLM2_BASE"])
+        return [tok(t)["input_ids"] for t in SMOLLM2_TEXTS]
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40)]
 
@@ -173,12 +191,12 @@ def reload_fp32(out: str, probe: torch.Tensor):
     return torch.nn.Module.to(model, torch.float32)  # PreTrainedModel.float() refuses quantized models
 
 
-def reload_reference(out: str, probe: torch.Tensor) -> dict:
+def reload_reference(out: str, probe: torch.Tensor, arch: str) -> dict:
     """Greedy tokens and their log-probs from transformers reloading `out` in fp32."""
     model = reload_fp32(out, probe)
     greedy, logprobs = [], []
     with torch.no_grad():
-        for p in prompts():
+        for p in prompts(arch):
             ids = list(p)
             for _ in range(N_NEW):
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
@@ -186,28 +204,28 @@ def reload_reference(out: str, probe: torch.Tensor) -> dict:
             new = ids[len(p):]
             greedy.append(new)
             logprobs.append([float(lp[len(p) - 1 + i, t]) for i, t in enumerate(new)])
-    return {"model": model, "prompts": prompts(), "greedy": greedy, "logprobs": logprobs}
+    return {"model": model, "prompts": prompts(arch), "greedy": greedy, "logprobs": logprobs}
 
 
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
-    root, names = argv[0], argv[1:] or list(SCHEMES)
+    root, names = argv[0], argv[1:] or [n for n in SCHEMES if not n.startswith("smollm2")]
     unknown = [n for n in names if n not in SCHEMES]
     if unknown:
         print(f"unknown schemes {unknown}: choose from {sorted(SCHEMES)}", file=sys.stderr)
         return 2
-    probe = torch.tensor([prompts()[1]])
     for name in names:
         producer, arch = SCHEMES[name]
+        probe = torch.tensor([prompts(arch)[1]])
         out = os.path.join(root, name)
         if os.path.exists(os.path.join(out, "reference.json")):
             continue
         t0 = time.time()
         make = produce_llmc if producer == "llmc" else produce_quark
         inproc = make(name, arch, out, probe)
-        ref = reload_reference(out, probe)
+        ref = reload_reference(out, probe, arch)
         fp32 = ref.pop("model")
         with torch.no_grad():
             if name == "quark_mxfp4":
