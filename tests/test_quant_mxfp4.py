@@ -1,7 +1,7 @@
 """MXFP4: the numerics (`atom.model_ops.quant.mxfp4`) against a reference written here from
 the OCP MX definition (e2m1 bit fields, frexp-based shared exponent), the linear method
-against dequantize-then-matmul for several shapes and activation dtypes, int4 with a group
-that does not divide 128, and refusals / load errors naming the layer and the format."""
+against dequantize-then-matmul for several shapes and activation dtypes, and refusals / load
+errors naming the layer and the format."""
 from __future__ import annotations
 
 import json
@@ -153,27 +153,6 @@ def test_mxfp4_method_matches_dequantize_then_matmul(method, act, kind, dtype):
         torch.testing.assert_close(y, ref)
     dense = layer.out_features * layer.in_features * 2
     assert layer.method.weight_bytes(layer) <= 0.29 * dense + 4 * layer.out_features  # 4.25 bits a weight
-
-
-def test_int4_group_that_does_not_divide_128():
-    """g48 over K=192 (48 does not divide 128) and g32 over K=96: packed shards of their own."""
-    from test_quant_methods import q_int4
-    for k, g in ((192, 48), (96, 32)):
-        s = LayerQuantConfig(QuantType.per_Token, torch.uint8, True, "compressed-tensors", group_size=g,
-                             symmetric=False, act_scheme="none")
-        layer = MergedLinear(k, [40, 24], quant_config=OneSpec(s), prefix="t.gate_up_proj")
-        deqs = []
-        torch.manual_seed(1)
-        for sid in layer.shard_ids():
-            t, deq = q_int4(torch.randn(layer.shard_range(sid)[1], k), g, False)
-            for n, v in t.items():
-                p = getattr(layer, n)
-                p.weight_loader(p, v, sid)
-            deqs.append(deq)
-        layer.method.process_weights_after_loading(layer)
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(3, k).to(dtype)
-            torch.testing.assert_close(layer(x), F.linear(x.float(), torch.cat(deqs)).to(dtype))
 
 
 def test_refusals_name_the_layer_and_the_format():
