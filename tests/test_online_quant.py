@@ -50,6 +50,18 @@ def test_ptpc_fp8_greedy_tokens_equal_the_rtn_reference(tiny_llama, in_tmp):
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 12) for p in PROMPTS]
 
 
+def test_mxfp4_greedy_tokens_equal_the_rtn_reference(tiny_llama, in_tmp):
+    llm = _llm(tiny_llama, online_quant_config={"global_quant_config": "mxfp4"})
+    assert set(_formats(llm).values()) == {"mxfp4", "unquantized"}  # the LM head stays
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ref = fake_quantized_copy(hf, "mxfp4")  # an independent OCP-MX round-to-nearest
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 12) for p in PROMPTS]
+    layer = linear_layers(llm.engine.runner.model)["model.layers.0.mlp.down_proj"]
+    assert layer.weight.dtype == torch.uint8 and layer.weight.shape == (64, 64)  # [out, in/2]
+    assert layer.weight_scale.shape == (64, 4)  # one E8M0 scale per 32 inputs
+
+
 def test_online_layer_is_the_checkpoint_layout(tiny_llama, in_tmp):
     plain, online = _llm(tiny_llama), _llm(tiny_llama, online_quant_config=PTPC)
     for name, layer in linear_layers(online.engine.runner.model).items():
@@ -135,9 +147,6 @@ def test_plan_order_exclude_then_patterns_then_global(tiny_llama):
     ({"layer_quant_config": {"*.mlp.*": "fp16"}}, ValueError, r"online_quant_config.layer_quant_config\['\*.mlp.\*'\]"),
     ({"exclude_layer": ["re:("]}, ValueError, r"online_quant_config.exclude_layer='re:\(' is invalid: bad regex"),
     ({"exclude_layer": 3}, ValueError, r"online_quant_config.exclude_layer=3 is invalid"),
-    ({"global_quant_config": "mxfp4"}, NotImplementedError, r"online_quant_config.global_quant_config='mxfp4'"),
-    ({"layer_quant_config": {"*.down_proj": "mxfp4"}}, NotImplementedError,
-     r"online_quant_config.layer_quant_config\['\*.down_proj'\]='mxfp4' \(layer 'model.layers.0.mlp.down_proj'\)"),
 ])
 def test_bad_config_is_refused_before_weights_load(tiny_llama, tmp_path, in_tmp, cfg, err, match):
     no_weights = tmp_path / "config_only"

@@ -11,8 +11,8 @@ on a text, reports top-1 agreement with the unquantized engine, mean KL(unquanti
 quantized) and perplexity; the reference (`quant_reference`, transformers with each
 nn.Linear fake-quantized, written independently of the engine's methods) reports the same
 against unquantized transformers. `within_1_point`: the engine's top-1 agreement is within
-one percentage point of the reference's. A format without a method in this build (mxfp4)
-gets the reference's figures and the engine's reason.
+one percentage point of the reference's. A format the engine cannot run on
+the model (a refusal) gets the reference's figures and the engine's reason.
 """
 from __future__ import annotations
 

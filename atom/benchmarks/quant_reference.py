@@ -52,11 +52,14 @@ def grouped(x: torch.Tensor, g: int, fn) -> torch.Tensor:
 
 
 def fq_mxfp4(x: torch.Tensor) -> torch.Tensor:
-    """OCP MXFP4 per 32: shared exponent floor(log2(amax)) - 2, e2m1 magnitudes rounded to
-    the nearest grid point (clamped at 6)."""
+    """OCP MXFP4 per 32 as llm-compressor and Quark compute it: amax rounded to a power of two
+    (up when its mantissa is >= 1.75, so the group's largest value stays near the e2m1 top
+    instead of clipping), shared exponent that power - 2 (the e2m1 maximum's exponent); e2m1
+    magnitudes rounded to the nearest grid point (clamped at 6)."""
     def one(g: torch.Tensor) -> torch.Tensor:
-        amax = g.abs().amax(dim=-1, keepdim=True)
-        exp = torch.floor(torch.log2(_floor(amax))) - 2
+        amax = _floor(g.abs().amax(dim=-1, keepdim=True))
+        exp = torch.floor(torch.log2(amax))
+        exp = exp + (amax / torch.pow(2.0, exp) >= 1.75).float() - 2
         s = torch.pow(2.0, exp)
         mag = (g.abs() / s).clamp(max=6.0)
         grid = E2M1_GRID.to(g.device)

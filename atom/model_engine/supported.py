@@ -6,8 +6,7 @@ anywhere); an engine that would silently ignore one of them is worse than none. 
 that is not implemented here (expert parallelism, DP attention,
 speculative decoding), each with its field and value. Tensor parallel
 (`atom.distributed.executor`) and data parallel (`atom.distributed.data_parallel`) run.
-Online quantization runs (`atom.model_loader.online_quant`; its MXFP4 target is refused
-there, at model build, until the MXFP4 method is in). `asyncio_mode` runs in
+Online quantization runs (`atom.model_loader.online_quant`). `asyncio_mode` runs in
 `atom.model_engine.async_engine.AsyncLLMEngine` (the server's engine loop); the offline `LLM`,
 which steps the engine itself, refuses it. It also checks the kernel backend
 (`ATOM_KERNEL_BACKEND`, `atom.platform`) and warns, once, that a compilation level above 0

@@ -155,8 +155,10 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         if in_features % MX_GROUP:
             raise refuse(self.prefix, self.spec, f"in_features={in_features} is not a multiple of {MX_GROUP} "
                          "(MXFP4 has no partial group; the producers refuse it too)")
-        weight_param(layer, self.packed_name, (out_features, in_features // 2), torch.uint8)
-        row_param(layer, "weight_scale", in_features // MX_GROUP, dtype=torch.uint8, fill=127)
+        # two values per byte, one scale per 32 inputs: a row-parallel split narrows them alike
+        weight_param(layer, self.packed_name, (out_features, in_features // 2), torch.uint8, input_pack=2)
+        row_param(layer, "weight_scale", in_features // MX_GROUP, dtype=torch.uint8, fill=127,
+                  input_pack=MX_GROUP)
         bias_param(layer, out_features, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:

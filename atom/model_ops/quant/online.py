@@ -97,6 +97,14 @@ def produce_w4a16(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
             "weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
 
 
+def produce_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """MXFP4 weight-only: e2m1 values two per byte, an E8M0 scale per 32 inputs (the MXFP4
+    method's own numerics, so online and checkpoint layers are bit-identical)."""
+    from atom.model_ops.quant.mxfp4 import quantize_mxfp4
+    packed, scales = quantize_mxfp4(w)
+    return {"weight": packed, "weight_scale": scales}
+
+
 # --- targets --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Target:
@@ -140,20 +148,15 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            produce_fp8_block, (128, 128)),
     Target("w8a8_int8", LayerQuantConfig(QuantType.per_Token, DTYPE_KEYS["i8"], True, "online",
                                          symmetric=True, act_scheme="token"), produce_w8a8_int8, (1, None)),
+    Target("mxfp4", online_quant_spec("mxfp4"), produce_mxfp4, (1, 32)),
     _w4a16(32), _w4a16(64),
 )}
-#: formats with a target here or pending one (mxfp4: the MXFP4 method lands separately)
-FORMATS = tuple(TARGETS) + ("mxfp4",)
+FORMATS = tuple(TARGETS)
 
 
 def target_for(fmt: str, prefix: str = "", field: str = "format") -> Target:
     """The one place a format name becomes a target (method + producer). `field` names the
-    setting the format came from, for the errors. MXFP4 is refused until its linear method
-    is in this build (the integrator wires its spec and `quantize_mxfp4`-style producer here)."""
-    if fmt == "mxfp4":
-        raise NotImplementedError(
-            f"{field}='mxfp4' (layer '{prefix}'): online MXFP4 needs the MXFP4 linear method, which "
-            "this build does not have yet; use 'ptpc_fp8', or exclude the layer")
+    setting the format came from, for the errors."""
     if fmt not in TARGETS:
         raise ValueError(f"{field}={fmt!r} is invalid: must be one of {list(FORMATS)}")
     return TARGETS[fmt]
@@ -200,6 +203,7 @@ class _Probe(nn.Module):
         super().__init__()
         self.prefix, self.in_features, self.out_features = layer.prefix, layer.in_features, layer.out_features
         self.shard_ids, self.shard_range = layer.shard_ids, layer.shard_range
+        self.checkpoint_shape = layer.checkpoint_shape  # a shard's shape before a tensor-parallel split
         self.weight_loader = layer.weight_loader
 
 
