@@ -160,3 +160,12 @@ def test_fp8_kv_on_the_triton_backend_matches_the_torch_backend(tiny_qwen3):
     llm = LLM(tiny_qwen3, **kw)
     _on_triton(llm.engine.runner, fused=True)
     assert [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)] == want
+
+
+def test_fp8_latent_cache_is_refused_before_weights_load(tmp_path):
+    from tiny_deepseek import make_tiny_deepseek
+    from atom.model_engine.supported import unsupported_settings
+    from atom import Config
+    path = make_tiny_deepseek(tmp_path / "ds", "v2")
+    found = unsupported_settings(Config(model=path, kv_cache_dtype="fp8"))
+    assert len(found) == 1 and "kv_cache_dtype='fp8'" in found[0] and "MLA" in found[0]

@@ -163,3 +163,15 @@ def test_dummy_weights_run(tmp_path):
     assert w13.abs().sum() > 0 and 0.05 < float(w13.std()) < 0.5  # xavier over each expert's [2I, H]
     out = llm.generate(prompts(lens=(9,)), GREEDY, use_tqdm=False)
     assert len(out[0].token_ids) == 16
+
+
+def test_host_syncing_experts_kernels_are_found_for_the_eager_fallback(tmp_path):
+    """The torch reference (here: a CPU plan) reads routed counts on the host; gpu_setup turns
+    graphs and compilation off for such layers instead of failing in capture."""
+    from atom.model_engine.gpu_setup import host_syncing_layers
+    llm = LLM(make_tiny_moe(tmp_path / "m"), enable_log_stats=False, num_kvcache_blocks=16)
+    runner = llm.engine.runner
+    found = host_syncing_layers(runner)
+    assert found and all(".mlp.experts" in name for name, _ in found)
+    runner.install_plan(KernelPlan(backend="triton", moe_kernel="triton"))
+    assert host_syncing_layers(runner) == []  # the grouped GEMM does not sync

@@ -258,3 +258,21 @@ def test_compile_cache_key_includes_the_online_config(tiny_llama):
     plain = Config(tiny_llama).compute_hash()
     assert Config(tiny_llama, online_quant_config={}).compute_hash() == plain
     assert Config(tiny_llama, online_quant_config=PTPC).compute_hash() != plain
+
+
+def test_moe_experts_and_mla_kv_b_proj_are_refused_by_name(tmp_path, in_tmp):
+    from tiny_deepseek import make_tiny_deepseek
+    from tiny_moe import make_tiny_moe
+    moe = make_tiny_moe(tmp_path / "moe")
+    with pytest.raises(NotImplementedError, match=r"targets the MoE experts 'model\.layers\.\d+\.mlp\.experts'"):
+        _llm(moe, online_quant_config=PTPC)
+    ok = _llm(moe, online_quant_config={**PTPC, "exclude_layer": "re:.*experts"})  # then it runs
+    assert "fp8" in set(_formats(ok).values())
+    ds = make_tiny_deepseek(tmp_path / "ds", "v3")
+    with pytest.raises(ValueError, match=r"kv_b_proj', whose weight MLA's absorbed decode reads"):
+        _llm(ds, online_quant_config={**PTPC, "exclude_layer": "re:.*experts"})
+
+
+def test_online_quant_with_tensor_parallel_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="online_quant_config=.*tensor_parallel_size=2"):
+        _llm(tiny_llama, online_quant_config=PTPC, tensor_parallel_size=2)

@@ -189,25 +189,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_launchers_on_loopback_form_one_group_and_serve(tiny_llama, reference):
+def test_two_launchers_on_loopback_form_one_group_and_serve(tiny_llama, reference, tmp_path):
     """Each "host" runs one replica of two tensor-parallel ranks (-tp 2): four model ranks."""
     port = free_port()
     common = [sys.executable, "-m", "atom.distributed.launch", "--model", tiny_llama, "-dp", "2", "-tp", "2",
               "--data-parallel-size-local", "1", "--data-parallel-master-ip", "127.0.0.1",
               "--data-parallel-master-port", str(port)]
-    host_b = subprocess.Popen(common + ["--data-parallel-rank", "1", "--master-addr", "127.0.0.2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    # host B's output goes to files: a pipe nobody reads until host A is done could fill and block it
+    b_log = tmp_path / "host_b.log"
+    with open(b_log, "w") as log:
+        host_b = subprocess.Popen(common + ["--data-parallel-rank", "1", "--master-addr", "127.0.0.2"],
+                                  stdout=log, stderr=subprocess.STDOUT, text=True, env=child_env())
     try:
         prompts, ref = reference
         ids = [arg for p in prompts[:4] for arg in ("--prompt-ids", ",".join(map(str, p)))]
         head = subprocess.run(common + ["--data-parallel-rank", "0", "--temperature", "0", "--max-tokens", "6",
                                         "--ignore-eos", "--dp-load-balance", "round_robin"] + ids,
                               capture_output=True, text=True, timeout=300, env=child_env())
-        b_out, b_err = host_b.communicate(timeout=60)
+        host_b.wait(timeout=60)
     finally:
         if host_b.poll() is None:
             host_b.kill()
     assert head.returncode == 0, head.stderr[-2000:]
+    b_err = b_log.read_text()
     assert host_b.returncode == 0, b_err[-2000:]
     assert "2 replicas (round_robin) in a group of 2" in head.stderr
     assert "data-parallel replicas [1] started" in b_err and "tensor parallel: 2 ranks (gloo)" in b_err

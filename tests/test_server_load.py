@@ -179,9 +179,11 @@ def test_clients_that_leave_mid_stream_free_their_blocks(server):
     assert aborted == 20
     # a non-streaming client that leaves is aborted as well (unless it finished first)
     mid = server.metrics()
-    with pytest.raises(httpx.ReadTimeout):
+    try:  # a fast machine may finish it before the client leaves: both ends are checked below
         httpx.post(url, json={"model": MODEL, "prompt": [9, 10], "max_tokens": 250, "ignore_eos": True,
                               "temperature": 0}, headers=server.headers, timeout=0.3)
+    except httpx.ReadTimeout:
+        pass
     after = server.wait_idle()
     assert after["atom:kv_cache_free_blocks"] == after["atom:kv_cache_total_blocks"]
     ended = {r: after[f"atom:request_success_total{{finished_reason={r}}}"]
@@ -211,8 +213,8 @@ def _parse(text: str) -> dict[str, float]:
 
 
 def test_full_queue_is_503_and_sigterm_drains_under_load(tiny_llama):
-    tokens = 200  # long enough that 4 still wait when the 9th request comes
-    srv = ServerProcess(tiny_llama, "--max-model-len", "256", "--max-num-seqs", "4",
+    tokens = 700  # long enough that 4 still wait when the 9th request comes, on a fast machine too
+    srv = ServerProcess(tiny_llama, "--max-model-len", "1024", "--max-num-seqs", "4",
                         "--max-waiting-requests", "4", "--shutdown-timeout", "60",
                         "--served-model-name", MODEL)
     url = srv.url + "/v1/completions"
@@ -222,12 +224,13 @@ def test_full_queue_is_503_and_sigterm_drains_under_load(tiny_llama):
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
             tasks = [asyncio.create_task(sse_chunks(client, url, _body(p, tokens))) for p in prompts]
             # wait until 4 run and 4 wait, then one more is refused with a 503
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+            deadline, full = time.monotonic() + 60, False
+            while time.monotonic() < deadline and not full:
                 m = _parse((await client.get(srv.url + "/metrics")).text)
-                if m["atom:num_requests_waiting"] == 4 and m["atom:num_requests_running"] == 4:
-                    break
-                await asyncio.sleep(0.1)
+                full = m["atom:num_requests_waiting"] == 4 and m["atom:num_requests_running"] == 4
+                if not full:
+                    await asyncio.sleep(0.05)
+            assert full, m  # the state the 503 below is about
             r = await client.post(url, json={"model": MODEL, "prompt": [5], "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
             srv.terminate()                  # SIGTERM with 8 requests in flight

@@ -80,6 +80,9 @@ def build(args: argparse.Namespace):
     check_server_args(args)
     eargs = EngineArgs.from_cli_args(args)
     found = unsupported_settings(eargs._config_kwargs())
+    if eargs.create_engine_config().parallel_config.data_parallel_size > 1:  # ATOM_DP_* included
+        found.append("data_parallel_size > 1 is not implemented in the server yet: one engine serves; "
+                     "run one server per replica behind a load balancer, or use LLM(..., data_parallel_size=N)")
     if found:
         raise ValueError("; ".join(found))
     template = read_chat_template(args.chat_template)

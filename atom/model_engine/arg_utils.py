@@ -267,7 +267,10 @@ class EngineArgs:
         from atom.utils.seed import set_seed
 
         set_seed(self.seed)
-
+        dp = config.parallel_config.data_parallel_size
+        if dp > 1:  # replicas in their own processes: that engine is the LLM's
+            raise ValueError(f"parallel_config.data_parallel_size={dp} is invalid for one LLMEngine: "
+                             "use create_llm() (LLM runs the replicas behind its router)")
         return LLMEngine(config)
 
     def create_llm(self):

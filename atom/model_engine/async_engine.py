@@ -155,6 +155,8 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine is not running ({self.error!r})" if self.error
                                   else "the engine is not running")
         rid = request_id or self.new_request_id()
+        if rid in self._streams:  # before replacing its stream: the first request keeps it
+            raise ValueError(f"request_id={rid!r} is invalid: a request with that id is in flight")
         fut = self._loop.create_future()
         self._streams[rid] = asyncio.Queue()
         self._commands.put(_Add(rid, prompt, params, fut))
@@ -229,6 +231,12 @@ class AsyncLLMEngine:
             self.error = e
         finally:
             self._abort_all(EngineDeadError("the engine stopped"))
+            shutdown = getattr(self.engine, "shutdown", None)
+            if shutdown is not None:  # reap tensor-parallel workers now, not at interpreter exit
+                try:
+                    shutdown()
+                except Exception:  # noqa: BLE001 - stopping anyway
+                    logger.exception("engine shutdown failed")
 
     def _loop_body(self) -> None:
         engine = self.engine

@@ -67,6 +67,13 @@ def warm_up_compiled(runner, num_tokens: int = 32) -> None:
     logger.info("compiled the model (level %d) in %.1f s", runner.compile_level, time.perf_counter() - t0)
 
 
+def host_syncing_layers(runner) -> list[tuple[str, str]]:
+    """(layer, method) of every MoE layer whose kernel on this device syncs the host."""
+    from atom.model_ops.moe import MoEMethod
+    return [(name, repr(m.method)) for name, m in runner.model.named_modules()
+            if isinstance(getattr(m, "method", None), MoEMethod) and m.method.syncs_host(m, runner.device)]
+
+
 def setup(runner) -> None:
     from atom.model_engine.cuda_graphs import CUDAGraphRunner
     from atom.tuning import gemm_choice, gemv_choice
@@ -77,6 +84,12 @@ def setup(runner) -> None:
     plan.triton_gemm = triton_gemm
     logger.info("linear layers: %s", "Triton GEMM (ATOM_USE_TRITON_GEMM=1)" if triton_gemm
                 else "cuBLAS / hipBLASLt (F.linear)")
+    syncing = host_syncing_layers(runner)
+    if syncing and not config.enforce_eager:
+        logger.warning("%d MoE layer(s) run a kernel that reads device values on the host (e.g. %s: %s); "
+                       "CUDA graphs and compilation are off for this engine (enforce_eager)",
+                       len(syncing), syncing[0][0], syncing[0][1])
+        config.enforce_eager = True
     compile_model(runner)
     if runner.compile_level:
         warm_up_compiled(runner)

@@ -47,6 +47,14 @@ def unsupported_settings(config: Any) -> list[str]:
     for flag in ("enable_expert_parallel", "enable_dp_attention"):
         if _get(config, flag, False):
             refuse(flag, True, "leave it False")
+    tp = _get(config, "tensor_parallel_size", 1)
+    if tp > 1 and _get(config, "online_quant_config"):
+        refuse("online_quant_config", _get(config, "online_quant_config"),
+               f"online quantization with tensor_parallel_size={tp} (gathering each weight before "
+               "quantizing) is not built; quantize a checkpoint offline, or run one rank")
+    hf = _get(config, "hf_config")
+    if _get(config, "kv_cache_dtype", "bf16") == "fp8" and getattr(hf, "kv_lora_rank", None):
+        refuse("kv_cache_dtype", "fp8", "an FP8 latent (MLA) cache has no kernels yet: use 'bf16' for this model")
     spec = _get(config, "speculative_config")
     if spec is not None:
         method = _get(spec, "method")

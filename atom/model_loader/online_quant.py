@@ -17,10 +17,12 @@ The LM head is not a linear layer here and is never quantized.
 Weights load in the model dtype (or as FP8 blocks); `apply` then re-quantizes each targeted
 layer into its format's checkpoint layout and method (`atom.model_ops.quant.online`).
 
+MoE experts (FusedMoE) and MLA's `kv_b_proj` are refused by name when targeted: exclude them.
+
 Tensor parallelism: the plan records, for every targeted layer, whether the rule
-(`needs_gather`) asks ranks to gather the full weight before quantizing. This build runs
-one rank (tensor_parallel_size > 1 is refused in `supported.py`), so nothing is gathered
-and the decisions are only reported; a TP build gathers the slices along the split
+(`needs_gather`) asks ranks to gather the full weight before quantizing. Online
+quantization with tensor_parallel_size > 1 is refused in `supported.py`, so nothing is
+gathered and the decisions are only reported; a TP build gathers the slices along the split
 dimension where the rule says so, quantizes the full weight, and keeps its slice of the
 quantized weight (and of the scales along the split dimension; per-row scales of a
 row-parallel layer are kept whole).
@@ -139,9 +141,19 @@ class OnlineQuantPlan:
         (NotImplementedError) or whose checkpoint format cannot be re-quantized (ValueError);
         both name the layer and the config field."""
         layers = linear_layers(model)
+        kept = {id(m._kv_b[0]) for m in model.modules() if hasattr(m, "_kv_b")}  # MLA's kv_b_proj
+        for name, m in model.named_modules():
+            fmt, field = self.field_for([name]) if hasattr(m, "missing_shards") else (None, None)
+            if fmt is not None:  # a FusedMoE layer: its experts have no online path yet
+                raise NotImplementedError(f"{FIELD}.{field}={fmt!r} targets the MoE experts '{name}': "
+                                          "online quantization of MoE experts is not in this build; "
+                                          "exclude them (exclude_layer, e.g. 're:.*experts')")
         for name, (fmt, field) in self.targets(model).items():
             if fmt is None:
                 continue
+            if id(layers[name]) in kept:
+                raise ValueError(f"{FIELD}.{field}={fmt!r} targets '{name}', whose weight MLA's absorbed "
+                                 "decode reads as it is (unquantized); exclude it (exclude_layer)")
             target = target_for(fmt, name, f"{FIELD}.{field}")
             reason = check_source(layers[name])
             if reason is not None:

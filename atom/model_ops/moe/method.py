@@ -52,6 +52,12 @@ class MoEMethod:
     def format(self, layer: nn.Module) -> str:
         raise NotImplementedError
 
+    def syncs_host(self, layer: nn.Module, device: torch.device) -> bool:
+        """Whether `apply` on `device` reads device values on the host (the torch reference's
+        loop over the experts that got tokens does): such a layer cannot be captured in a CUDA
+        graph or traced whole by torch.compile, so the runner then runs the model eagerly."""
+        return True
+
     def weight_bytes(self, layer: nn.Module) -> int:
         return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
 
@@ -71,6 +77,10 @@ class UnquantizedMoEMethod(MoEMethod):
         if bias:
             layer.add_expert_param("w13_bias", torch.empty(E, 2 * I), ("w1", "w3"))
             layer.add_expert_param("w2_bias", torch.empty(E, H), ("w2",))
+
+    def syncs_host(self, layer, device):
+        plan = layer.plan
+        return plan is None or plan.experts_kernel(torch.empty(0, device=device)) != "triton"
 
     def apply(self, layer, x, topk_weights, topk_ids):
         """The plan's kernel: Triton (through the `atom::moe_experts` op under torch.compile,
