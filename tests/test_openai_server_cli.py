@@ -45,8 +45,12 @@ def test_bad_server_flags_are_refused_before_the_model_loads(argv, named):
 
 
 def test_unsupported_engine_settings_are_refused_before_the_model_loads():
-    args = openai_server.make_parser().parse_args(["--model", "embedded", "-tp", "2"])
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+    args = openai_server.make_parser().parse_args(["--model", "embedded", "-dp", "2"])
+    with pytest.raises(ValueError, match="data_parallel_size > 1 is not implemented in the server"):
+        openai_server.build(args)
+    args = openai_server.make_parser().parse_args(["--model", "embedded", "--method", "mtp",
+                                                   "--num-speculative-tokens", "1"])
+    with pytest.raises(ValueError, match="speculative_config=.*is not implemented in this build"):
         openai_server.build(args)
 
 
