@@ -11,8 +11,12 @@ engines in one process each keep their own. Layers take it at construction from
 `building(...)` (a context variable, like the per-forward attention context) and keep it as
 `layer.tp`; nothing reads it later from a global.
 
-Collectives: `all_reduce` (sum, after row-parallel layers and the vocab-parallel
-embedding), `all_gather` (the vocab-parallel LM head's logits), `broadcast_object` (the
+Expert parallel (`expert_parallel`, from `enable_expert_parallel`): the MoE layers built
+under this state give each rank `expert_range(E)` of the experts instead of a slice of every
+expert's width; the expert-parallel group is this tensor-parallel group (EP size = TP size).
+
+Collectives: `all_reduce` (sum, after row-parallel layers, the vocab-parallel
+embedding and the MoE layers), `all_gather` (the vocab-parallel LM head's logits), `broadcast_object` (the
 driver's step to the workers, once per step, over the CPU group), `min_int` (agreeing on the
 KV block count). Under torch.compile they are left out of the graph (a graph break per
 collective; CUDA graphs capture them eagerly).
@@ -43,6 +47,7 @@ class ParallelState:
     cpu_group: Any = None
     backend: str = "none"
     store: Any = None  # the TCPStore the group met on (kept alive with the group)
+    expert_parallel: bool = False  # enable_expert_parallel: MoE layers split their experts over the ranks
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -58,6 +63,18 @@ class ParallelState:
             raise ValueError(f"{what}={size} is not divisible by tensor_parallel_size={self.world_size}: "
                              "choose a tensor_parallel_size that divides it")
         return size // self.world_size
+
+    def expert_range(self, num_experts: int, what: str = "") -> tuple[int, int]:
+        """(first global expert id, experts) this rank holds under expert parallel: contiguous
+        blocks in rank order, the first `num_experts % world_size` ranks one expert more
+        (vLLM's linear placement). Every rank needs at least one."""
+        w = self.world_size
+        if num_experts < w:
+            raise ValueError(f"{what} has {num_experts} experts, fewer than the {w} expert-parallel ranks "
+                             "(tensor_parallel_size): every rank needs one; turn enable_expert_parallel off "
+                             "or use fewer ranks")
+        base, extra = divmod(num_experts, w)
+        return self.rank * base + min(self.rank, extra), base + (self.rank < extra)
 
     def kv_heads(self, num_kv_heads: int, what: str = "") -> tuple[int, int]:
         """(KV heads on each rank, ranks sharing each KV head): KV heads split across the
@@ -137,7 +154,8 @@ class ParallelState:
         self.group = self.cpu_group = self.store = None
 
     def __repr__(self) -> str:
-        return f"ParallelState(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
+        ep = ", expert_parallel=True" if self.expert_parallel else ""
+        return f"ParallelState(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}{ep})"
 
 
 @contextlib.contextmanager

@@ -100,6 +100,8 @@ class ModelRunner:
         sends each step to the other ranks (`atom.distributed.worker.serve`) as it launches it."""
         self.config = config
         self.parallel = parallel if parallel is not None else ParallelState.single()
+        # enable_expert_parallel: the MoE layers split whole experts over the TP ranks (EP size = TP size)
+        self.parallel.expert_parallel = bool(getattr(config, "enable_expert_parallel", False))
         self._released: list[int] = []  # seq ids finished since the last step (sent to the workers)
         self.on_failure = None  # set by a TensorParallelExecutor: error, what -> the error to raise
         self.num_steps = 0
@@ -122,6 +124,9 @@ class ModelRunner:
                 self.model = model_cls(hf, quant_config)
         finally:
             torch.set_default_dtype(prev)
+        if self.parallel.expert_parallel and not any(isinstance(m, FusedMoE) for m in self.model.modules()):
+            logger.warning("enable_expert_parallel=True has no effect on %s: it has no MoE layers "
+                           "(its layers are tensor-parallel as without it)", type(self.model).__name__)
         online = OnlineQuantPlan.from_config(config)
         if online is not None:  # refusals (a format without a method, a source it cannot read) before loading
             online.check(self.model)

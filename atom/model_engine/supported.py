@@ -3,9 +3,11 @@
 `Config` accepts and validates every field of the guide (so it can be built and inspected
 anywhere); an engine that would silently ignore one of them is worse than none. So
 `LLMEngine` calls `check_supported(config)` first: one `ValueError` lists every setting
-that is not implemented here (expert parallelism, DP attention, an FP8 KV cache,
-speculative decoding), each with its field and value. Tensor parallel
-(`atom.distributed.executor`) and data parallel (`atom.distributed.data_parallel`) run.
+that is not implemented here (DP attention, an FP8 KV cache, speculative decoding), each
+with its field and value. Tensor parallel (`atom.distributed.executor`), data parallel
+(`atom.distributed.data_parallel`) and expert parallel (`enable_expert_parallel`: the MoE
+layers' experts split over the tensor-parallel ranks, `atom.model_ops.moe.layer`; a model
+without MoE layers runs as without it, with a warning) run.
 Online quantization runs (`atom.model_loader.online_quant`; its MXFP4 target is refused
 there, at model build, until the MXFP4 method is in). `asyncio_mode` runs in
 `atom.model_engine.async_engine.AsyncLLMEngine` (the server's engine loop); the offline `LLM`,
@@ -44,9 +46,9 @@ def unsupported_settings(config: Any) -> list[str]:
     def refuse(field: str, value: Any, allowed: str) -> None:
         found.append(f"{field}={value!r} is {WHY}: {allowed}")
 
-    for flag in ("enable_expert_parallel", "enable_dp_attention"):
-        if _get(config, flag, False):
-            refuse(flag, True, "leave it False")
+    if _get(config, "enable_dp_attention", False):
+        refuse("enable_dp_attention", True, "leave it False (expert parallel runs over the tensor-parallel "
+               "ranks: enable_expert_parallel with tensor_parallel_size > 1)")
     kv = _get(config, "kv_cache_dtype", "bf16")
     if kv != "bf16":
         refuse("kv_cache_dtype", kv, "only 'bf16' (the KV cache has the model's dtype)")

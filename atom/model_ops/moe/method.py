@@ -17,7 +17,12 @@ its stored tensors (packed values, per-expert scales [E, ...]) made with `add_ex
 with the parts they split into along dim 1 (a per-channel scale of w13 is [E, 2I], parts
 "w1", "w3"; a per-tensor scale [E, 2] has one column per part), so the loader fills them from
 per-expert checkpoint tensors (`(expert_id, part)`) and from fused 3-D ones (`(None, part)`)
-without knowing the format; `apply` may call `experts_reference` on dequantized weights (the
+without knowing the format. `num_experts` and `intermediate_size` are this rank's (the
+layer's `num_local_experts` / sharded width under tensor or expert parallel), and each
+tensor declares how it shards the width (`output_dim` / `input_dim`, the dim in the stacked
+[E, ...] tensor, with `rows_per_entry` / `input_pack` for blocks; `output_dim=None`: the same
+on every rank; `added_once=True`: a bias summed over the ranks, kept on rank 0 only) or
+tensor parallel refuses it; `apply` may call `experts_reference` on dequantized weights (the
 CPU reference) or its own kernel. Register it in `MOE_METHODS` under its dtype key.
 """
 from __future__ import annotations
@@ -63,11 +68,11 @@ class UnquantizedMoEMethod(MoEMethod):
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, bias):
         E, H, I = num_experts, hidden_size, intermediate_size
-        layer.add_expert_param("w13_weight", torch.empty(E, 2 * I, H), ("w1", "w3"))
-        layer.add_expert_param("w2_weight", torch.empty(E, H, I), ("w2",))
+        layer.add_expert_param("w13_weight", torch.empty(E, 2 * I, H), ("w1", "w3"), output_dim=1)
+        layer.add_expert_param("w2_weight", torch.empty(E, H, I), ("w2",), input_dim=2)
         if bias:
-            layer.add_expert_param("w13_bias", torch.empty(E, 2 * I), ("w1", "w3"))
-            layer.add_expert_param("w2_bias", torch.empty(E, H), ("w2",))
+            layer.add_expert_param("w13_bias", torch.empty(E, 2 * I), ("w1", "w3"), output_dim=1)
+            layer.add_expert_param("w2_bias", torch.empty(E, H), ("w2",), output_dim=None, added_once=True)
 
     def apply(self, layer, x, topk_weights, topk_ids):
         """The plan's kernel: Triton (through the `atom::moe_experts` op under torch.compile,
