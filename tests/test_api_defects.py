@@ -275,7 +275,7 @@ def test_llm_construction_makes_status_line_visible(unconfigured_logging, tiny_l
 UNSUPPORTED = [
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
     (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}), "speculative_config=.*mtp"),
-    (dict(enable_dp_attention=True), "enable_dp_attention=True"),
+    (dict(enable_dp_attention=True, tensor_parallel_size=2), "enable_dp_attention=True"),
 ]
 
 

@@ -222,3 +222,92 @@ def test_expert_parallel_on_a_dense_model_warns_and_runs(tiny_llama, caplog):
         llm = LLM(tiny_llama, enable_expert_parallel=True, **KW)
     assert "enable_expert_parallel=True has no effect on LlamaForCausalLM: it has no MoE layers" in caplog.text
     assert tokens(llm, PROMPTS[:1]) == hf_tokens(tiny_llama, PROMPTS[:1], 8)
+
+
+# --- DP attention: the MoE layer across replicas (two gloo ranks in threads) -------------
+def run_ranks(world, fn):
+    """fn(state) on `world` gloo ranks of one TCP store, each in a thread; their results."""
+    import threading
+    from atom.distributed.group import init_group, make_store
+    store = make_store("127.0.0.1", 0, world, True)
+    results, errors = [None] * world, []
+
+    def one(r):
+        try:
+            s = init_group(r, world, store if r == 0 else make_store("127.0.0.1", store.port, world, False), "cpu",
+                           "moe-test", 60)
+            results[r] = fn(s)
+            s.shutdown()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("ep", [True, False], ids=["experts_split", "width_split"])
+def test_moe_across_replicas_gathers_tokens_and_gives_each_its_rows(ep):
+    t = checkpoint()
+    x, logits = inputs(T=9)
+    rows = [slice(0, 6), slice(6, 9)]  # replica 0: 6 tokens, replica 1: 3
+    ref = build(ParallelState.single(), t)(x, logits)
+
+    def replica(group):
+        group.expert_parallel = ep
+        moe = build(ParallelState(moe_group=group), t)
+        shapes = (tuple(moe.w13_weight.shape), tuple(moe.w2_weight.shape))
+        mine = rows[group.rank]
+        out = moe(x[mine], logits[mine])
+        empty = moe(x[:0], logits[:0])  # a dummy step of this replica while the other runs its tokens
+        return shapes, out, empty
+
+    (s0, out0, e0), (s1, out1, e1) = run_ranks(2, lambda g: replica(g))
+    want = ((4, 2 * I, H), (4, H, I)) if ep else ((E, I, H), (E, H, I // 2))
+    assert s0 == s1 == want
+    torch.testing.assert_close(torch.cat([out0, out1]), ref, rtol=1e-5, atol=1e-5)
+    assert e0.shape == e1.shape == (0, H)
+
+
+def test_moe_across_replicas_pairs_a_dummy_step_with_a_real_one():
+    t = checkpoint()
+    x, logits = inputs(T=5)
+    ref = build(ParallelState.single(), t)(x, logits)
+
+    def replica(group):
+        group.expert_parallel = True
+        moe = build(ParallelState(moe_group=group), t)
+        return moe(x, logits) if group.rank == 1 else moe(x[:0], logits[:0])
+
+    idle, busy = run_ranks(2, replica)
+    assert idle.shape == (0, H)
+    torch.testing.assert_close(busy, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ep", [True, False], ids=["experts_split", "width_split"])
+def test_dp2_attention_qwen3_moe_matches_transformers(tiny_qwen3_moe, ep):
+    path, ref = tiny_qwen3_moe
+    with LLM(path, data_parallel_size=2, enable_dp_attention=True, enable_expert_parallel=ep, **KW) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert {o.dp_rank for o in outs} == {0, 1}  # both replicas served
+        # one request: replica 1 (or 0) idles in dummy steps while the other decodes
+        assert tokens(llm, PROMPTS[1:2]) == ref[1:2]
+
+
+def test_dp_attention_refusals(tiny_qwen3_moe, monkeypatch):
+    """Refused before any model (or replica) is built."""
+    from atom.model_engine.model_runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "__init__", lambda *a, **k: pytest.fail("ModelRunner built"))
+    monkeypatch.setattr("atom.distributed.data_parallel.start_replicas", lambda *a, **k: pytest.fail("replicas"))
+    path, _ = tiny_qwen3_moe
+    with pytest.raises(ValueError, match="enable_dp_attention=True is invalid with data_parallel_size=1"):
+        LLM(path, enable_dp_attention=True)
+    with pytest.raises(ValueError, match=r"enable_dp_attention=True is not implemented.*tensor_parallel_size=1 "
+                                         r"\(got 2\)"):
+        LLM(path, enable_dp_attention=True, data_parallel_size=2, tensor_parallel_size=2)

@@ -13,7 +13,9 @@ engines in one process each keep their own. Layers take it at construction from
 
 Expert parallel (`expert_parallel`, from `enable_expert_parallel`): the MoE layers built
 under this state give each rank `expert_range(E)` of the experts instead of a slice of every
-expert's width; the expert-parallel group is this tensor-parallel group (EP size = TP size).
+expert's width; the expert-parallel group is this tensor-parallel group (EP size = TP size). With DP attention (`moe_group`, TP=1 replicas),
+the MoE layers span every data-parallel replica instead (EP size = DP size x TP size): their
+tokens gathered across it (`gather_rows`) and their sums brought back (`sum_rows`).
 
 Collectives: `all_reduce` (sum, after row-parallel layers, the vocab-parallel
 embedding and the MoE layers), `all_gather` (the vocab-parallel LM head's logits), `broadcast_object` (the
@@ -48,6 +50,9 @@ class ParallelState:
     backend: str = "none"
     store: Any = None  # the TCPStore the group met on (kept alive with the group)
     expert_parallel: bool = False  # enable_expert_parallel: MoE layers split their experts over the ranks
+    # enable_dp_attention: the group of all data-parallel replicas the MoE layers span (tokens
+    # gathered across it, experts split over it); None: the MoE layers use this group
+    moe_group: Optional["ParallelState"] = None
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -109,6 +114,33 @@ class ParallelState:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
+
+    @torch.compiler.disable
+    def gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The ranks' `x` [n_r, ...] stacked along dim 0 in rank order, and every rank's n_r:
+        the counts first (one small all-gather, a host sync), then `x` padded to the largest
+        count (an all-gather needs equal sizes), the padding dropped."""
+        if self.world_size == 1:
+            return x, [x.shape[0]]
+        n = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+        counts = [int(c) for c in self.all_gather(n, dim=0).tolist()]
+        most = max(counts)
+        if most == 0:
+            return x, counts
+        padded = x.new_zeros((most, *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        full = self.all_gather(padded, dim=0)
+        return torch.cat([full[r * most:r * most + c] for r, c in enumerate(counts)]), counts
+
+    @torch.compiler.disable
+    def sum_rows(self, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The inverse of `gather_rows` for partial sums: `y` [sum(counts), ...] summed over
+        the ranks (all-reduce), this rank's rows returned. (A reduce-scatter would move 1/w of
+        the data; gloo on CPUs has none for tensors of unequal parts, so this is one all-reduce.)"""
+        if self.world_size == 1:
+            return y
+        start = sum(counts[:self.rank])
+        return self.all_reduce(y.contiguous())[start:start + counts[self.rank]]
 
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' `value`."""

@@ -3,8 +3,9 @@
 `Config` accepts and validates every field of the guide (so it can be built and inspected
 anywhere); an engine that would silently ignore one of them is worse than none. So
 `LLMEngine` calls `check_supported(config)` first: one `ValueError` lists every setting
-that is not implemented here (DP attention, an FP8 KV cache, speculative decoding), each
-with its field and value. Tensor parallel (`atom.distributed.executor`), data parallel
+that is not implemented here (DP attention with tensor_parallel_size > 1, an FP8 KV cache,
+speculative decoding), each with its field and value. DP attention runs with TP=1 replicas
+(`atom.distributed.data_parallel`; it needs data_parallel_size >= 2). Tensor parallel (`atom.distributed.executor`), data parallel
 (`atom.distributed.data_parallel`) and expert parallel (`enable_expert_parallel`: the MoE
 layers' experts split over the tensor-parallel ranks, `atom.model_ops.moe.layer`; a model
 without MoE layers runs as without it, with a warning) run.
@@ -47,8 +48,14 @@ def unsupported_settings(config: Any) -> list[str]:
         found.append(f"{field}={value!r} is {WHY}: {allowed}")
 
     if _get(config, "enable_dp_attention", False):
-        refuse("enable_dp_attention", True, "leave it False (expert parallel runs over the tensor-parallel "
-               "ranks: enable_expert_parallel with tensor_parallel_size > 1)")
+        dp = _get(config, "parallel_config.data_parallel_size", 1)
+        tp = _get(config, "tensor_parallel_size", 1)
+        if isinstance(dp, int) and dp < 2:
+            found.append(f"enable_dp_attention=True is invalid with data_parallel_size={dp}: DP attention splits "
+                         "the requests over data-parallel replicas; set data_parallel_size >= 2 or leave it False")
+        if isinstance(tp, int) and tp > 1:
+            refuse("enable_dp_attention", True, f"only with tensor_parallel_size=1 (got {tp}): each replica one "
+                   "rank, the MoE layers over the replicas; leave it False to run tensor parallel")
     kv = _get(config, "kv_cache_dtype", "bf16")
     if kv != "bf16":
         refuse("kv_cache_dtype", kv, "only 'bf16' (the KV cache has the model's dtype)")

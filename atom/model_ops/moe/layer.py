@@ -27,6 +27,9 @@ Parallel (`layer.tp`, the `ParallelState` it was built under; the router stays r
   already on every rank (the attention before is tensor-parallel, its output replicated), so
   dispatch is local: the (token, expert) pairs of other ranks' experts get weight 0 (their id
   mapped to local expert 0), and the combine is the sum below.
+- DP attention (`tp.moe_group`, the replicas' group; `layer.tp` is then that group): each
+  replica brings its own tokens; they are gathered across the replicas, every rank runs its
+  experts (or width slice) on all of them, and the summed rows go back to their replica.
 Either way each rank's output is a partial sum, all-reduced once, shared experts included
 when their down projection leaves its sum to this layer (`RowParallelLinear(...,
 reduce_results=False)`; a module that reduces itself is added after the reduce). Routing
@@ -67,6 +70,9 @@ class FusedMoE(nn.Module):
                              f"{num_experts}")
         self.prefix, self.layer_idx = prefix, layer_idx
         self.tp = current_parallel_state()
+        self.gather_tokens = self.tp.moe_group is not None  # DP attention: the layer spans every replica
+        if self.gather_tokens:
+            self.tp = self.tp.moe_group
         self.parallel_mode = ("single" if self.tp.world_size == 1 else
                               "expert" if self.tp.expert_parallel else "tensor")
         self.num_experts, self.hidden_size = num_experts, hidden_size
@@ -216,6 +222,8 @@ class FusedMoE(nn.Module):
     # --- forward ---------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gather_tokens:
+            return self._forward_across_replicas(hidden, router_logits, correction_bias)
         out = self.rank_output(hidden, router_logits, correction_bias)
         if self.tp.world_size > 1:
             out = self.tp.all_reduce(out)
@@ -223,18 +231,35 @@ class FusedMoE(nn.Module):
                 out = out + self.shared_experts(hidden)
         return out
 
+    def _forward_across_replicas(self, hidden, router_logits, correction_bias):
+        """DP attention: every replica's tokens gathered (hidden states and router logits),
+        this rank's experts run on all of them, the partial sums added across the replicas and
+        each replica's rows handed back; the shared experts (replicated) on its own tokens. A
+        replica without tokens takes part with none (its dummy step)."""
+        if self.recorder is not None:  # this replica's own tokens
+            self.recorder.record(self, self.topk(router_logits, correction_bias)[1])
+        h_all, counts = self.tp.gather_rows(hidden)
+        logits_all, _ = self.tp.gather_rows(router_logits)
+        if sum(counts) == 0:
+            return torch.zeros_like(hidden)
+        out = self.tp.sum_rows(self.rank_output(h_all, logits_all, correction_bias, record=False), counts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
+
     def rank_output(self, hidden: torch.Tensor, router_logits: torch.Tensor,
-                    correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+                    correction_bias: torch.Tensor | None = None, record: bool = True) -> torch.Tensor:
         """This rank's part of the output before the all-reduce: its experts (or its slice of
         every expert) on every token, plus the shared experts' partial sum where they leave
-        it to this layer (at one rank: the whole output)."""
+        it to this layer (at one rank: the whole output; under DP attention: none)."""
         topk_weights, topk_ids = self.topk(router_logits, correction_bias)
-        if self.recorder is not None:
+        if self.recorder is not None and record:
             self.recorder.record(self, topk_ids)  # global ids: every expert counted, on every rank
         if self.parallel_mode == "expert":
             topk_weights, topk_ids = self.local_routing(topk_weights, topk_ids)
         out = self.method.apply(self, hidden, topk_weights, topk_ids)
-        if self.shared_experts is not None and (self.shared_partial or self.tp.world_size == 1):
+        if self.shared_experts is not None and not self.gather_tokens and (self.shared_partial or
+                                                                          self.tp.world_size == 1):
             out = out + self.shared_experts(hidden)
         return out
 
