@@ -200,6 +200,11 @@ def test_tp2_qwen3_moe_matches_tp1_and_transformers(tiny_qwen3_moe, ep):
         else:  # every expert, half its width
             assert tuple(moe.w13_weight.shape) == (8, 32, 64) and tuple(moe.w2_weight.shape) == (8, 64, 16)
         assert tuple(llm.engine.runner.model.model.layers[0].mlp.gate.weight.shape) == (8, 64)  # router replicated
+        from atom.viz import moe_layers_frame
+        frame = moe_layers_frame(llm)
+        assert frame["parallel"].tolist() == ["expert" if ep else "tensor"] * 2 and set(frame["ranks"]) == {2}
+        assert frame["local_experts"].tolist() == (["[0, 4)"] * 2 if ep else ["[0, 8)"] * 2)
+        assert frame["width"].tolist() == [32 if ep else 16] * 2
         # routing statistics: every token counted top_k times over all 8 experts, each step
         load, steps = llm.stats.expert_load(), llm.stats.steps()
         assert load["expert"].max() == 7

@@ -143,6 +143,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{self.prefix}.{name}: checkpoint part {part!r} is not one of {parts}")
         if expert is not None and not 0 <= expert < self.num_experts:
             raise ValueError(f"{self.prefix}: checkpoint expert {expert} is outside [0, {self.num_experts})")
+        if expert is None and loaded.shape[0] != self.num_experts:
+            raise ValueError(f"{self.prefix}.{name}: checkpoint tensor for all experts, part {part}, has shape "
+                             f"{tuple(loaded.shape)}: {loaded.shape[0]} experts, the model has {self.num_experts}")
         if self.parallel_mode == "expert":
             if expert is None:  # a fused 3-D tensor: this rank's block of experts
                 loaded = loaded.narrow(0, self.expert_start, self.num_local_experts)
