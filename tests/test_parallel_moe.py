@@ -316,3 +316,21 @@ def test_dp_attention_refusals(tiny_qwen3_moe, monkeypatch):
     with pytest.raises(ValueError, match=r"enable_dp_attention=True is not implemented.*tensor_parallel_size=1 "
                                          r"\(got 2\)"):
         LLM(path, enable_dp_attention=True, data_parallel_size=2, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("T", [11, 2], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("ep", [False, True], ids=["tensor", "expert"])
+def test_rank_shards_run_on_the_triton_experts_kernel(ep, T):
+    """The plan's Triton kernel (interpreted) on each rank's shard: local expert ids, the
+    sharded width, the tiles of the local shape; the sum is the whole layer's."""
+    from atom.tuning.plan import KernelPlan
+    t = checkpoint()
+    x, logits = inputs(T=T)
+    ref = build(ParallelState.single(), t)(x, logits)
+    parts = [build(s, t) for s in ranks(2, expert_parallel=ep)]
+    plan = KernelPlan(moe_kernel="triton")
+    for m in parts:
+        m.plan = plan
+    out = sum(m.rank_output(x, logits) for m in parts)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert (parts[0].tiles.experts, parts[0].tiles.width) == ((4, I) if ep else (E, I // 2))
