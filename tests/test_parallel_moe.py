@@ -6,7 +6,11 @@ In one process (no collectives): each rank's FusedMoE holds its shard of the che
 summed equal the unsplit layer's; routing statistics count global expert ids. On a CPU with
 gloo (a worker process): TP=2 gives the greedy tokens of TP=1 and transformers for tiny
 Qwen3-MoE (with and without expert parallel) and Mixtral (expert parallel, fused
-checkpoint), the driver's experts are its shard, and routing statistics still add up."""
+checkpoint), the driver's experts are its shard, and routing statistics still add up. DP
+attention: the MoE layer across two gloo ranks (threads) gathers unequal token counts and
+pairs a dummy step with a real one; two TP=1 replicas give transformers' tokens (experts or
+width split over them), also when one idles, and a replica killed mid-run ends the engine
+with an error, leaving no process."""
 from __future__ import annotations
 
 import logging
@@ -303,6 +307,18 @@ def test_dp2_attention_qwen3_moe_matches_transformers(tiny_qwen3_moe, ep):
         assert {o.dp_rank for o in outs} == {0, 1}  # both replicas served
         # one request: replica 1 (or 0) idles in dummy steps while the other decodes
         assert tokens(llm, PROMPTS[1:2]) == ref[1:2]
+        if ep:  # a replica killed while the other decodes (it idles in lockstep): an error, no hang
+            import signal
+            import threading
+            from atom.distributed.data_parallel import ReplicaFailure
+            from parallel_helpers import wait_gone
+            pids = [p.pid for p in llm.engine.procs.values()]
+            threading.Timer(0.3, os.kill, (pids[1], signal.SIGKILL)).start()
+            long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+            with pytest.raises(ReplicaFailure, match=r"data-parallel replica [01] "):
+                llm.generate([[5, 6, 7]], long, use_tqdm=False)
+            llm.shutdown()
+            assert wait_gone(pids) == []
 
 
 def test_dp_attention_refusals(tiny_qwen3_moe, monkeypatch):
