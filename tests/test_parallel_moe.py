@@ -23,7 +23,6 @@ from atom import LLM, SamplingParams
 from atom.distributed.state import ParallelState, building
 from atom.model_ops.linear import MergedLinear, RowParallelLinear
 from atom.model_ops.moe import ExpertLoadRecorder, FusedMoE, TopK
-from atom.models.llama import LlamaMLP  # noqa: F401  (the dense MLP the shared experts mirror)
 from parallel_helpers import PROMPTS, hf_tokens
 from tiny_moe import make_tiny_moe
 
