@@ -13,7 +13,11 @@ Replicas meet the front end on a TCP store (torch.distributed's) the front end s
 `data_parallel_size_local == data_parallel_size`, lets the OS pick the port so several runs
 never collide). Requests go to a replica through its queue on the store, finished outputs
 come back through one queue; the replicas also form one gloo group over the data-parallel
-ranks (`replica.dp_group`, for what later synchronizes them: DP attention, expert parallel).
+ranks (`replica.dp_group`). Under `enable_dp_attention` that group is formed first and the
+model built over it: attention and the dense layers stay per replica (its own requests and
+KV cache), the MoE layers span every replica (`FusedMoE` gathers their tokens; experts split
+over the replicas with `enable_expert_parallel`, else each replica a slice of every expert's
+width), and the replicas step in lockstep (`serve_in_lockstep`, dummy steps where idle).
 This host runs `data_parallel_size_local` replicas, global ranks `data_parallel_rank` ..;
 the front end lives on the host of rank 0, and other hosts start theirs with
 `python -m atom.distributed.launch` (`serve_replicas`). Each replica is a whole `LLMEngine`
@@ -116,15 +120,27 @@ def replica_main(config, dp_rank: int, host: str, port: int, parent_pid: int | N
     store = make_store(host, port, dp_size + 1, False, timeout_s)
     engine = group = None
     doing, code = "loading the model", 0
+    lockstep = bool(getattr(config, "enable_dp_attention", False))
     try:
-        engine = LLMEngine(config)
-        doing = "joining the data-parallel group"
-        group = init_group(dp_rank, dp_size, store, "cpu", f"{PREFIX}/group", timeout_s)
+        if lockstep:  # the MoE layers span the replicas: the group first, the model built over it
+            doing = "joining the data-parallel group"
+            group = init_group(dp_rank, dp_size, store, "cpu", f"{PREFIX}/group", timeout_s)
+            doing = "loading the model"
+            cfg = copy.copy(config)
+            cfg.enforce_eager = True  # a CUDA graph would freeze the gathered token counts
+            engine = LLMEngine(cfg, async_scheduling=False, moe_group=group)
+        else:
+            engine = LLMEngine(config)
+            doing = "joining the data-parallel group"
+            group = init_group(dp_rank, dp_size, store, "cpu", f"{PREFIX}/group", timeout_s)
         members = group.all_reduce(torch.ones(1)).item() if dp_size > 1 else 1
         engine.dp_group = group
         _push(store, _OUT_KEY, ("ready", dp_rank, os.getpid(), socket.gethostname(), int(members)))
         doing = "serving requests"
-        serve_requests(engine, store, dp_rank)
+        if lockstep:
+            serve_in_lockstep(engine, store, dp_rank, group)
+        else:
+            serve_requests(engine, store, dp_rank)
     except BaseException as e:  # noqa: BLE001
         try:
             _push(store, _OUT_KEY, ("error", dp_rank, doing, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -142,37 +158,82 @@ def replica_main(config, dp_rank: int, host: str, port: int, parent_pid: int | N
         raise SystemExit(code)
 
 
+def _take_messages(engine, store, dp_rank: int) -> bool:
+    """Apply the queued requests and aborts of this replica; True when told to stop."""
+    from atom.outputs import RequestOutput, RequestOutputKind
+    key = _req_key(dp_rank)
+    while (message := _pop(store, key)) is not None:
+        kind = message[0]
+        if kind == "stop":
+            return True
+        if kind == "add":
+            _, rid, ids, sp = message
+            try:
+                engine.add_request(ids, sp, request_id=rid)
+                engine.set_output_kind(rid, RequestOutputKind.FINAL_ONLY)
+            except (ValueError, TypeError) as e:
+                _push(store, _OUT_KEY, ("outputs", dp_rank, [
+                    RequestOutput(rid, None, list(ids), finish_reason="error", error=str(e))]))
+        elif kind == "abort":
+            engine.abort(message[1])
+    return False
+
+
+def _beat(store, dp_rank: int, last: float) -> float:
+    now = time.monotonic()
+    if now - last > HEARTBEAT_S:
+        store.add(f"{PREFIX}/hb/{dp_rank}", 1)
+        return now
+    return last
+
+
+def _send_finished(engine_outputs, store, dp_rank: int) -> int:
+    done = [out for out in engine_outputs if out.finished]
+    if done:
+        _push(store, _OUT_KEY, ("outputs", dp_rank, done))
+    return len(done)
+
+
 def serve_requests(engine, store, dp_rank: int) -> int:
     """A replica's loop: take new requests from its queue, step, send finished outputs;
     returns the number of requests served when told to stop."""
-    from atom.outputs import RequestOutput, RequestOutputKind
-    key, served, beat = _req_key(dp_rank), 0, 0.0
+    served, beat = 0, 0.0
     while True:
-        now = time.monotonic()
-        if now - beat > HEARTBEAT_S:
-            store.add(f"{PREFIX}/hb/{dp_rank}", 1)
-            beat = now
-        while (message := _pop(store, key)) is not None:
-            kind = message[0]
-            if kind == "stop":
-                return served
-            if kind == "add":
-                _, rid, ids, sp = message
-                try:
-                    engine.add_request(ids, sp, request_id=rid)
-                    engine.set_output_kind(rid, RequestOutputKind.FINAL_ONLY)
-                except (ValueError, TypeError) as e:
-                    _push(store, _OUT_KEY, ("outputs", dp_rank, [
-                        RequestOutput(rid, None, list(ids), finish_reason="error", error=str(e))]))
-            elif kind == "abort":
-                engine.abort(message[1])
+        beat = _beat(store, dp_rank, beat)
+        if _take_messages(engine, store, dp_rank):
+            return served
         if engine.is_finished():
             time.sleep(0.002)
             continue
-        done = [out for out in engine.step() if out.finished]
-        if done:
-            served += len(done)
-            _push(store, _OUT_KEY, ("outputs", dp_rank, done))
+        served += _send_finished(engine.step(), store, dp_rank)
+
+
+def serve_in_lockstep(engine, store, dp_rank: int, group) -> int:
+    """A replica's loop under DP attention: every round the replicas agree (one all-reduce
+    over `group`) whether any has work or was told to stop; when one has work, all step
+    together, those with none (or whose scheduler ran nothing) a dummy step
+    (`ModelRunner.dummy_moe_step`), so every MoE layer's collectives pair up. A stop seen by
+    one replica stops all in the same round. Returns the number of requests served."""
+    import torch
+    served, beat = 0, 0.0
+    runner = engine.runner
+    while True:
+        beat = _beat(store, dp_rank, beat)
+        stop = _take_messages(engine, store, dp_rank)
+        flags = group.all_reduce(torch.tensor([0.0 if engine.is_finished() else 1.0, float(stop)]))
+        if flags[1] > 0:
+            return served
+        if flags[0] == 0:
+            time.sleep(0.002)
+            continue
+        before = runner.num_steps
+        if not engine.is_finished():
+            served += _send_finished(engine.step(), store, dp_rank)
+        if runner.num_steps == before:
+            runner.dummy_moe_step()
+        elif runner.num_steps != before + 1:
+            raise RuntimeError(f"DP attention: replica {dp_rank} ran {runner.num_steps - before} forwards in one "
+                               "step; the replicas are out of step")
 
 
 def start_replicas(config, ranks: list[int], host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -233,6 +294,8 @@ class DataParallelEngine:
     def __init__(self, config, tokenizer=None, timeout_s: float = DEFAULT_TIMEOUT_S):
         from atom.model_engine.llm_engine import load_tokenizer
         from atom.model_engine.stats import EngineStats
+        from atom.model_engine.supported import check_supported
+        check_supported(config)  # refusals before any replica starts
         pc = config.parallel_config
         self.config = config
         self.size = pc.data_parallel_size

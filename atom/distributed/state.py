@@ -11,8 +11,14 @@ engines in one process each keep their own. Layers take it at construction from
 `building(...)` (a context variable, like the per-forward attention context) and keep it as
 `layer.tp`; nothing reads it later from a global.
 
-Collectives: `all_reduce` (sum, after row-parallel layers and the vocab-parallel
-embedding), `all_gather` (the vocab-parallel LM head's logits), `broadcast_object` (the
+Expert parallel (`expert_parallel`, from `enable_expert_parallel`): the MoE layers built
+under this state give each rank `expert_range(E)` of the experts instead of a slice of every
+expert's width; the expert-parallel group is this tensor-parallel group (EP size = TP size). With DP attention (`moe_group`, TP=1 replicas),
+the MoE layers span every data-parallel replica instead (EP size = DP size x TP size): their
+tokens gathered across it (`gather_rows`) and their sums brought back (`sum_rows`).
+
+Collectives: `all_reduce` (sum, after row-parallel layers, the vocab-parallel
+embedding and the MoE layers), `all_gather` (the vocab-parallel LM head's logits), `broadcast_object` (the
 driver's step to the workers, once per step, over the CPU group), `min_int` (agreeing on the
 KV block count). Under torch.compile they are left out of the graph (a graph break per
 collective; CUDA graphs capture them eagerly).
@@ -43,6 +49,10 @@ class ParallelState:
     cpu_group: Any = None
     backend: str = "none"
     store: Any = None  # the TCPStore the group met on (kept alive with the group)
+    expert_parallel: bool = False  # enable_expert_parallel: MoE layers split their experts over the ranks
+    # enable_dp_attention: the group of all data-parallel replicas the MoE layers span (tokens
+    # gathered across it, experts split over it); None: the MoE layers use this group
+    moe_group: Optional["ParallelState"] = None
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -58,6 +68,18 @@ class ParallelState:
             raise ValueError(f"{what}={size} is not divisible by tensor_parallel_size={self.world_size}: "
                              "choose a tensor_parallel_size that divides it")
         return size // self.world_size
+
+    def expert_range(self, num_experts: int, what: str = "") -> tuple[int, int]:
+        """(first global expert id, experts) this rank holds under expert parallel: contiguous
+        blocks in rank order, the first `num_experts % world_size` ranks one expert more
+        (vLLM's linear placement). Every rank needs at least one."""
+        w = self.world_size
+        if num_experts < w:
+            raise ValueError(f"{what} has {num_experts} experts, fewer than the {w} expert-parallel ranks "
+                             "(tensor_parallel_size): every rank needs one; turn enable_expert_parallel off "
+                             "or use fewer ranks")
+        base, extra = divmod(num_experts, w)
+        return self.rank * base + min(self.rank, extra), base + (self.rank < extra)
 
     def kv_heads(self, num_kv_heads: int, what: str = "") -> tuple[int, int]:
         """(KV heads on each rank, ranks sharing each KV head): KV heads split across the
@@ -92,6 +114,33 @@ class ParallelState:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
+
+    @torch.compiler.disable
+    def gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The ranks' `x` [n_r, ...] stacked along dim 0 in rank order, and every rank's n_r:
+        the counts first (one small all-gather, a host sync), then `x` padded to the largest
+        count (an all-gather needs equal sizes), the padding dropped."""
+        if self.world_size == 1:
+            return x, [x.shape[0]]
+        n = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+        counts = [int(c) for c in self.all_gather(n, dim=0).tolist()]
+        most = max(counts)
+        if most == 0:
+            return x, counts
+        padded = x.new_zeros((most, *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        full = self.all_gather(padded, dim=0)
+        return torch.cat([full[r * most:r * most + c] for r, c in enumerate(counts)]), counts
+
+    @torch.compiler.disable
+    def sum_rows(self, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The inverse of `gather_rows` for partial sums: `y` [sum(counts), ...] summed over
+        the ranks (all-reduce), this rank's rows returned. (A reduce-scatter would move 1/w of
+        the data; gloo on CPUs has none for tensors of unequal parts, so this is one all-reduce.)"""
+        if self.world_size == 1:
+            return y
+        start = sum(counts[:self.rank])
+        return self.all_reduce(y.contiguous())[start:start + counts[self.rank]]
 
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' `value`."""
@@ -137,7 +186,8 @@ class ParallelState:
         self.group = self.cpu_group = self.store = None
 
     def __repr__(self) -> str:
-        return f"ParallelState(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
+        ep = ", expert_parallel=True" if self.expert_parallel else ""
+        return f"ParallelState(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}{ep})"
 
 
 @contextlib.contextmanager

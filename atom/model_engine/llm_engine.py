@@ -63,15 +63,20 @@ class LLMEngine:
                  record_stats: bool = True, async_scheduling: bool | None = None,
                  proposer: Proposer | None = None,
                  default_output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                 record_expert_load: bool = False):
+                 record_expert_load: bool = False, moe_group=None):
+        """`moe_group`: under `enable_dp_attention`, the data-parallel replicas' group (an
+        engine of a replica, `atom.distributed.data_parallel`, which steps it in lockstep)."""
         check_supported(config, model_runner.device if model_runner is not None else None)
+        if getattr(config, "enable_dp_attention", False) and model_runner is None and moe_group is None:
+            raise ValueError("enable_dp_attention=True runs in the replicas of a data-parallel engine: "
+                             "use LLM(..., data_parallel_size=N, enable_dp_attention=True)")
         self.config = config
         self.executor = None  # tensor parallel: the workers of ranks 1.. (atom.distributed)
         if model_runner is None and config.tensor_parallel_size > 1:
             from atom.distributed.executor import TensorParallelExecutor
             self.executor = TensorParallelExecutor(config)
             model_runner = self.executor.runner
-        self.runner = model_runner or ModelRunner(config)
+        self.runner = model_runner or ModelRunner(config, moe_group=moe_group)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.block_manager = BlockManager(self.runner.num_blocks, config.kv_cache_block_size,
                                           config.enable_prefix_caching)

@@ -95,11 +95,21 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config, device: torch.device | str | None = None, parallel: ParallelState | None = None):
+    def __init__(self, config, device: torch.device | str | None = None, parallel: ParallelState | None = None,
+                 moe_group: ParallelState | None = None):
         """`parallel`: this rank's tensor-parallel group (None: one rank). Rank 0 (the driver)
-        sends each step to the other ranks (`atom.distributed.worker.serve`) as it launches it."""
+        sends each step to the other ranks (`atom.distributed.worker.serve`) as it launches it.
+        `moe_group`: under DP attention, the data-parallel replicas' group the MoE layers
+        span (every forward, and `dummy_moe_step` when this replica has nothing to run,
+        pairs with the other replicas')."""
         self.config = config
         self.parallel = parallel if parallel is not None else ParallelState.single()
+        # enable_expert_parallel: the MoE layers split whole experts over the TP ranks (EP size = TP size),
+        # or, under DP attention, over the replicas (EP size = DP size)
+        self.parallel.expert_parallel = bool(getattr(config, "enable_expert_parallel", False))
+        self.parallel.moe_group = moe_group
+        if moe_group is not None:
+            moe_group.expert_parallel = self.parallel.expert_parallel
         self._released: list[int] = []  # seq ids finished since the last step (sent to the workers)
         self.on_failure = None  # set by a TensorParallelExecutor: error, what -> the error to raise
         self.num_steps = 0
@@ -122,6 +132,9 @@ class ModelRunner:
                 self.model = model_cls(hf, quant_config)
         finally:
             torch.set_default_dtype(prev)
+        if self.parallel.expert_parallel and not any(isinstance(m, FusedMoE) for m in self.model.modules()):
+            logger.warning("enable_expert_parallel=True has no effect on %s: it has no MoE layers "
+                           "(its layers are tensor-parallel as without it)", type(self.model).__name__)
         online = OnlineQuantPlan.from_config(config)
         if online is not None:  # refusals (a format without a method, a source it cannot read) before loading
             online.check(self.model)
@@ -162,6 +175,18 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda":
             self.setup_gpu()
+
+    # --- DP attention ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def dummy_moe_step(self) -> int:
+        """A replica with nothing to run while others step (DP attention): each MoE layer,
+        in forward order, on no tokens of its own, so its collectives pair with theirs and its
+        experts serve their tokens. Returns the number of MoE layers run."""
+        layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        for m in layers:
+            x = torch.empty(0, m.hidden_size, dtype=self.dtype, device=self.device)
+            m(x, torch.empty(0, m.num_experts, dtype=self.dtype, device=self.device))
+        return len(layers)
 
     # --- routing statistics -------------------------------------------------------------------
     def record_expert_load(self, on: bool = True) -> ExpertLoadRecorder | None:

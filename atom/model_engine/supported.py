@@ -3,9 +3,13 @@
 `Config` accepts and validates every field of the guide (so it can be built and inspected
 anywhere); an engine that would silently ignore one of them is worse than none. So
 `LLMEngine` calls `check_supported(config)` first: one `ValueError` lists every setting
-that is not implemented here (expert parallelism, DP attention,
-speculative decoding), each with its field and value. Tensor parallel
-(`atom.distributed.executor`) and data parallel (`atom.distributed.data_parallel`) run.
+that is not implemented here (DP attention with tensor_parallel_size > 1, speculative
+decoding, online quantization with tensor parallel, an FP8 latent cache), each with its
+field and value. DP attention runs with TP=1 replicas (`atom.distributed.data_parallel`; it
+needs data_parallel_size >= 2). Tensor parallel (`atom.distributed.executor`), data parallel
+(`atom.distributed.data_parallel`) and expert parallel (`enable_expert_parallel`: the MoE
+layers' experts split over the tensor-parallel ranks, `atom.model_ops.moe.layer`; a model
+without MoE layers runs as without it, with a warning) run.
 Online quantization runs (`atom.model_loader.online_quant`). `asyncio_mode` runs in
 `atom.model_engine.async_engine.AsyncLLMEngine` (the server's engine loop); the offline `LLM`,
 which steps the engine itself, refuses it. It also checks the kernel backend
@@ -44,9 +48,15 @@ def unsupported_settings(config: Any) -> list[str]:
     def refuse(field: str, value: Any, allowed: str) -> None:
         found.append(f"{field}={value!r} is {WHY}: {allowed}")
 
-    for flag in ("enable_expert_parallel", "enable_dp_attention"):
-        if _get(config, flag, False):
-            refuse(flag, True, "leave it False")
+    if _get(config, "enable_dp_attention", False):
+        dp = _get(config, "parallel_config.data_parallel_size", 1)
+        tp = _get(config, "tensor_parallel_size", 1)
+        if isinstance(dp, int) and dp < 2:
+            found.append(f"enable_dp_attention=True is invalid with data_parallel_size={dp}: DP attention splits "
+                         "the requests over data-parallel replicas; set data_parallel_size >= 2 or leave it False")
+        if isinstance(tp, int) and tp > 1:
+            refuse("enable_dp_attention", True, f"only with tensor_parallel_size=1 (got {tp}): each replica one "
+                   "rank, the MoE layers over the replicas; leave it False to run tensor parallel")
     tp = _get(config, "tensor_parallel_size", 1)
     if tp > 1 and _get(config, "online_quant_config"):
         refuse("online_quant_config", _get(config, "online_quant_config"),

@@ -152,9 +152,16 @@ class ColumnParallelLinear(Linear):
 
 class RowParallelLinear(Linear):
     """Input features split across ranks (rank r: columns [r * in / tp, ...)); the partial
-    products are summed over the ranks (one all-reduce), the bias added once."""
+    products are summed over the ranks (one all-reduce), the bias added once.
+    `reduce_results=False` leaves the sum to the caller (a MoE layer's shared experts, summed
+    with the routed experts in one all-reduce)."""
 
     tp_mode = "row"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant_config=None,
+                 prefix: str = "", tp=None, reduce_results: bool = True):
+        self.reduce_results = reduce_results
+        super().__init__(in_features, out_features, bias, quant_config, prefix, tp)
 
     def local_features(self, in_features, out_features):
         return self.tp.split(in_features, f"{self.prefix} in_features"), out_features
@@ -163,7 +170,8 @@ class RowParallelLinear(Linear):
         return self.out_features, self.in_features * self.tp.world_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.method.apply(self, x))
+        y = self.method.apply(self, x)
+        return self.tp.all_reduce(y) if self.reduce_results else y
 
 
 class QKVLinear(ColumnParallelLinear):

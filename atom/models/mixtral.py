@@ -56,6 +56,7 @@ class MixtralModel(LlamaModel):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     model_cls = MixtralModel
+    supports_tensor_parallel = True  # attention as Llama; experts split by width, or whole (expert parallel)
     checkpoint_renames = {".block_sparse_moe.": ".mlp."}
     expert_params_mapping = FusedMoE.checkpoint_mapping(gate="w1", up="w3", down="w2")
 

@@ -60,6 +60,7 @@ class Qwen3MoeModel(Qwen3Model):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     model_cls = Qwen3MoeModel
+    supports_tensor_parallel = True  # attention as Llama; experts split by width, or whole (expert parallel)
     expert_params_mapping = FusedMoE.checkpoint_mapping()
 
     def __init__(self, cfg, quant_config=None):

@@ -32,7 +32,8 @@ def moe_layers_frame(src: Any) -> pd.DataFrame:
     model = src if isinstance(src, nn.Module) else _runner_of(src).model
     return pd.DataFrame(describe_moe_layers(model), columns=["layer", "experts", "top_k", "width", "routing",
                                                               "activation", "method", "format", "bytes",
-                                                              "shared_experts"])
+                                                              "shared_experts", "parallel", "local_experts",
+                                                              "rank", "ranks"])
 
 
 def kernel_plan_frame(src: Any) -> pd.DataFrame:

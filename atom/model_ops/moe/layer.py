@@ -16,6 +16,25 @@ per-expert tensor fills one expert's rows of one part ("w1" gate, "w3" up, "w2" 
 fused 3-D tensor (expert_id None) fills every expert, part "w13" meaning all parts of w13 in
 order. `checkpoint_mapping()` gives the regexes a model lists as `expert_params_mapping`
 for the loader. `missing_shards()` names what the checkpoint did not fill.
+
+Parallel (`layer.tp`, the `ParallelState` it was built under; the router stays replicated):
+- tensor parallel: every rank holds every expert, a slice of its width: w13 rank r's rows
+  [r I/tp, (r+1) I/tp) of the gate and of the up part, w2 the same columns. The loader
+  narrows each checkpoint tensor along the dim its parameter declares (`output_dim` /
+  `input_dim`), per part.
+- expert parallel (`tp.expert_parallel`): rank r holds the whole width of experts
+  `tp.expert_range(E)` (global ids [start, start + num_local_experts)); the loader skips
+  other experts' tensors and takes the rank's block of a fused 3-D one. The tokens are
+  already on every rank (the attention before is tensor-parallel, its output replicated), so
+  dispatch is local: the (token, expert) pairs of other ranks' experts get weight 0 (their id
+  mapped to local expert 0), and the combine is the sum below.
+- DP attention (`tp.moe_group`, the replicas' group; `layer.tp` is then that group): each
+  replica brings its own tokens; they are gathered across the replicas, every rank runs its
+  experts (or width slice) on all of them, and the summed rows go back to their replica.
+Either way each rank's output is a partial sum, all-reduced once, shared experts included
+when their down projection leaves its sum to this layer (`RowParallelLinear(...,
+reduce_results=False)`; a module that reduces itself is added after the reduce). Routing
+statistics record the global ids before any of this, so they count every expert.
 """
 from __future__ import annotations
 
@@ -25,6 +44,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from atom.distributed.state import current_parallel_state
 from atom.model_ops.activation import silu_and_mul
 from atom.model_ops.moe.method import MoEMethod, moe_method_for
 from atom.model_ops.moe.router import TopK
@@ -50,7 +70,20 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{prefix}: the router picks among {topk.num_experts} experts but the layer has "
                              f"{num_experts}")
         self.prefix, self.layer_idx = prefix, layer_idx
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.tp = current_parallel_state()
+        self.gather_tokens = self.tp.moe_group is not None  # DP attention: the layer spans every replica
+        if self.gather_tokens:
+            self.tp = self.tp.moe_group
+        self.parallel_mode = ("single" if self.tp.world_size == 1 else
+                              "expert" if self.tp.expert_parallel else "tensor")
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.full_intermediate_size = intermediate_size
+        self.expert_start, self.num_local_experts = 0, num_experts
+        if self.parallel_mode == "expert":
+            self.expert_start, self.num_local_experts = self.tp.expert_range(num_experts, prefix)
+        elif self.parallel_mode == "tensor":
+            intermediate_size = self.tp.split(intermediate_size, f"{prefix} moe intermediate_size")
+        self.intermediate_size = intermediate_size  # this rank's width of each expert
         self.topk = topk
         self.activation = activation_of(activation)
         self.activation_has_name = isinstance(activation, str)
@@ -64,18 +97,34 @@ class FusedMoE(nn.Module):
         self.expert_parts: dict[str, tuple[str, ...]] = {}
         self._filled: dict[str, set] = {}
         self.method: MoEMethod = moe_method_for(quant_config, prefix)
-        self.method.create_weights(self, num_experts, hidden_size, intermediate_size, bias)
+        self.method.create_weights(self, self.num_local_experts, hidden_size, intermediate_size, bias)
+        if self.parallel_mode == "tensor":
+            for name in self.expert_parts:
+                p = getattr(self, name)
+                if not hasattr(p, "output_dim") and not hasattr(p, "input_dim"):
+                    raise NotImplementedError(
+                        f"{prefix}.{name}: the {self.method.name} MoE method does not declare how it shards "
+                        f"(output_dim / input_dim), so it cannot run with tensor_parallel_size={self.tp.world_size}; "
+                        "enable_expert_parallel splits whole experts instead")
+        self.shared_partial = shared_experts is not None and any(
+            getattr(m, "tp_mode", None) == "row" and not getattr(m, "reduce_results", True)
+            for m in shared_experts.modules())
 
     # --- parameters and loading ---------------------------------------------------------
-    def add_expert_param(self, name: str, tensor: torch.Tensor, parts: tuple[str, ...]) -> nn.Parameter:
-        """Register a stacked per-expert parameter [E, ...] whose dim 1 splits equally into
-        `parts` (in order); it gets this layer's weight_loader."""
-        if tensor.shape[0] != self.num_experts or (len(parts) > 1 and tensor.shape[1] % len(parts)):
-            raise ValueError(f"{self.prefix}.{name}: shape {tuple(tensor.shape)} is not [E={self.num_experts}, "
+    def add_expert_param(self, name: str, tensor: torch.Tensor, parts: tuple[str, ...], **shards) -> nn.Parameter:
+        """Register a stacked per-expert parameter [E_local, ...] whose dim 1 splits equally
+        into `parts` (in order); it gets this layer's weight_loader. `shards` (output_dim,
+        input_dim, rows_per_entry, input_pack, added_once) say how it splits under tensor
+        parallel (module docstring) and become attributes of the parameter."""
+        E = self.num_local_experts
+        if tensor.shape[0] != E or (len(parts) > 1 and tensor.shape[1] % len(parts)):
+            raise ValueError(f"{self.prefix}.{name}: shape {tuple(tensor.shape)} is not [E={E}, "
                              f"{len(parts)} x rows, ...]")
         p = nn.Parameter(tensor, requires_grad=False)
         p.weight_loader = self.weight_loader
         p.expert_param = name
+        for key, value in shards.items():
+            setattr(p, key, value)
         self.register_parameter(name, p)
         self.expert_parts[name] = tuple(parts)
         self._filled[name] = set()
@@ -95,22 +144,59 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{self.prefix}.{name}: checkpoint part {part!r} is not one of {parts}")
         if expert is not None and not 0 <= expert < self.num_experts:
             raise ValueError(f"{self.prefix}: checkpoint expert {expert} is outside [0, {self.num_experts})")
+        if expert is None and loaded.shape[0] != self.num_experts:
+            raise ValueError(f"{self.prefix}.{name}: checkpoint tensor for all experts, part {part}, has shape "
+                             f"{tuple(loaded.shape)}: {loaded.shape[0]} experts, the model has {self.num_experts}")
+        if self.parallel_mode == "expert":
+            if expert is None:  # a fused 3-D tensor: this rank's block of experts
+                loaded = loaded.narrow(0, self.expert_start, self.num_local_experts)
+            elif not self.expert_start <= expert < self.expert_start + self.num_local_experts:
+                return  # another rank's expert
+            else:
+                expert -= self.expert_start
+        elif self.parallel_mode == "tensor":
+            loaded = self._width_slice(param, loaded, which, expert is None)
         target = param.data[:, rows] if expert is None else param.data[expert, rows]
         if tuple(loaded.shape) != tuple(target.shape):
             where = "all experts" if expert is None else f"expert {expert}"
             raise ValueError(f"{self.prefix}.{name}: checkpoint tensor for {where}, part {part}, has shape "
                              f"{tuple(loaded.shape)}, expected {tuple(target.shape)}")
         target.copy_(loaded)
-        experts = range(self.num_experts) if expert is None else [expert]
+        experts = range(self.num_local_experts) if expert is None else [expert]
         self._filled[name].update((e, w) for e in experts for w in which)
 
+    def _width_slice(self, param: nn.Parameter, loaded: torch.Tensor, parts: list[str],
+                     all_experts: bool) -> torch.Tensor:
+        """Tensor parallel: this rank's slice of a checkpoint tensor of `parts` (one part, or
+        all of them in order), along the dim `param` declares (`output_dim`: rows of each
+        part; `input_dim`: columns); `added_once`: kept on rank 0, zeros elsewhere."""
+        from atom.model_ops.linear import _narrow
+        r = self.tp.rank
+        skip = 0 if all_experts else 1  # a per-expert tensor lacks the expert dim
+        out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+        if out_dim is not None:
+            dim, per = out_dim - skip, getattr(param, "rows_per_entry", 1)
+            local = param.shape[out_dim] // len(self.expert_parts[param.expert_param])
+            full = loaded.shape[dim] // len(parts)
+            pieces = [_narrow(self, param.expert_param, loaded.narrow(dim, i * full, full), dim, r * local * per,
+                              local * per, per) for i in range(len(parts))]
+            loaded = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        if in_dim is not None:
+            per = getattr(param, "input_pack", 1)
+            local = param.shape[in_dim] * per
+            loaded = _narrow(self, param.expert_param, loaded, in_dim - skip, r * local, local, per)
+        if getattr(param, "added_once", False) and r != 0:
+            loaded = torch.zeros_like(loaded)
+        return loaded
+
     def missing_shards(self) -> list[str]:
-        """'param[expert].part' for every expert part the checkpoint has not written."""
+        """'param[expert].part' (global expert ids) for every part of this rank's experts
+        that the checkpoint has not written."""
         out = []
         for name, parts in self.expert_parts.items():
             got = self._filled[name]
-            out += [f"{self.prefix}.{name}[{e}].{w}" for e in range(self.num_experts) for w in parts
-                    if (e, w) not in got]
+            out += [f"{self.prefix}.{name}[{e + self.expert_start}].{w}" for e in range(self.num_local_experts)
+                    for w in parts if (e, w) not in got]
         return out
 
     #: per-expert tensor suffixes the loader maps (values and biases; quantized methods' scales)
@@ -136,22 +222,73 @@ class FusedMoE(nn.Module):
     def plan_installed(self, plan):
         """Read this layer's tile table from the plan once (outside any compiled region)."""
         device = next(self.parameters()).device
-        self.tiles = plan.moe_tiles(self.num_experts, self.intermediate_size, self.hidden_size, self.act_dtype, device)
+        self.tiles = plan.moe_tiles(self.num_local_experts, self.intermediate_size, self.hidden_size, self.act_dtype,
+                                    device)
         self.tiles_json = self.tiles.to_json()
         return self.tiles
 
     # --- forward ---------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
-        topk_weights, topk_ids = self.topk(router_logits, correction_bias)
-        if self.recorder is not None:
-            self.recorder.record(self, topk_ids)
-        out = self.method.apply(self, hidden, topk_weights, topk_ids)
+        if self.gather_tokens:
+            return self._forward_across_replicas(hidden, router_logits, correction_bias)
+        out = self.rank_output(hidden, router_logits, correction_bias)
+        if self.tp.world_size > 1:
+            out = self.tp.all_reduce(out)
+            if self.shared_experts is not None and not self.shared_partial:
+                out = out + self.shared_experts(hidden)
+        return out
+
+    def _forward_across_replicas(self, hidden, router_logits, correction_bias):
+        """DP attention: every replica's tokens gathered (hidden states and router logits),
+        this rank's experts run on all of them, the partial sums added across the replicas and
+        each replica's rows handed back; the shared experts (replicated) on its own tokens. A
+        replica without tokens takes part with none (its dummy step)."""
+        if self.recorder is not None:  # this replica's own tokens
+            self.recorder.record(self, self.topk(router_logits, correction_bias)[1])
+        h_all, counts = self.tp.gather_rows(hidden)
+        logits_all, _ = self.tp.gather_rows(router_logits)
+        if sum(counts) == 0:
+            return torch.zeros_like(hidden)
+        out = self.tp.sum_rows(self.rank_output(h_all, logits_all, correction_bias, record=False), counts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out
 
+    def rank_output(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                    correction_bias: torch.Tensor | None = None, record: bool = True) -> torch.Tensor:
+        """This rank's part of the output before the all-reduce: its experts (or its slice of
+        every expert) on every token, plus the shared experts' partial sum where they leave
+        it to this layer (at one rank: the whole output; under DP attention: none)."""
+        topk_weights, topk_ids = self.topk(router_logits, correction_bias)
+        if self.recorder is not None and record:
+            self.recorder.record(self, topk_ids)  # global ids: every expert counted, on every rank
+        if self.parallel_mode == "expert":
+            topk_weights, topk_ids = self.local_routing(topk_weights, topk_ids)
+        out = self.method.apply(self, hidden, topk_weights, topk_ids)
+        if self.shared_experts is not None and not self.gather_tokens and (self.shared_partial or
+                                                                          self.tp.world_size == 1):
+            out = out + self.shared_experts(hidden)
+        return out
+
+    def local_routing(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallel: (weights, local ids) of the pairs, those of other ranks' experts
+        with weight 0 and local id 0 (computed and dropped; an expert map the kernels skip
+        would save that work on a GPU)."""
+        local = topk_ids - self.expert_start
+        mine = (local >= 0) & (local < self.num_local_experts)
+        return (torch.where(mine, topk_weights, torch.zeros_like(topk_weights)),
+                torch.where(mine, local, torch.zeros_like(local)))
+
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "
                 f"activation={self.activation_name}, bias={'w13_bias' in self.expert_parts}, "
-                f"method={self.method.name}")
+                f"method={self.method.name}{self.parallel_repr()}")
+
+    def parallel_repr(self) -> str:
+        if self.parallel_mode == "expert":
+            return (f", ep={self.tp.rank}/{self.tp.world_size}: experts [{self.expert_start}, "
+                    f"{self.expert_start + self.num_local_experts})")
+        if self.parallel_mode == "tensor":
+            return f", tp={self.tp.rank}/{self.tp.world_size}: width {self.intermediate_size}/{self.full_intermediate_size}"
+        return ""

@@ -18,10 +18,15 @@ with the parts they split into along dim 1 (a per-channel scale of w13 is [E, 2I
 "w1", "w3"; a per-tensor scale [E, 2] has one column per part), so the loader fills them from
 per-expert checkpoint tensors (`(expert_id, part)`) and from fused 3-D ones (`(None, part)`)
 without knowing the format (the loader maps per-expert `weight_scale` / `input_scale`
-tensors to `w13_*` / `w2_*` parameters of the same suffix, `FusedMoE.checkpoint_mapping`);
-`apply` may run `experts_ref.routed_sum` with its own per-expert function (dequantize that
-expert, as `fp8_method.Fp8MoEMethod` does) or its own kernel. Register it in `MOE_METHODS`
-under its dtype key.
+tensors to `w13_*` / `w2_*` parameters of the same suffix, `FusedMoE.checkpoint_mapping`).
+`num_experts` and `intermediate_size` are this rank's (the layer's `num_local_experts` /
+sharded width under tensor or expert parallel), and each tensor declares how it shards the
+width (`output_dim` / `input_dim`, the dim in the stacked [E, ...] tensor, with
+`rows_per_entry` / `input_pack` for blocks; `output_dim=None`: the same on every rank;
+`added_once=True`: a bias summed over the ranks, kept on rank 0 only) or tensor parallel
+refuses it; `apply` may run `experts_ref.routed_sum` with its own per-expert function
+(dequantize that expert, as `fp8_method.Fp8MoEMethod` does) or its own kernel. Register it
+in `MOE_METHODS` under its dtype key.
 """
 from __future__ import annotations
 
@@ -72,11 +77,11 @@ class UnquantizedMoEMethod(MoEMethod):
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, bias):
         E, H, I = num_experts, hidden_size, intermediate_size
-        layer.add_expert_param("w13_weight", torch.empty(E, 2 * I, H), ("w1", "w3"))
-        layer.add_expert_param("w2_weight", torch.empty(E, H, I), ("w2",))
+        layer.add_expert_param("w13_weight", torch.empty(E, 2 * I, H), ("w1", "w3"), output_dim=1)
+        layer.add_expert_param("w2_weight", torch.empty(E, H, I), ("w2",), input_dim=2)
         if bias:
-            layer.add_expert_param("w13_bias", torch.empty(E, 2 * I), ("w1", "w3"))
-            layer.add_expert_param("w2_bias", torch.empty(E, H), ("w2",))
+            layer.add_expert_param("w13_bias", torch.empty(E, 2 * I), ("w1", "w3"), output_dim=1)
+            layer.add_expert_param("w2_bias", torch.empty(E, H), ("w2",), output_dim=None, added_once=True)
 
     def syncs_host(self, layer, device):
         plan = layer.plan
