@@ -74,6 +74,11 @@ class LLM:
         self.seed = set_seed(seed)
         if self.config.parallel_config.data_parallel_size > 1:  # replicas in their own processes
             from atom.distributed.data_parallel import DataParallelEngine
+            for name, value, default in (("record_expert_load", record_expert_load, False), ("seed", seed, None),
+                                         ("async_scheduling", async_scheduling, None)):
+                if value != default:  # the replicas' engines are built in their processes without them
+                    raise ValueError(f"{name}={value!r} is not implemented with data_parallel_size="
+                                     f"{self.config.parallel_config.data_parallel_size} yet: leave it {default!r}")
             self.engine = DataParallelEngine(self.config)
         else:
             self.engine = LLMEngine(self.config, record_stats=record_stats, async_scheduling=async_scheduling,
@@ -100,15 +105,21 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def _profiled_runner(self, what: str):
+        if not hasattr(self.engine, "runner"):
+            raise NotImplementedError(f"{what}() profiles one engine's runner; under data_parallel_size > 1 "
+                                      "the replicas run in their own processes")
+        if self.config.tensor_parallel_size > 1:
+            logger.warning("%s(): only rank 0's runner is profiled (tensor_parallel_size=%d)", what,
+                           self.config.tensor_parallel_size)
+        return self.engine.runner
+
     def start_profile(self) -> None:
         """Start the torch profiler; traces go to `torch_profiler_dir` (see the guide)."""
-        if not hasattr(self.engine, "runner"):
-            raise NotImplementedError("start_profile() profiles one engine's runner; under data_parallel_size > 1 "
-                                      "the replicas run in their own processes")
-        self.engine.runner.start_profile()
+        self._profiled_runner("start_profile").start_profile()
 
     def stop_profile(self) -> None:
-        self.engine.runner.stop_profile()
+        self._profiled_runner("stop_profile").stop_profile()
 
     def generate(self, prompts, sampling_params: Any = None, use_tqdm: bool = True) -> list[RequestOutput]:
         items = split_prompts(prompts)

@@ -217,3 +217,10 @@ def test_two_launchers_on_loopback_form_one_group_and_serve(tiny_llama, referenc
     assert "data-parallel replicas [1] started" in b_err and "tensor parallel: 2 ranks (gloo)" in b_err
     lines = [json.loads(line) for line in head.stdout.strip().splitlines()]
     assert [line["token_ids"] for line in lines] == ref[:4]
+
+
+def test_keywords_the_replicas_cannot_take_are_refused(tiny_llama):
+    for kw in ({"seed": 3}, {"record_expert_load": True}, {"async_scheduling": False}):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=f"{name}=.* is not implemented with data_parallel_size=2"):
+            LLM(tiny_llama, data_parallel_size=2, **kw)
