@@ -1,10 +1,17 @@
 # make demo : set up .venv (torch, atom, the embedded model) and answer a few chat prompts
 # make test : same set-up, then the whole test suite
+# make producers : the quantization producers' own venv (.venv-prod: llm-compressor,
+#                  compressed-tensors, amd-quark; llm-compressor pins transformers 5.17, so it
+#                  stays out of .venv); the quantized-checkpoint tests run them in a subprocess
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.atom-installed
+PROD_VENV ?= .venv-prod
+PROD_STAMP := $(PROD_VENV)/.producers-installed
+# the `producers` extra of pyproject.toml (pinned versions): one list for the Makefile and the tests
+PRODUCERS = $(shell python3 -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["producers"]))')
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean producers
 
 setup: $(STAMP)
 
@@ -21,11 +28,21 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m atom.examples.simple_inference
 
-test: setup
+producers: $(PROD_STAMP)
+
+$(PROD_STAMP): pyproject.toml
+	test -x $(PROD_VENV)/bin/python || python3 -m venv $(PROD_VENV)
+	echo "torch==2.13.0" > $(PROD_VENV)/constraints.txt
+	$(PROD_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PROD_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(PROD_VENV)/bin/python -m pip install -q -c $(PROD_VENV)/constraints.txt $(PRODUCERS)
+	touch $(PROD_STAMP)
+
+test: setup producers
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: setup
 	$(PY) -m atom.benchmarks.throughput --device cpu
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(PROD_VENV)

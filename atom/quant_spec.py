@@ -103,7 +103,8 @@ class LayerQuantConfig:
     quant type): ``group_size`` (weight scales per group of input columns),
     ``block_size`` ((rows, cols) of a weight block), ``symmetric`` (False: zero points),
     ``act_scheme`` (one of :data:`ACT_SCHEMES`: activations not quantized, one scale per
-    tensor, per token, or per group of ``act_group_size`` columns). The details take no
+    tensor, per token, or per group of ``act_group_size`` columns), ``act_dtype`` (the
+    activations' dtype key, e.g. ``"fp4x2"`` for MXFP4 activations). The details take no
     part in ``==`` (specs built from the four fields compare as before); ``to_dict`` and
     so ``QuantizationConfig.compute_hash`` include those that are set.
     """
@@ -117,6 +118,7 @@ class LayerQuantConfig:
     symmetric: Optional[bool] = field(default=None, compare=False)
     act_scheme: Optional[str] = field(default=None, compare=False)
     act_group_size: Optional[int] = field(default=None, compare=False)
+    act_dtype: Optional[str] = field(default=None, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.quant_type, QuantType):
@@ -138,6 +140,10 @@ class LayerQuantConfig:
                     f"block_size={self.block_size!r} is invalid: must be (rows, cols) of positive ints"
                 )
             object.__setattr__(self, "block_size", block)
+        if self.act_dtype is not None and self.act_dtype not in DTYPE_KEYS:
+            raise ValueError(
+                f"act_dtype={self.act_dtype!r} is invalid: must be one of {sorted(DTYPE_KEYS)} or None"
+            )
         if self.act_scheme is not None and self.act_scheme not in ACT_SCHEMES:
             raise ValueError(
                 f"act_scheme={self.act_scheme!r} is invalid: must be one of {ACT_SCHEMES} or None"
@@ -160,7 +166,7 @@ class LayerQuantConfig:
             "is_dynamic": self.is_dynamic,
             "quant_method": self.quant_method,
         }
-        for name in ("group_size", "block_size", "symmetric", "act_scheme", "act_group_size"):
+        for name in ("group_size", "block_size", "symmetric", "act_scheme", "act_group_size", "act_dtype"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = list(value) if isinstance(value, tuple) else value
@@ -230,7 +236,8 @@ class QuarkParser:
 
     ``weight.qscheme`` sets the quant type (``per_channel`` -> ``per_Token``,
     ``per_tensor`` -> ``per_Tensor``, ``per_group`` -> ``per_1x32``),
-    ``weight.dtype`` the quant dtype, and ``input_tensors.is_dynamic`` the
+    ``weight.dtype`` the quant dtype (``uint4``: ``torch.uint4``, which no linear method
+    runs, so such layers are refused at build rather than read as signed int4), and ``input_tensors.is_dynamic`` the
     dynamic flag (``True`` when absent).
     """
 
@@ -270,6 +277,11 @@ class QuarkParser:
                 f"quark weight.dtype={dtype_name!r} is invalid: must name fp8, fp4, "
                 "int8 or int4"
             )
+        if "uint4" in dtype_name.lower():
+            # unsigned nibbles with zero points: no method reads them, and reading them as
+            # the signed int4 layout would be silently wrong; the layer build refuses it
+            return LayerQuantConfig(_QUARK_QSCHEME[qscheme], torch.uint4, is_dynamic, self.method,
+                                    group_size=_pos_int(weight.get("group_size")), symmetric=False)
         details: dict[str, Any] = {}
         if qscheme == "per_group":
             details["group_size"] = _pos_int(weight.get("group_size"))
@@ -283,6 +295,7 @@ class QuarkParser:
                                      "per_group": "group"}.get(in_scheme)
             if in_scheme == "per_group":
                 details["act_group_size"] = _pos_int(inputs.get("group_size"))
+            details["act_dtype"] = _dtype_key_from_string(str(inputs.get("dtype", "")))
         return _spec(_QUARK_QSCHEME[qscheme], key, is_dynamic, self.method, **details)
 
 
@@ -401,6 +414,7 @@ class GenericParser:
                 details["act_scheme"] = in_strategy
             if in_strategy == "group":
                 details["act_group_size"] = _pos_int(inputs.get("group_size"))
+            details["act_dtype"] = _dtype_key_from_bits(inputs.get("num_bits"), inputs.get("type", "int"))
         return quant_type
 
     @staticmethod

@@ -4,11 +4,13 @@
     describe_layers(model)    # one row per linear layer: layer, method, format, bytes
 
 Methods: unquantized (`unquantized.py`), fp8 per-tensor / per-channel / block (`fp8.py`),
-int8 W8A8 (`int8.py`), int4 W4A16 pack-quantized (`int4.py`); the quantized ones run a torch
-reference (dequantize, fake-quantize the activations as the format defines, F.linear) on
-every device for now. A layer whose spec asks for a format without a method (MXFP4, an
-unknown dtype, a layout or granularity these files do not run) is refused when the model is
-built, before any weight loads, naming the layer and the format.
+int8 W8A8 (`int8.py`), int4 W4A16 (`int4.py`: compressed-tensors pack-quantized and Quark's
+transposed int4), MXFP4 weight-only or with dynamic MXFP4 activations (`mxfp4.py`, which also
+holds the MXFP4 numerics: `quantize_mxfp4`, `dequantize_mxfp4`, `fake_quant_mxfp4`); the
+quantized ones run a torch reference (dequantize, fake-quantize the activations as the format
+defines, F.linear) on every device for now. A layer whose spec asks for a format without a
+method (an unknown dtype, a layout or granularity these files do not run) is refused when the
+model is built, before any weight loads, naming the layer and the format.
 """
 from __future__ import annotations
 
@@ -21,17 +23,19 @@ from atom.model_ops.quant.common import refuse
 from atom.model_ops.quant.fp8 import Fp8LinearMethod
 from atom.model_ops.quant.int4 import Int4LinearMethod
 from atom.model_ops.quant.int8 import Int8LinearMethod
+from atom.model_ops.quant.mxfp4 import Mxfp4LinearMethod
 from atom.model_ops.quant.unquantized import UnquantizedLinearMethod, dense, library_product
 from atom.quant_spec import key_from_dtype
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LinearMethod", "UnquantizedLinearMethod", "Fp8LinearMethod", "Int8LinearMethod",
-           "Int4LinearMethod", "linear_method_for", "describe_layers", "is_unquantized", "dense",
-           "library_product"]
+           "Int4LinearMethod", "Mxfp4LinearMethod", "linear_method_for", "describe_layers", "is_unquantized",
+           "dense", "library_product"]
 
 #: dtype key of the stored weight -> method class
-METHODS = {"fp8": Fp8LinearMethod, "i8": Int8LinearMethod, "i4x2": Int4LinearMethod}
+METHODS = {"fp8": Fp8LinearMethod, "i8": Int8LinearMethod, "i4x2": Int4LinearMethod,
+           "fp4x2": Mxfp4LinearMethod}
 
 
 def linear_method_for(quant_config, prefix: str) -> LinearMethod:
@@ -42,12 +46,9 @@ def linear_method_for(quant_config, prefix: str) -> LinearMethod:
     if spec is None or not spec.is_quantized:
         return UnquantizedLinearMethod()
     key = key_from_dtype(spec.quant_dtype)
-    if key == "fp4x2":
-        raise refuse(prefix, spec, "MXFP4 (e2m1 values, an e8m0 scale per 32) has no linear method in "
-                     "this build yet: use an fp8, int8 or int4 checkpoint")
     if key not in METHODS:
         raise refuse(prefix, spec, f"no linear method stores weights as {spec.quant_dtype}: this build "
-                     "runs fp8 (float8_e4m3fn), int8 and int4 (packed)")
+                     "runs fp8 (float8_e4m3fn), int8, int4 (packed) and mxfp4 (fp4x2)")
     method = METHODS[key](spec, prefix)
     logger.debug("%s: %s", prefix, method)
     return method
@@ -67,9 +68,10 @@ def describe_layers(model: nn.Module) -> list[dict]:
         method = getattr(m, "method", None)
         if isinstance(method, LinearMethod):
             w = getattr(m, "weight", None)
-            shape = tuple(w.shape) if w is not None else None
-            if shape is None and hasattr(m, "out_features"):
-                shape = (m.out_features, m.in_features)  # packed weights: the logical shape
+            if hasattr(m, "out_features"):  # the logical shape, also for packed weights
+                shape = (m.out_features, m.in_features)
+            else:
+                shape = tuple(w.shape) if w is not None else None
             rows.append({"layer": name, "class": type(m).__name__, "method": method.name,
                          "format": method.format(m), "bytes": method.weight_bytes(m), "shape": shape})
     return rows

@@ -146,15 +146,16 @@ def _round(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def fake_quant_act(x: torch.Tensor, kind: str, scheme: str, group: int | None = None,
-                   static_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   static_scale: torch.Tensor | None = None, qmax: float | None = None) -> torch.Tensor:
     """Activations quantized then dequantized (fp32) as the format defines. `kind`: "fp8"
-    (e4m3, qmax 448) or "int8" (symmetric, qmax 127, round half to even); `scheme`: "none",
-    "tensor" (one scale for the whole input: `static_scale` or amax / qmax), "token" (one
-    per row) or "group" (one per row and `group` columns)."""
+    (e4m3, qmax 448) or "int8" (symmetric, qmax 127 unless given, round half to even, clamp
+    to [-128, 127]); `scheme`: "none", "tensor" (one scale for the whole input:
+    `static_scale` or amax / qmax), "token" (one per row) or "group" (one per row and
+    `group` columns)."""
     x = x.float()
     if scheme == "none":
         return x
-    qmax = FP8_MAX if kind == "fp8" else INT8_MAX
+    qmax = qmax or (FP8_MAX if kind == "fp8" else INT8_MAX)
     if static_scale is not None:
         s = static_scale.float()
     elif scheme == "tensor":

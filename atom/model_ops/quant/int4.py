@@ -1,4 +1,5 @@
-"""INT4 weight-only with groups (W4A16), as compressed-tensors' `pack-quantized` writes it.
+"""INT4 weight-only with groups (W4A16), as compressed-tensors' `pack-quantized` and AMD
+Quark (`int4`, `per_group`, e.g. `int4_wo_32`) write it.
 
 Checkpoint tensors per layer (W is [out, in], g the group size, G = in / g; per-channel:
 one group of the whole row):
@@ -17,6 +18,14 @@ group size ("weight column counts not divisible by group_size"), and compressed-
 group fake quant reshapes the columns into [-1, g], which fails there too (SmolLM2's 576
 with g=128 is the known case; producers use g=64). The format has no partial group, so
 such a layer is refused at build, naming it and a group size that divides.
+
+Quark's layout (AWQ-like, everything transposed) is converted to the one above as each
+shard loads, so one dequantization serves both:
+- `weight` int32 [in, out/8]: W^T packed along the output dimension, nibble i of column j
+  holding output 8j + [0, 2, 4, 6, 1, 3, 5, 7][i], as signed two's-complement 4-bit values;
+- `weight_scale` [in/g, out] (the transpose of compressed-tensors');
+- `weight_zero_point` int32 [in/g, out/8], packed like `weight` (Quark writes it, all zero,
+  for symmetric checkpoints too); no `weight_shape`.
 """
 from __future__ import annotations
 
@@ -27,6 +36,8 @@ from atom.model_ops.quant.common import (QuantLinearMethod, bias_param, expand_r
                                          refuse, row_param, weight_param)
 
 _SHIFTS = torch.arange(8, dtype=torch.int32) * 4
+#: Quark's nibble order: nibble i of an int32 holds element _QUARK_ORDER[i] of its 8
+_QUARK_ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -36,19 +47,40 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.int16).flatten(-2)
 
 
+def pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """Stored values 0..15 [R, K] -> int32 [R, ceil(K/8)] (inverse of `unpack_int4`; zero padded)."""
+    rows, cols = u.shape
+    u = torch.nn.functional.pad(u.to(torch.int64), (0, (-cols) % 8)).reshape(rows, -1, 8)
+    packed = (u << _SHIFTS.to(u.device).long()).sum(-1)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+def unpack_quark_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Quark int32 [R, C] -> signed int16 [R, 8C]: nibble i of column j is element
+    8j + _QUARK_ORDER[i], a two's-complement 4-bit value."""
+    nib = unpack_int4(packed).unflatten(-1, (-1, 8))  # [R, C, 8] in nibble order
+    out = torch.empty_like(nib)
+    out[..., _QUARK_ORDER.to(packed.device)] = nib
+    out = out.flatten(-2)
+    return torch.where(out >= 8, out - 16, out)
+
+
 class Int4LinearMethod(QuantLinearMethod):
     name = "int4"
 
     def __init__(self, spec, prefix: str):
         super().__init__(spec, prefix)
-        if spec.quant_method != "compressed-tensors":
-            raise refuse(prefix, spec, "int4 runs compressed-tensors' pack-quantized layout in this build; "
-                         "Quark's int4 (W^T packed along out) and GPTQ/AWQ layouts have no method yet")
+        if spec.quant_method not in ("compressed-tensors", "quark"):
+            raise refuse(prefix, spec, "int4 runs compressed-tensors' pack-quantized and Quark's layouts in "
+                         "this build; GPTQ/AWQ layouts have no method yet")
+        self.quark = spec.quant_method == "quark"
+        self.packed_name = "weight" if self.quark else "weight_packed"
         if spec.act_scheme not in (None, "none"):
             raise refuse(prefix, spec, f"int4 weights with {spec.act_scheme!r} activations (W4A8) have "
                          "no method yet; W4A16 runs")
         self.group = spec.group_size
         self.symmetric = spec.symmetric is not False
+        self.has_zp = not self.symmetric or self.quark  # Quark stores zero points (0) either way
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         g = self.group or in_features
@@ -58,31 +90,63 @@ class Int4LinearMethod(QuantLinearMethod):
             raise refuse(self.prefix, self.spec, f"in_features={in_features} is not a multiple of group_size={g}: "
                          f"the pack-quantized format has no partial group (llm-compressor refuses it){hint}")
         self.groups = in_features // g
-        weight_param(layer, "weight_packed", (out_features, -(-in_features // 8)), torch.int32, input_pack=8)
-        row_param(layer, "weight_scale", self.groups, input_pack=g)
-        if not self.symmetric:
-            row_param(layer, "weight_zero_point", self.groups, dtype=torch.int32, rows_per_entry=8, fill=0,
-                      input_pack=g)
+        packed = weight_param(layer, self.packed_name, (out_features, -(-in_features // 8)), torch.int32,
+                              input_pack=8)
+        scale = row_param(layer, "weight_scale", self.groups, input_pack=g)
+        zp = None
+        if self.has_zp:
+            zp = row_param(layer, "weight_zero_point", self.groups, dtype=torch.int32, rows_per_entry=8, fill=0,
+                           input_pack=g)
+        if self.quark:
+            self._quark_loaders(layer, packed, scale, zp)
+            bias_param(layer, out_features, bias)
+            return
         shape = per_shard_param(layer, "weight_shape", (2,), dtype=torch.int64)
         shape.data.copy_(torch.tensor([layer.checkpoint_shape(sid) for sid in layer.shard_ids()]))
         shape.keep_on_dummy = True  # dummy weights leave the expected shapes in place
         bias_param(layer, out_features, bias)
 
+    def _quark_loaders(self, layer: nn.Module, packed, scale, zp) -> None:
+        """Loaders that turn each Quark shard tensor into the compressed-tensors layout."""
+        load_w, load_s, load_zp = packed.weight_loader, scale.weight_loader, zp.weight_loader
+        k = layer.in_features
+
+        def check(name, loaded, shape):
+            if loaded.dim() != 2 or tuple(loaded.shape[:1]) != shape:
+                raise ValueError(f"{self.prefix}.{name}: Quark tensor shape {tuple(loaded.shape)} does not "
+                                 f"start with {shape} (Quark writes it transposed: [in or in/group, out...])")
+
+        def weight(param, loaded, shard_id=None):
+            check("weight", loaded, (k,))
+            q = unpack_quark_int4(loaded).t()  # [out_shard, in]
+            load_w(param, pack_int4(q + 8), shard_id)
+
+        def weight_scale(param, loaded, shard_id=None):
+            check("weight_scale", loaded, (self.groups,))
+            load_s(param, loaded.t().contiguous(), shard_id)
+
+        def zero_point(param, loaded, shard_id=None):
+            check("weight_zero_point", loaded, (self.groups,))
+            z = unpack_quark_int4(loaded)  # [groups, out_shard]
+            load_zp(param, pack_int4(z + 8).t().contiguous(), shard_id)
+
+        packed.weight_loader, scale.weight_loader, zp.weight_loader = weight, weight_scale, zero_point
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Checks each shard's `weight_shape`; unpacks the zero points to one row per output."""
-        for i, sid in enumerate(layer.shard_ids()):
+        for i, sid in enumerate([] if self.quark else layer.shard_ids()):
             want = tuple(layer.checkpoint_shape(sid))  # the whole shard, before a tensor-parallel split
             got = tuple(int(v) for v in layer.weight_shape[i])
             if got != want:
                 raise ValueError(f"{self.prefix}: checkpoint weight_shape {got} (shard {sid!r}) != {want}")
-        if not self.symmetric:
+        if self.has_zp:
             zp = expand_rows(layer, layer.weight_zero_point.data, 8, unpack=lambda c: unpack_int4(c.t()).t())
             layer.register_buffer("zero_point", zp.to(torch.int8).contiguous(), persistent=False)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         k = layer.in_features
-        q = unpack_int4(layer.weight_packed)[:, :k]
-        if not self.symmetric:
+        q = unpack_int4(getattr(layer, self.packed_name))[:, :k]
+        if self.has_zp:
             q = q - layer.zero_point.to(torch.int16).repeat_interleave(k // self.groups, 1)
         else:
             q = q - 8

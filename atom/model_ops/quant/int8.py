@@ -4,7 +4,10 @@ Format (compressed-tensors "int-quantized", W {8, int, channel, symmetric}, A {8
 token, dynamic}): `weight` int8 [out, in], `weight_scale` [out, 1] (packed layers:
 concatenated along rows like the weight); w = weight * scale. Activations per row:
 scale = amax / 127, q = clamp(round_half_even(x / scale), -128, 127), x ~ q * scale
-(fake quant in the reference product). Asymmetric int8 and Quark's per-tensor static int8
+(fake quant in the reference product). compressed-tensors divides by half its integer
+range instead, (127 - (-128)) / 2 = 127.5, in the fake-quantized model it calibrates and in
+transformers' reload (`calculate_qparams`), so its checkpoints run with amax / 127.5 (the
+largest value then rounds to 128 and clamps to 127, as there). Asymmetric int8 and Quark's per-tensor static int8
 (with zero points) are refused by name.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Int8LinearMethod(QuantLinearMethod):
             raise refuse(prefix, spec, f"int8 weights with {'static' if not spec.is_dynamic else 'dynamic'} "
                          f"{self.act!r} activations: this build runs dynamic per-token activations "
                          "(W8A8) or none (W8A16)")
+        self.act_qmax = 127.5 if spec.quant_method == "compressed-tensors" else 127.0
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         weight_param(layer, "weight", (out_features, in_features), torch.int8)
@@ -42,7 +46,8 @@ class Int8LinearMethod(QuantLinearMethod):
         return layer.weight.float() * layer.weight_scale.float()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return product(x, fake_quant_act(x, "int8", self.act), self.dequantized_weight(layer), layer.bias)
+        x32 = fake_quant_act(x, "int8", self.act, qmax=self.act_qmax)
+        return product(x, x32, self.dequantized_weight(layer), layer.bias)
 
     def format_spec(self) -> str:
         return "int8 per-channel, " + ("act dynamic per-token" if self.act == "token" else "weight only")
