@@ -192,3 +192,22 @@ def test_mxfp4_width_not_a_multiple_of_32_is_refused(tiny_mxfp4, tmp_path):
     _edit_config(path, intermediate_size=48)
     with pytest.raises(NotImplementedError, match=r"experts.*intermediate_size=48 is not a multiple of 32"):
         LLM(str(path), enable_log_stats=False, num_kvcache_blocks=16)
+
+
+def test_experts_op_takes_the_parametrised_activation_by_name():
+    """Under torch.compile the experts run as `atom::moe_experts` with the activation by name:
+    the GPT-OSS name with its alpha / limit gives the reference's result (biases included)."""
+    from atom.model_ops.moe import experts_op  # noqa: F401  (registers the op)
+    from atom.model_ops.moe.experts_ref import experts_reference
+    from atom.model_ops.moe.tile_configs import TileTable
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, k = 4, 32, 16, 5, 2
+    x, w13, w2 = torch.randn(T, H, generator=g), torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    b13, b2 = torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)
+    w, ids = topk_then_softmax(torch.randn(T, E, generator=g), k)
+    name = "gpt_oss_swiglu(alpha=1.702,limit=2.0)"
+    want = experts_reference(x, w13, w2, w, ids, activation_of(name), b13, b2)
+    tiles = TileTable(E, I, H, "float32", "cpu").to_json()  # default tiles
+    got = torch.ops.atom.moe_experts(x, w13, w2, w, ids, b13, b2, name, tiles)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(want, experts_reference(x, w13, w2, w, ids, activation_of("gpt_oss_swiglu"), b13, b2))
