@@ -122,16 +122,23 @@ def tiny_mxfp4(tmp_path_factory):
     return make_tiny_gpt_oss_mxfp4(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
 
 
-def test_mxfp4_checkpoint_matches_transformers_dequantized(tiny_mxfp4):
+@pytest.fixture(scope="module")
+def mxfp4_ref(tiny_mxfp4):
+    ps = prompts(lens=(3, 17, 40))
+    return ps, hf_reference(tiny_mxfp4, ps)
+
+
+@pytest.mark.parametrize("setting", ["plain", "chunked_prefill_prefix_caching"])
+def test_mxfp4_checkpoint_matches_transformers_dequantized(tiny_mxfp4, mxfp4_ref, setting):
     """GPT-OSS's MXFP4 layout (blocks + e8m0 scales, written with the engine's numerics):
     the engine keeps the experts packed and gives the tokens of transformers running the
     same checkpoint dequantized (its own reader of the format, fp32)."""
     t = load_file(os.path.join(tiny_mxfp4, "model.safetensors"))
     assert t["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (4, 128, 3, 16)
     assert t["model.layers.0.mlp.experts.down_proj_scales"].shape == (4, 96, 2)
-    ps = prompts(lens=(3, 17, 40))
-    ref = hf_reference(tiny_mxfp4, ps)
-    llm = LLM(tiny_mxfp4, enable_log_stats=False, num_kvcache_blocks=64)
+    assert not any(n.endswith("experts.gate_up_proj") for n in t)
+    ps, ref = mxfp4_ref
+    llm = LLM(tiny_mxfp4, enable_log_stats=False, **{"num_kvcache_blocks": 64, **SETTINGS[setting]})
     assert [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == ref
     model = llm.engine.runner.model
     experts = model.model.layers[0].mlp.experts
