@@ -218,3 +218,13 @@ def test_experts_op_takes_the_parametrised_activation_by_name():
     got = torch.ops.atom.moe_experts(x, w13, w2, w, ids, b13, b2, name, tiles)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(want, experts_reference(x, w13, w2, w, ids, activation_of("gpt_oss_swiglu"), b13, b2))
+
+
+def test_glob_exclusions_name_parent_modules():
+    """`modules_to_not_convert` globs such as "model.layers.*.self_attn" name a module above
+    the layer: its layers stay unquantized (as transformers' `should_convert_module`)."""
+    cfg = QuantizationConfig(transformers.LlamaConfig(quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": ["model.layers.*.self_attn"]}))
+    assert not cfg.get_layer_quant_config("model.layers.3.self_attn.qkv_proj").is_quantized
+    assert cfg.get_layer_quant_config("model.layers.3.mlp.gate_up_proj").is_quantized
+    assert cfg.get_layer_quant_config("model.layers.3.self_attention_x").is_quantized  # a module boundary
