@@ -33,7 +33,7 @@ from torch import nn
 from atom.model_ops.activation import silu_and_mul
 from atom.model_ops.moe.method import MoEMethod, moe_method_for
 from atom.model_ops.moe.router import TopK
-from atom.model_ops.activation import gpt_oss_swiglu  # noqa: E402  (own line: the parallel imports sit above)
+from atom.model_ops.activation import gpt_oss_swiglu
 
 ACTIVATIONS: dict[str, Callable[..., torch.Tensor]] = {"silu": silu_and_mul, "gpt_oss_swiglu": gpt_oss_swiglu}
 #: activations whose name may carry float keyword arguments, "gpt_oss_swiglu(alpha=1.702,limit=7.0)"
