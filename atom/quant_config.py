@@ -46,9 +46,10 @@ class QuantizationConfig:
     """Layer-wise quantization, auto-detected from ``hf_config.quantization_config``.
 
     ``get_layer_quant_config(name)`` checks, in order: the exclude list (exact
-    name, a parent module name, an fnmatch glob, or ``"re:<regex>"`` matched
-    from the start of the name), the per-layer fnmatch patterns, then the global
-    spec.
+    name, a parent module name, an fnmatch glob of the name or of a parent module, or
+    ``"re:<regex>"`` matched from the start of the name), the per-layer fnmatch patterns,
+    then the global spec. ``quant_method: "mxfp4"`` (transformers' GPT-OSS format) quantizes
+    the MoE experts only (pattern ``*.experts``); ``modules_to_not_convert`` is excluded.
     """
 
     def __init__(self, hf_config: Optional[Any] = None):
@@ -87,6 +88,10 @@ class QuantizationConfig:
         for name in cfg.get("modules_to_not_convert") or []:
             if name not in exclude:
                 exclude.append(name)
+        if self.quant_method.lower() == "mxfp4":
+            # transformers' / OpenAI's MXFP4 (GPT-OSS): only the MoE experts are stored in MXFP4,
+            # every other layer stays in the model's dtype
+            return _ParsedQuantConfig(self._unquantized(), [("*.experts", GenericParser().parse(cfg))], exclude)
         return _ParsedQuantConfig(GenericParser().parse(cfg), [], exclude)
 
     def _compile_excludes(self):
@@ -127,7 +132,8 @@ class QuantizationConfig:
             if entry.startswith("re:"):
                 continue
             if any(c in entry for c in "*?["):
-                if fnmatch.fnmatchcase(layer_name, entry):
+                # the glob names the layer or a module above it ("model.layers.*.self_attn")
+                if fnmatch.fnmatchcase(layer_name, entry) or fnmatch.fnmatchcase(layer_name, entry + ".*"):
                     return True
             elif layer_name == entry or layer_name.startswith(entry + "."):
                 return True

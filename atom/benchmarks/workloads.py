@@ -49,7 +49,23 @@ MODEL_CONFIGS = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=False, max_position_embeddings=32768, sliding_window=None, hidden_act="silu",
         torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
+    # 24 layers alternating a 128-token window and full attention, sinks, attention biases; 32
+    # experts top-4 of width 2880 with biases and the clamped SwiGLU; YaRN x32 over 4096
+    # (KV 49,152 B/token in bf16). The bf16 shape; "-mxfp4" adds the checkpoint's quantization_config
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True, swiglu_limit=7.0,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+        torch_dtype="bfloat16", bos_token_id=199998, eos_token_id=200002, pad_token_id=199999),
 }
+MODEL_CONFIGS["gpt-oss-20b-mxfp4"] = dict(
+    MODEL_CONFIGS["gpt-oss-20b"],
+    quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
 
 
 # the benchmarks' compilation cache dir: the GEMM choice kept there is found again by later runs

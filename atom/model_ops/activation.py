@@ -21,3 +21,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
+
+
+def gpt_oss_swiglu(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """GPT-OSS's clamped gated activation on a packed [gate | up] input (halves, as the MoE
+    layer stacks them; the checkpoint interleaves them and the loader de-interleaves):
+    gate clamped above at `limit`, up clamped to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate), as transformers' `GptOssExperts._apply_gate`."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from atom.model_ops.rotary import inv_frequencies
+from atom.model_ops.rotary import RotaryEmbedding, inv_frequencies
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -107,3 +107,20 @@ class DeepseekRotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, interleaved={self.interleaved}, attention_factor={self.attention_factor:.4f}, "
                 f"{self.params}")
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """The rotate-half rotary (`RotaryEmbedding`: pairs (x_i, x_{i+D/2}), the same kernels)
+    over YaRN frequencies, its cos and sin multiplied by the attention factor: GPT-OSS, as
+    transformers' `GptOssRotaryEmbedding` + `_apply_rotary_emb` compute it (fp32 table)."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict):
+        nn.Module.__init__(self)
+        if head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} is invalid for a rotary embedding: must be even")
+        self.head_dim, self.params = head_dim, params
+        inv_freq, self.attention_factor = rope_frequencies(head_dim, params, max_position)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        cache = torch.cat((freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self._last = None

@@ -6,6 +6,7 @@ import importlib
 _MODELS = {
     "DeepseekV2ForCausalLM": ("atom.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("atom.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "GptOssForCausalLM": ("atom.models.gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ("atom.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("atom.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("atom.models.qwen3", "Qwen3ForCausalLM"),

@@ -9,6 +9,8 @@
 - `method.py`: `MoEMethod` (the quantization seam) and `UnquantizedMoEMethod`; `moe_method_for`.
 - `fp8_method.py`: `Fp8MoEMethod` (e4m3 experts, per-channel or per-tensor scales per expert),
   registered in `MOE_METHODS["fp8"]`.
+- `mxfp4_method.py`: `Mxfp4MoEMethod` (MXFP4 experts, weight only, as GPT-OSS stores them),
+  registered in `MOE_METHODS["fp4x2"]`.
 - `layer.py`: `FusedMoE` (stacked w13 [E, 2I, H] / w2 [E, H, I], loaders, shared experts).
 - `experts_ref.py`: the torch reference (a loop over the experts that got tokens, `routed_sum`).
 - `experts_triton.py`: the grouped GEMM over pairs sorted by expert, and the unsorted
@@ -19,6 +21,7 @@ from atom.model_ops.moe.experts_ref import experts_reference, routed_sum
 from atom.model_ops.moe.layer import ACTIVATIONS, FusedMoE
 from atom.model_ops.moe.method import MOE_METHODS, MoEMethod, UnquantizedMoEMethod, moe_method_for
 from atom.model_ops.moe.fp8_method import Fp8MoEMethod  # registers MOE_METHODS["fp8"]
+from atom.model_ops.moe.mxfp4_method import Mxfp4MoEMethod  # registers MOE_METHODS["fp4x2"]
 from atom.model_ops.moe.router import SCORINGS, TopK, check_routing, topk_select
 from atom.model_ops.moe.routing_stats import ExpertLoadRecorder
 
@@ -40,5 +43,5 @@ def describe_moe_layers(model) -> list[dict]:
     return rows
 
 
-__all__ = ["describe_moe_layers", "ACTIVATIONS", "ExpertLoadRecorder", "Fp8MoEMethod", "FusedMoE", "MOE_METHODS", "MoEMethod", "SCORINGS", "TopK",
+__all__ = ["describe_moe_layers", "ACTIVATIONS", "ExpertLoadRecorder", "Fp8MoEMethod", "FusedMoE", "MOE_METHODS", "MoEMethod", "Mxfp4MoEMethod", "SCORINGS", "TopK",
            "UnquantizedMoEMethod", "check_routing", "experts_reference", "moe_method_for", "routed_sum", "topk_select"]

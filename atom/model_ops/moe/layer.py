@@ -14,7 +14,11 @@ callable, so a family with its own gated activation passes it in.
 Loading: each stacked parameter has `weight_loader(param, tensor, (expert_id, part))`; a
 per-expert tensor fills one expert's rows of one part ("w1" gate, "w3" up, "w2" down), a
 fused 3-D tensor (expert_id None) fills every expert, part "w13" meaning all parts of w13 in
-order. `checkpoint_mapping()` gives the regexes a model lists as `expert_params_mapping`
+order. A part may carry layout tags after "+" for checkpoints that store experts otherwise
+(`LAYOUTS`, applied in this order): "transposed" (the last two dims are [in, out], as
+GPT-OSS's `gate_up_proj` [E, H, 2I]), "blocks" (packed values as [..., K/32, 16] blocks,
+flattened to [..., K/2]: GPT-OSS's MXFP4 `*_blocks`), "interleaved" (gate and up rows
+alternate, gate first: GPT-OSS; de-interleaved into [gate | up]); e.g. "w13+transposed+interleaved". `checkpoint_mapping()` gives the regexes a model lists as `expert_params_mapping`
 for the loader. `missing_shards()` names what the checkpoint did not fill.
 
 Parallel (`layer.tp`, the `ParallelState` it was built under; the router stays replicated):
@@ -38,6 +42,7 @@ statistics record the global ids before any of this, so they count every expert.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Callable
 
@@ -48,17 +53,53 @@ from atom.distributed.state import current_parallel_state
 from atom.model_ops.activation import silu_and_mul
 from atom.model_ops.moe.method import MoEMethod, moe_method_for
 from atom.model_ops.moe.router import TopK
+from atom.model_ops.activation import gpt_oss_swiglu
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": silu_and_mul}
+ACTIVATIONS: dict[str, Callable[..., torch.Tensor]] = {"silu": silu_and_mul, "gpt_oss_swiglu": gpt_oss_swiglu}
+#: activations whose name may carry float keyword arguments, "gpt_oss_swiglu(alpha=1.702,limit=7.0)"
+PARAMETERS: dict[str, tuple[str, ...]] = {"gpt_oss_swiglu": ("alpha", "limit")}
+LAYOUTS = ("transposed", "blocks", "interleaved")
+
+
+def activation_name(name: str, **params: float) -> str:
+    """The string form of a parametrised activation (what the experts op receives)."""
+    return f"{name}({','.join(f'{k}={float(v)!r}' for k, v in params.items())})" if params else name
 
 
 def activation_of(activation: str | Callable) -> Callable:
+    """The gated activation of a name ("silu", "gpt_oss_swiglu(alpha=..,limit=..)") or a callable."""
     if callable(activation):
         return activation
-    if activation not in ACTIVATIONS:
+    base, _, args = activation.partition("(")
+    if base not in ACTIVATIONS:
         raise ValueError(f"hidden_act={activation!r} has no gated MoE activation here: choose one of "
                          f"{', '.join(ACTIVATIONS)} or pass a callable")
-    return ACTIVATIONS[activation]
+    if not args:
+        return ACTIVATIONS[base]
+    kw = {}
+    for item in args.rstrip(")").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in PARAMETERS.get(base, ()):
+            raise ValueError(f"activation {activation!r}: {key.strip()!r} is not a parameter of {base} "
+                             f"(it takes {', '.join(PARAMETERS.get(base, ())) or 'none'})")
+        kw[key.strip()] = float(value)
+    return functools.partial(ACTIVATIONS[base], **kw)
+
+
+def relayout(loaded: torch.Tensor, tags: list[str], per_expert: bool) -> torch.Tensor:
+    """A checkpoint tensor in the layer's layout (see `LAYOUTS` in the module docstring)."""
+    for tag in tags:
+        if tag not in LAYOUTS:
+            raise ValueError(f"checkpoint layout tag {tag!r} is unknown: choose from {', '.join(LAYOUTS)}")
+    if "transposed" in tags:
+        loaded = loaded.transpose(-1, -2)
+    if "blocks" in tags:
+        loaded = loaded.flatten(-2)
+    if "interleaved" in tags:
+        dim = 0 if per_expert else 1
+        pairs = loaded.unflatten(dim, (-1, 2))  # [..., I, 2, ...]: (gate, up) of each row pair
+        loaded = torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim)
+    return loaded
 
 
 class FusedMoE(nn.Module):
@@ -134,6 +175,9 @@ class FusedMoE(nn.Module):
         name = param.expert_param
         parts = self.expert_parts[name]
         expert, part = shard
+        part, *tags = part.split("+")
+        if tags:
+            loaded = relayout(loaded, tags, expert is not None)
         if part == "w13" or (len(parts) == 1 and part == parts[0]):
             which, rows = list(parts), slice(None)
         elif part in parts:

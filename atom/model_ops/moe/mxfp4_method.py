@@ -1,0 +1,85 @@
+"""`Mxfp4MoEMethod`: experts stored as MXFP4 (e2m1 values two per byte, one E8M0 scale per 32
+along K), weight only, as GPT-OSS checkpoints (`quant_method: "mxfp4"`) hold them.
+
+Stored stacked (`layer.add_expert_param`), packed as the numerics of
+`atom.model_ops.quant.mxfp4` define them (low nibble the even column):
+- `w13_weight` uint8 [E, 2I, H/2] (parts "w1" gate rows, "w3" up rows) and
+  `w13_weight_scale` uint8 [E, 2I, H/32];
+- `w2_weight` uint8 [E, H, I/2] and `w2_weight_scale` uint8 [E, H, I/32];
+- with `bias`, `w13_bias` [E, 2I] and `w2_bias` [E, H] in the model's dtype.
+
+GPT-OSS's checkpoint: `mlp.experts.gate_up_proj_blocks` [E, 2I, H/32, 16] with gate and up
+rows interleaved and `gate_up_proj_scales` [E, 2I, H/32] (same interleave), `down_proj_blocks`
+[E, H, I/32, 16] and `down_proj_scales` [E, H, I/32] (transformers' `integrations/mxfp4.py`
+dequantizes these bytes into `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H]); the model's
+checkpoint mapping hands them to the layer's loader with the "blocks" and "interleaved"
+layout tags (`FusedMoE.LAYOUTS`), which flatten the blocks and de-interleave the rows.
+
+`apply` is the torch reference on every device: for each expert that got tokens
+(`experts_ref.routed_sum`), its two matrices dequantized to fp32, the products in fp32 with
+the biases, the activation between them in the model's dtype. Nothing stays dequantized in
+the layer. Activations are not quantized (GPT-OSS runs MXFP4 weights x bf16 activations).
+"""
+from __future__ import annotations
+
+import torch
+
+from atom.model_ops.moe.experts_ref import routed_sum
+from atom.model_ops.moe.method import MOE_METHODS, MoEMethod
+from atom.model_ops.quant.common import product, refuse
+from atom.model_ops.quant.mxfp4 import MX_GROUP, dequantize_mxfp4
+
+
+class Mxfp4MoEMethod(MoEMethod):
+    name = "mxfp4"
+
+    def __init__(self, spec, prefix: str):
+        self.spec, self.prefix = spec, prefix
+        if (spec.group_size or MX_GROUP) != MX_GROUP:
+            raise refuse(prefix, spec, f"MXFP4 experts have one E8M0 scale per {MX_GROUP} values; "
+                         f"group_size={spec.group_size} is another format")
+        if (spec.act_scheme or "none") != "none":
+            raise refuse(prefix, spec, f"MXFP4 experts with {spec.act_scheme!r} activation quantization are not "
+                         "in this build: the experts run weight-only (activations in the model's dtype)")
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size, bias):
+        E, H, I = num_experts, hidden_size, intermediate_size
+        for name, k in (("hidden_size", H), ("intermediate_size", I)):
+            if k % MX_GROUP:
+                raise refuse(self.prefix, self.spec, f"{name}={k} is not a multiple of {MX_GROUP}: MXFP4 packs "
+                             f"groups of {MX_GROUP} along K")
+        layer.add_expert_param("w13_weight", torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8), ("w1", "w3"))
+        layer.add_expert_param("w13_weight_scale", torch.full((E, 2 * I, H // MX_GROUP), 127, dtype=torch.uint8),
+                               ("w1", "w3"))
+        layer.add_expert_param("w2_weight", torch.zeros(E, H, I // 2, dtype=torch.uint8), ("w2",))
+        layer.add_expert_param("w2_weight_scale", torch.full((E, H, I // MX_GROUP), 127, dtype=torch.uint8), ("w2",))
+        if bias:
+            layer.add_expert_param("w13_bias", torch.zeros(E, 2 * I), ("w1", "w3"))
+            layer.add_expert_param("w2_bias", torch.zeros(E, H), ("w2",))
+        for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):
+            getattr(layer, name).keep_on_dummy = True  # packed bytes: random floats would be NaN scales
+
+    def dequantized(self, layer, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, H], w2 [H, I]) in fp32."""
+        return (dequantize_mxfp4(layer.w13_weight[e], layer.w13_weight_scale[e]),
+                dequantize_mxfp4(layer.w2_weight[e], layer.w2_weight_scale[e]))
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        b13, b2 = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
+
+        def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+            w13, w2 = self.dequantized(layer, e)
+            h = product(xe, xe.float(), w13, None if b13 is None else b13[e])
+            a = layer.activation(h)
+            return product(a, a.float(), w2, None if b2 is None else b2[e])
+
+        return routed_sum(x, topk_weights, topk_ids, layer.num_experts, expert)
+
+    def format(self, layer):
+        return "mxfp4 1x32 e8m0, weight only"
+
+    def __repr__(self):
+        return "Mxfp4MoEMethod(mxfp4 1x32 e8m0, weight only)"
+
+
+MOE_METHODS["fp4x2"] = Mxfp4MoEMethod
