@@ -75,6 +75,19 @@ def smollm2_path() -> str:
     return ensure_embedded_model()
 
 
+def random_prompts(lens, seed: int = 1, vocab: int = 512) -> list[list[int]]:
+    """Prompts of the given lengths, ids drawn from [3, vocab) with a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def hf_reference(path, prompts, n: int = 16) -> list[list[int]]:
+    """n greedy tokens per prompt from transformers (fp32) on the checkpoint at `path`."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return [hf_greedy(model, p, n) for p in prompts]
+
+
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     """Reference: n greedy tokens from a transformers model, EOS not treated specially
     (what ignore_eos means in ATOM and vLLM: keep going, never suppress)."""

@@ -17,7 +17,7 @@ from atom.model_ops.moe.layer import activation_of, relayout
 from atom.models.gpt_oss import topk_then_softmax
 from atom.quant_config import QuantizationConfig
 from atom.tuning.plan import KernelPlan
-from conftest import hf_greedy
+from conftest import hf_reference, random_prompts
 from tiny_gpt_oss import NOT_CONVERTED, make_tiny_gpt_oss, make_tiny_gpt_oss_mxfp4, tiny_gpt_oss_model
 
 PROMPT_LENS = (3, 9, 17, 40, 90)  # window 8: all but the first are longer
@@ -30,13 +30,7 @@ SETTINGS = {
 
 
 def prompts(lens=PROMPT_LENS, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
-
-
-def hf_reference(path, ps, n=16):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return [hf_greedy(model, p, n) for p in ps]
+    return random_prompts(lens, seed)
 
 
 @pytest.fixture(scope="module")

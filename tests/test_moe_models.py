@@ -6,12 +6,11 @@ import os
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
 from atom import LLM, SamplingParams
 from atom.tuning.plan import KernelPlan
-from conftest import hf_greedy
+from conftest import hf_reference, random_prompts
 from tiny_moe import make_tiny_moe
 
 PROMPT_LENS = (3, 17, 40, 90, 130)
@@ -34,13 +33,7 @@ SETTINGS = {
 
 
 def prompts(lens=PROMPT_LENS, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
-
-
-def hf_reference(path, ps, n=16):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return [hf_greedy(model, p, n) for p in ps]
+    return random_prompts(lens, seed)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
