@@ -147,9 +147,11 @@ class FusedMoE(nn.Module):
                         f"{prefix}.{name}: the {self.method.name} MoE method does not declare how it shards "
                         f"(output_dim / input_dim), so it cannot run with tensor_parallel_size={self.tp.world_size}; "
                         "enable_expert_parallel splits whole experts instead")
-        self.shared_partial = shared_experts is not None and any(
+        # a module, or a bound method of one (DeepSeek hands its MLP's forward)
+        owner = getattr(shared_experts, "__self__", shared_experts)
+        self.shared_partial = isinstance(owner, nn.Module) and any(
             getattr(m, "tp_mode", None) == "row" and not getattr(m, "reduce_results", True)
-            for m in shared_experts.modules())
+            for m in owner.modules())
 
     # --- parameters and loading ---------------------------------------------------------
     def add_expert_param(self, name: str, tensor: torch.Tensor, parts: tuple[str, ...], **shards) -> nn.Parameter:
