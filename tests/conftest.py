@@ -88,6 +88,24 @@ def hf_reference(path, prompts, n: int = 16) -> list[list[int]]:
     return [hf_greedy(model, p, n) for p in prompts]
 
 
+def check_greedy_in_setting(path, prompts, ref, setting: str, overrides: dict, sp, num_kvcache_blocks: int) -> None:
+    """An engine on `path` with `overrides` gives `ref` greedy tokens; the setting took effect
+    ("preemption": preemptions happened; "chunked...": no step over 32 tokens, and a second
+    run hits the prefix cache with the same tokens); every KV block is free afterwards."""
+    from atom import LLM
+    llm = LLM(path, enable_log_stats=False, **{"num_kvcache_blocks": num_kvcache_blocks, **overrides})
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    steps = llm.stats.steps()
+    if setting == "preemption":
+        assert steps["preemptions"].sum() > 0
+    if setting.startswith("chunked"):
+        assert (steps["prefill_tokens"] + steps["decode_tokens"]).max() <= 32
+        again = llm.generate(prompts, sp, use_tqdm=False)  # prefix-cache hits
+        assert [o.token_ids for o in again] == ref and sum(o.num_cached_tokens for o in again) > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     """Reference: n greedy tokens from a transformers model, EOS not treated specially
     (what ignore_eos means in ATOM and vLLM: keep going, never suppress)."""

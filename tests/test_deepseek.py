@@ -10,7 +10,7 @@ import transformers
 from safetensors import safe_open
 
 from atom import LLM, SamplingParams
-from conftest import hf_greedy
+from conftest import check_greedy_in_setting, hf_greedy
 from tiny_deepseek import YARN, make_tiny_deepseek
 
 VARIANTS = ["v2", "v2_lite", "v3", "v3_noq"]
@@ -42,18 +42,7 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_matches_transformers(model_and_ref, setting):
     variant, path, ps, ref = model_and_ref
-    llm = LLM(path, enable_log_stats=False, **{"num_kvcache_blocks": 96, **SETTINGS[setting]})
-    outs = llm.generate(ps, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outs] == ref
-    steps = llm.stats.steps()
-    if setting == "chunked_prefix_caching":
-        assert (steps["prefill_tokens"] + steps["decode_tokens"]).max() <= 32
-        again = llm.generate(ps, GREEDY, use_tqdm=False)  # prefills over cached latents
-        assert [o.token_ids for o in again] == ref
-        assert sum(o.num_cached_tokens for o in again) > 0
-    if setting == "preemption":
-        assert steps["preemptions"].sum() > 0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    check_greedy_in_setting(path, ps, ref, setting, SETTINGS[setting], GREEDY, num_kvcache_blocks=96)
 
 
 def test_shared_prefix_in_one_batch(tmp_path):

@@ -17,7 +17,7 @@ from atom.model_ops.moe.layer import activation_of, relayout
 from atom.models.gpt_oss import topk_then_softmax
 from atom.quant_config import QuantizationConfig
 from atom.tuning.plan import KernelPlan
-from conftest import hf_reference, random_prompts
+from conftest import check_greedy_in_setting, hf_reference, random_prompts
 from tiny_gpt_oss import NOT_CONVERTED, make_tiny_gpt_oss, make_tiny_gpt_oss_mxfp4, tiny_gpt_oss_model
 
 PROMPT_LENS = (3, 9, 17, 40, 90)  # window 8: all but the first are longer
@@ -43,17 +43,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_matches_transformers(tiny, setting):
     path, ps, ref = tiny
-    llm = LLM(path, enable_log_stats=False, **{"num_kvcache_blocks": 64, **SETTINGS[setting]})
-    outs = llm.generate(ps, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outs] == ref
-    steps = llm.stats.steps()
-    if setting == "preemption":
-        assert steps["preemptions"].sum() > 0
-    if setting.startswith("chunked"):
-        assert (steps["prefill_tokens"] + steps["decode_tokens"]).max() <= 32
-        again = llm.generate(ps, GREEDY, use_tqdm=False)  # prefix-cache hits
-        assert [o.token_ids for o in again] == ref and sum(o.num_cached_tokens for o in again) > 0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    check_greedy_in_setting(path, ps, ref, setting, SETTINGS[setting], GREEDY, num_kvcache_blocks=64)
 
 
 def test_model_reads_like_the_config(tiny):

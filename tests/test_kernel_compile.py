@@ -6,7 +6,7 @@ Triton compiles ahead of time for a target without a GPU (ptxas ships with it), 
 builds those kernels for sm90, in a child process where TRITON_INTERPRET is unset (the
 kernels of this process may already be interpreted functions), and checks the PTX (PDL's
 griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler's exp2 and
-Philox).
+Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path).
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -43,6 +43,7 @@ def _compile_all() -> dict:
     rmsnorm = importlib.import_module("atom.model_ops.kernels.rmsnorm")
     activation = importlib.import_module("atom.model_ops.kernels.activation")
     sampling = importlib.import_module("atom.model_ops.kernels.sampling")
+    moe = importlib.import_module("atom.model_ops.moe.experts_triton")
     f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr")}
     cases = {
         "gemv_fused_gated": (gemv._gemv_kernel, dict(NORM=True, HAS_RES=True, GATED=True, PDL=True, BLOCK_N=1,
@@ -92,6 +93,13 @@ def _compile_all() -> dict:
         "sampling_pick": (sampling._pick_kernel, dict(BLOCK=2048, BLOCKS_PAD=64, GREEDY=False),
                           dict(logits_ptr="*bf16", temp_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32",
                                idx_ptr="*i32", out_ptr="*i64"), ("mul.hi.u32",)),
+        # the MoE experts: the grouped GEMM over pairs sorted by expert, and the unsorted path
+        "moe_gemm_sorted": (moe._moe_gemm_kernel,
+                            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True, MUL_WEIGHT=True,
+                                 DOT_PREC="tf32"),
+                            dict(sorted_ptr="*i32", block_expert_ptr="*i32", rw_ptr="*fp32"), ("mma",)),
+        "moe_gemv_unsorted": (moe._moe_gemv_kernel, dict(BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, MUL_WEIGHT=True),
+                              dict(ids_ptr="*i64", rw_ptr="*fp32"), ("ld.global",)),
     }
     out = {}
     for name, (kernel, constexprs, types, *markers) in cases.items():
@@ -116,10 +124,10 @@ def test_kernels_compile_for_sm90():
     assert set(got) == {"gemv_fused_gated", "gemv_plain_ahead", "gemv_norm_rope", "rope_kv_write",
                         "attention_decode_split", "attention_fp8_window_sinks", "kv_write_fp8",
                         "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma",
-                        "sampling_block_stats", "sampling_pick"}
+                        "sampling_block_stats", "sampling_pick", "moe_gemm_sorted", "moe_gemv_unsorted"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
-        # the sampler's kernels build
+        # the sampler's kernels build; the sorted MoE GEMM uses mma
         assert all(flags.values()), (name, flags)
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from atom import LLM, SamplingParams
 from atom.tuning.plan import KernelPlan
-from conftest import hf_reference, random_prompts
+from conftest import check_greedy_in_setting, hf_reference, random_prompts
 from tiny_moe import make_tiny_moe
 
 PROMPT_LENS = (3, 17, 40, 90, 130)
@@ -47,18 +47,7 @@ def model_and_ref(request, tmp_path_factory):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_matches_transformers(model_and_ref, setting):
     path, ps, ref = model_and_ref
-    kw = {"num_kvcache_blocks": 64, **SETTINGS[setting]}
-    llm = LLM(path, enable_log_stats=False, **kw)
-    outs = llm.generate(ps, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outs] == ref
-    steps = llm.stats.steps()
-    if setting == "preemption":
-        assert steps["preemptions"].sum() > 0
-    if setting.startswith("chunked"):
-        assert (steps["prefill_tokens"] + steps["decode_tokens"]).max() <= 32
-        again = llm.generate(ps, GREEDY, use_tqdm=False)  # prefix-cache hits
-        assert [o.token_ids for o in again] == ref and sum(o.num_cached_tokens for o in again) > 0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    check_greedy_in_setting(path, ps, ref, setting, SETTINGS[setting], GREEDY, num_kvcache_blocks=64)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
