@@ -30,14 +30,10 @@ in `MOE_METHODS` under its dtype key.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from atom.model_ops.moe.experts_ref import experts_reference
-
-logger = logging.getLogger(__name__)
 
 
 class MoEMethod:
@@ -119,15 +115,7 @@ def moe_method_for(quant_config, prefix: str) -> MoEMethod:
     """The method for the MoE layer at `prefix` (its spec from `quant_config`; None, excluded
     or unquantized: the unquantized method). Raises NotImplementedError naming the layer and
     the format where no MoE method runs it."""
-    spec = quant_config.get_layer_quant_config(prefix) if quant_config is not None else None
-    if spec is None or not spec.is_quantized:
-        return UnquantizedMoEMethod()
-    from atom.model_ops.quant.common import refuse
-    from atom.quant_spec import key_from_dtype
-    key = key_from_dtype(spec.quant_dtype)
-    if key not in MOE_METHODS:
-        raise refuse(prefix, spec, f"no MoE method stores experts as {spec.quant_dtype} in this build yet: "
-                     "exclude the experts from quantization or use an unquantized checkpoint")
-    method = MOE_METHODS[key](spec, prefix)
-    logger.debug("%s: %s", prefix, method)
-    return method
+    from atom.model_ops.quant.common import method_for
+    return method_for(quant_config, prefix, MOE_METHODS, UnquantizedMoEMethod, lambda spec: (
+        f"no MoE method stores experts as {spec.quant_dtype} in this build yet: exclude the experts "
+        "from quantization or use an unquantized checkpoint"))

@@ -16,18 +16,13 @@ from __future__ import annotations
 
 from torch import nn
 
-import logging
-
 from atom.model_ops.quant.base import LinearMethod
-from atom.model_ops.quant.common import refuse
+from atom.model_ops.quant.common import method_for
 from atom.model_ops.quant.fp8 import Fp8LinearMethod
 from atom.model_ops.quant.int4 import Int4LinearMethod
 from atom.model_ops.quant.int8 import Int8LinearMethod
 from atom.model_ops.quant.mxfp4 import Mxfp4LinearMethod
 from atom.model_ops.quant.unquantized import UnquantizedLinearMethod, dense, library_product
-from atom.quant_spec import key_from_dtype
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["LinearMethod", "UnquantizedLinearMethod", "Fp8LinearMethod", "Int8LinearMethod",
            "Int4LinearMethod", "Mxfp4LinearMethod", "linear_method_for", "describe_layers", "is_unquantized",
@@ -42,16 +37,9 @@ def linear_method_for(quant_config, prefix: str) -> LinearMethod:
     """The method for the layer at `prefix`: its spec from `quant_config` (None, excluded or
     unquantized: the unquantized method). Raises NotImplementedError naming the layer and
     the format where no method runs it."""
-    spec = quant_config.get_layer_quant_config(prefix) if quant_config is not None else None
-    if spec is None or not spec.is_quantized:
-        return UnquantizedLinearMethod()
-    key = key_from_dtype(spec.quant_dtype)
-    if key not in METHODS:
-        raise refuse(prefix, spec, f"no linear method stores weights as {spec.quant_dtype}: this build "
-                     "runs fp8 (float8_e4m3fn), int8, int4 (packed) and mxfp4 (fp4x2)")
-    method = METHODS[key](spec, prefix)
-    logger.debug("%s: %s", prefix, method)
-    return method
+    return method_for(quant_config, prefix, METHODS, UnquantizedLinearMethod, lambda spec: (
+        f"no linear method stores weights as {spec.quant_dtype}: this build runs fp8 (float8_e4m3fn), "
+        "int8, int4 (packed) and mxfp4 (fp4x2)"))
 
 
 def is_unquantized(m: nn.Module) -> bool:

@@ -15,6 +15,7 @@ format defines (scale = amax / qmax, fp8 by `.to(torch.float8_e4m3fn)`, int8 by
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -33,6 +34,23 @@ def refuse(prefix: str, spec, reason: str) -> NotImplementedError:
     return NotImplementedError(
         f"layer '{prefix}' asks for quant_type={spec.quant_type.name} ({spec.quant_dtype}, "
         f"quant_method={spec.quant_method!r}): {reason}")
+
+
+def method_for(quant_config, prefix: str, methods: dict, unquantized: type, refusal):
+    """The method of the layer at `prefix`, linear or MoE alike: its spec from `quant_config`
+    (None, excluded or unquantized: `unquantized()`), else `methods[dtype key](spec, prefix)`;
+    a dtype without a method raises NotImplementedError naming the layer, the format and
+    `refusal(spec)`."""
+    from atom.quant_spec import key_from_dtype
+    spec = quant_config.get_layer_quant_config(prefix) if quant_config is not None else None
+    if spec is None or not spec.is_quantized:
+        return unquantized()
+    key = key_from_dtype(spec.quant_dtype)
+    if key not in methods:
+        raise refuse(prefix, spec, refusal(spec))
+    method = methods[key](spec, prefix)
+    logging.getLogger("atom.model_ops.quant").debug("%s: %s", prefix, method)
+    return method
 
 
 def shards(layer: nn.Module) -> list[tuple[object, int, int]]:
