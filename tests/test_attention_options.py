@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 
 from atom.model_ops.attention import Attention, AttentionMetadata  # noqa: E402
 from atom.model_ops.attention.options import AttentionOptions  # noqa: E402
-from atom.model_ops.attention.torch_native import paged_attention, quantize_fp8, write_kv_cache  # noqa: E402
+from atom.model_ops.attention.torch_native import paged_attention, write_kv_cache  # noqa: E402
+from atom.model_ops.kernels.kv_cache import quantize_fp8  # noqa: E402
 from atom.model_ops.attention.triton_unified import paged_attention_ref  # noqa: E402
 
 FP8 = torch.float8_e4m3fn

@@ -19,17 +19,10 @@ import torch.nn.functional as F
 
 from atom.model_ops.attention.metadata import AttentionMetadata
 from atom.model_ops.attention.options import AttentionOptions
-from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES as FP8_DTYPES, FP8_MAX
+from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES as FP8_DTYPES, quantize_fp8
 
 
 PLAIN = AttentionOptions()
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """x / scale as FP8 `dtype`, saturated at the format's largest finite value (a plain cast
-    would give NaN past it)."""
-    x = x.float() if scale is None else x.float() / scale
-    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -74,6 +74,13 @@ FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0
 
 
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale as FP8 `dtype`, saturated at the format's largest finite value (a plain cast
+    would give NaN past it): the torch form of every FP8 store (cache writes, online weights)."""
+    x = x.float() if scale is None else x.float() / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
 def interpreted() -> bool:
     """Whether Triton kernels run under its interpreter (TRITON_INTERPRET=1, the CPU tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -125,7 +132,6 @@ def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=No
     blk, off = slots // bs, slots % bs
     key, value = key[keep], value[keep]
     if k_cache.dtype in FP8_CACHE_DTYPES:
-        key = (key.float() / (1.0 if k_scale is None else k_scale)).clamp(-FP8_MAX, FP8_MAX)
-        value = (value.float() / (1.0 if v_scale is None else v_scale)).clamp(-FP8_MAX, FP8_MAX)
+        key, value = quantize_fp8(key, k_scale, k_cache.dtype), quantize_fp8(value, v_scale, v_cache.dtype)
     k_cache[blk, off] = key.to(k_cache.dtype)
     v_cache[blk, off] = value.to(v_cache.dtype)

@@ -36,22 +36,21 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from atom.model_ops.quant.common import FP8_MAX, INT8_MAX, shards
+from atom.model_ops.kernels.kv_cache import quantize_fp8
+from atom.model_ops.quant.common import _AMAX_MIN, FP8_MAX, INT8_MAX, shards
 from atom.quant_spec import DTYPE_KEYS, LayerQuantConfig, QuantType, online_quant_spec
 
 logger = logging.getLogger(__name__)
 
-_TINY = 1e-12  # amax floor: an all-zero row / group gets a tiny scale, not a division by 0
-
 
 # --- producers: fp32 [rows, in] -> the format's checkpoint tensors --------------------------
 def _fp8(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantize_fp8(x, None, torch.float8_e4m3fn)
 
 
 def produce_ptpc_fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """FP8 E4M3 per output channel: scale [rows, 1] = amax(row) / 448."""
-    s = w.abs().amax(dim=1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+    s = w.abs().amax(dim=1, keepdim=True).clamp(min=_AMAX_MIN) / FP8_MAX
     return {"weight": _fp8(w / s), "weight_scale": s}
 
 
@@ -64,14 +63,14 @@ def produce_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> d
     padded = torch.zeros(pr, pc, dtype=torch.float32, device=w.device)
     padded[:rows, :cols] = w
     blocks = padded.reshape(pr // bn, bn, pc // bk, bk)
-    s = blocks.abs().amax(dim=(1, 3)).clamp(min=_TINY) / FP8_MAX
+    s = blocks.abs().amax(dim=(1, 3)).clamp(min=_AMAX_MIN) / FP8_MAX
     full = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:rows, :cols]
     return {"weight": _fp8(w / full), "weight_scale_inv": s}
 
 
 def produce_w8a8_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Symmetric int8 per output channel: scale [rows, 1] = amax(row) / 127."""
-    s = w.abs().amax(dim=1, keepdim=True).clamp(min=_TINY) / INT8_MAX
+    s = w.abs().amax(dim=1, keepdim=True).clamp(min=_AMAX_MIN) / INT8_MAX
     return {"weight": torch.round(w / s).clamp(-128, 127).to(torch.int8), "weight_scale": s}
 
 
@@ -91,7 +90,7 @@ def produce_w4a16(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     amax(group) / 7, q = clamp(round(w / scale), -8, 7), stored q + 8 and packed."""
     rows, cols = w.shape
     g = w.reshape(rows, cols // group, group)
-    s = g.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / 7.0
+    s = g.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_MIN) / 7.0
     q = torch.round(g / s).clamp(-8, 7).reshape(rows, cols) + 8
     return {"weight_packed": pack_int4(q), "weight_scale": s.squeeze(-1),
             "weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
