@@ -3,6 +3,8 @@ top CUDA kernels of a window of steps (torch profiler). A diagnosis tool, not a 
 
     python3 scripts/gpu_profile.py --model qwen3-0.6b --scenario workload   # nano-vllm workload
     python3 scripts/gpu_profile.py --model qwen3-0.6b --scenario bs1        # batch-1 decode
+    python3 scripts/gpu_profile.py --model deepseek-v2-lite --windows 0:2,300:20 --no-summary
+        # the kernels of the first two (prefill) steps and of 20 steps after step 300
 """
 from __future__ import annotations
 
@@ -56,9 +58,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_CONFIGS))
     ap.add_argument("--scenario", choices=["workload", "bs1"], default="workload")
-    ap.add_argument("--skip-steps", type=int, default=300, help="workload: steps run before the profiled window")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--windows", default="300:20",
+                    help="profiled windows as first_step:steps, comma-separated (steps before a window run unprofiled)")
+    ap.add_argument("--no-summary", dest="summary", action="store_false",
+                    help="skip the whole-workload run that gives the per-kind step totals (a short warm-up instead)")
     args = ap.parse_args()
+    windows = sorted((int(a), int(b)) for a, b in (w.split(":") for w in args.windows.split(",")))
     path = write_model_config(args.model)
     vocab = MODEL_CONFIGS[args.model]["vocab_size"]
     if args.scenario == "workload":
@@ -71,21 +76,27 @@ def main() -> None:
                   compilation_config={"cudagraph_capture_sizes": [1]})
         reqs = mixed_workload(1, (128, 128), (512, 512), vocab, seed=1)
         sps = [SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)]
-        args.skip_steps = min(args.skip_steps, 100)
+        windows = [(min(first, 100), n) for first, n in windows]
     prompts = [r.prompt_token_ids for r in reqs]
-    llm.generate(prompts, sps, use_tqdm=False)  # warm-up and the step records
-    print(step_summary(llm.stats.steps()), flush=True)
+    if args.summary:
+        llm.generate(prompts, sps, use_tqdm=False)  # warm-up and the step records
+        print(step_summary(llm.stats.steps()), flush=True)
+    else:  # kernels compiled, graphs captured
+        warm = mixed_workload(16, (64, 512), (16, 64), vocab, seed=1)
+        llm.generate([r.prompt_token_ids for r in warm],
+                     SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True), use_tqdm=False)
     engine = llm.engine
     from atom.outputs import RequestOutputKind
     engine.default_output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate: no per-step text
     for p, sp in zip(prompts, sps):
         engine.add_request(p, sp)
-    for _ in range(args.skip_steps):
-        engine.step()
-    print(f"kernels of {args.steps} steps after step {args.skip_steps}:")
-    print(kernel_table(engine, args.steps), flush=True)
-    while engine.has_unfinished_requests():
-        engine.step()
+    done = 0
+    for first, n in windows:
+        for _ in range(first - done):
+            engine.step()
+        print(f"kernels of {n} steps from step {first}:")
+        print(kernel_table(engine, n), flush=True)
+        done = first + n
 
 
 if __name__ == "__main__":
