@@ -13,6 +13,8 @@ import torch
 
 from atom.benchmarks import peer_vllm, roofline, throughput
 from atom.benchmarks.quant_formats import FORMATS, VLLM_SM90, get_format
+from test_peer_vllm import fake_vllm  # noqa: F401  (the stand-in vllm fixture)
+
 from atom.benchmarks.workloads import (MODEL_CONFIGS, long_context_workload, make_workload, needed_model_len,
                                       write_model_config)
 
@@ -329,3 +331,64 @@ def test_dummy_rules_for_each_dtype():
     assert int(m.w2_weight_scale[0, 0, 0]) == 127 + round(math.log2(xavier / FP4_CODE_STD))
     with pytest.raises(ValueError, match="no values for the scale 'input_zero_scale'"):
         dummy_fill(m, "input_zero_scale", nn.Parameter(torch.zeros(1)), gen)
+
+
+def test_quantized_long_workload_runs_in_the_vllm_child(fake_vllm):
+    """The child (a stand-in vllm, tests/test_peer_vllm.py) runs a quantized folder on the
+    long workload with an FP8 KV cache from the arguments the benchmark builds."""
+    args = throughput.argparse.Namespace(temperature=0.6, repeat=1, max_model_len=8704, gpu_memory_utilization=0.9,
+                                         max_num_seqs=512, max_num_batched_tokens=16384, enforce_eager=False,
+                                         quantization="fp8_block", kv_cache_dtype="fp8")
+    path = write_model_config("llama-3.1-8b", quantization="fp8_block")
+    res, note = peer_vllm.peer_result("throughput", path, 128256, args, ["--num-seqs", "2", "--workload", "long"])
+    assert note == VLLM_SM90["fp8_block"].kernel
+    assert res["tokens"] == sum(r.max_tokens for r in long_context_workload(2))
+
+
+def test_gpu_run_writes_format_kv_dtype_and_the_three_figures(tmp_path, monkeypatch, capsys):
+    """`throughput`'s GPU path end to end on a tiny shape on CPU (the GPU, the workload and
+    vLLM stood in): the JSON names the format, the KV dtype and the workload, and the table
+    has ATOM, vLLM and the roofline side by side."""
+    from atom.benchmarks import workloads
+    from atom.benchmarks.workloads import mixed_workload
+    monkeypatch.setitem(workloads.MODEL_CONFIGS, "tiny", dict(TINY))
+    monkeypatch.setattr(throughput, "make_workload", lambda name, n: mixed_workload(2, (8, 16), (4, 8), 384))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
+    seen = {}
+
+    def fake_peer(kind, path, vocab, args, extra):
+        seen.update(kind=kind, path=path, extra=extra, quantization=args.quantization, kv=args.kv_cache_dtype)
+        return {"vllm_version": "0.26.0", "tok_s": 10.0, "seconds": 1.0, "all_runs_s": [1.0]}, "Machete"
+    monkeypatch.setattr(peer_vllm, "peer_result", fake_peer)
+    out = tmp_path / "t.json"
+    throughput.main(["--device", "cuda", "--model", "tiny", "--peer", "vllm", "--quantization", "w4a16",
+                     "--kv-cache-dtype", "fp8", "--repeat", "1", "--max-model-len", "64", "--cache-dir", "",
+                     "--out", str(out)])
+    res = json.load(open(out))
+    assert (res["quantization"], res["kv_cache_dtype"], res["workload"]) == ("w4a16", "fp8", "nano-vllm")
+    assert res["atom_linear_formats"] == ["bfloat16", "int4 g128 sym"]  # lm_head bf16, the decoder int4
+    assert res["peer"] == "vLLM 0.26.0" and res["peer_note"] == "Machete"
+    assert res["speedup_vs_peer"] == pytest.approx(res["atom_tok_s"] / 10.0)
+    assert res["roofline_tok_s"] > res["atom_tok_s"] > 0
+    assert seen["quantization"] == "w4a16" and seen["kv"] == "fp8" and seen["extra"][-1] == "nano-vllm"
+    assert json.load(open(os.path.join(seen["path"], "config.json")))["quantization_config"]["format"] == "pack-quantized"
+    table = capsys.readouterr().out
+    assert "w4a16, KV fp8" in table and "ATOM" in table and "vLLM 0.26.0" in table and "roofline" in table
+
+
+def test_latency_run_names_the_format_and_floors_it(tmp_path, monkeypatch, capsys):
+    from atom.benchmarks import latency, workloads
+    monkeypatch.setitem(workloads.MODEL_CONFIGS, "tiny", dict(TINY))
+    monkeypatch.setattr(peer_vllm, "peer_result", lambda *a: (None, "vLLM does not run mxfp4_w4a16 on sm90: x"))
+    out = tmp_path / "l.json"
+    latency.main(["--model", "tiny", "--batches", "1", "2", "--prompt-len", "8", "--new-tokens", "6", "--modes",
+                  "eager", "--peer", "vllm", "--quantization", "mxfp4_w4a16", "--cache-dir", "", "--out", str(out)])
+    res = json.load(open(out))
+    assert (res["quantization"], res["kv_cache_dtype"]) == ("mxfp4_w4a16", "auto")
+    assert res["atom_linear_formats"] == ["bfloat16", "mxfp4 1x32 e8m0, weight only"]
+    assert res["peer_note"].startswith("vLLM does not run")
+    for r in res["results"]:
+        assert r["floor_ms"] == pytest.approx(roofline.decode_floor_ms(TINY, r["batch"], 8 + 3,
+                                                                       weight_format="mxfp4_w4a16"))
+    table = capsys.readouterr().out
+    assert "mxfp4_w4a16, KV auto" in table and "vLLM does not run" in table

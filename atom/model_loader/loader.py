@@ -131,7 +131,8 @@ def _random_nibbles(shape, gen, device) -> torch.Tensor:
     w = torch.randint(-2 ** 31, 2 ** 31 - 1, shape, dtype=torch.int32, generator=gen, device=device)
     for i in range(8):
         zero = ((w >> (4 * i)) & 0xF) == 0
-        w |= zero.to(torch.int32) << (4 * i + 3)
+        bit = 1 << (4 * i + 3)
+        w |= zero.to(torch.int32) * (bit - 2 ** 32 if bit >= 2 ** 31 else bit)  # bit 31 as int32: -2^31
     return w
 
 
