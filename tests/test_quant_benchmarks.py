@@ -295,10 +295,13 @@ def test_dummy_mxfp4_experts_of_gpt_oss_are_random_and_scaled(tmp_path):
 def test_dummy_fp8_experts_are_scaled(tmp_path):
     cfg = dict(TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
                num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True, decoder_sparse_step=1,
-               mlp_only_layers=[], rope_theta=1e6,
-               quantization_config=FORMATS["fp8_dynamic"].quantization_config(ignore=["lm_head", "re:.*mlp.gate$"]))
+               mlp_only_layers=[], rope_theta=1e6)
+    from atom.benchmarks.workloads import producer_ignore
+    cfg["quantization_config"] = FORMATS["fp8_dynamic"].quantization_config(ignore=producer_ignore(cfg))
     llm = _dummy_llm(tmp_path, cfg)
-    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    mlp = llm.engine.runner.model.model.layers[0].mlp
+    assert type(mlp.gate.method).__name__.startswith("Unquantized")  # the router stays in the model's dtype
+    experts = mlp.experts
     assert experts.method.name == "fp8"
     assert (experts.w13_weight_scale > 0).all() and (experts.w2_weight_scale > 0).all()
     w13, w2 = experts.method.dequantized(experts, 1)
@@ -392,3 +395,14 @@ def test_latency_run_names_the_format_and_floors_it(tmp_path, monkeypatch, capsy
                                                                        weight_format="mxfp4_w4a16"))
     table = capsys.readouterr().out
     assert "mxfp4_w4a16, KV auto" in table and "vLLM does not run" in table
+
+
+def test_moe_routers_stay_bf16_as_the_producer_writes_them():
+    from atom.benchmarks.workloads import producer_ignore
+    q = producer_ignore(MODEL_CONFIGS["qwen3-30b-a3b"])
+    assert q[0] == "model.layers.0.mlp.gate" and len(q) == 49 and q[-1] == "lm_head"
+    assert producer_ignore(MODEL_CONFIGS["mixtral-8x7b"])[5] == "model.layers.5.block_sparse_moe.gate"
+    assert producer_ignore(MODEL_CONFIGS["deepseek-v2-lite"])[0] == "model.layers.1.mlp.gate"
+    assert producer_ignore(MODEL_CONFIGS["llama-3.1-8b"]) == ["lm_head"]
+    path = write_model_config("qwen3-30b-a3b", quantization="fp8_dynamic")
+    assert json.load(open(os.path.join(path, "config.json")))["quantization_config"]["ignore"] == q

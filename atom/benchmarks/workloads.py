@@ -72,6 +72,23 @@ MODEL_CONFIGS["gpt-oss-20b-mxfp4"] = dict(
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "atom")
 
 
+def producer_ignore(cfg: dict) -> list[str]:
+    """The `ignore` list llm-compressor writes for `cfg` with ignore=["lm_head", "re:.*mlp.gate$"]:
+    the resolved names of the MoE routers (they stay bf16, as every producer leaves them),
+    then the LM head."""
+    L = cfg["num_hidden_layers"]
+    if cfg.get("n_routed_experts"):  # DeepSeek: the MoE layers from first_k_dense_replace
+        sparse = range(cfg.get("first_k_dense_replace", 0) or 0, L)
+    elif cfg.get("num_experts") or cfg.get("num_local_experts"):
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = [i for i in range(L) if i not in dense and (i + 1) % step == 0]
+    else:
+        sparse = []
+    mlp = "block_sparse_moe" if cfg.get("model_type") == "mixtral" else "mlp"
+    return [f"model.layers.{i}.{mlp}.gate" for i in sparse] + ["lm_head"]
+
+
 def write_model_config(name: str, folder: str | None = None, quantization: str | None = None) -> str:
     """A folder holding only config.json for `name` (run it with load_dummy); with
     `quantization` (a name of `quant_formats.FORMATS` other than bf16) the config carries that
@@ -81,7 +98,7 @@ def write_model_config(name: str, folder: str | None = None, quantization: str |
         raise ValueError(f"model={name!r} is unknown: choose one of {', '.join(MODEL_CONFIGS)}")
     fmt = get_format(quantization)
     cfg = dict(MODEL_CONFIGS[name])
-    block = fmt.quantization_config()
+    block = fmt.quantization_config(ignore=producer_ignore(cfg))
     if block is not None:
         if "quantization_config" in cfg:
             raise ValueError(f"model={name!r} already holds a quantization_config; --quantization={fmt.name!r} "
