@@ -6,6 +6,14 @@ eager against CUDA graphs, next to the bandwidth floor (weights + KV read per st
 `--peer vllm` measures vLLM first, in a child process, on the same prompts: its ms per
 decode step is (time for N new tokens - time for 1 new token) / (N - 1).
 
+`--quantization FORMAT` (`atom.benchmarks.quant_formats`: fp8_dynamic, fp8_block, w8a8_int8,
+w4a16, mxfp4_w4a16) writes the producer's `quantization_config` into the model folder, and
+both engines load it with dummy weights; `--kv-cache-dtype fp8` gives both an FP8 KV cache.
+The floor counts the format's weight bytes and the KV dtype's. A format vLLM does not run
+is reported and ATOM still runs.
+
+    python -m atom.benchmarks.latency --model llama-3.1-8b --batches 1 --peer vllm --quantization w4a16
+
 `--profile` adds a per-step host profile: scheduling, input preparation, launch or graph
 replay + sampling, output processing (from the engine's step records).
 """
@@ -18,6 +26,7 @@ import time
 
 import torch
 
+from atom.benchmarks.peer_vllm import add_format_args
 from atom.benchmarks.provenance import provenance
 from atom.benchmarks.roofline import decode_floor_ms
 from atom.benchmarks.workloads import DEFAULT_CACHE_DIR, MODEL_CONFIGS, mixed_workload, write_model_config
@@ -57,46 +66,54 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=2, help="peer: timed runs per batch (best kept)")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                     help="ATOM's compilation cache dir (keeps the GEMM choice); '' for none")
+    add_format_args(ap)
     ap.add_argument("--out", help="write JSON here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from atom import LLM
+    from atom.benchmarks.throughput import atom_kv_dtype, linear_formats
     from rich.console import Console
     from rich.table import Table
     cfg = MODEL_CONFIGS[args.model]
-    path = write_model_config(args.model)
+    path = write_model_config(args.model, quantization=args.quantization)
     args.max_model_len, args.max_num_seqs = 2048, max(args.batches)  # both engines run with these
-    peer = {}
+    peer, peer_note = {}, ""
     if args.peer == "vllm":
-        from atom.benchmarks.peer_vllm import run_in_child
-        peer = run_in_child("latency", path, cfg["vocab_size"], args,
-                            ["--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len),
-                             "--new-tokens", str(args.new_tokens)])
-    results, plans = [], {}
+        from atom.benchmarks.peer_vllm import peer_result
+        peer, peer_note = peer_result("latency", path, cfg["vocab_size"], args,
+                                      ["--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len),
+                                       "--new-tokens", str(args.new_tokens)])
+        peer = peer or {}
+    results, plans, formats = [], {}, []
     for mode in args.modes:
         kw = dict(enforce_eager=True) if mode == "eager" else dict(
             compilation_config={"level": args.level, "cudagraph_capture_sizes": sorted(set(args.batches)),
                                 "cache_dir": args.cache_dir})
         llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
-                  max_num_seqs=args.max_num_seqs, **kw)
+                  max_num_seqs=args.max_num_seqs, kv_cache_dtype=atom_kv_dtype(args.kv_cache_dtype), **kw)
+        formats = linear_formats(llm)
         for b in args.batches:
             r = measure(llm, b, args.prompt_len, args.new_tokens, cfg["vocab_size"])
             ctx = args.prompt_len + args.new_tokens // 2
-            r.update(mode=mode, floor_ms=decode_floor_ms(cfg, b, ctx))
+            r.update(mode=mode, floor_ms=decode_floor_ms(cfg, b, ctx, weight_format=args.quantization,
+                                                         kv_cache_dtype=args.kv_cache_dtype))
             if peer:
                 r["peer_ms"] = peer["ms_per_step"][str(b)]
             results.append(r)
         plans[mode] = llm.engine.runner.plan.rows()  # this engine's one-row and cuBLASLt choices
         del llm
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    t = Table(title=f"decode latency — {args.model}")
-    cols = ["mode", "batch", "ms/step", "floor ms", "of floor"] + (["vLLM ms/step"] if peer else []) + (
+    t = Table(title=f"decode latency — {args.model} {args.quantization}, KV {args.kv_cache_dtype}",
+              caption=peer_note or None)
+    cols = ["mode", "batch", "ATOM ms/step"] + (["vLLM ms/step"] if peer else []) + [
+        "floor ms", "ATOM of floor"] + (["vLLM of floor"] if peer else []) + (
         ["schedule", "prepare", "launch", "sample+wait", "post"] if args.profile else [])
     for c in cols:
         t.add_column(c)
     for r in results:
-        row = [r["mode"], str(r["batch"]), f"{r['ms_per_step']:.3f}", f"{r['floor_ms']:.3f}",
-               f"{r['floor_ms'] / r['ms_per_step']:.0%}"] + ([f"{r['peer_ms']:.3f}"] if peer else [])
+        row = [r["mode"], str(r["batch"]), f"{r['ms_per_step']:.3f}"] + (
+            [f"{r['peer_ms']:.3f}"] if peer else []) + [f"{r['floor_ms']:.3f}", f"{r['floor_ms'] / r['ms_per_step']:.0%}"] + (
+            [f"{r['floor_ms'] / r['peer_ms']:.0%}"] if peer else [])
         if args.profile:
             row += [f"{r['profile_ms'].get(k, float('nan')):.3f}" for k in PROFILE]
         t.add_row(*row)
@@ -107,7 +124,8 @@ def main(argv=None) -> None:
                         f"Triton GEMV {c['best_us']} us -> {c['runs']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "date": time.strftime("%Y-%m-%d"),
+            json.dump({"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+                       "atom_linear_formats": formats, "peer_note": peer_note, "date": time.strftime("%Y-%m-%d"),
                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        "peer": peer and f"vLLM {peer['vllm_version']}", "results": results,
                        "one_row_choices": choices, "kernel_plans": plans, **provenance()}, f, indent=1)

@@ -5,21 +5,43 @@ each engine finds the GPU memory free: the same requests (token ids, per-request
 max_tokens, temperature, ignore_eos) on the same config folder with dummy weights, one
 warm-up run, then the timed runs. The child prints one JSON line.
 
-    python -m atom.benchmarks.peer_vllm throughput --model-path DIR --num-seqs 256
-    python -m atom.benchmarks.peer_vllm latency --model-path DIR --batches 1 8 64
+A quantized folder (`--quantization FORMAT`: its config.json holds the producer's
+`quantization_config`) is run with `quantization="compressed-tensors"` named explicitly, so
+that vLLM fails rather than silently running something else; `--kv-cache-dtype fp8` gives
+vLLM `kv_cache_dtype="fp8"`. `engine_kwargs` and `child_command` build the arguments
+without vLLM (tests check them).
+
+    python -m atom.benchmarks.peer_vllm throughput --model-path DIR --num-seqs 256 [--workload long]
+    python -m atom.benchmarks.peer_vllm latency --model-path DIR --batches 1 8 64 [--quantization fp8_dynamic]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
 
-from atom.benchmarks.workloads import mixed_workload, nano_vllm_workload, warmup_workload
+from atom.benchmarks.quant_formats import FORMATS, get_format
+from atom.benchmarks.workloads import WORKLOADS, make_workload, mixed_workload, warmup_workload
 
 MARK = "VLLM_PEER_RESULT "
+
+
+def engine_kwargs(args) -> dict:
+    """The keyword arguments of vLLM's `LLM` for this run (no vLLM needed to build them)."""
+    kw = dict(model=args.model_path, load_format="dummy", max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              skip_tokenizer_init=True,
+              # off, as in ATOM by default: a repeated timed run must not find its prompts cached
+              enable_prefix_caching=False,
+              kv_cache_dtype="fp8" if getattr(args, "kv_cache_dtype", "auto") == "fp8" else "auto")
+    if get_format(getattr(args, "quantization", None)).weights is not None:
+        kw["quantization"] = "compressed-tensors"
+    return kw
 
 
 def _engine(args):
@@ -28,12 +50,7 @@ def _engine(args):
         from vllm import LLM
     except ImportError as e:
         raise SystemExit(f"--peer vllm: vLLM is not importable here ({e}); install it or use another peer")
-    return LLM(model=args.model_path, load_format="dummy", max_model_len=args.max_model_len,
-               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-               skip_tokenizer_init=True,
-               # off, as in ATOM by default: a repeated timed run must not find its prompts cached
-               enable_prefix_caching=False)
+    return LLM(**engine_kwargs(args))
 
 
 def _run(llm, requests, temperature: float) -> tuple[int, float]:
@@ -49,7 +66,7 @@ def _run(llm, requests, temperature: float) -> tuple[int, float]:
 
 def throughput(args) -> dict:
     llm = _engine(args)
-    reqs = nano_vllm_workload(args.num_seqs)
+    reqs = make_workload(args.workload, args.num_seqs)
     _run(llm, mixed_workload(16, (64, 512), (16, 64), args.vocab_size, seed=1), args.temperature)  # warm-up
     _run(llm, warmup_workload(reqs), args.temperature)  # the timed run's shapes, as for ATOM
     runs = [_run(llm, reqs, args.temperature) for _ in range(args.repeat)]
@@ -82,35 +99,81 @@ def add_engine_limit_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enforce-eager", action="store_true")
 
 
-def run_in_child(kind: str, model_path: str, vocab_size: int, args, extra: list[str]) -> dict:
-    """Runs this module in a fresh Python process; returns its result (SystemExit on failure)."""
+def add_format_args(ap: argparse.ArgumentParser) -> None:
+    """`--quantization` and `--kv-cache-dtype`, the same for both engines."""
+    ap.add_argument("--quantization", default="bf16", type=_format_name, metavar="FORMAT",
+                    help=f"weight format (atom.benchmarks.quant_formats): {', '.join(FORMATS)}")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="KV cache: auto (the model's dtype) or fp8 (e4m3 with scales)")
+
+
+def _format_name(value: str) -> str:
+    try:
+        return get_format(value).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def child_command(kind: str, model_path: str, vocab_size: int, args, extra: list[str]) -> list[str]:
+    """The command line of the vLLM child for `args` (the benchmark's parsed arguments)."""
     cmd = [sys.executable, "-m", "atom.benchmarks.peer_vllm", kind, "--model-path", model_path,
            "--vocab-size", str(vocab_size), "--temperature", str(getattr(args, "temperature", 0.0)),
            "--repeat", str(args.repeat), "--max-model-len", str(args.max_model_len),
            "--gpu-memory-utilization", str(getattr(args, "gpu_memory_utilization", 0.9)),
            "--max-num-seqs", str(getattr(args, "max_num_seqs", 256)),
-           "--max-num-batched-tokens", str(getattr(args, "max_num_batched_tokens", 8192)), *extra]
+           "--max-num-batched-tokens", str(getattr(args, "max_num_batched_tokens", 8192)),
+           "--quantization", get_format(getattr(args, "quantization", None)).name,
+           "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto"), *extra]
     if getattr(args, "enforce_eager", False):
         cmd.append("--enforce-eager")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    return cmd
+
+
+def run_in_child(kind: str, model_path: str, vocab_size: int, args, extra: list[str]) -> dict:
+    """Runs this module in a fresh Python process; returns its result (SystemExit on failure)."""
+    proc = subprocess.run(child_command(kind, model_path, vocab_size, args, extra), stdout=subprocess.PIPE, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
     raise SystemExit(f"--peer vllm: the vLLM run failed (exit {proc.returncode}); its output:\n{proc.stdout[-3000:]}")
 
 
-def main(argv=None) -> None:
+def peer_result(kind: str, model_path: str, vocab_size: int, args, extra: list[str]) -> tuple[dict | None, str]:
+    """vLLM's result for this run, or (None, why not): a format vLLM does not run on sm90
+    (`quant_formats.VLLM_SM90`) is not tried, and a failed child is reported, so that the
+    benchmark still measures ATOM."""
+    from atom.benchmarks.quant_formats import VLLM_SM90
+    fmt = get_format(getattr(args, "quantization", None)).name
+    support = VLLM_SM90[fmt]
+    if not support.supported:
+        return None, f"vLLM does not run {fmt} on sm90: {support.kernel}"
+    try:
+        return run_in_child(kind, model_path, vocab_size, args, extra), support.kernel
+    except SystemExit as e:
+        logging.getLogger(__name__).warning("%s", e)
+        return None, f"vLLM failed on {fmt}: {str(e)[-500:]}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The child's command line (what `child_command` writes)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kind", choices=["throughput", "latency"])
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--vocab-size", type=int, required=True)
-    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--num-seqs", type=int, default=None, help="default: the workload's")
+    ap.add_argument("--workload", default="nano-vllm", choices=sorted(WORKLOADS))
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--repeat", type=int, default=2)
     add_engine_limit_args(ap)
+    add_format_args(ap)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=512)
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     res = throughput(args) if args.kind == "throughput" else latency(args)
     print(MARK + json.dumps(res), flush=True)

@@ -11,6 +11,17 @@ GPU: the nano-vllm workload (256 sequences, lengths uniform in [100, 1024], temp
 fraction of the roofline.
 
     python -m atom.benchmarks.throughput --device cuda --model qwen3-0.6b --peer hf --out r.json
+
+Quantized formats and the FP8 KV cache (GPU; `--peer vllm` or `none`): `--quantization
+FORMAT` writes the model folder's config.json with the producer's `quantization_config`
+(`atom.benchmarks.quant_formats`: fp8_dynamic, fp8_block, w8a8_int8, w4a16, mxfp4_w4a16;
+what vLLM runs for each on the H200 is in its docstring) and both engines load it with
+dummy weights; `--kv-cache-dtype fp8` gives both an FP8 KV cache; `--workload long` runs 64
+sequences of 4096-8192 input and 100-512 output tokens (max_model_len raised to fit). The
+roofline counts the format's weight bytes and the KV dtype's.
+
+    python -m atom.benchmarks.throughput --model llama-3.1-8b --peer vllm --quantization fp8_dynamic --out q.json
+    python -m atom.benchmarks.throughput --model llama-3.1-8b --peer vllm --workload long --kv-cache-dtype fp8
 """
 from __future__ import annotations
 
@@ -22,10 +33,10 @@ import time
 
 import torch
 
-from atom.benchmarks.peer_vllm import add_engine_limit_args
+from atom.benchmarks.peer_vllm import add_engine_limit_args, add_format_args
 from atom.benchmarks.provenance import provenance
-from atom.benchmarks.workloads import (DEFAULT_CACHE_DIR, Request, mixed_workload, nano_vllm_workload,
-                                      warmup_workload, write_model_config)
+from atom.benchmarks.workloads import (DEFAULT_CACHE_DIR, WORKLOADS, Request, make_workload, mixed_workload,
+                                      needed_model_len, warmup_workload, write_model_config)
 
 logger = logging.getLogger(__name__)
 
@@ -105,28 +116,55 @@ def cpu_main(args) -> dict:
             "threads": torch.get_num_threads(), "scenarios": results}
 
 
+def atom_kv_dtype(kv_cache_dtype: str) -> str:
+    """The benchmark's --kv-cache-dtype (auto / fp8) as ATOM's kv_cache_dtype."""
+    return "fp8" if kv_cache_dtype == "fp8" else "bf16"
+
+
+def linear_formats(llm) -> list[str]:
+    """The distinct formats (with the kernel where the method reports one) of the engine's
+    linear layers: which format really ran."""
+    from atom.viz import linear_methods_frame
+    try:
+        frame = linear_methods_frame(llm)
+    except Exception as e:  # an engine whose model lives in another process: the figures still count
+        logger.warning("the linear layers' formats are not readable here (%s)", e)
+        return []
+    return sorted(set(frame["format"].astype(str)))
+
+
 def gpu_main(args) -> dict:
     from atom import LLM
     from atom.benchmarks.roofline import workload_floor
     from atom.benchmarks.workloads import MODEL_CONFIGS
-    path = write_model_config(args.model)
-    reqs = nano_vllm_workload(args.num_seqs)
+    path = write_model_config(args.model, quantization=args.quantization)
+    reqs = make_workload(args.workload, args.num_seqs)
+    args.num_seqs = len(reqs)
+    if needed_model_len(reqs) > args.max_model_len:  # both engines run with these limits
+        logger.warning("max_model_len raised from %d to %d for the %s workload", args.max_model_len,
+                       needed_model_len(reqs), args.workload)
+        args.max_model_len = needed_model_len(reqs)
     vocab = MODEL_CONFIGS[args.model]["vocab_size"]
-    vllm_res = None
+    vllm_res, peer_note = None, ""
     if args.peer == "vllm":  # first, in a child process: each engine gets the whole GPU
-        from atom.benchmarks.peer_vllm import run_in_child
-        vllm_res = run_in_child("throughput", path, vocab, args, ["--num-seqs", str(args.num_seqs)])
+        from atom.benchmarks.peer_vllm import peer_result
+        vllm_res, peer_note = peer_result("throughput", path, vocab, args,
+                                          ["--num-seqs", str(args.num_seqs), "--workload", args.workload])
     llm = LLM(path, load_dummy="xavier", max_model_len=args.max_model_len, enable_log_stats=False,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_dtype=atom_kv_dtype(args.kv_cache_dtype),
               compilation_config={"level": args.level, "cache_dir": args.cache_dir})
     run_atom(llm, mixed_workload(16, (64, 512), (16, 64), vocab, seed=1), args.temperature)  # warm-up
     run_atom(llm, warmup_workload(reqs), args.temperature)  # the timed run's shapes
     runs = [run_atom(llm, reqs, args.temperature) for _ in range(args.repeat)]
     tok, sec = min(runs, key=lambda r: r[1])
     floor = workload_floor(MODEL_CONFIGS[args.model], [len(r.prompt_token_ids) for r in reqs],
-                           [r.max_tokens for r in reqs])
-    res = {"device": torch.cuda.get_device_name(), "model": args.model, "num_seqs": len(reqs),
+                           [r.max_tokens for r in reqs], weight_format=args.quantization,
+                           kv_cache_dtype=args.kv_cache_dtype)
+    res = {"device": torch.cuda.get_device_name(), "model": args.model, "quantization": args.quantization,
+           "kv_cache_dtype": args.kv_cache_dtype, "workload": args.workload, "num_seqs": len(reqs),
+           "max_model_len": args.max_model_len, "atom_linear_formats": linear_formats(llm),
            "output_tokens": tok, "atom_s": sec, "atom_tok_s": tok / sec,
            "all_runs_s": [r[1] for r in runs], "roofline_tok_s": floor.tokens_per_s,
            "roofline_fraction": (tok / sec) / floor.tokens_per_s, "enforce_eager": args.enforce_eager,
@@ -140,11 +178,25 @@ def gpu_main(args) -> dict:
         h_tok, h_s = run_hf(hf, sub, args.temperature, pad_id=0)
         res.update(peer="hf", peer_seqs=len(sub), peer_tok_s=h_tok / h_s, peer_s=h_s)
         res["speedup_vs_peer"] = res["atom_tok_s"] / res["peer_tok_s"]
-    elif vllm_res is not None:
-        res.update(peer=f"vLLM {vllm_res['vllm_version']}", peer_tok_s=vllm_res["tok_s"], peer_s=vllm_res["seconds"],
-                   peer_runs_s=vllm_res["all_runs_s"])
-        res["speedup_vs_peer"] = res["atom_tok_s"] / res["peer_tok_s"]
+    elif args.peer == "vllm":
+        res["peer_note"] = peer_note  # vLLM's kernel for the format, or why it did not run
+        if vllm_res is not None:
+            res.update(peer=f"vLLM {vllm_res['vllm_version']}", peer_tok_s=vllm_res["tok_s"],
+                       peer_s=vllm_res["seconds"], peer_runs_s=vllm_res["all_runs_s"])
+            res["speedup_vs_peer"] = res["atom_tok_s"] / res["peer_tok_s"]
     return res
+
+
+def check_args(args) -> None:
+    """Settings that cannot run together, refused before anything is built."""
+    if args.device == "cpu" and (args.quantization != "bf16" or args.kv_cache_dtype != "auto"
+                                 or args.workload != "nano-vllm"):
+        raise SystemExit(f"--quantization={args.quantization} / --kv-cache-dtype={args.kv_cache_dtype} / "
+                         f"--workload={args.workload}: the CPU run measures the embedded bf16 model only; "
+                         "use --device cuda")
+    if args.peer == "hf" and (args.quantization != "bf16" or args.kv_cache_dtype != "auto"):
+        raise SystemExit(f"--peer hf runs the bf16 model with a bf16 KV cache only (got --quantization="
+                         f"{args.quantization}, --kv-cache-dtype={args.kv_cache_dtype}): use --peer vllm or none")
 
 
 def report(res: dict) -> None:
@@ -158,16 +210,22 @@ def report(res: dict) -> None:
             t.add_row(name, str(r["requests"]), str(r["output_tokens"]), f"{r['atom_tok_s']:.1f}",
                       f"{r['hf_tok_s']:.1f}", f"{r['speedup']:.2f}x")
     else:
+        t.title = (f"throughput — {res['model']} {res['quantization']}, KV {res['kv_cache_dtype']}, "
+                   f"{res['workload']} x{res['num_seqs']} on {res['device']}")
         for c in ("engine", "out tokens", "seconds", "tok/s", "of roofline"):
             t.add_column(c)
         t.add_row("ATOM", str(res["output_tokens"]), f"{res['atom_s']:.2f}", f"{res['atom_tok_s']:,.0f}",
                   f"{res['roofline_fraction']:.0%}")
-        if "peer" in res:
+        if "peer_tok_s" in res:
             t.add_row(res["peer"] + (f" ({res['peer_seqs']} seqs)" if "peer_seqs" in res else ""), "",
                       f"{res['peer_s']:.2f}", f"{res['peer_tok_s']:,.0f}",
                       f"{res['peer_tok_s'] / res['roofline_tok_s']:.0%}")
             t.caption = f"ATOM / {res['peer']}: {res['speedup_vs_peer']:.2f}x"
-        t.add_row("roofline", "", "", f"{res['roofline_tok_s']:,.0f}", "100%")
+        elif res.get("peer_note"):
+            t.add_row("vLLM", "", "", "did not run", "")
+            t.caption = res["peer_note"]
+        t.add_row(f"roofline ({res['quantization']}, KV {res['kv_cache_dtype']})", "", "",
+                  f"{res['roofline_tok_s']:,.0f}", "100%")
     Console().print(t)
 
 
@@ -176,17 +234,21 @@ def main(argv=None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default="qwen3-0.6b", help="GPU: qwen3-0.6b or llama-3.1-8b (dummy weights)")
     ap.add_argument("--peer", choices=["none", "hf", "vllm"], default="hf")
-    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--num-seqs", type=int, default=None, help="GPU: default the workload's (nano-vllm 256, long 64)")
+    ap.add_argument("--workload", default="nano-vllm", choices=sorted(WORKLOADS),
+                    help="GPU: nano-vllm (inputs and outputs 100-1024) or long (inputs 4096-8192, outputs 100-512)")
     ap.add_argument("--hf-seqs", type=int, default=64, help="GPU: requests given to HF (it pads)")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--repeat", type=int, default=2)
     add_engine_limit_args(ap)
+    add_format_args(ap)
     ap.add_argument("--level", type=int, default=0, help="compilation level (0-3) of ATOM's engine")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                     help="ATOM's compilation cache dir (its GEMM choice is kept there: the first start-up on "
                          "a GPU searches wider, ~2 min for Llama-3.1-8B); '' for none")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
+    check_args(args)
     logging.basicConfig(level=logging.WARNING)
     res = cpu_main(args) if args.device == "cpu" else gpu_main(args)
     res["date"] = time.strftime("%Y-%m-%d")

@@ -72,14 +72,43 @@ MODEL_CONFIGS["gpt-oss-20b-mxfp4"] = dict(
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "atom")
 
 
-def write_model_config(name: str, folder: str | None = None) -> str:
-    """A folder holding only config.json for `name` (run it with load_dummy)."""
+def producer_ignore(cfg: dict) -> list[str]:
+    """The `ignore` list llm-compressor writes for `cfg` with ignore=["lm_head", "re:.*mlp.gate$"]:
+    the resolved names of the MoE routers (they stay bf16, as every producer leaves them),
+    then the LM head."""
+    L = cfg["num_hidden_layers"]
+    if cfg.get("n_routed_experts"):  # DeepSeek: the MoE layers from first_k_dense_replace
+        sparse = range(cfg.get("first_k_dense_replace", 0) or 0, L)
+    elif cfg.get("num_experts") or cfg.get("num_local_experts"):
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = [i for i in range(L) if i not in dense and (i + 1) % step == 0]
+    else:
+        sparse = []
+    mlp = "block_sparse_moe" if cfg.get("model_type") == "mixtral" else "mlp"
+    return [f"model.layers.{i}.{mlp}.gate" for i in sparse] + ["lm_head"]
+
+
+def write_model_config(name: str, folder: str | None = None, quantization: str | None = None) -> str:
+    """A folder holding only config.json for `name` (run it with load_dummy); with
+    `quantization` (a name of `quant_formats.FORMATS` other than bf16) the config carries that
+    format's `quantization_config` block, as the producer writes it."""
+    from atom.benchmarks.quant_formats import get_format
     if name not in MODEL_CONFIGS:
         raise ValueError(f"model={name!r} is unknown: choose one of {', '.join(MODEL_CONFIGS)}")
-    folder = folder or os.path.join(tempfile.gettempdir(), f"atom-config-{name}")
+    fmt = get_format(quantization)
+    cfg = dict(MODEL_CONFIGS[name])
+    block = fmt.quantization_config(ignore=producer_ignore(cfg))
+    if block is not None:
+        if "quantization_config" in cfg:
+            raise ValueError(f"model={name!r} already holds a quantization_config; --quantization={fmt.name!r} "
+                             "applies to bf16 model shapes only")
+        cfg["quantization_config"] = block
+    suffix = "" if block is None else f"-{fmt.name}"
+    folder = folder or os.path.join(tempfile.gettempdir(), f"atom-config-{name}{suffix}")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(MODEL_CONFIGS[name], f, indent=1)
+        json.dump(cfg, f, indent=1)
     return folder
 
 
@@ -97,6 +126,34 @@ def nano_vllm_workload(num_seqs: int = 256, max_input: int = 1024, max_output: i
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input))] for _ in range(num_seqs)]
     outs = [rng.randint(100, max_output) for _ in range(num_seqs)]
     return [Request(p, o) for p, o in zip(prompts, outs)]
+
+
+def long_context_workload(num_seqs: int = 64, input_range: tuple[int, int] = (4096, 8192),
+                          output_range: tuple[int, int] = (100, 512), seed: int = 0) -> list[Request]:
+    """Long inputs for the KV-cache comparisons (FP8 KV against bf16 KV): input lengths
+    uniform in [4096, 8192], outputs in [100, 512], token ids in [0, 10000] (as nano-vllm's),
+    Python's `random` seeded with `seed`."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(*input_range))] for _ in range(num_seqs)]
+    outs = [rng.randint(*output_range) for _ in range(num_seqs)]
+    return [Request(p, o) for p, o in zip(prompts, outs)]
+
+
+#: `--workload` of the throughput benchmark -> (maker(num_seqs), default number of sequences)
+WORKLOADS = {"nano-vllm": (nano_vllm_workload, 256), "long": (long_context_workload, 64)}
+
+
+def make_workload(name: str, num_seqs: int | None = None) -> list[Request]:
+    """The named workload (`WORKLOADS`) with `num_seqs` sequences (None: its default)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"--workload={name!r} is unknown: choose one of {', '.join(WORKLOADS)}")
+    maker, default = WORKLOADS[name]
+    return maker(num_seqs or default)
+
+
+def needed_model_len(requests: list[Request]) -> int:
+    """The longest prompt + its output: the max_model_len a workload needs."""
+    return max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
 
 
 def mixed_workload(num_seqs: int, input_range: tuple[int, int], output_range: tuple[int, int],

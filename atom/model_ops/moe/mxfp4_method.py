@@ -56,8 +56,6 @@ class Mxfp4MoEMethod(MoEMethod):
         if bias:
             layer.add_expert_param("w13_bias", torch.zeros(E, 2 * I), ("w1", "w3"))
             layer.add_expert_param("w2_bias", torch.zeros(E, H), ("w2",))
-        for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):
-            getattr(layer, name).keep_on_dummy = True  # packed bytes: random floats would be NaN scales
 
     def dequantized(self, layer, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, H], w2 [H, I]) in fp32."""
