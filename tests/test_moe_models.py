@@ -148,11 +148,12 @@ def test_dummy_weights_run(tmp_path):
 
 
 def test_host_syncing_experts_kernels_are_found_for_the_eager_fallback(tmp_path):
-    """The torch reference (here: a CPU plan) reads routed counts on the host; gpu_setup turns
-    graphs and compilation off for such layers instead of failing in capture."""
+    """The torch reference reads routed counts on the host; gpu_setup turns graphs and
+    compilation off for such layers instead of failing in capture."""
     from atom.model_engine.gpu_setup import host_syncing_layers
     llm = LLM(make_tiny_moe(tmp_path / "m"), enable_log_stats=False, num_kvcache_blocks=16)
     runner = llm.engine.runner
+    runner.install_plan(KernelPlan(moe_kernel="reference"))  # what a CPU plan runs; a GPU's default is Triton
     found = host_syncing_layers(runner)
     assert found and all(".mlp.experts" in name for name, _ in found)
     runner.install_plan(KernelPlan(backend="triton", moe_kernel="triton"))
