@@ -177,6 +177,18 @@ def test_config_checks_transformers_leaves_to_the_engine():
             check_config(SimpleNamespace(**{**cfg, **fields}))
 
 
+def test_config_without_swiglu_alpha_takes_gpt_oss_constant():
+    """Released checkpoints' config.json carry `swiglu_limit` but no `swiglu_alpha`, and
+    transformers before 5.2x has no such field: the slope is GPT-OSS's 1.702."""
+    from types import SimpleNamespace
+    from atom.models.gpt_oss import check_config, swiglu_alpha_of
+    cfg = transformers.GptOssConfig(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2).to_dict()
+    cfg.pop("swiglu_alpha", None)
+    check_config(SimpleNamespace(**cfg))
+    assert swiglu_alpha_of(SimpleNamespace(**cfg)) == 1.702
+    assert swiglu_alpha_of(SimpleNamespace(**cfg, swiglu_alpha=2.0)) == 2.0
+
+
 def test_mxfp4_width_not_a_multiple_of_32_is_refused(tiny_mxfp4, tmp_path):
     import shutil
     path = shutil.copytree(tiny_mxfp4, tmp_path / "m")
