@@ -177,16 +177,17 @@ def test_config_checks_transformers_leaves_to_the_engine():
             check_config(SimpleNamespace(**{**cfg, **fields}))
 
 
-def test_config_without_swiglu_alpha_takes_gpt_oss_constant():
+def test_config_without_swiglu_fields_takes_gpt_oss_constants():
     """Released checkpoints' config.json carry `swiglu_limit` but no `swiglu_alpha`, and
-    transformers before 5.2x has no such field: the slope is GPT-OSS's 1.702."""
+    transformers before 5.2x has neither field: GPT-OSS's 1.702 and 7.0 then."""
     from types import SimpleNamespace
-    from atom.models.gpt_oss import check_config, swiglu_alpha_of
+    from atom.models.gpt_oss import check_config, swiglu_param
     cfg = transformers.GptOssConfig(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2).to_dict()
-    cfg.pop("swiglu_alpha", None)
+    cfg.pop("swiglu_alpha", None), cfg.pop("swiglu_limit", None)
     check_config(SimpleNamespace(**cfg))
-    assert swiglu_alpha_of(SimpleNamespace(**cfg)) == 1.702
-    assert swiglu_alpha_of(SimpleNamespace(**cfg, swiglu_alpha=2.0)) == 2.0
+    assert swiglu_param(SimpleNamespace(**cfg), "swiglu_alpha") == 1.702
+    assert swiglu_param(SimpleNamespace(**cfg), "swiglu_limit") == 7.0
+    assert swiglu_param(SimpleNamespace(**cfg, swiglu_alpha=2.0), "swiglu_alpha") == 2.0
 
 
 def test_mxfp4_width_not_a_multiple_of_32_is_refused(tiny_mxfp4, tmp_path):

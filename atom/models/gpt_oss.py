@@ -41,21 +41,22 @@ from atom.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, h
 ROPE_TYPES = ("yarn", "default")
 
 
-#: the gate's sigmoid slope: released checkpoints' config.json do not carry it, and
-#: transformers before 5.2x has no `swiglu_alpha` field (its GPT-OSS module hard-codes this)
-DEFAULT_SWIGLU_ALPHA = 1.702
+#: the clamped SwiGLU's constants where the config has no field for them: transformers
+#: before 5.2x has neither `swiglu_alpha` nor `swiglu_limit` (its GPT-OSS module hard-codes
+#: these), and released config.json files carry only the limit
+SWIGLU_DEFAULTS = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 
-def swiglu_alpha_of(cfg) -> float:
-    v = getattr(cfg, "swiglu_alpha", None)
-    return DEFAULT_SWIGLU_ALPHA if v is None else v
+def swiglu_param(cfg, name: str) -> float:
+    v = getattr(cfg, name, None)
+    return SWIGLU_DEFAULTS[name] if v is None else v
 
 
 def check_config(cfg) -> None:
     """ValueError naming the field for a GPT-OSS config this file cannot run (before any weight)."""
     check_routing(cfg.num_local_experts, cfg.num_experts_per_tok)
     for name in ("swiglu_alpha", "swiglu_limit"):
-        v = swiglu_alpha_of(cfg) if name == "swiglu_alpha" else getattr(cfg, name, None)
+        v = swiglu_param(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             raise ValueError(f"{name}={v!r} is invalid: GPT-OSS's clamped SwiGLU needs a positive number")
     rope_type = rope_parameters(cfg)["rope_type"]
@@ -119,7 +120,8 @@ class GptOssMLP(nn.Module):
         super().__init__()
         E, k = cfg.num_local_experts, cfg.num_experts_per_tok
         self.router = Linear(cfg.hidden_size, E, bias=True, prefix=f"{prefix}.router")
-        act = activation_name("gpt_oss_swiglu", alpha=swiglu_alpha_of(cfg), limit=cfg.swiglu_limit)
+        act = activation_name("gpt_oss_swiglu", alpha=swiglu_param(cfg, "swiglu_alpha"),
+                              limit=swiglu_param(cfg, "swiglu_limit"))
         self.experts = FusedMoE(E, cfg.hidden_size, cfg.intermediate_size, TopK(E, k, select_fn=topk_then_softmax),
                                 activation=act, bias=True, quant_config=quant_config, prefix=f"{prefix}.experts",
                                 layer_idx=layer_idx)
