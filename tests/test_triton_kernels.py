@@ -341,7 +341,7 @@ def test_reshape_and_cache(device, D):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("N", [576, 1024, 4096, 100])
+@pytest.mark.parametrize("N", [576, 1024, 4096, 100, 128])
 def test_rms_norm(device, N):
     for dtype in _dtypes(device):
         T = 9
@@ -360,6 +360,13 @@ def test_rms_norm(device, N):
         _check_close(r2, nr_ref, dtype, "inplace residual")
         x3 = torch.randn(2, 3, N, device=device).to(dtype)  # leading dims
         _check_close(rms_norm(x3, w), rms_norm_ref(x3, w), dtype, "3-D")
+        # per-head norms read in place: the q heads of a fused [q | k | v] row, 4-D leading dims
+        qkv = torch.randn(T, 7 * N, device=device).to(dtype)
+        q = qkv[:, :4 * N].view(T, 4, N)
+        _check_close(rms_norm(q, w), rms_norm_ref(q, w), dtype, "strided heads")
+        x4 = torch.randn(2, 3, 2, N, device=device).to(dtype)
+        _check_close(rms_norm(x4, w), rms_norm_ref(x4, w), dtype, "4-D")
+        _check_close(rms_norm(x4.transpose(1, 2), w), rms_norm_ref(x4.transpose(1, 2), w), dtype, "4-D strided")
 
 
 def _cos_sin(max_pos, D, theta, device):

@@ -5,6 +5,12 @@ The sum is rounded to the residual dtype first and the norm is taken of that
 rounded value, as an unfused model would.  With ``inplace=True`` the normed
 rows overwrite ``x`` and the new residual overwrites ``residual`` (each program
 reads its row before writing it); the default allocates both outputs.
+
+Short rows (a per-head norm: Qwen3's q/k norms over head_dim 128, half a million rows in a
+16k-token prefill) take a second kernel: a program normalises BLOCK_R rows at once (one
+program per 128-element row leaves most of each warp idle), and reads them in place from a
+[tokens, heads, N] view with any token and head strides (the q / k slices of the fused
+qkv output), so no contiguous copy is made first.
 """
 
 from __future__ import annotations
@@ -38,6 +44,57 @@ if HAS_TRITON:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, (x * rstd * w).to(out_ptr.dtype.element_ty),
                  mask=mask)
+
+
+    @triton.jit
+    def _rmsnorm_rows_kernel(
+        x_ptr, w_ptr, out_ptr, R, H, stride_xt, stride_xh, N, eps,
+        BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK)
+        r_ok = rows < R
+        c_ok = cols < N
+        src = (rows // H) * stride_xt + (rows % H) * stride_xh
+        m = r_ok[:, None] & c_ok[None, :]
+        x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / N + eps)
+        w = tl.load(w_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :],
+                 (x * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+#: rows up to this many elements go through the several-rows-per-program kernel
+SHORT_ROW = 512
+
+
+def _heads_view(x: torch.Tensor):
+    """(rows, heads, token stride, head stride) of x [..., N] read in place, or None: a 2-D x
+    (or a contiguous one) as rows of one head, a 3-D x [tokens, heads, N] with any strides."""
+    if x.stride(-1) != 1:
+        return None
+    if x.dim() == 2 or x.is_contiguous():
+        rows = x.numel() // x.shape[-1]
+        return rows, 1, (x.stride(0) if x.dim() == 2 else x.shape[-1]), 0
+    if x.dim() == 3:
+        return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+    return None
+
+
+def _launch_rows(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> bool:
+    """The short-row kernel into contiguous `out`; False where x's layout does not fit it."""
+    view = _heads_view(x)
+    if view is None:
+        return False
+    rows, heads, st, sh = view
+    N = x.shape[-1]
+    if rows == 0:
+        return True
+    BLOCK = triton.next_power_of_2(N)
+    block_r = max(1, min(64, 4096 // BLOCK))
+    _rmsnorm_rows_kernel[(triton.cdiv(rows, block_r),)](
+        x, weight, out, rows, heads, st, sh, N, float(eps), BLOCK_R=block_r, BLOCK=BLOCK, num_warps=4)
+    return True
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +133,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              inplace: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (any leading shape)."""
     check_norm_args(x, weight)
+    if not inplace and HAS_TRITON and x.shape[-1] <= SHORT_ROW:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if _launch_rows(x, weight, out, eps):
+            return out
     x2 = as_rows(x)
     if inplace:
         if x2.data_ptr() != x.data_ptr():
