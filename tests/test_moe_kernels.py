@@ -85,10 +85,11 @@ class TestTriton:
             torch.testing.assert_close(compiled(x, logits), want, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(layer(x, logits), want, rtol=1e-4, atol=1e-4)
 
-    def test_moe_align_groups_pairs_by_expert(self):
-        from atom.model_ops.moe.experts_triton import moe_align
+    @pytest.mark.parametrize("align", ["moe_align", "moe_align_ref"])
+    def test_moe_align_groups_pairs_by_expert(self, align):
+        from atom.model_ops.moe import experts_triton
         ids = torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]])
-        sorted_pairs, block_expert = moe_align(ids, 5, 4)
+        sorted_pairs, block_expert = getattr(experts_triton, align)(ids, 5, 4)
         P = ids.numel()
         assert sorted_pairs.numel() == block_expert.numel() * 4 == (-(-P // 4) + 5) * 4
         flat = ids.reshape(-1)
@@ -101,6 +102,21 @@ class TestTriton:
         real = sorted(p for p in sorted_pairs.tolist() if p < P)
         assert real == list(range(P))  # every pair exactly once
         assert block_expert.tolist()[:4] == [0, 1, 2, 3] and 4 not in block_expert.tolist()  # expert 4: no tokens
+
+    @pytest.mark.parametrize("T,E,k,bm", [(1, 8, 2, 16), (37, 16, 4, 16), (300, 64, 6, 32), (5, 3, 3, 4)])
+    def test_moe_align_kernels_give_the_reference_layout(self, T, E, k, bm):
+        """The same block experts as the sorted reference, and each block holds the same pairs
+        (their order inside an expert's group is the atomics')."""
+        from atom.model_ops.moe.experts_triton import moe_align, moe_align_ref
+        g = torch.Generator().manual_seed(T)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        if T > 100:
+            ids[: T // 2] = ids[0]  # a crowded expert group spanning several blocks
+        got, got_be = moe_align(ids, E, bm)
+        want, want_be = moe_align_ref(ids, E, bm)
+        assert torch.equal(got_be, want_be)
+        blocks = lambda t: [sorted(r) for r in t.view(-1, bm).tolist()]  # noqa: E731
+        assert blocks(got) == blocks(want)
 
     def test_small_batch_rule(self):
         from atom.model_ops.moe.experts_triton import skips_sorting

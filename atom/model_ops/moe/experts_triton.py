@@ -7,9 +7,13 @@ Two paths, both two products with the activation between (the layer's, on [pairs
 - sorted (`moe_align` + `_moe_gemm_kernel`): the T*k pairs are grouped by expert and each
   expert's group is padded to a multiple of BLOCK_M, so that a program multiplies BLOCK_M
   rows of one expert by a BLOCK_N slice of that expert's weights (tensor-core `tl.dot`).
-  The sort runs as a few torch ops on the device without a host sync: the padded layout has
-  a static upper bound of cdiv(pairs, BLOCK_M) + E blocks; blocks past the end hold expert
-  -1 and return at once.
+  The grouping runs on the device without a host sync, as three small kernels (a counting
+  pass whose atomics also give each pair its place in its expert's group, the groups'
+  offsets and each block's expert, the scatter) instead of a sort: the padded layout has a
+  static upper bound of cdiv(pairs, BLOCK_M) + E blocks; blocks past the end hold expert -1
+  and return at once. A pair's place inside its group depends on the atomics' order, which
+  changes no result: each row of a tile is its own dot product. `moe_align_ref` is the
+  torch version (a stable sort).
 - unsorted (`_moe_gemv_kernel`): one program per (pair, BLOCK_N slice), a dot product over
   K without tensor cores and without any sorting.
 
@@ -98,7 +102,64 @@ if HAS_TRITON:
         tl.store(out_ptr + p.to(tl.int64) * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_count_kernel(ids_ptr, counts_ptr, rank_ptr, P, BLOCK: tl.constexpr):
+        """counts[e] += 1 per pair of expert e; rank[p] = the pair's place among its expert's pairs."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < P
+        e = tl.load(ids_ptr + offs, mask=ok, other=0)
+        r = tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=ok)
+        tl.store(rank_ptr + offs, r, mask=ok)
+
+    @triton.jit
+    def _moe_offsets_kernel(counts_ptr, starts_ptr, block_expert_ptr, E, num_blocks,
+                            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_J: tl.constexpr):
+        """One program: each expert's first padded row, and the expert of every block (-1 past the end)."""
+        ex = tl.arange(0, E_PAD)
+        e_ok = ex < E
+        c = tl.load(counts_ptr + ex, mask=e_ok, other=0)
+        padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        tl.store(starts_ptr + ex, ends - padded, mask=e_ok)
+        for j0 in range(0, num_blocks, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            before = (ends[None, :] <= (j * BLOCK_M)[:, None]) & e_ok[None, :]
+            be = tl.sum(before.to(tl.int32), 1)  # experts whose rows all lie before this block
+            tl.store(block_expert_ptr + j, tl.where(be < E, be, -1), mask=j < num_blocks)
+
+    @triton.jit
+    def _moe_scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, P, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < P
+        e = tl.load(ids_ptr + offs, mask=ok, other=0)
+        dest = tl.load(starts_ptr + e, mask=ok, other=0) + tl.load(rank_ptr + offs, mask=ok, other=0)
+        tl.store(sorted_ptr + dest, offs, mask=ok)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of `moe_align_ref` from the three kernels of the module docstring."""
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    P, dev = ids.numel(), ids.device
+    num_blocks = -(-P // block_m) + num_experts
+    sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    rank = torch.empty(max(P, 1), dtype=torch.int32, device=dev)
+    block = 256
+    if P:
+        _moe_count_kernel[(triton.cdiv(P, block),)](ids, counts, rank, P, BLOCK=block, num_warps=4)
+    e_pad = triton.next_power_of_2(num_experts)
+    _moe_offsets_kernel[(1,)](counts, starts, block_expert, num_experts, num_blocks, BLOCK_M=block_m,
+                              E_PAD=e_pad, BLOCK_J=max(16, min(256, 16384 // e_pad)), num_warps=4)
+    if P:
+        _moe_scatter_kernel[(triton.cdiv(P, block),)](ids, rank, starts, sorted_pairs, P, BLOCK=block, num_warps=4)
+    return sorted_pairs, block_expert
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairs sorted by expert, each expert padded to a multiple of `block_m`.
 
     Returns `sorted_pairs` [num_blocks * block_m] int32 (pair index t*k + j, or the pair count
