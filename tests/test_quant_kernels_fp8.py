@@ -156,9 +156,11 @@ def _loaded_layer(fmt, kind):
     return layer
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["linear", "qkv", "merged"])
-@pytest.mark.parametrize("fmt", METHOD_FORMATS)
+CPU_CASES = ([(f, k, torch.bfloat16) for f in METHOD_FORMATS for k in ("linear", "qkv", "merged")]
+             + [(f, "linear", torch.float16) for f in METHOD_FORMATS] + [("ds_block", "linear", torch.bfloat16)])
+
+
+@pytest.mark.parametrize("fmt,kind,dtype", CPU_CASES)
 def test_method_kernel_path_matches_reference(fmt, kind, dtype, monkeypatch):
     layer = _loaded_layer(fmt, kind)
     assert layer.method.kernel.startswith("GPU: act_quant")
@@ -262,3 +264,58 @@ def test_llama_shapes_on_gpu(fmt, N, K, M):
     y = common.quantized_product(x, wq, s.contiguous(), None, kind, act, qmax, group, w_scalar=scalar)
     ref = F.linear(fake_quant_act(x, kind, act, group or None, qmax=qmax), w32).to(dtype)
     torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+def test_method_compiles_fullgraph(monkeypatch):
+    """A layer with the kernel path under torch.compile(fullgraph=True): the whole product
+    is one custom op (atom::quant_linear) with a fake, and computes what eager does."""
+    layer = _loaded_layer("fp8_channel", "qkv")
+    monkeypatch.setattr(fp8.common, "use_kernels", lambda t: True)
+    x = (torch.randn(3, layer.in_features) * 0.5).to(torch.bfloat16)
+    torch._dynamo.reset()
+    y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(y, layer(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", ["linear", "qkv", "merged"])
+@pytest.mark.parametrize("fmt", METHOD_FORMATS + ["ds_block"])
+def test_methods_on_gpu_match_their_reference(fmt, kind, monkeypatch):
+    """The methods on CUDA tensors (the kernel path taken by itself) against their reference
+    apply on the same layer, for every route (M 1, 8, 32, 300)."""
+    if fmt == "ds_block" and kind != "linear":
+        pytest.skip("the qkv / merged test layers are 128 wide: one 128-block, covered by fp8_block32")
+    layer = _loaded_layer(fmt, kind).cuda()
+    mod = int8 if fmt == "int8" else fp8
+    for M in (1, 8, 32, 300):
+        x = (torch.randn(M, layer.in_features, device="cuda") * 0.5).to(torch.bfloat16)
+        assert mod.common.use_kernels(x)
+        y = layer(x)
+        monkeypatch.setattr(mod.common, "use_kernels", lambda t: False)
+        ref = layer(x)
+        monkeypatch.undo()
+        _close(y, ref, torch.bfloat16)
+
+
+def test_kernels_compile_for_sm90():
+    """The compiled (not interpreted) kernels build for sm90 with the instructions their
+    design relies on (tests/quant_kernels_sm90.py, in a child process without the
+    interpreter)."""
+    import os
+    import subprocess
+    import sys
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no ptxas for NVIDIA targets")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-W", "ignore", os.path.join(here, "quant_kernels_sm90.py")], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    import json
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(got) == 10
+    for name, flags in got.items():
+        assert all(flags.values()), (name, flags)

@@ -122,11 +122,12 @@ def gemv_config(M: int, block_k: int = 0) -> dict:
     """GEMV tiles: a fixed budget of 4096 fp32 partial sums per program (32 registers a
     thread at 4 warps): two weight rows and 2048 / M columns per step (2048 one-byte weights
     a row at M = 1, twice the bytes per step of the bf16 GEMV's 1024 two-byte ones); with
-    blocks the chunk is the block and more rows share a program (up to 16)."""
+    blocks the chunk is the block (128) and 16 rows share a program, so that a step's
+    [16, 128] weight tile is one 16-byte load per thread (the block's partial sums are
+    reduced at every step, M x 16 x 128 products at most 8192 at M = 4)."""
     bm = triton.next_power_of_2(max(M, 1))
     if block_k:
-        return dict(BLOCK_M=bm, BLOCK_N=max(2, min(16, 4096 // (bm * block_k))), BLOCK_K=block_k,
-                    num_warps=4, num_stages=3)
+        return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
     return dict(BLOCK_M=bm, BLOCK_N=2, BLOCK_K=max(128, 2048 // bm), num_warps=4, num_stages=3)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -293,14 +294,18 @@ def product_route(kind: str, M: int, x2: torch.Tensor | None = None, N: int = 0,
     return "gemm"
 
 
-def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None, kind: str,
-                      act: str, qmax: float, group: int = 0, static_scale: torch.Tensor | None = None,
-                      w_scalar: torch.Tensor | None = None) -> torch.Tensor:
+@torch.library.custom_op("atom::quant_linear", mutates_args=())
+def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor], kind: str,
+                      act: str, qmax: float, group: int = 0, static_scale: Optional[torch.Tensor] = None,
+                      w_scalar: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] times an 8-bit weight w [N, K] (kind "fp8" / "int8") with its scales `ws`:
     [N, 1] per row, or [N, K / group] per block (act "group"), on the GPU kernels; the
     activations quantized as `fake_quant_act(x, kind, act, group, static_scale, qmax)` does.
     `w_scalar`: the weight's single scale when it has one (per-tensor, one shard), which
-    lets cuBLASLt run tensor-wise scales. Returns x's dtype."""
+    lets cuBLASLt run tensor-wise scales. Returns x's dtype.
+
+    One custom op around the whole product (its own kernels are custom ops too): the route
+    depends on M and on the device's capability, which torch.compile should not trace."""
     from atom.model_ops.kernels.act_quant import act_quant
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
     K, N = x.shape[-1], w.shape[0]
@@ -322,6 +327,11 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
     else:
         y = quant_gemm(xq, xs, w, ws if block_k else ws.reshape(-1), bias, x.dtype, block_k)
     return y.reshape(*lead, N)
+
+
+@quantized_product.register_fake
+def _(x, w, ws, bias, kind, act, qmax, group=0, static_scale=None, w_scalar=None):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 def kernel_summary(kind: str, act: str, block_k: int = 0, tensorwise: bool = False) -> str:
