@@ -12,9 +12,13 @@ clamped to [-128, 127]. With a `static_scale` (one value: a checkpoint's `input_
 per-tensor amax computed by torch before) that scale is used for every row and the scales
 output is that value.
 
-One program per (row, group) walks its columns twice in BLOCK chunks (amax, then quantize):
-the activations of a decode step are a few KB to a few hundred KB, read from L2 the second
-time; the launch costs more than the work.
+One program per (row, group). A group of up to 16384 columns (every Llama-3.1-8B input
+width) is loaded once into registers (8 warps from 4096 columns: at most 64 values a
+thread), its amax taken and quantized from there: one read, one write, the least latency
+in front of the decode GEMV, which waits for it. Wider groups walk their columns twice in
+chunks (amax, then quantize; the second read from L2). The kernel takes part in
+programmatic dependent launch (`triton_import.pdl_args`), so that its launch overlaps the
+tail of the kernel in front.
 """
 from __future__ import annotations
 
@@ -22,12 +26,15 @@ from typing import Optional
 
 import torch
 
-from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 AMAX_MIN = 1e-12  # the reference's floor (quant.common._AMAX_MIN)
 _KINDS = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
+SINGLE_PASS_MAX = 16384
+
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
     def _rint(v):
@@ -45,32 +52,60 @@ if HAS_TRITON:
         return _rint(v * up) * down
 
     @triton.jit
+    def _quantize(v, scale, INT8: tl.constexpr):
+        """v / scale rounded to the target's grid, still fp32 (its cast is then exact)."""
+        v = tl.math.div_rn(v, scale)
+        if INT8:
+            v = tl.minimum(tl.maximum(_rint(v), -128.0), 127.0)
+        else:
+            v = _round_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
+        return v
+
+    @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_xm, stride_qm, group, n_groups, qmax,
-                          STATIC: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr):
+                          STATIC: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+                          PDL: tl.constexpr):
+        """SINGLE: the group fits one BLOCK (loaded once); else chunks of BLOCK, read twice."""
+        pdl_start(PDL)
         m = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         start = g * group
         x_row = x_ptr + m * stride_xm + start
         q_row = q_ptr + m * stride_qm + start
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
+        if SINGLE:
+            cols = tl.arange(0, BLOCK)
+            ok = cols < group
+            v = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            if STATIC:
+                scale = tl.load(static_ptr).to(tl.float32)
+            else:
+                scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-12), qmax)
+            tl.store(s_ptr + m * n_groups + g, scale)
+            tl.store(q_row + cols, _quantize(v, scale, INT8).to(q_ptr.dtype.element_ty), mask=ok)
         else:
-            amax = tl.zeros([BLOCK], tl.float32)
+            if STATIC:
+                scale = tl.load(static_ptr).to(tl.float32)
+            else:
+                amax = tl.zeros([BLOCK], tl.float32)
+                for c in range(0, group, BLOCK):
+                    cols = c + tl.arange(0, BLOCK)
+                    v = tl.load(x_row + cols, mask=cols < group, other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.abs(v))
+                scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), qmax)
+            tl.store(s_ptr + m * n_groups + g, scale)
             for c in range(0, group, BLOCK):
                 cols = c + tl.arange(0, BLOCK)
-                v = tl.load(x_row + cols, mask=cols < group, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(v))
-            scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), qmax)
-        tl.store(s_ptr + m * n_groups + g, scale)
-        for c in range(0, group, BLOCK):
-            cols = c + tl.arange(0, BLOCK)
-            ok = cols < group
-            v = tl.math.div_rn(tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32), scale)
-            if INT8:
-                q = tl.minimum(tl.maximum(_rint(v), -128.0), 127.0).to(tl.int8)
-            else:
-                q = _round_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0)).to(tl.float8e4nv)
-            tl.store(q_row + cols, q, mask=ok)
+                ok = cols < group
+                v = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+                tl.store(q_row + cols, _quantize(v, scale, INT8).to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def act_quant_config(group: int, single_pass_max: int = SINGLE_PASS_MAX) -> dict:
+    """BLOCK, SINGLE and warps for a group width (see the module docstring)."""
+    block = triton.next_power_of_2(group)
+    if block <= single_pass_max:
+        return dict(BLOCK=block, SINGLE=True, num_warps=8 if block >= 4096 else 4)
+    return dict(BLOCK=4096, SINGLE=False, num_warps=8)
 
 
 def _check(x: torch.Tensor, kind: str, group: int) -> None:
@@ -83,8 +118,10 @@ def _check(x: torch.Tensor, kind: str, group: int) -> None:
 
 
 def act_quant_launch(x: torch.Tensor, kind: str, group: int, qmax: float,
-                     static_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel launch behind `act_quant` (no custom-op wrapper)."""
+                     static_scale: Optional[torch.Tensor] = None, config: Optional[dict] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel launch behind `act_quant` (no custom-op wrapper); `config` overrides
+    `act_quant_config`."""
     if not HAS_TRITON:
         raise RuntimeError("act_quant needs triton; use act_quant_ref without it")
     _check(x, kind, group)
@@ -99,7 +136,7 @@ def act_quant_launch(x: torch.Tensor, kind: str, group: int, qmax: float,
     static = static_scale.reshape(1).float() if static_scale is not None else s
     _act_quant_kernel[(M, n_groups)](x, q, s, static, x.stride(0), q.stride(0), group, n_groups, float(qmax),
                                      STATIC=static_scale is not None, INT8=kind == "int8",
-                                     BLOCK=min(1024, triton.next_power_of_2(group)), num_warps=4)
+                                     **(config or act_quant_config(group)), **pdl_args(x))
     return q, s
 
 

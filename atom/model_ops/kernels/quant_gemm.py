@@ -10,7 +10,8 @@ Operands: xq [M, K] (float8_e4m3fn or int8, from `act_quant`), wq [N, K] of the 
   its own partial edge blocks); y = sum_kb (sum_{k in kb} xq wq) * xs[m, kb] * ws[n, kb].
 
 Two kernels:
-- `_qgemv_kernel`, small M (decode, M <= GEMV_MAX_M): weight streaming on the CUDA cores.
+- `_qgemv_kernel`, small M (decode, M <= GEMV_MAX_M): weight streaming on the CUDA cores,
+  launched with programmatic dependent launch behind the activation quantizer.
   A program owns BLOCK_N output rows and every one of the M rows (so each weight byte is
   read once), walks K in BLOCK_K chunks with coalesced loads, accumulates in fp32. At M
   fp32 multiply-adds per weight byte it stays under the HBM limit up to M ~ 4 on an H200
@@ -29,16 +30,18 @@ from typing import Optional
 
 import torch
 
-from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 GEMV_MAX_M = 4
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
     def _qgemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       stride_xs, stride_ws, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr):
+                      BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         ms = tl.arange(0, BLOCK_M)
@@ -195,7 +198,7 @@ def quant_gemv_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None):
     M, N, K = _check(xq, xs, w, ws, bias, block_k)
     cfg = config or gemv_config(M, block_k)
     return _launch(_qgemv_kernel, lambda c: (triton.cdiv(N, c["BLOCK_N"]),), xq, xs, w, ws, bias, out_dtype,
-                   block_k, cfg)
+                   block_k, cfg, **pdl_args(xq))
 
 
 def quant_gemm_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None):

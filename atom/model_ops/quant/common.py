@@ -237,10 +237,11 @@ SCALED_MM_MIN_M = 17  # from here fp8 row / column scaled products go to cuBLASL
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    """Whether a quantized method runs its Triton / cuBLASLt path for `x` (a CUDA tensor
-    with Triton installed); the CPU keeps the torch reference."""
+    """Whether a quantized method runs its Triton / cuBLASLt path for `x`: an NVIDIA CUDA
+    tensor with Triton installed. The CPU keeps the torch reference, and so does ROCm for
+    now (its fp8 is the fnuz variant, which these kernels do not read)."""
     from atom.model_ops.kernels.triton_import import HAS_TRITON
-    return x.is_cuda and HAS_TRITON
+    return x.is_cuda and HAS_TRITON and torch.version.hip is None
 
 
 def scaled_mm_problem(x2: torch.Tensor, N: int, rowwise: bool, bias: torch.Tensor | None = None) -> str | None:
