@@ -41,7 +41,6 @@ if HAS_TRITON:
     def _qgemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       stride_xs, stride_ws, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-        pdl_start(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         ms = tl.arange(0, BLOCK_M)
@@ -53,18 +52,23 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
             acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        # The first weight tile is loaded before waiting for the quantizer in front (PDL):
+        # the weights do not depend on it; each next tile is loaded after the current is used.
+        w = tl.load(w_ptrs, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        pdl_start(PDL)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (ks + k0) < K
-            w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            wf = w.to(tl.float32)
             if BLOCKS:  # BLOCK_K is the scale block: this chunk is block k0 // BLOCK_K
                 kb = k0 // BLOCK_K
-                part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+                part = tl.sum(x[:, None, :] * wf[None, :, :], axis=2)
                 xs = tl.load(xs_ptr + ms * stride_xs + kb, mask=m_ok, other=0.0)
                 ws = tl.load(ws_ptr + rows * stride_ws + kb, mask=row_ok, other=0.0)
                 acc += part * xs[:, None] * ws[None, :]
             else:
-                acc3 += x[:, None, :] * w[None, :, :]
+                acc3 += x[:, None, :] * wf[None, :, :]
+            w = tl.load(w_ptrs + (k0 + BLOCK_K), mask=row_ok[:, None] & (ks + k0 + BLOCK_K < K)[None, :], other=0.0)
         if not BLOCKS:
             xs = tl.load(xs_ptr + ms * stride_xs, mask=m_ok, other=0.0)
             ws = tl.load(ws_ptr + rows * stride_ws, mask=row_ok, other=0.0)
