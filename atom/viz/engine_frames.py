@@ -24,7 +24,8 @@ def _runner_of(src: Any):
 def linear_methods_frame(src: Any) -> pd.DataFrame:
     from atom.model_ops.quant import describe_layers
     model = src if isinstance(src, nn.Module) else _runner_of(src).model
-    return pd.DataFrame(describe_layers(model), columns=["layer", "class", "method", "format", "bytes", "shape"])
+    return pd.DataFrame(describe_layers(model), columns=["layer", "class", "method", "format", "bytes", "shape",
+                                                          "kernel"])
 
 
 def moe_layers_frame(src: Any) -> pd.DataFrame:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -197,7 +198,11 @@ class QuantLinearMethod(LinearMethod):
 
     Torch reference on every device: the weight is dequantized to fp32 at each call and
     multiplied by F.linear (a GPU runs the same dequantize-then-F.linear until a fused kernel
-    lands: correct, not fast). Nothing is ever left dequantized in the layer."""
+    lands: correct, not fast). Nothing is ever left dequantized in the layer. `kernel`
+    says what runs the product (the per-layer table's column); methods with GPU kernels
+    replace it."""
+
+    kernel = "torch reference (dequantize + F.linear) on every device"
 
     def __init__(self, spec, prefix: str):
         self.spec, self.prefix = spec, prefix
@@ -220,3 +225,124 @@ class QuantLinearMethod(LinearMethod):
 
     def format(self, layer: nn.Module) -> str:
         return self.format_spec()
+
+
+# ---------------------------------------------------------------------------
+# The GPU product of the 8-bit methods (fp8, int8): activation quantization by
+# `kernels.act_quant`, then `kernels.quant_gemm`'s GEMV (M <= GEMV_MAX_M) or GEMM, or
+# torch._scaled_mm for fp8 row / column scales where cuBLASLt takes the case.
+# ---------------------------------------------------------------------------
+
+SCALED_MM_MIN_M = 17  # from here fp8 row / column scaled products go to cuBLASLt when it takes them
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether a quantized method runs its Triton / cuBLASLt path for `x`: an NVIDIA CUDA
+    tensor with Triton installed. The CPU keeps the torch reference, and so does ROCm for
+    now (its fp8 is the fnuz variant, which these kernels do not read)."""
+    from atom.model_ops.kernels.triton_import import HAS_TRITON
+    return x.is_cuda and HAS_TRITON and torch.version.hip is None
+
+
+def scaled_mm_problem(x2: torch.Tensor, N: int, rowwise: bool, bias: torch.Tensor | None = None) -> str | None:
+    """Why torch._scaled_mm cannot run this fp8 product (None: it can): cuBLASLt's rules
+    as torch 2.11 checks them. K and N multiples of 16; tensor-wise scales on sm89+, any of
+    bf16 / fp16 / fp32 out; row-wise scales ([M, 1] x [1, N]) on sm90+ with bf16 out only;
+    not on ROCm (its fp8 is the fnuz variant)."""
+    K = x2.shape[1]
+    if K % 16 or N % 16:
+        return f"K={K} and N={N} must be multiples of 16"
+    if x2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"out dtype {x2.dtype}"
+    if rowwise and x2.dtype != torch.bfloat16:
+        return f"row-wise scales need a bfloat16 output, not {x2.dtype}"
+    if x2.is_cuda:
+        if torch.version.hip is not None:
+            return "ROCm"
+        cap = torch.cuda.get_device_capability(x2.device)
+        if cap < ((9, 0) if rowwise else (8, 9)):
+            return f"compute capability {cap}"
+    return None
+
+
+def _scaled_mm(xq, xs, w, ws_row, bias, out_dtype, w_scalar):
+    """torch._scaled_mm with tensor-wise (one x scale, one weight scale) or row-wise scales;
+    a bias goes into the call where cuBLASLt takes it (tensor-wise, 16-bit out), else is
+    added after."""
+    M, N = xq.shape[0], w.shape[0]
+    if xs.numel() == 1 and w_scalar is not None:
+        fuse = bias is not None and out_dtype != torch.float32
+        y = torch._scaled_mm(xq, w.t(), xs.reshape(()).float(), w_scalar.reshape(()).float(),
+                             bias=bias.to(out_dtype) if fuse else None, out_dtype=out_dtype)
+    else:
+        fuse = False
+        y = torch._scaled_mm(xq, w.t(), xs.float().reshape(-1, 1).expand(M, 1).contiguous(),
+                             ws_row.float().reshape(1, N).contiguous(), out_dtype=out_dtype)
+    if bias is not None and not fuse:
+        y = (y.float() + bias.float()).to(out_dtype)
+    return y
+
+
+def product_route(kind: str, M: int, x2: torch.Tensor | None = None, N: int = 0, block_k: int = 0,
+                  rowwise: bool = True, bias: torch.Tensor | None = None) -> str:
+    """Which kernel the 8-bit GPU product runs for M rows: "gemv", "scaled_mm" or "gemm"."""
+    from atom.model_ops.kernels.quant_gemm import GEMV_MAX_M
+    if M <= GEMV_MAX_M:
+        return "gemv"
+    if kind == "fp8" and not block_k and M >= SCALED_MM_MIN_M and x2 is not None \
+            and scaled_mm_problem(x2, N, rowwise, bias) is None:
+        return "scaled_mm"
+    return "gemm"
+
+
+@torch.library.custom_op("atom::quant_linear", mutates_args=())
+def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor], kind: str,
+                      act: str, qmax: float, group: int = 0, static_scale: Optional[torch.Tensor] = None,
+                      w_scalar: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] times an 8-bit weight w [N, K] (kind "fp8" / "int8") with its scales `ws`:
+    [N, 1] per row, or [N, K / group] per block (act "group"), on the GPU kernels; the
+    activations quantized as `fake_quant_act(x, kind, act, group, static_scale, qmax)` does.
+    `w_scalar`: the weight's single scale when it has one (per-tensor, one shard), which
+    lets cuBLASLt run tensor-wise scales. Returns x's dtype.
+
+    One custom op around the whole product (its own kernels are custom ops too): the route
+    depends on M and on the device's capability, which torch.compile should not trace."""
+    from atom.model_ops.kernels.act_quant import act_quant
+    from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
+    K, N = x.shape[-1], w.shape[0]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    block_k = group if act == "group" else 0
+    if act == "tensor" and static_scale is None:
+        static_scale = _amax_scale(x2.float(), qmax)
+    xq, xs = act_quant(x2, kind, block_k or K, qmax, static_scale if act == "tensor" else None)
+    if act != "group":
+        xs = xs.reshape(-1)[:1] if act == "tensor" else xs.reshape(-1)
+    route = product_route(kind, M, x2, N, block_k, rowwise=not (xs.numel() == 1 and w_scalar is not None),
+                          bias=bias)
+    if route == "gemv":
+        y = quant_gemv(xq, xs, w, ws if block_k else ws.reshape(-1), bias, x.dtype, block_k)
+    elif route == "scaled_mm":
+        y = _scaled_mm(xq, xs, w, ws, bias, x.dtype, w_scalar)
+    else:
+        y = quant_gemm(xq, xs, w, ws if block_k else ws.reshape(-1), bias, x.dtype, block_k)
+    return y.reshape(*lead, N)
+
+
+@quantized_product.register_fake
+def _(x, w, ws, bias, kind, act, qmax, group=0, static_scale=None, w_scalar=None):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def kernel_summary(kind: str, act: str, block_k: int = 0, tensorwise: bool = False) -> str:
+    """What `quantized_product` runs, for the per-layer table (`kernel` of a method)."""
+    from atom.model_ops.kernels.quant_gemm import GEMV_MAX_M
+    head = f"act_quant + quant_gemv (M<={GEMV_MAX_M}) / quant_gemm"
+    if kind == "fp8" and not block_k:
+        mm = "tensor-wise" if tensorwise else "row-wise, bf16 out"
+        head += f"; torch._scaled_mm {mm} from M={SCALED_MM_MIN_M}"
+    return f"GPU: {head}; CPU: torch reference"
+
+
+REFERENCE_KERNEL = QuantLinearMethod.kernel

@@ -14,6 +14,14 @@ Formats (checkpoint tensors per layer; `weight` is float8_e4m3fn [out, in], w = 
   groups, which must divide in_features (DeepSeek's act_quant and compressed-tensors'
   forward both require it).
 Activations are quantized to e4m3 and back (fake quant) in the reference product.
+
+On a GPU (`common.use_kernels`) the product runs `common.quantized_product`: the activations
+quantized to e4m3 by a Triton kernel with the reference's arithmetic, then a weight-streaming
+GEMV (small M), torch._scaled_mm (per-tensor / per-channel, larger M, where cuBLASLt takes
+the case) or the Triton GEMM (fp16 row-wise, odd sizes, blocks: each K block's tl.dot
+scaled by x_scale[m, kb] * w_scale[n, kb]). Weight-only fp8 and blocks whose activation
+group differs from the block width (or is narrower than 16) keep the reference; `kernel`
+says which.
 """
 from __future__ import annotations
 
@@ -22,9 +30,10 @@ import logging
 import torch
 from torch import nn
 
-from atom.model_ops.quant.common import (QuantLinearMethod, bias_param, expand_rows, fake_quant_act,
-                                         per_row_from_shards, per_shard_param, product, refuse, row_param,
-                                         weight_param)
+from atom.model_ops.quant import common
+from atom.model_ops.quant.common import (FP8_MAX, REFERENCE_KERNEL, QuantLinearMethod, bias_param, expand_rows,
+                                         fake_quant_act, kernel_summary, per_row_from_shards, per_shard_param,
+                                         product, quantized_product, refuse, row_param, weight_param)
 from atom.quant_spec import QuantType
 
 logger = logging.getLogger(__name__)
@@ -60,6 +69,10 @@ class Fp8LinearMethod(QuantLinearMethod):
                          f"{self.act!r} activations")
         if self.act == "group" and self.act_group is None:
             raise refuse(prefix, spec, "per-group activations without a group size")
+        bk = self.block[1] if self.block else 0
+        self.kernels = self.act != "none" and (self.act != "group" or (
+            self.act_group == bk and bk >= 16 and not bk & (bk - 1)))
+        self.kernel = kernel_summary("fp8", self.act, bk) if self.kernels else REFERENCE_KERNEL
         self.scale_name = "weight_scale_inv" if (self.weight_scheme == "block"
                                                   and spec.quant_method != "compressed-tensors") else "weight_scale"
 
@@ -84,6 +97,10 @@ class Fp8LinearMethod(QuantLinearMethod):
         scale = getattr(layer, self.scale_name).data
         if self.weight_scheme == "tensor":
             rows = per_row_from_shards(layer, scale)
+            if scale.shape[0] == 1:  # one scale for the whole weight: cuBLASLt's tensor-wise scales
+                layer.register_buffer("w_scalar", scale.float().reshape(()), persistent=False)
+                if self.kernels:
+                    self.kernel = kernel_summary("fp8", self.act, 0, tensorwise=self.act == "tensor")
         else:
             rows = expand_rows(layer, scale.float(), self.block[0] if self.block else 1)
         layer.register_buffer("row_scale", rows.contiguous(), persistent=False)
@@ -97,6 +114,10 @@ class Fp8LinearMethod(QuantLinearMethod):
         return w * s
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels and common.use_kernels(x):
+            return quantized_product(x, layer.weight, layer.row_scale, layer.bias, "fp8", self.act, FP8_MAX,
+                                     self.act_group or 0, layer.act_scale if self.static else None,
+                                     getattr(layer, "w_scalar", None))
         x32 = fake_quant_act(x, "fp8", self.act, self.act_group,
                              layer.act_scale if self.static else None)
         return product(x, x32, self.dequantized_weight(layer), layer.bias)

@@ -9,14 +9,21 @@ range instead, (127 - (-128)) / 2 = 127.5, in the fake-quantized model it calibr
 transformers' reload (`calculate_qparams`), so its checkpoints run with amax / 127.5 (the
 largest value then rounds to 128 and clamps to 127, as there). Asymmetric int8 and Quark's per-tensor static int8
 (with zero points) are refused by name.
+
+On a GPU (`common.use_kernels`) W8A8 runs `common.quantized_product`: a Triton kernel
+quantizes the activations to int8 with the reference's arithmetic (qmax as above), then a
+weight-streaming GEMV (small M) or a Triton tl.dot int8 x int8 -> int32 GEMM, the scales
+applied to the exact integer sums. W8A16 (no activation quantization) keeps the reference.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from atom.model_ops.quant.common import (QuantLinearMethod, bias_param, fake_quant_act, product, refuse,
-                                         row_param, weight_param)
+from atom.model_ops.quant import common
+from atom.model_ops.quant.common import (REFERENCE_KERNEL, QuantLinearMethod, bias_param, fake_quant_act,
+                                         kernel_summary, product, quantized_product, refuse, row_param,
+                                         weight_param)
 from atom.quant_spec import QuantType
 
 
@@ -36,6 +43,7 @@ class Int8LinearMethod(QuantLinearMethod):
                          f"{self.act!r} activations: this build runs dynamic per-token activations "
                          "(W8A8) or none (W8A16)")
         self.act_qmax = 127.5 if spec.quant_method == "compressed-tensors" else 127.0
+        self.kernel = kernel_summary("int8", self.act) if self.act == "token" else REFERENCE_KERNEL
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         weight_param(layer, "weight", (out_features, in_features), torch.int8)
@@ -46,6 +54,9 @@ class Int8LinearMethod(QuantLinearMethod):
         return layer.weight.float() * layer.weight_scale.float()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "token" and common.use_kernels(x):
+            return quantized_product(x, layer.weight, layer.weight_scale, layer.bias, "int8", "token",
+                                     self.act_qmax)
         x32 = fake_quant_act(x, "int8", self.act, qmax=self.act_qmax)
         return product(x, x32, self.dequantized_weight(layer), layer.bias)
 
