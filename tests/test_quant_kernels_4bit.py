@@ -268,3 +268,63 @@ def test_gpu_compiled_layer_traces_through_the_op():
     ref = layer(x)
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(x), ref)
+
+
+# ---------------------------------------------------------------------------
+# the MoE MXFP4 experts (GPT-OSS): each expert's products through the kernel
+# ---------------------------------------------------------------------------
+
+def mxfp4_experts(E=4, H=96, I=64, device="cpu"):
+    """A stand-in for a FusedMoE holding MXFP4 experts (what `Mxfp4MoEMethod.apply` reads)."""
+    from atom.model_ops.moe.mxfp4_method import Mxfp4MoEMethod
+    torch.manual_seed(3)
+    w13, s13 = quantize_mxfp4(torch.randn(E, 2 * I, H) * 0.2)
+    w2, s2 = quantize_mxfp4(torch.randn(E, H, I) * 0.2)
+
+    def act(h):
+        return (F_silu(h[:, :I].float()) * h[:, I:].float()).to(h.dtype)
+
+    layer = types.SimpleNamespace(w13_weight=w13, w13_weight_scale=s13, w2_weight=w2, w2_weight_scale=s2,
+                                  w13_bias=torch.randn(E, 2 * I), w2_bias=torch.randn(E, H), activation=act,
+                                  num_experts=E)
+    for n in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", "w13_bias", "w2_bias"):
+        setattr(layer, n, getattr(layer, n).to(device))
+    spec = LayerQuantConfig(QuantType.per_1x32, FP4, True, "mxfp4", group_size=32, act_scheme="none")
+    return Mxfp4MoEMethod(spec, "t.experts"), layer
+
+
+def F_silu(x):
+    return x * torch.sigmoid(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_moe_mxfp4_kernel_branch_matches_its_reference(T, dtype, monkeypatch):
+    import atom.model_ops.moe.mxfp4_method as moe_mod
+    method, layer = mxfp4_experts()
+    x = torch.randn(T, 96).to(dtype)
+    ids = torch.randint(0, 4, (T, 2))
+    weights = torch.rand(T, 2).to(dtype)
+    ref = method.apply(layer, x, weights, ids)
+    calls = []
+    real = w4_gemm.w4_linear_launch
+    monkeypatch.setattr(w4_gemm, "w4_linear_launch", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(moe_mod, "use_w4_kernel", lambda x: True)
+    y = method.apply(layer, x, weights, ids)
+    assert y.dtype == dtype and y.shape == ref.shape
+    assert rel_err(y, ref) < 2 * TOL[dtype]  # two products, the activation rounded between them
+    assert len(calls) == 2 * len(ids.unique())  # two products per expert that got tokens
+    assert method.format(layer) == "mxfp4 1x32 e8m0, weight only"  # CPU tensors: no kernel named
+
+
+@pytest.mark.gpu
+def test_gpu_moe_mxfp4_matches_its_reference():
+    method, layer = mxfp4_experts(E=8, H=256, I=128)
+    x = torch.randn(24, 256, dtype=torch.bfloat16)
+    ids = torch.randint(0, 8, (24, 2))
+    weights = torch.rand(24, 2, dtype=torch.bfloat16)
+    ref = method.apply(layer, x, weights, ids)
+    _, gpu = mxfp4_experts(E=8, H=256, I=128, device="cuda")
+    y = method.apply(gpu, x.cuda(), weights.cuda(), ids.cuda())
+    assert "kernel atom::w4_linear" in method.format(gpu)
+    assert rel_err(y.cpu(), ref) < 2 * TOL[torch.bfloat16]

@@ -97,16 +97,28 @@ if HAS_TRITON:
         return tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _dequant(u, s_raw, z_raw, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
-        """fp32 weights of nibbles u (int32) with their group's scale (and zero point)."""
+    def _group_terms(s_raw, z_raw, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
+        """Per group (computed at the scales' shape, before broadcasting to the nibbles):
+        int4 (offset, scale) with w = (float(0x4B000000 | u) - offset) * scale, offset =
+        2^23 + zero point (the magic-number conversion: no int-to-float instruction per
+        weight, exact for 0 <= u < 16); MXFP4 (unused, 2^(s - 127))."""
         if FMT == 0:
             if HAS_ZP:
-                q = u - z_raw.to(tl.int32)
+                off = z_raw.to(tl.float32) + 8388608.0
             else:
-                q = u - 8
-            return q.to(tl.float32) * s_raw.to(tl.float32)
+                off = tl.zeros_like(s_raw.to(tl.float32)) + 8388616.0  # 2^23 + 8
+            return off, s_raw.to(tl.float32)
         else:
-            return _e2m1(u) * _e8m0(s_raw.to(tl.int32))
+            scale = _e8m0(s_raw.to(tl.int32))
+            return scale, scale
+
+    @triton.jit
+    def _dequant(u, off, scale, FMT: tl.constexpr):
+        """fp32 weights of nibbles u (int32 0..15) given their group's `_group_terms`."""
+        if FMT == 0:
+            return ((u | 0x4B000000).to(tl.float32, bitcast=True) - off) * scale
+        else:
+            return _e2m1(u) * scale
 
     @triton.jit
     def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, n_words,
@@ -124,6 +136,7 @@ if HAS_TRITON:
         es = tl.arange(0, PER)
         ms = tl.arange(0, BLOCK_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_W, PER], tl.float32)
         for w0 in range(0, n_words, BLOCK_W):
             jw = w0 + js
             word = tl.load(w_ptr + r64[:, None] * stride_wn + jw[None, :],
@@ -145,11 +158,18 @@ if HAS_TRITON:
                 z_raw = s_raw
                 if HAS_ZP:
                     z_raw = tl.load(z_ptr + r64[:, None, None] * stride_zn + grp[None, :, :], mask=g_ok, other=8)
-            w = _dequant(u, s_raw, z_raw, FMT, HAS_ZP)
-            for m in tl.static_range(BLOCK_M):
-                xm = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok & (ks * 0 + m < M), other=0.0).to(tl.float32)
-                d = tl.sum(tl.sum(w * xm[None, :, :], axis=2), axis=1)  # [BLOCK_N]
-                acc = tl.where(ms[:, None] == m, acc + d[None, :], acc)
+            off, scale = _group_terms(s_raw, z_raw, FMT, HAS_ZP)
+            w = _dequant(u, off, scale, FMT)
+            if BLOCK_M == 1:  # one row: accumulate elementwise, reduce once at the end
+                xm = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                acc1 += w * xm[None, :, :]
+            else:
+                for m in tl.static_range(BLOCK_M):
+                    xm = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok & (ks * 0 + m < M), other=0.0)
+                    d = tl.sum(tl.sum(w * xm.to(tl.float32)[None, :, :], axis=2), axis=1)  # [BLOCK_N]
+                    acc = tl.where(ms[:, None] == m, acc + d[None, :], acc)
+        if BLOCK_M == 1:
+            acc = tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         y_mask = (ms < M)[:, None] & row_ok[None, :]
@@ -186,8 +206,8 @@ if HAS_TRITON:
             z_raw = s_raw
             if HAS_ZP:
                 z_raw = tl.load(z_ptr + rn64[None, :] * stride_zn + grp, mask=wk, other=8)
-            w = _dequant(u, s_raw, z_raw, FMT, HAS_ZP)
-            w = tl.where(wk, w, 0.0)  # columns past K (padding nibbles) add nothing
+            off, scale = _group_terms(s_raw, z_raw, FMT, HAS_ZP)
+            w = tl.where(wk, _dequant(u, off, scale, FMT), 0.0)  # columns past K (padding nibbles) add nothing
             w = w.to(a.dtype)
             if DOT_F32:  # the interpreter: same rounding of W, the product in fp32 (see _dot_f32)
                 acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
