@@ -105,6 +105,7 @@ def test_tile_table_regimes():
         ["w4_gemv"] * 2 + ["w4_gemm"] * 4
     assert w4_config(3, 4096, 4096)[1]["BLOCK_M"] == 4  # every row in one program
     assert w4_config(16, 4096, 4096)[1]["BLOCK_M"] == 16  # one row tile: the weight streams once
+    assert w4_config(16, 4096, 4096)[1]["BLOCK_N"] == 16 and w4_config(16, 28672, 4096)[1]["BLOCK_N"] == 32
     assert w4_config(64, 4096, 4096)[1]["BLOCK_M"] == 64
     assert w4_config(512, 4096, 4096)[1]["BLOCK_M"] == 128
 

@@ -10,8 +10,11 @@ repacked):
 - MXFP4 (`fmt="mxfp4"`): `packed` uint8 [N, K/2], the low nibble the even column, e2m1
   codes (bit 3 the sign); `scales` uint8 E8M0 [N, K/32]; w = e2m1(code) * 2^(s - 127).
   The 16 code values are computed from their bits (exponent e = bits 1-2, mantissa bit 0:
-  e = 0 gives 0 or 0.5, else 2^(e-1) * (1 + m/2)), the scale by writing s into a float32's
-  exponent field (s = 0, 2^-127, as the subnormal with bit 22 set), so both are exact.
+  e = 0 gives 0 or 0.5, else 2^(e-1) * (1 + m/2)) as float32 bits, the scale by writing s
+  into a float32's exponent field (s = 0, 2^-127, as the subnormal with bit 22 set), so both
+  are exact and need no conversion instruction. Likewise int4 nibbles become floats by the
+  magic-number trick (float(0x4B000000 | u) = 2^23 + u) with the group's 2^23 + zero point
+  subtracted.
 
 Two kernels, chosen by the number of rows M (`w4_config`):
 - M <= 4, `_w4_gemv_kernel` (batch-1 decode): weight streaming. A program owns BLOCK_N
@@ -21,9 +24,9 @@ Two kernels, chosen by the number of rows M (`w4_config`):
   (a static loop over the rows), so the weight is read once. At 0.5 byte per weight the
   Llama-3.1-8B shapes give N / BLOCK_N >= 1024 programs, enough to fill 132 SMs without
   split-K.
-- M > 4, `_w4_gemm_kernel`: a tiled tl.dot GEMM. The W^T tile [BLOCK_K, BLOCK_N] is loaded
-  as packed words (each column's word, shifted by its nibble), dequantized in fp32, cast
-  to the activations' dtype and fed to tl.dot with fp32 accumulation. For 4 < M <= 16 one
+- M > 4, `_w4_gemm_kernel`: a tiled tl.dot GEMM. The W^T tile is loaded as packed words
+  [BLOCK_K / per-word, BLOCK_N] (coalesced along K), split into nibbles, dequantized in fp32,
+  reshaped to [BLOCK_K, BLOCK_N], cast to the activations' dtype and fed to tl.dot with fp32 accumulation. For 4 < M <= 16 one
   BLOCK_M=16 row tile covers every row, so this too streams the weight once with the
   tensor cores doing the multiplies (the FMA path would be compute-bound there: 16 FMAs
   per half byte). Programs run the M tiles of one weight tile next to each other, so a
@@ -52,8 +55,9 @@ GEMV_MAX_M = 4
 # regime, then the tiles. Chosen from the byte and FLOP budget, not measured here:
 # - GEMV (M <= 4): 4 rows x 512 columns per step (2048 fp32 weights across 128 threads,
 #   16 each; 1 KB of int4 / MXFP4 per step per program, thousands of programs in flight);
-# - M <= 16: one 16-row tile, 32 output columns so N=4096 still gives 128 programs, K in
-#   chunks of 256 (the weight streams, the tensor cores do the products);
+# - M <= 16: one 16-row tile, K in chunks of 256 (the weight streams, the tensor cores do
+#   the products), 32 output columns, 16 below N = 8192 so that N = 4096 still gives 256
+#   programs (two per SM on the H200's 132) without split-K;
 # - M <= 64: 64 x 64 tiles, K 64; larger M: 128 x 128 x 64 with 8 warps (compute bound:
 #   the dequantization is spread over 128 rows of x).
 GEMV_TILES = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3)
@@ -70,7 +74,10 @@ def w4_config(M: int, N: int, K: int) -> tuple[str, dict]:
         return "w4_gemv", dict(GEMV_TILES, BLOCK_M=max(1, triton.next_power_of_2(M)) if HAS_TRITON else 1)
     for max_m, cfg in GEMM_TILES:
         if max_m is None or M <= max_m:
-            return "w4_gemm", dict(cfg)
+            cfg = dict(cfg)
+            if max_m == 16 and N < 8192:
+                cfg["BLOCK_N"] = 16
+            return "w4_gemm", cfg
     raise AssertionError("unreachable")
 
 
@@ -84,12 +91,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _e2m1(u):
-        """fp32 values of e2m1 codes u (int32 0..15)."""
-        e = (u >> 1) & 3
-        m = u & 1
-        normal = ((e + 126) << 23) | (m << 22)
-        mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal.to(tl.float32, bitcast=True))
-        return tl.where((u & 8) != 0, -mag, mag)
+        """fp32 values of e2m1 codes u (int32 0..15), built as float32 bits with integer ops
+        only (no conversion instruction per weight): magnitude index 2..7 (e > 0) is
+        exponent e + 126 with the mantissa bit on top of the fraction, 1 is 0.5 (0x3F000000),
+        0 is 0; bit 3 becomes the sign bit."""
+        mag = u & 7
+        bits = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000)
+        return (bits | ((u & 8) << 28)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _e8m0(s):
@@ -176,7 +184,7 @@ if HAS_TRITON:
         tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
     @triton.jit
-    def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
+    def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, n_words,
                         stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
                         FMT: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
                         HAS_BIAS: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
@@ -192,22 +200,38 @@ if HAS_TRITON:
         m_ok = rm < M
         n_ok = rn < N
         rn64 = rn.to(tl.int64)
+        BLOCK_W: tl.constexpr = BLOCK_K // PER
+        es = tl.arange(0, PER)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             a = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + ks[None, :],
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wk = n_ok[None, :] & k_ok[:, None]  # [BLOCK_K, BLOCK_N]: W^T
-            word = tl.load(w_ptr + rn64[None, :] * stride_wn + (ks // PER)[:, None], mask=wk, other=0)
-            u = (word.to(tl.int32) >> ((ks % PER) * 4)[:, None]) & 0xF
-            grp = (ks // GROUP)[:, None]
-            s_raw = tl.load(s_ptr + rn64[None, :] * stride_sn + grp, mask=wk, other=0)
-            z_raw = s_raw
-            if HAS_ZP:
-                z_raw = tl.load(z_ptr + rn64[None, :] * stride_zn + grp, mask=wk, other=8)
+            # W^T as packed words [BLOCK_W, BLOCK_N] (coalesced along K: a row's words are
+            # contiguous), split into [BLOCK_W, PER, BLOCK_N] nibbles, dequantized, then viewed
+            # as [BLOCK_K, BLOCK_N] (column k = word * PER + nibble)
+            jw = k0 // PER + tl.arange(0, BLOCK_W)
+            wk = (jw < n_words)[:, None] & n_ok[None, :]
+            word = tl.load(w_ptr + rn64[None, :] * stride_wn + jw[:, None], mask=wk, other=0).to(tl.int32)
+            u = (word[:, None, :] >> (es * 4)[None, :, None]) & 0xF
+            ks3 = jw[:, None] * PER + es[None, :]  # [BLOCK_W, PER]
+            k3_ok = (ks3 < K)[:, :, None] & n_ok[None, None, :]
+            if GROUP % PER == 0:  # one scale per word
+                grp = (jw * PER) // GROUP
+                s_raw = tl.load(s_ptr + rn64[None, :] * stride_sn + grp[:, None], mask=wk, other=0)[:, None, :]
+                z_raw = s_raw
+                if HAS_ZP:
+                    z_raw = tl.load(z_ptr + rn64[None, :] * stride_zn + grp[:, None], mask=wk, other=8)[:, None, :]
+            else:
+                grp = (ks3 // GROUP)[:, :, None]
+                s_raw = tl.load(s_ptr + rn64[None, None, :] * stride_sn + grp, mask=k3_ok, other=0)
+                z_raw = s_raw
+                if HAS_ZP:
+                    z_raw = tl.load(z_ptr + rn64[None, None, :] * stride_zn + grp, mask=k3_ok, other=8)
             off, scale = _group_terms(s_raw, z_raw, FMT, HAS_ZP)
-            w = tl.where(wk, _dequant(u, off, scale, FMT), 0.0)  # columns past K (padding nibbles) add nothing
+            w3 = tl.where(k3_ok, _dequant(u, off, scale, FMT), 0.0)  # columns past K (padding nibbles): 0
+            w = tl.reshape(w3, [BLOCK_K, BLOCK_N])
             w = w.to(a.dtype)
             if DOT_F32:  # the interpreter: same rounding of W, the product in fp32 (see _dot_f32)
                 acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -281,7 +305,7 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
                               packed.stride(0), scales.stride(0), z.stride(0), y.stride(0), **common, **cfg)
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        _w4_gemm_kernel[grid](x, packed, scales, z, b, y, M, N, k, x.stride(0), packed.stride(0),
+        _w4_gemm_kernel[grid](x, packed, scales, z, b, y, M, N, k, packed.shape[1], x.stride(0), packed.stride(0),
                               scales.stride(0), z.stride(0), y.stride(0),
                               DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                               DOT_F32=_dot_f32(x), **common, **cfg)
