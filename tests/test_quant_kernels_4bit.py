@@ -72,7 +72,7 @@ def test_both_kernels_at_the_same_m(kernel):
     """M = 3 through either kernel (the table picks the GEMV): the same products."""
     packed, scales, zeros = random_w4("int4", 20, 136, 8, True)
     x = torch.randn(3, 136).to(torch.float16)
-    cfg = dict(kernel=kernel, BLOCK_M=4, BLOCK_N=4, BLOCK_K=64) if kernel == "w4_gemv" else \
+    cfg = dict(kernel=kernel, BLOCK_M=4, BLOCK_N=4, BLOCK_W=8) if kernel == "w4_gemv" else \
         dict(kernel=kernel, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
     y = w4_linear_launch(x, packed, scales, zeros, None, "int4", 8, 136, config=cfg)
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, None, "int4", 8, 136)) < TOL[torch.float16]

@@ -9,24 +9,27 @@ repacked):
   so g need not divide a tile).
 - MXFP4 (`fmt="mxfp4"`): `packed` uint8 [N, K/2], the low nibble the even column, e2m1
   codes (bit 3 the sign); `scales` uint8 E8M0 [N, K/32]; w = e2m1(code) * 2^(s - 127).
-  The 16 code values are computed from their bits (exponent e = bits 1-2, mantissa bit 0:
-  e = 0 gives 0 or 0.5, else 2^(e-1) * (1 + m/2)) as float32 bits, the scale by writing s
-  into a float32's exponent field (s = 0, 2^-127, as the subnormal with bit 22 set), so both
-  are exact and need no conversion instruction. Likewise int4 nibbles become floats by the
-  magic-number trick (float(0x4B000000 | u) = 2^23 + u) with the group's 2^23 + zero point
-  subtracted.
+  The 16 code values are built as float32 bits (`_e2m1`: F = float(0x3F000000 + (mag << 22)),
+  value min(F, 2F - 1), bit 3 the sign), the scale by writing s into a float32's exponent
+  field (s = 0, 2^-127, as the subnormal with bit 22 set): exact, and no conversion
+  instruction per weight. In the GEMM int4 nibbles become floats by the magic-number trick
+  (float(0x4B000000 | u) = 2^23 + u, minus the group's 2^23 + zero point).
 
 Two kernels, chosen by the number of rows M (`w4_config`):
 - M <= 4, `_w4_gemv_kernel` (batch-1 decode): weight streaming. A program owns BLOCK_N
-  output rows and walks K in chunks of BLOCK_W packed words (coalesced, vector loads of the
-  packed words; each word is then split into its nibbles in registers, a [BLOCK_N, BLOCK_W,
-  per-word] tile), dequantizes in fp32 and forms the dot products of all M rows with it
-  (a static loop over the rows), so the weight is read once. At 0.5 byte per weight the
-  Llama-3.1-8B shapes give N / BLOCK_N >= 1024 programs, enough to fill 132 SMs without
+  output rows and walks K, one int32 word (8 nibbles; MXFP4's bytes read 4 at a time) per
+  thread per row and step, so a warp's loads are whole 128-byte lines, the thread's 8 x
+  values one 16-byte load; every row of x (up to 4, unrolled) is multiplied with the
+  unpacked word, so the weight is read once. Scales (and int4 zero points) apply once per
+  word: int4 as 1 + u/16 (float bits 0x3F800000 | u << 19) with sum (u - z) x / 16 =
+  sum f x - (1 + z/16) sum x. The sm90 PTX of the loop has no shared-memory layout
+  conversion (checked with `triton.compile` for sm90; the test suite's compile harness
+  style). At the Llama-3.1-8B shapes N / BLOCK_N >= 1024 programs fill 132 SMs without
   split-K.
 - M > 4, `_w4_gemm_kernel`: a tiled tl.dot GEMM. The W^T tile is loaded as packed words
   [BLOCK_K / per-word, BLOCK_N] (coalesced along K), split into nibbles, dequantized in fp32,
-  reshaped to [BLOCK_K, BLOCK_N], cast to the activations' dtype and fed to tl.dot with fp32 accumulation. For 4 < M <= 16 one
+  reshaped to [BLOCK_K, BLOCK_N], cast to the activations' dtype and fed to tl.dot with fp32
+  accumulation. For 4 < M <= 16 one
   BLOCK_M=16 row tile covers every row, so this too streams the weight once with the
   tensor cores doing the multiplies (the FMA path would be compute-bound there: 16 FMAs
   per half byte). Programs run the M tiles of one weight tile next to each other, so a
@@ -53,14 +56,15 @@ GEMV_MAX_M = 4
 
 # Tile table per regime (fixed; no autotune at import). Columns: the largest M of the
 # regime, then the tiles. Chosen from the byte and FLOP budget, not measured here:
-# - GEMV (M <= 4): 4 rows x 512 columns per step (2048 fp32 weights across 128 threads,
-#   16 each; 1 KB of int4 / MXFP4 per step per program, thousands of programs in flight);
+# - GEMV (M <= 4): 4 rows x 128 words (1024 columns) per step, one word per thread per row
+#   (BLOCK_W must be 32 x num_warps: the layout the kernel docstring describes), 2 KB of
+#   int4 / MXFP4 per step per program, N / 4 programs;
 # - M <= 16: one 16-row tile, K in chunks of 256 (the weight streams, the tensor cores do
 #   the products), 32 output columns, 16 below N = 8192 so that N = 4096 still gives 256
 #   programs (two per SM on the H200's 132) without split-K;
 # - M <= 64: 64 x 64 tiles, K 64; larger M: 128 x 128 x 64 with 8 warps (compute bound:
 #   the dequantization is spread over 128 rows of x).
-GEMV_TILES = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3)
+GEMV_TILES = dict(BLOCK_N=4, BLOCK_W=128, num_warps=4, num_stages=3)
 GEMM_TILES = (
     (16, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)),
     (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
@@ -91,13 +95,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _e2m1(u):
-        """fp32 values of e2m1 codes u (int32 0..15), built as float32 bits with integer ops
-        only (no conversion instruction per weight): magnitude index 2..7 (e > 0) is
-        exponent e + 126 with the mantissa bit on top of the fraction, 1 is 0.5 (0x3F000000),
-        0 is 0; bit 3 becomes the sign bit."""
-        mag = u & 7
-        bits = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000)
-        return (bits | ((u & 8) << 28)).to(tl.float32, bitcast=True)
+        """fp32 values of e2m1 codes u (int32 0..15), without a conversion instruction:
+        F = float(0x3F000000 + (magnitude << 22)) is the e2m1 value for magnitudes 2..7
+        (exponent e + 126, the mantissa bit on top of the fraction) and 0.5, 0.75 for 0, 1,
+        so min(F, 2F - 1) is the value for all eight (0, 0.5 where F < 1); bit 3 then becomes
+        the float's sign bit."""
+        f = (((u & 7) << 22) + 0x3F000000).to(tl.float32, bitcast=True)
+        mag = tl.minimum(f, 2.0 * f - 1.0)
+        return (mag.to(tl.int32, bitcast=True) | ((u & 8) << 28)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _e8m0(s):
@@ -129,59 +134,100 @@ if HAS_TRITON:
             return _e2m1(u) * scale
 
     @triton.jit
+    def _row_acc(acc, f, off, scale, x_ptr, m: tl.constexpr, M, ks, k_ok, stride_xm, OFF: tl.constexpr):
+        """acc [BLOCK_N, BLOCK_W, 1] + the products of row m of x (columns ks [1, BLOCK_W, 8])
+        with the unscaled weights f summed per word, minus off x the word's sum of x when OFF,
+        times the word's scale."""
+        xm = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok & (ks * 0 + m < M), other=0.0).to(tl.float32)
+        t = tl.sum(f * xm, axis=2, keep_dims=True)
+        if OFF:
+            t = t - off * tl.sum(xm, axis=2, keep_dims=True)
+        return acc + t * scale
+
+    @triton.jit
+    def _row_store(acc, b_ptr, y_ptr, rows, row_ok, m: tl.constexpr, M, stride_ym, HAS_BIAS: tl.constexpr):
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok & (rows * 0 + m < M))
+
+    @triton.jit
     def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, n_words,
                         stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
-                        FMT: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+                        FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
                         HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Programs own BLOCK_N rows of y for all M (<= BLOCK_M) rows of x."""
-        BLOCK_W: tl.constexpr = BLOCK_K // PER
+                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        """Programs own BLOCK_N rows of y for all M (<= BLOCK_M <= 4) rows of x. `w_ptr`:
+        int32 words of 8 nibbles, column 8j + i in nibble i of word j (int4 as stored; MXFP4's
+        bytes viewed as int32, which is the same order).
+
+        Layout (checked in the sm90 PTX: no shared-memory layout conversion in the loop): a
+        [BLOCK_N, BLOCK_W, 8] tile with one word per thread per row along K (BLOCK_W = 32 x
+        warps; a warp's word loads are one 128-byte line), the thread's 8 x values one
+        16-byte load. The word index goes through a `where` so that the compiler does not
+        vectorize the word loads into a layout x does not share. With groups that are a
+        multiple of 8 the scale multiplies once per word (after the 8 products are summed)."""
         pdl_start(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         r64 = rows.to(tl.int64)
         js = tl.arange(0, BLOCK_W)
-        es = tl.arange(0, PER)
-        ms = tl.arange(0, BLOCK_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc1 = tl.zeros([BLOCK_N, BLOCK_W, PER], tl.float32)
+        es = tl.arange(0, 8)
+        shifts = (es * 4)[None, None, :]
+        OFF: tl.constexpr = FMT == 0 and GROUP % 8 == 0
+        acc0 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         for w0 in range(0, n_words, BLOCK_W):
             jw = w0 + js
-            word = tl.load(w_ptr + r64[:, None] * stride_wn + jw[None, :],
-                           mask=row_ok[:, None] & (jw < n_words)[None, :], other=0).to(tl.int32)
-            ks = jw[:, None] * PER + es[None, :]  # [BLOCK_W, PER]: the column of every nibble
+            w_ok = jw < n_words
+            jl = tl.where(w_ok, jw, 0)
+            m3 = (row_ok[:, None] & w_ok[None, :])[:, :, None]
+            word = tl.load(w_ptr + (r64[:, None] * stride_wn + jl[None, :])[:, :, None], mask=m3, other=0)
+            u = (word >> shifts) & 0xF  # [BLOCK_N, BLOCK_W, 8]
+            ks = (jw[:, None] * 8 + es[None, :])[None, :, :]  # [1, BLOCK_W, 8]: the column of every nibble
             k_ok = ks < K
-            u = (word[:, :, None] >> (es * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_W, PER]
-            if GROUP % PER == 0:  # a word's nibbles share a group: one scale per word
-                grp = (jw * PER) // GROUP
-                g_ok = row_ok[:, None] & (jw < n_words)[None, :]
-                s_raw = tl.load(s_ptr + r64[:, None] * stride_sn + grp[None, :], mask=g_ok, other=0)[:, :, None]
-                z_raw = s_raw
+            if GROUP % 8 == 0:  # a word's nibbles share a group: its scale multiplies their sum
+                grp = (jl * 8) // GROUP
+                s3 = tl.load(s_ptr + (r64[:, None] * stride_sn + grp[None, :])[:, :, None], mask=m3, other=0)
+                z3 = s3
                 if HAS_ZP:
-                    z_raw = tl.load(z_ptr + r64[:, None] * stride_zn + grp[None, :], mask=g_ok, other=8)[:, :, None]
-            else:
+                    z3 = tl.load(z_ptr + (r64[:, None] * stride_zn + grp[None, :])[:, :, None], mask=m3, other=8)
+                if FMT == 0:
+                    # f = 1 + u/16 (float bits 0x3F800000 | u << 19, exact), and per word
+                    # sum (u - z) x / 16 = sum f x - (1 + z/16) sum x: one FMA a weight
+                    f = (0x3F800000 | (u << 19)).to(tl.float32, bitcast=True)
+                    zq = z3.to(tl.float32) if HAS_ZP else 8.0
+                    off = 1.0 + zq * 0.0625
+                    scale = s3.to(tl.float32) * 16.0
+                else:
+                    f = _e2m1(u)
+                    off = 0.0
+                    scale = _e8m0(s3.to(tl.int32))
+            else:  # groups that split a word (int4 only): every nibble its own scale
                 grp = ks // GROUP
-                g_ok = row_ok[:, None, None] & k_ok[None, :, :]
-                s_raw = tl.load(s_ptr + r64[:, None, None] * stride_sn + grp[None, :, :], mask=g_ok, other=0)
-                z_raw = s_raw
+                g_ok = row_ok[:, None, None] & k_ok
+                s3 = tl.load(s_ptr + r64[:, None, None] * stride_sn + grp, mask=g_ok, other=0)
+                z3 = s3
                 if HAS_ZP:
-                    z_raw = tl.load(z_ptr + r64[:, None, None] * stride_zn + grp[None, :, :], mask=g_ok, other=8)
-            off, scale = _group_terms(s_raw, z_raw, FMT, HAS_ZP)
-            w = _dequant(u, off, scale, FMT)
-            if BLOCK_M == 1:  # one row: accumulate elementwise, reduce once at the end
-                xm = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                acc1 += w * xm[None, :, :]
-            else:
-                for m in tl.static_range(BLOCK_M):
-                    xm = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok & (ks * 0 + m < M), other=0.0)
-                    d = tl.sum(tl.sum(w * xm.to(tl.float32)[None, :, :], axis=2), axis=1)  # [BLOCK_N]
-                    acc = tl.where(ms[:, None] == m, acc + d[None, :], acc)
-        if BLOCK_M == 1:
-            acc = tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        y_mask = (ms < M)[:, None] & row_ok[None, :]
-        tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+                    z3 = tl.load(z_ptr + r64[:, None, None] * stride_zn + grp, mask=g_ok, other=8)
+                off, sc = _group_terms(s3, z3, FMT, HAS_ZP)
+                f = _dequant(u, off, sc, FMT)
+                off = 0.0
+                scale = 1.0
+            acc0 = _row_acc(acc0, f, off, scale, x_ptr, 0, M, ks, k_ok, stride_xm, OFF)
+            if BLOCK_M > 1:
+                acc1 = _row_acc(acc1, f, off, scale, x_ptr, 1, M, ks, k_ok, stride_xm, OFF)
+            if BLOCK_M > 2:
+                acc2 = _row_acc(acc2, f, off, scale, x_ptr, 2, M, ks, k_ok, stride_xm, OFF)
+                acc3 = _row_acc(acc3, f, off, scale, x_ptr, 3, M, ks, k_ok, stride_xm, OFF)
+        _row_store(acc0, b_ptr, y_ptr, rows, row_ok, 0, M, stride_ym, HAS_BIAS)
+        if BLOCK_M > 1:
+            _row_store(acc1, b_ptr, y_ptr, rows, row_ok, 1, M, stride_ym, HAS_BIAS)
+        if BLOCK_M > 2:
+            _row_store(acc2, b_ptr, y_ptr, rows, row_ok, 2, M, stride_ym, HAS_BIAS)
+            _row_store(acc3, b_ptr, y_ptr, rows, row_ok, 3, M, stride_ym, HAS_BIAS)
 
     @triton.jit
     def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, n_words,
@@ -300,9 +346,13 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     if name == "w4_gemv":
         if cfg["BLOCK_M"] < M:
             raise ValueError(f"w4_linear: the GEMV's BLOCK_M={cfg['BLOCK_M']} must cover M={M}")
+        if cfg["BLOCK_M"] > 4:
+            raise ValueError(f"w4_linear: the GEMV runs at most 4 rows, got BLOCK_M={cfg['BLOCK_M']}")
+        words = packed if fmt == "int4" else packed.view(torch.int32)  # MXFP4: 4 bytes = 8 nibbles in order
         grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
-        _w4_gemv_kernel[grid](x, packed, scales, z, b, y, M, N, k, packed.shape[1], x.stride(0),
-                              packed.stride(0), scales.stride(0), z.stride(0), y.stride(0), **common, **cfg)
+        common.pop("PER")
+        _w4_gemv_kernel[grid](x, words, scales, z, b, y, M, N, k, words.shape[1], x.stride(0),
+                              words.stride(0), scales.stride(0), z.stride(0), y.stride(0), **common, **cfg)
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
         _w4_gemm_kernel[grid](x, packed, scales, z, b, y, M, N, k, packed.shape[1], x.stride(0), packed.stride(0),
