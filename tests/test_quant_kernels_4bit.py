@@ -329,3 +329,73 @@ def test_gpu_moe_mxfp4_matches_its_reference():
     y = method.apply(gpu, x.cuda(), weights.cuda(), ids.cuda())
     assert "kernel atom::w4_linear" in method.format(gpu)
     assert rel_err(y.cpu(), ref) < 2 * TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------
+# the compiled path: built for sm90 without a GPU (as tests/test_kernel_compile.py does)
+# ---------------------------------------------------------------------------
+
+def _loop_body(ptx: str) -> str:
+    body = ptx[ptx.index("Inner Loop Header"):]
+    return body[:body.index("bra")]
+
+
+def _compile_w4() -> dict:
+    """Child process: the GEMV and GEMM for sm90 per format; what their PTX shows."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from test_kernel_compile import _signature
+    out = {}
+    aligned = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
+               "n_words", "K")  # what the JIT specializes (16-divisible) at the Llama shapes
+    for fmt, group, zp in ((0, 128, False), (0, 64, True), (1, 32, False)):
+        types = {"w_ptr": "*i32", "s_ptr": "*bf16" if fmt == 0 else "*u8", "z_ptr": "*i8", "b_ptr": "*bf16"}
+        for kind, kernel, consts, warps in (
+                ("gemv1", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_W=128), 4),
+                ("gemv4", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=4, BLOCK_N=4, BLOCK_W=128), 4),
+                ("gemm16", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, PER=8 - 6 * fmt,
+                                                          DOT_PREC="tf32", DOT_F32=False), 4),
+                ("gemm128", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER=8 - 6 * fmt,
+                                                           DOT_PREC="tf32", DOT_F32=False), 8)):
+            c = dict(FMT=fmt, GROUP=group, HAS_ZP=zp, HAS_BIAS=True, PDL=True, **consts)
+            t = dict(types, w_ptr="*u8") if kind.startswith("gemm") and fmt == 1 else types
+            attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in kernel.arg_names}
+            src = ASTSource(fn=kernel, signature=_signature(kernel, c, t), constexprs=c, attrs=attrs)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+            loop = _loop_body(ptx)
+            out[f"{kind}_{fmt}_{group}"] = dict(pdl="griddepcontrol.wait" in ptx, mma="mma" in ptx,
+                                                loop_bar_sync="bar.sync" in loop,
+                                                loop_int_to_float="cvt.rn.f32.s32" in loop)
+    return out
+
+
+def test_kernels_compile_for_sm90_without_layout_shuffles_in_the_gemv():
+    import json
+    import os
+    import subprocess
+    import sys
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no ptxas for NVIDIA targets")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-W", "ignore", os.path.abspath(__file__)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(got) == 12
+    for name, flags in got.items():
+        assert flags["pdl"], name  # waits for the kernel in front (programmatic dependent launch)
+        assert not flags["loop_int_to_float"], name  # nibbles become floats by bit tricks
+        if name.startswith("gemv"):
+            assert not flags["loop_bar_sync"], name  # the streaming loop never goes through shared memory
+        else:
+            assert flags["mma"], name  # tensor cores
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(_compile_w4()))
