@@ -15,7 +15,7 @@ import atom.model_ops.quant.int4 as int4_mod
 import atom.model_ops.quant.mxfp4 as mxfp4_mod
 from atom.model_ops.kernels import w4_gemm
 from atom.model_ops.kernels.w4_gemm import (GEMV_MAX_M, dequantize_w4, w4_config, w4_linear, w4_linear_launch,
-                                            w4_linear_ref, with_kernel)
+                                            w4_linear_ref)
 from atom.model_ops.linear import Linear, QKVLinear
 from atom.model_ops.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from atom.quant_spec import LayerQuantConfig, QuantType
@@ -215,15 +215,24 @@ def test_method_gpu_branch_matches_its_reference(fmt, kind, dtype, monkeypatch):
 
 def test_int4_keeps_packed_bytes_and_bf16_scales():
     """No dequantized copy: the layer holds the packed words, bf16 scales (exact: the
-    checkpoint's) and int8 zero points; its format names the kernel on CUDA only."""
+    checkpoint's) and int8 zero points; `kernel_for` names the kernel on CUDA only."""
     layer = int4_layer("linear", 8, False)
     assert layer.weight_scale.dtype == torch.bfloat16 and layer.zero_point.dtype == torch.int8
     dense = layer.out_features * layer.in_features * 2
     assert layer.method.weight_bytes(layer) < 0.5 * dense  # 0.5 + 3 / 8 bytes a weight at g8, vs 2
     assert layer.method.format(layer) == "int4 g8 asym"
     assert "w4_gemv" in layer.method.kernel
-    on_gpu = with_kernel("int4 g8 asym", types.SimpleNamespace(is_cuda=True))
-    assert on_gpu.startswith("int4 g8 asym; kernel atom::w4_linear") == w4_gemm.HAS_TRITON
+    assert layer.method.kernel_for(layer) == w4_gemm.REFERENCE_DESCRIPTION  # CPU
+    on_gpu = w4_gemm.kernel_for_weight(types.SimpleNamespace(is_cuda=True))
+    assert on_gpu == (w4_gemm.KERNEL_DESCRIPTION if w4_gemm.HAS_TRITON else w4_gemm.REFERENCE_DESCRIPTION)
+
+
+def test_per_layer_table_names_the_kernel():
+    from atom.model_ops.quant import describe_layers
+    model = torch.nn.ModuleDict({"a": int4_layer("linear", 32, True), "b": mxfp4_layer("qkv", "none")})
+    rows = {r["layer"]: r for r in describe_layers(model)}
+    assert rows["a"]["kernel"] == rows["b"]["kernel"] == w4_gemm.REFERENCE_DESCRIPTION
+    assert rows["a"]["format"] == "int4 g32 sym"
 
 
 # ---------------------------------------------------------------------------
@@ -256,7 +265,7 @@ def test_gpu_method_matches_its_reference(fmt, dtype):
     xs = [torch.randn(m, layer.in_features).to(dtype) for m in (1, 8, 64)]
     refs = [layer(x) for x in xs]
     layer.to("cuda")
-    assert "kernel atom::w4_linear" in layer.method.format(layer)
+    assert layer.method.kernel_for(layer) == w4_gemm.KERNEL_DESCRIPTION
     for x, ref in zip(xs, refs):
         y = layer(x.cuda())
         assert rel_err(y.cpu(), ref) < TOL[dtype]
@@ -315,7 +324,7 @@ def test_moe_mxfp4_kernel_branch_matches_its_reference(T, dtype, monkeypatch):
     assert y.dtype == dtype and y.shape == ref.shape
     assert rel_err(y, ref) < 2 * TOL[dtype]  # two products, the activation rounded between them
     assert len(calls) == 2 * len(ids.unique())  # two products per expert that got tokens
-    assert method.format(layer) == "mxfp4 1x32 e8m0, weight only"  # CPU tensors: no kernel named
+    assert method.kernel_for(layer) == w4_gemm.REFERENCE_DESCRIPTION  # CPU tensors
 
 
 @pytest.mark.gpu
@@ -327,7 +336,7 @@ def test_gpu_moe_mxfp4_matches_its_reference():
     ref = method.apply(layer, x, weights, ids)
     _, gpu = mxfp4_experts(E=8, H=256, I=128, device="cuda")
     y = method.apply(gpu, x.cuda(), weights.cuda(), ids.cuda())
-    assert "kernel atom::w4_linear" in method.format(gpu)
+    assert method.kernel_for(gpu) == w4_gemm.KERNEL_DESCRIPTION
     assert rel_err(y.cpu(), ref) < 2 * TOL[torch.bfloat16]
 
 

@@ -400,8 +400,9 @@ def w4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
     return y.to(x.dtype)
 
 
-#: what the 4-bit methods report as their GPU kernel (`kernel` attribute, `format(layer)`)
+#: what the 4-bit methods report as their GPU kernel (`kernel` attribute, `kernel_for(layer)`)
 KERNEL_DESCRIPTION = f"atom::w4_linear (triton w4_gemv for M<={GEMV_MAX_M}, w4_gemm above)"
+REFERENCE_DESCRIPTION = "torch reference (dequantize to fp32, F.linear)"
 
 
 def use_w4_kernel(x: torch.Tensor) -> bool:
@@ -410,9 +411,10 @@ def use_w4_kernel(x: torch.Tensor) -> bool:
     return HAS_TRITON and x.is_cuda
 
 
-def with_kernel(spec: str, weight: torch.Tensor) -> str:
-    """A method's format string, with the kernel named where the layer's weights are on CUDA."""
-    return f"{spec}; kernel {KERNEL_DESCRIPTION}" if HAS_TRITON and weight.is_cuda else spec
+def kernel_for_weight(weight: torch.Tensor) -> str:
+    """What runs a 4-bit layer whose packed weight is `weight`: the Triton kernels on CUDA,
+    else the torch reference (the per-layer tables' `kernel` column)."""
+    return KERNEL_DESCRIPTION if HAS_TRITON and weight.is_cuda else REFERENCE_DESCRIPTION
 
 
 def w4_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.model_ops.kernels.w4_gemm import KERNEL_DESCRIPTION, use_w4_kernel, w4_product, with_kernel
+from atom.model_ops.kernels.w4_gemm import KERNEL_DESCRIPTION, kernel_for_weight, use_w4_kernel, w4_product
 from atom.model_ops.moe.experts_ref import routed_sum
 from atom.model_ops.moe.method import MOE_METHODS, MoEMethod
 from atom.model_ops.quant.common import product, refuse
@@ -96,7 +96,11 @@ class Mxfp4MoEMethod(MoEMethod):
     kernel = KERNEL_DESCRIPTION
 
     def format(self, layer):
-        return with_kernel("mxfp4 1x32 e8m0, weight only", layer.w13_weight)
+        return "mxfp4 1x32 e8m0, weight only"
+
+    def kernel_for(self, layer) -> str:
+        """What runs the experts' products (the MoE table's `kernel` column)."""
+        return kernel_for_weight(layer.w13_weight)
 
     def __repr__(self):
         return "Mxfp4MoEMethod(mxfp4 1x32 e8m0, weight only)"

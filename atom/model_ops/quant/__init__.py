@@ -49,8 +49,9 @@ def is_unquantized(m: nn.Module) -> bool:
 
 
 def describe_layers(model: nn.Module) -> list[dict]:
-    """One dict per layer with a linear method: layer, class, method, format, shape, bytes
-    (`atom.viz.frames.linear_methods_frame` turns it into a DataFrame)."""
+    """One dict per layer with a linear method: layer, class, method, format, shape, bytes,
+    kernel (what runs the product, for methods that say: `method.kernel_for(layer)`, else
+    None) (`atom.viz.frames.linear_methods_frame` turns it into a DataFrame)."""
     rows = []
     for name, m in model.named_modules():
         method = getattr(m, "method", None)
@@ -61,5 +62,6 @@ def describe_layers(model: nn.Module) -> list[dict]:
             else:
                 shape = tuple(w.shape) if w is not None else None
             rows.append({"layer": name, "class": type(m).__name__, "method": method.name,
-                         "format": method.format(m), "bytes": method.weight_bytes(m), "shape": shape})
+                         "format": method.format(m), "bytes": method.weight_bytes(m), "shape": shape,
+                         "kernel": method.kernel_for(m) if hasattr(method, "kernel_for") else None})
     return rows

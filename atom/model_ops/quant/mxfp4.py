@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.model_ops.kernels.w4_gemm import KERNEL_DESCRIPTION, use_w4_kernel, w4_product, with_kernel
+from atom.model_ops.kernels.w4_gemm import KERNEL_DESCRIPTION, kernel_for_weight, use_w4_kernel, w4_product
 from atom.model_ops.quant.common import QuantLinearMethod, bias_param, product, refuse, row_param, weight_param
 
 MX_GROUP = 32
@@ -180,8 +180,9 @@ class Mxfp4LinearMethod(QuantLinearMethod):
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
 
-    def format(self, layer: nn.Module) -> str:
-        return with_kernel(self.format_spec(), getattr(layer, self.packed_name))
+    def kernel_for(self, layer: nn.Module) -> str:
+        """What runs this layer's product (the per-layer table's `kernel` column)."""
+        return kernel_for_weight(getattr(layer, self.packed_name))
 
     def format_spec(self) -> str:
         if self.act == "none":
