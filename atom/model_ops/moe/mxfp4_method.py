@@ -15,15 +15,21 @@ dequantizes these bytes into `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H]);
 checkpoint mapping hands them to the layer's loader with the "blocks" and "interleaved"
 layout tags (`FusedMoE.LAYOUTS`), which flatten the blocks and de-interleave the rows.
 
-`apply` is the torch reference on every device: for each expert that got tokens
-(`experts_ref.routed_sum`), its two matrices dequantized to fp32, the products in fp32 with
-the biases, the activation between them in the model's dtype. Nothing stays dequantized in
-the layer. Activations are not quantized (GPT-OSS runs MXFP4 weights x bf16 activations).
+`apply` loops over the experts that got tokens (`experts_ref.routed_sum`). On CPU each
+expert's two matrices are dequantized to fp32 and the products run in fp32 with the biases
+(the torch reference); on CUDA (with Triton) each product is the 4-bit kernel
+`atom::w4_linear` (`kernels.w4_gemm`) on that expert's packed bytes and scales, dequantized
+in registers, fp32 accumulation, the bias added in fp32: the same numbers without an fp32
+copy of the expert. The activation between them runs in the model's dtype. Nothing stays
+dequantized in the layer. (A fused, graph-capturable experts kernel over all experts, as
+`experts_triton` is for bf16 / FP8, is not written for MXFP4 yet: the loop still syncs the
+host once per call.) Activations are not quantized (GPT-OSS runs MXFP4 weights x bf16 activations).
 """
 from __future__ import annotations
 
 import torch
 
+from atom.model_ops.kernels.w4_gemm import KERNEL_DESCRIPTION, kernel_for_weight, use_w4_kernel, w4_product
 from atom.model_ops.moe.experts_ref import routed_sum
 from atom.model_ops.moe.method import MOE_METHODS, MoEMethod
 from atom.model_ops.quant.common import product, refuse
@@ -65,6 +71,17 @@ class Mxfp4MoEMethod(MoEMethod):
     def apply(self, layer, x, topk_weights, topk_ids):
         b13, b2 = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
 
+        if use_w4_kernel(x):
+            H, I = layer.w2_weight.shape[1], layer.w2_weight.shape[2] * 2
+
+            def expert_kernel(e: int, xe: torch.Tensor) -> torch.Tensor:
+                h = w4_product(xe, layer.w13_weight[e], layer.w13_weight_scale[e], None,
+                               None if b13 is None else b13[e], "mxfp4", MX_GROUP, H)
+                return w4_product(layer.activation(h), layer.w2_weight[e], layer.w2_weight_scale[e], None,
+                                  None if b2 is None else b2[e], "mxfp4", MX_GROUP, I)
+
+            return routed_sum(x, topk_weights, topk_ids, layer.num_experts, expert_kernel)
+
         def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
             w13, w2 = self.dequantized(layer, e)
             h = product(xe, xe.float(), w13, None if b13 is None else b13[e])
@@ -73,8 +90,15 @@ class Mxfp4MoEMethod(MoEMethod):
 
         return routed_sum(x, topk_weights, topk_ids, layer.num_experts, expert)
 
+    #: the GPU kernel of each expert's products (CPU runs the torch reference)
+    kernel = KERNEL_DESCRIPTION
+
     def format(self, layer):
         return "mxfp4 1x32 e8m0, weight only"
+
+    def kernel_for(self, layer) -> str:
+        """What runs the experts' products (the MoE table's `kernel` column)."""
+        return kernel_for_weight(layer.w13_weight)
 
     def __repr__(self):
         return "Mxfp4MoEMethod(mxfp4 1x32 e8m0, weight only)"

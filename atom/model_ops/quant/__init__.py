@@ -50,7 +50,8 @@ def is_unquantized(m: nn.Module) -> bool:
 
 def describe_layers(model: nn.Module) -> list[dict]:
     """One dict per layer with a linear method: layer, class, method, format, shape, bytes,
-    kernel (what runs the product: a quantized method's `kernel`, None for unquantized) (`atom.viz.frames.linear_methods_frame` turns it into a DataFrame)."""
+    kernel (what runs the product, for methods that say: `method.kernel_for(layer)` or
+    `method.kernel`, else None) (`atom.viz.frames.linear_methods_frame` turns it into a DataFrame)."""
     rows = []
     for name, m in model.named_modules():
         method = getattr(m, "method", None)
@@ -62,5 +63,6 @@ def describe_layers(model: nn.Module) -> list[dict]:
                 shape = tuple(w.shape) if w is not None else None
             rows.append({"layer": name, "class": type(m).__name__, "method": method.name,
                          "format": method.format(m), "bytes": method.weight_bytes(m), "shape": shape,
-                         "kernel": getattr(method, "kernel", None)})
+                         "kernel": method.kernel_for(m) if hasattr(method, "kernel_for")
+                         else getattr(method, "kernel", None)})
     return rows

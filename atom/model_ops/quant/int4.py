@@ -11,7 +11,8 @@ one group of the whole row):
   shard's rows packed on their own;
 - `weight_shape` int64 [2]: (out, in) of the shard, checked after loading.
 w = (q - zero_point) * scale, per group of g input columns; the product runs in fp32 on the
-activations as they are (A16).
+activations as they are (A16). On CUDA the Triton kernels of `kernels.w4_gemm` read these
+packed words, scales and zero points as they are and dequantize in registers.
 
 Group sizes: llm-compressor refuses a layer whose in_features is not a multiple of the
 group size ("weight column counts not divisible by group_size"), and compressed-tensors'
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.model_ops.kernels.w4_gemm import KERNEL_DESCRIPTION, kernel_for_weight, use_w4_kernel, w4_product
 from atom.model_ops.quant.common import (QuantLinearMethod, bias_param, expand_rows, per_shard_param, product,
                                          refuse, row_param, weight_param)
 
@@ -133,7 +135,9 @@ class Int4LinearMethod(QuantLinearMethod):
         packed.weight_loader, scale.weight_loader, zp.weight_loader = weight, weight_scale, zero_point
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Checks each shard's `weight_shape`; unpacks the zero points to one row per output."""
+        """Checks each shard's `weight_shape`; unpacks the zero points to one row per output
+        (int8 [out, groups], what the GPU kernel reads); keeps the scales in bf16 when that is
+        exact (checkpoints write bf16 scales: half the scale bytes the kernel streams)."""
         for i, sid in enumerate([] if self.quark else layer.shard_ids()):
             want = tuple(layer.checkpoint_shape(sid))  # the whole shard, before a tensor-parallel split
             got = tuple(int(v) for v in layer.weight_shape[i])
@@ -142,6 +146,9 @@ class Int4LinearMethod(QuantLinearMethod):
         if self.has_zp:
             zp = expand_rows(layer, layer.weight_zero_point.data, 8, unpack=lambda c: unpack_int4(c.t()).t())
             layer.register_buffer("zero_point", zp.to(torch.int8).contiguous(), persistent=False)
+        s = layer.weight_scale.data
+        if s.dtype == torch.float32 and torch.equal(s.to(torch.bfloat16).float(), s):
+            layer.weight_scale.data = s.to(torch.bfloat16)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         k = layer.in_features
@@ -153,8 +160,21 @@ class Int4LinearMethod(QuantLinearMethod):
         return q.float() * layer.weight_scale.float().repeat_interleave(k // self.groups, 1)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """CUDA (with Triton): the fused kernel on the packed weight (`kernels.w4_gemm`);
+        elsewhere the torch reference (dequantize to fp32, F.linear)."""
+        if use_w4_kernel(x):
+            k = layer.in_features
+            return w4_product(x, getattr(layer, self.packed_name), layer.weight_scale,
+                              layer.zero_point if self.has_zp else None, layer.bias, "int4", k // self.groups, k)
         return product(x, x.float(), self.dequantized_weight(layer), layer.bias)
+
+    #: the GPU kernel (CPU runs the torch reference)
+    kernel = KERNEL_DESCRIPTION
 
     def format_spec(self) -> str:
         g = f"g{self.group}" if self.group else "per-channel"
         return f"int4 {g} {'sym' if self.symmetric else 'asym'}"
+
+    def kernel_for(self, layer: nn.Module) -> str:
+        """What runs this layer's product (the per-layer table's `kernel` column)."""
+        return kernel_for_weight(getattr(layer, self.packed_name))

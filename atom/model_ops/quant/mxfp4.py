@@ -23,7 +23,8 @@ Functions other code may call (all torch, any device):
     fp4_codes(x) -> uint8 e2m1 codes of already-scaled values;  fp4_to_float(codes)
     pack_fp4(codes) -> uint8 [..., K/2];  unpack_fp4(packed) -> codes [..., K]
 
-`Mxfp4LinearMethod` runs the torch reference: weights dequantized to fp32, activations as
+`Mxfp4LinearMethod` runs the fused Triton kernel on CUDA (`kernels.w4_gemm`: the packed
+bytes dequantized in registers) and elsewhere the torch reference: weights dequantized to fp32, activations as
 they are (MXFP4A16, `mxfp4_weight_only`) or fake-quantized per 1x32 (`mxfp4` with dynamic
 MXFP4 input activations), F.linear in fp32. K must be a multiple of 32 (the producers'
 requirement: compressed-tensors only packs group 32, Quark reshapes into 32-blocks).
@@ -33,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.model_ops.kernels.w4_gemm import KERNEL_DESCRIPTION, kernel_for_weight, use_w4_kernel, w4_product
 from atom.model_ops.quant.common import QuantLinearMethod, bias_param, product, refuse, row_param, weight_param
 
 MX_GROUP = 32
@@ -165,8 +167,22 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         return dequantize_mxfp4(getattr(layer, self.packed_name), layer.weight_scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """CUDA (with Triton): the fused kernel on the packed weight (`kernels.w4_gemm`), the
+        dynamic MXFP4 activations fake-quantized in torch first (e2m1 x 2^k values are exact in
+        bf16; in fp16 only outside its range would they round); elsewhere the torch reference."""
+        if use_w4_kernel(x):
+            xq = fake_quant_mxfp4(x).to(x.dtype) if self.act == "group" else x
+            return w4_product(xq, getattr(layer, self.packed_name), layer.weight_scale, None, layer.bias,
+                              "mxfp4", MX_GROUP, layer.in_features)
         x32 = fake_quant_mxfp4(x) if self.act == "group" else x.float()
         return product(x, x32, self.dequantized_weight(layer), layer.bias)
+
+    #: the GPU kernel (CPU runs the torch reference)
+    kernel = KERNEL_DESCRIPTION
+
+    def kernel_for(self, layer: nn.Module) -> str:
+        """What runs this layer's product (the per-layer table's `kernel` column)."""
+        return kernel_for_weight(getattr(layer, self.packed_name))
 
     def format_spec(self) -> str:
         if self.act == "none":

@@ -1,0 +1,428 @@
+"""y = x W^T (+ b) for 4-bit weights, dequantized in registers: W4A16 int4 groups and MXFP4.
+
+The weights stay in the bytes the checkpoint packs them in (no dequantized copy, nothing
+repacked):
+- int4 (`fmt="int4"`): `packed` int32 [N, ceil(K/8)], nibble i of word j holding column
+  8j + i as u = q + 8 (0..15); `scales` [N, K/g] (any float dtype); `zeros` None (symmetric:
+  w = (u - 8) * s) or int8 [N, K/g] of the stored zero points u_z = z + 8 (w = (u - u_z) * s).
+  Any group size g that divides K works (the tile loops index the group of every column,
+  so g need not divide a tile).
+- MXFP4 (`fmt="mxfp4"`): `packed` uint8 [N, K/2], the low nibble the even column, e2m1
+  codes (bit 3 the sign); `scales` uint8 E8M0 [N, K/32]; w = e2m1(code) * 2^(s - 127).
+  The 16 code values are built as float32 bits (`_e2m1`: F = float(0x3F000000 + (mag << 22)),
+  value min(F, 2F - 1), bit 3 the sign), the scale by writing s into a float32's exponent
+  field (s = 0, 2^-127, as the subnormal with bit 22 set): exact, and no conversion
+  instruction per weight. In the GEMM int4 nibbles become floats by the magic-number trick
+  (float(0x4B000000 | u) = 2^23 + u, minus the group's 2^23 + zero point).
+
+Two kernels, chosen by the number of rows M (`w4_config`):
+- M <= 4, `_w4_gemv_kernel` (batch-1 decode): weight streaming. A program owns BLOCK_N
+  output rows and walks K, one int32 word (8 nibbles; MXFP4's bytes read 4 at a time) per
+  thread per row and step, so a warp's loads are whole 128-byte lines, the thread's 8 x
+  values one 16-byte load; every row of x (up to 4, unrolled) is multiplied with the
+  unpacked word, so the weight is read once. Scales (and int4 zero points) apply once per
+  word: int4 as 1 + u/16 (float bits 0x3F800000 | u << 19) with sum (u - z) x / 16 =
+  sum f x - (1 + z/16) sum x. The sm90 PTX of the loop has no shared-memory layout
+  conversion (checked with `triton.compile` for sm90; the test suite's compile harness
+  style). At the Llama-3.1-8B shapes N / BLOCK_N >= 1024 programs fill 132 SMs without
+  split-K.
+- M > 4, `_w4_gemm_kernel`: a tiled tl.dot GEMM. The W^T tile is loaded as packed words
+  [BLOCK_K / per-word, BLOCK_N] (coalesced along K), split into nibbles, dequantized in fp32,
+  reshaped to [BLOCK_K, BLOCK_N], cast to the activations' dtype and fed to tl.dot with fp32
+  accumulation. For 4 < M <= 16 one
+  BLOCK_M=16 row tile covers every row, so this too streams the weight once with the
+  tensor cores doing the multiplies (the FMA path would be compute-bound there: 16 FMAs
+  per half byte). Programs run the M tiles of one weight tile next to each other, so a
+  weight tile is fetched from HBM about once.
+
+`w4_linear` (the torch custom op `atom::w4_linear`) launches them; `w4_linear_ref` is the
+torch reference on the same tensors.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
+
+FORMATS = ("int4", "mxfp4")
+MX_GROUP = 32
+#: values per packed element: int4 words hold 8 nibbles, MXFP4 bytes 2
+PER_ELEMENT = {"int4": 8, "mxfp4": 2}
+#: the largest M that runs the weight-streaming FMA kernel
+GEMV_MAX_M = 4
+
+# Tile table per regime (fixed; no autotune at import). Columns: the largest M of the
+# regime, then the tiles. Chosen from the byte and FLOP budget, not measured here:
+# - GEMV (M <= 4): 4 rows x 128 words (1024 columns) per step, one word per thread per row
+#   (BLOCK_W must be 32 x num_warps: the layout the kernel docstring describes), 2 KB of
+#   int4 / MXFP4 per step per program, N / 4 programs;
+# - M <= 16: one 16-row tile, K in chunks of 256 (the weight streams, the tensor cores do
+#   the products), 32 output columns, 16 below N = 8192 so that N = 4096 still gives 256
+#   programs (two per SM on the H200's 132) without split-K;
+# - M <= 64: 64 x 64 tiles, K 64; larger M: 128 x 128 x 64 with 8 warps (compute bound:
+#   the dequantization is spread over 128 rows of x).
+GEMV_TILES = dict(BLOCK_N=4, BLOCK_W=128, num_warps=4, num_stages=3)
+GEMM_TILES = (
+    (16, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+)
+
+
+def w4_config(M: int, N: int, K: int) -> tuple[str, dict]:
+    """(kernel name, tile config) for an [M, K] x [N, K]^T product (the tables above)."""
+    if M <= GEMV_MAX_M:
+        return "w4_gemv", dict(GEMV_TILES, BLOCK_M=max(1, triton.next_power_of_2(M)) if HAS_TRITON else 1)
+    for max_m, cfg in GEMM_TILES:
+        if max_m is None or M <= max_m:
+            cfg = dict(cfg)
+            if max_m == 16 and N < 8192:
+                cfg["BLOCK_N"] = 16
+            return "w4_gemm", cfg
+    raise AssertionError("unreachable")
+
+
+def kernel_name(M: int) -> str:
+    """Which kernel runs M rows (for the per-layer tables)."""
+    return "w4_gemv" if M <= GEMV_MAX_M else "w4_gemm"
+
+
+if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
+
+    @triton.jit
+    def _e2m1(u):
+        """fp32 values of e2m1 codes u (int32 0..15), without a conversion instruction:
+        F = float(0x3F000000 + (magnitude << 22)) is the e2m1 value for magnitudes 2..7
+        (exponent e + 126, the mantissa bit on top of the fraction) and 0.5, 0.75 for 0, 1,
+        so min(F, 2F - 1) is the value for all eight (0, 0.5 where F < 1); bit 3 then becomes
+        the float's sign bit."""
+        f = (((u & 7) << 22) + 0x3F000000).to(tl.float32, bitcast=True)
+        mag = tl.minimum(f, 2.0 * f - 1.0)
+        return (mag.to(tl.int32, bitcast=True) | ((u & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e8m0(s):
+        """fp32 2^(s - 127) of E8M0 exponents s (int32 0..255), exactly."""
+        return tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _group_terms(s_raw, z_raw, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
+        """Per group (computed at the scales' shape, before broadcasting to the nibbles):
+        int4 (offset, scale) with w = (float(0x4B000000 | u) - offset) * scale, offset =
+        2^23 + zero point (the magic-number conversion: no int-to-float instruction per
+        weight, exact for 0 <= u < 16); MXFP4 (unused, 2^(s - 127))."""
+        if FMT == 0:
+            if HAS_ZP:
+                off = z_raw.to(tl.float32) + 8388608.0
+            else:
+                off = tl.zeros_like(s_raw.to(tl.float32)) + 8388616.0  # 2^23 + 8
+            return off, s_raw.to(tl.float32)
+        else:
+            scale = _e8m0(s_raw.to(tl.int32))
+            return scale, scale
+
+    @triton.jit
+    def _dequant(u, off, scale, FMT: tl.constexpr):
+        """fp32 weights of nibbles u (int32 0..15) given their group's `_group_terms`."""
+        if FMT == 0:
+            return ((u | 0x4B000000).to(tl.float32, bitcast=True) - off) * scale
+        else:
+            return _e2m1(u) * scale
+
+    @triton.jit
+    def _row_acc(acc, f, off, scale, x_ptr, m: tl.constexpr, M, ks, k_ok, stride_xm, OFF: tl.constexpr):
+        """acc [BLOCK_N, BLOCK_W, 1] + the products of row m of x (columns ks [1, BLOCK_W, 8])
+        with the unscaled weights f summed per word, minus off x the word's sum of x when OFF,
+        times the word's scale."""
+        xm = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok & (ks * 0 + m < M), other=0.0).to(tl.float32)
+        t = tl.sum(f * xm, axis=2, keep_dims=True)
+        if OFF:
+            t = t - off * tl.sum(xm, axis=2, keep_dims=True)
+        return acc + t * scale
+
+    @triton.jit
+    def _row_store(acc, b_ptr, y_ptr, rows, row_ok, m: tl.constexpr, M, stride_ym, HAS_BIAS: tl.constexpr):
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok & (rows * 0 + m < M))
+
+    @triton.jit
+    def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, n_words,
+                        stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
+                        FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        """Programs own BLOCK_N rows of y for all M (<= BLOCK_M <= 4) rows of x. `w_ptr`:
+        int32 words of 8 nibbles, column 8j + i in nibble i of word j (int4 as stored; MXFP4's
+        bytes viewed as int32, which is the same order).
+
+        Layout (checked in the sm90 PTX: no shared-memory layout conversion in the loop): a
+        [BLOCK_N, BLOCK_W, 8] tile with one word per thread per row along K (BLOCK_W = 32 x
+        warps; a warp's word loads are one 128-byte line), the thread's 8 x values one
+        16-byte load. The word index goes through a `where` so that the compiler does not
+        vectorize the word loads into a layout x does not share. With groups that are a
+        multiple of 8 the scale multiplies once per word (after the 8 products are summed)."""
+        pdl_start(PDL)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        r64 = rows.to(tl.int64)
+        js = tl.arange(0, BLOCK_W)
+        es = tl.arange(0, 8)
+        shifts = (es * 4)[None, None, :]
+        OFF: tl.constexpr = FMT == 0 and GROUP % 8 == 0
+        acc0 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        for w0 in range(0, n_words, BLOCK_W):
+            jw = w0 + js
+            w_ok = jw < n_words
+            jl = tl.where(w_ok, jw, 0)
+            m3 = (row_ok[:, None] & w_ok[None, :])[:, :, None]
+            word = tl.load(w_ptr + (r64[:, None] * stride_wn + jl[None, :])[:, :, None], mask=m3, other=0)
+            u = (word >> shifts) & 0xF  # [BLOCK_N, BLOCK_W, 8]
+            ks = (jw[:, None] * 8 + es[None, :])[None, :, :]  # [1, BLOCK_W, 8]: the column of every nibble
+            k_ok = ks < K
+            if GROUP % 8 == 0:  # a word's nibbles share a group: its scale multiplies their sum
+                grp = (jl * 8) // GROUP
+                s3 = tl.load(s_ptr + (r64[:, None] * stride_sn + grp[None, :])[:, :, None], mask=m3, other=0)
+                z3 = s3
+                if HAS_ZP:
+                    z3 = tl.load(z_ptr + (r64[:, None] * stride_zn + grp[None, :])[:, :, None], mask=m3, other=8)
+                if FMT == 0:
+                    # f = 1 + u/16 (float bits 0x3F800000 | u << 19, exact), and per word
+                    # sum (u - z) x / 16 = sum f x - (1 + z/16) sum x: one FMA a weight
+                    f = (0x3F800000 | (u << 19)).to(tl.float32, bitcast=True)
+                    zq = z3.to(tl.float32) if HAS_ZP else 8.0
+                    off = 1.0 + zq * 0.0625
+                    scale = s3.to(tl.float32) * 16.0
+                else:
+                    f = _e2m1(u)
+                    off = 0.0
+                    scale = _e8m0(s3.to(tl.int32))
+            else:  # groups that split a word (int4 only): every nibble its own scale
+                grp = ks // GROUP
+                g_ok = row_ok[:, None, None] & k_ok
+                s3 = tl.load(s_ptr + r64[:, None, None] * stride_sn + grp, mask=g_ok, other=0)
+                z3 = s3
+                if HAS_ZP:
+                    z3 = tl.load(z_ptr + r64[:, None, None] * stride_zn + grp, mask=g_ok, other=8)
+                off, sc = _group_terms(s3, z3, FMT, HAS_ZP)
+                f = _dequant(u, off, sc, FMT)
+                off = 0.0
+                scale = 1.0
+            acc0 = _row_acc(acc0, f, off, scale, x_ptr, 0, M, ks, k_ok, stride_xm, OFF)
+            if BLOCK_M > 1:
+                acc1 = _row_acc(acc1, f, off, scale, x_ptr, 1, M, ks, k_ok, stride_xm, OFF)
+            if BLOCK_M > 2:
+                acc2 = _row_acc(acc2, f, off, scale, x_ptr, 2, M, ks, k_ok, stride_xm, OFF)
+                acc3 = _row_acc(acc3, f, off, scale, x_ptr, 3, M, ks, k_ok, stride_xm, OFF)
+        _row_store(acc0, b_ptr, y_ptr, rows, row_ok, 0, M, stride_ym, HAS_BIAS)
+        if BLOCK_M > 1:
+            _row_store(acc1, b_ptr, y_ptr, rows, row_ok, 1, M, stride_ym, HAS_BIAS)
+        if BLOCK_M > 2:
+            _row_store(acc2, b_ptr, y_ptr, rows, row_ok, 2, M, stride_ym, HAS_BIAS)
+            _row_store(acc3, b_ptr, y_ptr, rows, row_ok, 3, M, stride_ym, HAS_BIAS)
+
+    @triton.jit
+    def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, n_words,
+                        stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
+                        FMT: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A BLOCK_M x BLOCK_N tile of y; the M tiles of one weight tile are neighbours."""
+        pdl_start(PDL)
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % num_m
+        pid_n = pid // num_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        rn64 = rn.to(tl.int64)
+        BLOCK_W: tl.constexpr = BLOCK_K // PER
+        es = tl.arange(0, PER)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + ks[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            # W^T as packed words [BLOCK_W, BLOCK_N] (coalesced along K: a row's words are
+            # contiguous), split into [BLOCK_W, PER, BLOCK_N] nibbles, dequantized, then viewed
+            # as [BLOCK_K, BLOCK_N] (column k = word * PER + nibble)
+            jw = k0 // PER + tl.arange(0, BLOCK_W)
+            wk = (jw < n_words)[:, None] & n_ok[None, :]
+            word = tl.load(w_ptr + rn64[None, :] * stride_wn + jw[:, None], mask=wk, other=0).to(tl.int32)
+            u = (word[:, None, :] >> (es * 4)[None, :, None]) & 0xF
+            ks3 = jw[:, None] * PER + es[None, :]  # [BLOCK_W, PER]
+            k3_ok = (ks3 < K)[:, :, None] & n_ok[None, None, :]
+            if GROUP % PER == 0:  # one scale per word
+                grp = (jw * PER) // GROUP
+                s_raw = tl.load(s_ptr + rn64[None, :] * stride_sn + grp[:, None], mask=wk, other=0)[:, None, :]
+                z_raw = s_raw
+                if HAS_ZP:
+                    z_raw = tl.load(z_ptr + rn64[None, :] * stride_zn + grp[:, None], mask=wk, other=8)[:, None, :]
+            else:
+                grp = (ks3 // GROUP)[:, :, None]
+                s_raw = tl.load(s_ptr + rn64[None, None, :] * stride_sn + grp, mask=k3_ok, other=0)
+                z_raw = s_raw
+                if HAS_ZP:
+                    z_raw = tl.load(z_ptr + rn64[None, None, :] * stride_zn + grp, mask=k3_ok, other=8)
+            off, scale = _group_terms(s_raw, z_raw, FMT, HAS_ZP)
+            w3 = tl.where(k3_ok, _dequant(u, off, scale, FMT), 0.0)  # columns past K (padding nibbles): 0
+            w = tl.reshape(w3, [BLOCK_K, BLOCK_N])
+            w = w.to(a.dtype)
+            if DOT_F32:  # the interpreter: same rounding of W, the product in fp32 (see _dot_f32)
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _dot_f32(x: torch.Tensor) -> bool:
+    """Whether the GEMM multiplies in fp32: only under the interpreter (TRITON_INTERPRET=1,
+    CPU tensors), whose tl.dot mishandles bf16 (numpy has no bf16). The weight tile is still
+    rounded to the activation dtype first, so the result is what the tensor cores compute."""
+    return not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check(x, packed, scales, zeros, bias, fmt: str, group: int, k: int) -> None:
+    """Shapes and dtypes of a 4-bit product; raises ValueError naming the argument."""
+    if fmt not in FORMATS:
+        raise ValueError(f"w4_linear: fmt={fmt!r}, allowed {FORMATS}")
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"w4_linear: x must be [M, {k}] with a contiguous last dim, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"w4_linear: x dtype {x.dtype}, allowed bfloat16, float16, float32")
+    per = PER_ELEMENT[fmt]
+    N = packed.shape[0]
+    want_dtype = torch.int32 if fmt == "int4" else torch.uint8
+    if packed.dtype != want_dtype or packed.shape[1] != -(-k // per) or packed.stride(1) != 1:
+        raise ValueError(f"w4_linear: packed must be {want_dtype} [N, {-(-k // per)}] row-major for "
+                         f"{fmt} with K={k}, got {packed.dtype} {tuple(packed.shape)}")
+    if fmt == "mxfp4" and group != MX_GROUP:
+        raise ValueError(f"w4_linear: mxfp4 has group {MX_GROUP}, got group={group}")
+    if group <= 0 or k % group:
+        raise ValueError(f"w4_linear: group={group} must divide K={k}")
+    if tuple(scales.shape) != (N, k // group) or scales.stride(1) != 1:
+        raise ValueError(f"w4_linear: scales must be [{N}, {k // group}], got {tuple(scales.shape)}")
+    if zeros is not None and (fmt != "int4" or tuple(zeros.shape) != (N, k // group) or zeros.stride(1) != 1):
+        raise ValueError(f"w4_linear: zeros (int4 only) must be [{N}, {k // group}], got {tuple(zeros.shape)}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"w4_linear: bias must be [{N}], got {tuple(bias.shape)}")
+
+
+def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], fmt: str, group: int, k: int,
+                     config: Optional[dict] = None) -> torch.Tensor:
+    """Launches the kernel `w4_config` picks for x [M, K] -> y [M, N] in x's dtype; `config`
+    overrides it (tiles as in the tables, plus "kernel": "w4_gemv" or "w4_gemm")."""
+    if not HAS_TRITON:
+        raise RuntimeError("w4_linear needs triton; use w4_linear_ref without it")
+    _check(x, packed, scales, zeros, bias, fmt, group, k)
+    M, N = x.shape[0], packed.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    name, cfg = w4_config(M, N, k)
+    if config is not None:
+        cfg = dict(config)
+        name = cfg.pop("kernel", name)
+    z = zeros if zeros is not None else scales
+    b = bias if bias is not None else y
+    common = dict(FMT=FORMATS.index(fmt), PER=PER_ELEMENT[fmt], GROUP=group, HAS_ZP=zeros is not None,
+                  HAS_BIAS=bias is not None, **pdl_args(x))
+    if name == "w4_gemv":
+        if cfg["BLOCK_M"] < M:
+            raise ValueError(f"w4_linear: the GEMV's BLOCK_M={cfg['BLOCK_M']} must cover M={M}")
+        if cfg["BLOCK_M"] > 4:
+            raise ValueError(f"w4_linear: the GEMV runs at most 4 rows, got BLOCK_M={cfg['BLOCK_M']}")
+        words = packed if fmt == "int4" else packed.view(torch.int32)  # MXFP4: 4 bytes = 8 nibbles in order
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
+        common.pop("PER")
+        _w4_gemv_kernel[grid](x, words, scales, z, b, y, M, N, k, words.shape[1], x.stride(0),
+                              words.stride(0), scales.stride(0), z.stride(0), y.stride(0), **common, **cfg)
+    else:
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        _w4_gemm_kernel[grid](x, packed, scales, z, b, y, M, N, k, packed.shape[1], x.stride(0), packed.stride(0),
+                              scales.stride(0), z.stride(0), y.stride(0),
+                              DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                              DOT_F32=_dot_f32(x), **common, **cfg)
+    return y
+
+
+@torch.library.custom_op("atom::w4_linear", mutates_args=())
+def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+              bias: Optional[torch.Tensor], fmt: str, group: int, k: int) -> torch.Tensor:
+    """x [M, K] W^T (+ b) -> [M, N] in x's dtype, W the 4-bit weight described in the module
+    docstring; opaque to torch.compile (only its output shape is traced)."""
+    return w4_linear_launch(x, packed, scales, zeros, bias, fmt, group, k)
+
+
+@w4_linear.register_fake
+def _(x, packed, scales, zeros, bias, fmt, group, k):
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
+def dequantize_w4(packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], fmt: str,
+                  group: int, k: int) -> torch.Tensor:
+    """fp32 [N, K] of the kernels' weight tensors (torch, any device)."""
+    per = PER_ELEMENT[fmt]
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * 4
+    u = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF).flatten(-2)[:, :k]
+    s = scales.repeat_interleave(group, 1)
+    if fmt == "int4":
+        z = zeros.to(torch.int32).repeat_interleave(group, 1) if zeros is not None else 8
+        return (u - z).float() * s.float()
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=packed.device)
+    vals = e2m1[(u & 7).long()] * torch.where((u & 8) != 0, -1.0, 1.0)
+    return vals * torch.ldexp(torch.ones_like(s, dtype=torch.float32), s.to(torch.int32) - 127)
+
+
+def w4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                  bias: Optional[torch.Tensor], fmt: str, group: int, k: int) -> torch.Tensor:
+    """The torch reference: dequantize to fp32, multiply in fp32, return x's dtype."""
+    w = dequantize_w4(packed, scales, zeros, fmt, group, k)
+    y = x.float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+#: what the 4-bit methods report as their GPU kernel (`kernel` attribute, `kernel_for(layer)`)
+KERNEL_DESCRIPTION = f"atom::w4_linear (triton w4_gemv for M<={GEMV_MAX_M}, w4_gemm above)"
+REFERENCE_DESCRIPTION = "torch reference (dequantize to fp32, F.linear)"
+
+
+def use_w4_kernel(x: torch.Tensor) -> bool:
+    """The 4-bit methods run the Triton kernels for CUDA inputs when Triton is there; CPU
+    keeps the torch reference."""
+    return HAS_TRITON and x.is_cuda
+
+
+def kernel_for_weight(weight: torch.Tensor) -> str:
+    """What runs a 4-bit layer whose packed weight is `weight`: the Triton kernels on CUDA,
+    else the torch reference (the per-layer tables' `kernel` column)."""
+    return KERNEL_DESCRIPTION if HAS_TRITON and weight.is_cuda else REFERENCE_DESCRIPTION
+
+
+def w4_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+               bias: Optional[torch.Tensor], fmt: str, group: int, k: int) -> torch.Tensor:
+    """x [..., K] W^T (+ b) -> [..., N] through `atom::w4_linear` (leading dims flattened)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.ops.atom.w4_linear(x2, packed, scales, zeros, bias, fmt, group, k)
+    return y.reshape(*lead, packed.shape[0])

@@ -1,0 +1,410 @@
+"""The 4-bit weight-only GPU kernels (`atom.model_ops.kernels.w4_gemm`: W4A16 int4 groups and
+MXFP4) against torch references: the op on random packed tensors under the Triton
+interpreter (both kernels, odd K and group sizes, M = 1, 3, 17, 64, bf16 / fp16), the int4
+and MXFP4 linear methods' GPU branch against their own CPU reference (the same layer, the
+same checkpoint tensors), the tile table, the argument checks, and (marked gpu) the
+Llama-3.1-8B shapes on the device."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import atom.model_ops.quant.int4 as int4_mod
+import atom.model_ops.quant.mxfp4 as mxfp4_mod
+from atom.model_ops.kernels import w4_gemm
+from atom.model_ops.kernels.w4_gemm import (GEMV_MAX_M, dequantize_w4, w4_config, w4_linear, w4_linear_launch,
+                                            w4_linear_ref)
+from atom.model_ops.linear import Linear, QKVLinear
+from atom.model_ops.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from atom.quant_spec import LayerQuantConfig, QuantType
+from test_quant_int4_layouts import quark_int4
+from test_quant_methods import q_int4
+
+FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+# bf16 keeps 8 significant bits (one rounding of the output, and on the tl.dot path of the
+# dequantized weight: ~2^-8 relative at the largest output), fp16 11
+TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def random_w4(fmt: str, N: int, K: int, g: int, zp: bool, device="cpu", seed=0):
+    """Random packed tensors in the kernels' layout (every nibble value, scales near 1 / K)."""
+    gen = torch.Generator().manual_seed(seed)
+    if fmt == "int4":
+        packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (N, -(-K // 8)), generator=gen, dtype=torch.int32)
+        scales = (torch.rand(N, K // g, generator=gen) / K ** 0.5).bfloat16()
+        zeros = torch.randint(0, 16, (N, K // g), generator=gen, dtype=torch.int8) if zp else None
+    else:
+        packed = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(118, 126, (N, K // 32), generator=gen, dtype=torch.uint8)
+        zeros = None
+    return [t.to(device) if t is not None else None for t in (packed, scales, zeros)]
+
+
+# (fmt, N, K, group, asymmetric): K past the last full tile, groups that divide no tile (20, 48)
+OP_CASES = [("int4", 12, 96, 32, False), ("int4", 10, 192, 48, True), ("int4", 9, 100, 20, True),
+            ("int4", 16, 64, 64, False), ("mxfp4", 12, 96, 32, False), ("mxfp4", 9, 160, 32, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 17, 64])
+@pytest.mark.parametrize("fmt, N, K, g, zp", OP_CASES)
+def test_op_matches_torch_reference(fmt, N, K, g, zp, M, dtype):
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp)
+    torch.manual_seed(M)
+    x = torch.randn(M, K).to(dtype)
+    bias = torch.randn(N).to(dtype) if M % 2 else None
+    y = w4_linear(x, packed, scales, zeros, bias, fmt, g, K)
+    ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert rel_err(y, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("kernel", ["w4_gemv", "w4_gemm"])
+def test_both_kernels_at_the_same_m(kernel):
+    """M = 3 through either kernel (the table picks the GEMV): the same products."""
+    packed, scales, zeros = random_w4("int4", 20, 136, 8, True)
+    x = torch.randn(3, 136).to(torch.float16)
+    cfg = dict(kernel=kernel, BLOCK_M=4, BLOCK_N=4, BLOCK_W=8) if kernel == "w4_gemv" else \
+        dict(kernel=kernel, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
+    y = w4_linear_launch(x, packed, scales, zeros, None, "int4", 8, 136, config=cfg)
+    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, None, "int4", 8, 136)) < TOL[torch.float16]
+
+
+def test_mxfp4_decode_of_every_code_and_scale_edge():
+    """The in-register e2m1 and E8M0 decode: all 16 codes (both nibbles) and scales 0
+    (2^-127, a subnormal), 1, 127, 200 against `dequantize_mxfp4`."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = (codes.repeat(4) | (codes.flip(0).repeat(4) << 4)).reshape(4, 16)  # K = 32: one group per row
+    scales = torch.tensor([[0], [1], [127], [200]], dtype=torch.uint8)
+    w = dequantize_mxfp4(packed, scales)
+    for i in range(32):  # one-hot rows of x pick out each column
+        x = torch.zeros(1, 32)
+        x[0, i] = 1.0
+        y = w4_linear(x, packed, scales, None, None, "mxfp4", 32, 32)
+        torch.testing.assert_close(y[0], w[:, i], rtol=0, atol=0)
+    assert torch.equal(dequantize_w4(packed, scales, None, "mxfp4", 32, 32), w)
+
+
+def test_op_traces_under_fake_tensors():
+    packed, scales, zeros = random_w4("int4", 8, 64, 32, True)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.atom.w4_linear.default, (x, packed, scales, zeros, None, "int4", 32, 64),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_tile_table_regimes():
+    assert [w4_config(m, 4096, 4096)[0] for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1, 16, 64, 512)] == \
+        ["w4_gemv"] * 2 + ["w4_gemm"] * 4
+    assert w4_config(3, 4096, 4096)[1]["BLOCK_M"] == 4  # every row in one program
+    assert w4_config(16, 4096, 4096)[1]["BLOCK_M"] == 16  # one row tile: the weight streams once
+    assert w4_config(16, 4096, 4096)[1]["BLOCK_N"] == 16 and w4_config(16, 28672, 4096)[1]["BLOCK_N"] == 32
+    assert w4_config(64, 4096, 4096)[1]["BLOCK_M"] == 64
+    assert w4_config(512, 4096, 4096)[1]["BLOCK_M"] == 128
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(fmt="int3"), "fmt='int3'"),
+    (dict(group=24), "group=24 must divide K=64"),
+    (dict(packed=torch.zeros(8, 8, dtype=torch.uint8)), "packed must be torch.int32"),
+    (dict(scales=torch.ones(8, 3)), r"scales must be \[8, 2\]"),
+    (dict(x=torch.randn(2, 63)), r"x must be \[M, 64\]"),
+])
+def test_bad_arguments_name_the_field(bad, match):
+    packed, scales, zeros = random_w4("int4", 8, 64, 32, False)
+    args = dict(x=torch.randn(2, 64), packed=packed, scales=scales, zeros=zeros, bias=None, fmt="int4", group=32,
+                k=64)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        w4_linear_launch(**args)
+
+
+# ---------------------------------------------------------------------------
+# the methods' GPU branch (forced onto CPU tensors, interpreted) vs their CPU reference
+# ---------------------------------------------------------------------------
+
+class OneSpec:
+    def __init__(self, s):
+        self.s = s
+
+    def get_layer_quant_config(self, prefix):
+        return self.s
+
+
+def int4_layer(kind: str, g, sym: bool, quark: bool = False):
+    method = "quark" if quark else "compressed-tensors"
+    spec = LayerQuantConfig(QuantType.per_1x32 if g else QuantType.per_Token, torch.uint8, True, method,
+                            group_size=g, symmetric=sym, act_scheme="none")
+    qc = OneSpec(spec)
+    layer = (Linear(224, 24, bias=True, quant_config=qc, prefix="t.proj") if kind == "linear"
+             else QKVLinear(128, 16, 4, 2, quant_config=qc, prefix="t.qkv_proj"))
+    torch.manual_seed(1)
+    for sid in layer.shard_ids():
+        w = torch.randn(layer.shard_range(sid)[1], layer.in_features)
+        t = quark_int4(w, g, 0 if sym else -3)[0] if quark else q_int4(w, g, sym)[0]
+        for n, v in t.items():
+            p = getattr(layer, n)
+            p.weight_loader(p, v, sid)
+    if layer.bias is not None:
+        layer.bias.weight_loader(layer.bias, torch.randn(layer.out_features), None)
+    layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+def mxfp4_layer(kind: str, act: str):
+    extra = dict(act_scheme="group", act_group_size=32, act_dtype="fp4x2") if act == "mxfp4" else \
+        dict(act_scheme="none")
+    spec = LayerQuantConfig(QuantType.per_1x32, FP4, True, "compressed-tensors", group_size=32, symmetric=True,
+                            **extra)
+    qc = OneSpec(spec)
+    layer = (Linear(192, 24, bias=True, quant_config=qc, prefix="t.proj") if kind == "linear"
+             else QKVLinear(128, 16, 4, 2, quant_config=qc, prefix="t.qkv_proj"))
+    torch.manual_seed(2)
+    for sid in layer.shard_ids():
+        packed, scales = quantize_mxfp4(torch.randn(layer.shard_range(sid)[1], layer.in_features))
+        for n, v in (("weight_packed", packed), ("weight_scale", scales)):
+            p = getattr(layer, n)
+            p.weight_loader(p, v, sid)
+    if layer.bias is not None:
+        layer.bias.weight_loader(layer.bias, torch.randn(layer.out_features), None)
+    layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+LAYERS = {
+    "int4_g32_sym": lambda kind: int4_layer(kind, 32, True),
+    "int4_g8_asym": lambda kind: int4_layer(kind, 8, False),
+    "int4_channel_asym": lambda kind: int4_layer(kind, None, False),
+    "int4_quark_g32": lambda kind: int4_layer(kind, 32, True, quark=True),
+    "mxfp4": lambda kind: mxfp4_layer(kind, "none"),
+    "mxfp4_act_mxfp4": lambda kind: mxfp4_layer(kind, "mxfp4"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["linear", "qkv"])
+@pytest.mark.parametrize("fmt", list(LAYERS))
+def test_method_gpu_branch_matches_its_reference(fmt, kind, dtype, monkeypatch):
+    layer = LAYERS[fmt](kind)
+    xs = [torch.randn(m, layer.in_features).to(dtype) for m in (1, 3, 17)] + \
+        [torch.randn(2, 2, layer.in_features).to(dtype)]
+    refs = [layer(x) for x in xs]  # the torch reference (CPU)
+    called = []
+    real = w4_gemm.w4_linear_launch
+
+    def spy(*args, **kwargs):
+        called.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(w4_gemm, "w4_linear_launch", spy)
+    mod = int4_mod if fmt.startswith("int4") else mxfp4_mod
+    monkeypatch.setattr(mod, "use_w4_kernel", lambda x: True)
+    for x, ref in zip(xs, refs):
+        y = layer(x)
+        assert y.shape == ref.shape and y.dtype == dtype
+        assert rel_err(y, ref) < TOL[dtype], (x.shape, rel_err(y, ref))
+    assert called == [1, 3, 17, 4]  # every product went through the kernel
+
+
+def test_int4_keeps_packed_bytes_and_bf16_scales():
+    """No dequantized copy: the layer holds the packed words, bf16 scales (exact: the
+    checkpoint's) and int8 zero points; `kernel_for` names the kernel on CUDA only."""
+    layer = int4_layer("linear", 8, False)
+    assert layer.weight_scale.dtype == torch.bfloat16 and layer.zero_point.dtype == torch.int8
+    dense = layer.out_features * layer.in_features * 2
+    assert layer.method.weight_bytes(layer) < 0.5 * dense  # 0.5 + 3 / 8 bytes a weight at g8, vs 2
+    assert layer.method.format(layer) == "int4 g8 asym"
+    assert "w4_gemv" in layer.method.kernel
+    assert layer.method.kernel_for(layer) == w4_gemm.REFERENCE_DESCRIPTION  # CPU
+    on_gpu = w4_gemm.kernel_for_weight(types.SimpleNamespace(is_cuda=True))
+    assert on_gpu == (w4_gemm.KERNEL_DESCRIPTION if w4_gemm.HAS_TRITON else w4_gemm.REFERENCE_DESCRIPTION)
+
+
+def test_per_layer_table_names_the_kernel():
+    from atom.model_ops.quant import describe_layers
+    model = torch.nn.ModuleDict({"a": int4_layer("linear", 32, True), "b": mxfp4_layer("qkv", "none")})
+    rows = {r["layer"]: r for r in describe_layers(model)}
+    assert rows["a"]["kernel"] == rows["b"]["kernel"] == w4_gemm.REFERENCE_DESCRIPTION
+    assert rows["a"]["format"] == "int4 g32 sym"
+
+
+# ---------------------------------------------------------------------------
+# the device (run by the integrator on the H200)
+# ---------------------------------------------------------------------------
+
+LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64, 512])
+@pytest.mark.parametrize("N, K", LLAMA)
+@pytest.mark.parametrize("fmt, g, zp", [("int4", 128, False), ("int4", 128, True), ("int4", 32, False),
+                                        ("mxfp4", 32, False)])
+def test_gpu_llama_shapes(fmt, g, zp, N, K, M):
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=N + K)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16) if M == 8 else None
+    y = torch.ops.atom.w4_linear(x, packed, scales, zeros, bias, fmt, g, K)
+    ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    assert rel_err(y, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", list(LAYERS))
+def test_gpu_method_matches_its_reference(fmt, dtype):
+    layer = LAYERS[fmt]("qkv")
+    xs = [torch.randn(m, layer.in_features).to(dtype) for m in (1, 8, 64)]
+    refs = [layer(x) for x in xs]
+    layer.to("cuda")
+    assert layer.method.kernel_for(layer) == w4_gemm.KERNEL_DESCRIPTION
+    for x, ref in zip(xs, refs):
+        y = layer(x.cuda())
+        assert rel_err(y.cpu(), ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_layer_traces_through_the_op():
+    layer = LAYERS["int4_g32_sym"]("linear").to("cuda")
+    x = torch.randn(4, layer.in_features, device="cuda", dtype=torch.bfloat16)
+    ref = layer(x)
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), ref)
+
+
+# ---------------------------------------------------------------------------
+# the MoE MXFP4 experts (GPT-OSS): each expert's products through the kernel
+# ---------------------------------------------------------------------------
+
+def mxfp4_experts(E=4, H=96, I=64, device="cpu"):
+    """A stand-in for a FusedMoE holding MXFP4 experts (what `Mxfp4MoEMethod.apply` reads)."""
+    from atom.model_ops.moe.mxfp4_method import Mxfp4MoEMethod
+    torch.manual_seed(3)
+    w13, s13 = quantize_mxfp4(torch.randn(E, 2 * I, H) * 0.2)
+    w2, s2 = quantize_mxfp4(torch.randn(E, H, I) * 0.2)
+
+    def act(h):
+        return (F_silu(h[:, :I].float()) * h[:, I:].float()).to(h.dtype)
+
+    layer = types.SimpleNamespace(w13_weight=w13, w13_weight_scale=s13, w2_weight=w2, w2_weight_scale=s2,
+                                  w13_bias=torch.randn(E, 2 * I), w2_bias=torch.randn(E, H), activation=act,
+                                  num_experts=E)
+    for n in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", "w13_bias", "w2_bias"):
+        setattr(layer, n, getattr(layer, n).to(device))
+    spec = LayerQuantConfig(QuantType.per_1x32, FP4, True, "mxfp4", group_size=32, act_scheme="none")
+    return Mxfp4MoEMethod(spec, "t.experts"), layer
+
+
+def F_silu(x):
+    return x * torch.sigmoid(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_moe_mxfp4_kernel_branch_matches_its_reference(T, dtype, monkeypatch):
+    import atom.model_ops.moe.mxfp4_method as moe_mod
+    method, layer = mxfp4_experts()
+    x = torch.randn(T, 96).to(dtype)
+    ids = torch.randint(0, 4, (T, 2))
+    weights = torch.rand(T, 2).to(dtype)
+    ref = method.apply(layer, x, weights, ids)
+    calls = []
+    real = w4_gemm.w4_linear_launch
+    monkeypatch.setattr(w4_gemm, "w4_linear_launch", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(moe_mod, "use_w4_kernel", lambda x: True)
+    y = method.apply(layer, x, weights, ids)
+    assert y.dtype == dtype and y.shape == ref.shape
+    assert rel_err(y, ref) < 2 * TOL[dtype]  # two products, the activation rounded between them
+    assert len(calls) == 2 * len(ids.unique())  # two products per expert that got tokens
+    assert method.kernel_for(layer) == w4_gemm.REFERENCE_DESCRIPTION  # CPU tensors
+
+
+@pytest.mark.gpu
+def test_gpu_moe_mxfp4_matches_its_reference():
+    method, layer = mxfp4_experts(E=8, H=256, I=128)
+    x = torch.randn(24, 256, dtype=torch.bfloat16)
+    ids = torch.randint(0, 8, (24, 2))
+    weights = torch.rand(24, 2, dtype=torch.bfloat16)
+    ref = method.apply(layer, x, weights, ids)
+    _, gpu = mxfp4_experts(E=8, H=256, I=128, device="cuda")
+    y = method.apply(gpu, x.cuda(), weights.cuda(), ids.cuda())
+    assert method.kernel_for(gpu) == w4_gemm.KERNEL_DESCRIPTION
+    assert rel_err(y.cpu(), ref) < 2 * TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------
+# the compiled path: built for sm90 without a GPU (as tests/test_kernel_compile.py does)
+# ---------------------------------------------------------------------------
+
+def _loop_body(ptx: str) -> str:
+    body = ptx[ptx.index("Inner Loop Header"):]
+    return body[:body.index("bra")]
+
+
+def _compile_w4() -> dict:
+    """Child process: the GEMV and GEMM for sm90 per format; what their PTX shows."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from test_kernel_compile import _signature
+    out = {}
+    aligned = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
+               "n_words", "K")  # what the JIT specializes (16-divisible) at the Llama shapes
+    for fmt, group, zp in ((0, 128, False), (0, 64, True), (1, 32, False)):
+        types = {"w_ptr": "*i32", "s_ptr": "*bf16" if fmt == 0 else "*u8", "z_ptr": "*i8", "b_ptr": "*bf16"}
+        for kind, kernel, consts, warps in (
+                ("gemv1", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_W=128), 4),
+                ("gemv4", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=4, BLOCK_N=4, BLOCK_W=128), 4),
+                ("gemm16", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, PER=8 - 6 * fmt,
+                                                          DOT_PREC="tf32", DOT_F32=False), 4),
+                ("gemm128", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER=8 - 6 * fmt,
+                                                           DOT_PREC="tf32", DOT_F32=False), 8)):
+            c = dict(FMT=fmt, GROUP=group, HAS_ZP=zp, HAS_BIAS=True, PDL=True, **consts)
+            t = dict(types, w_ptr="*u8") if kind.startswith("gemm") and fmt == 1 else types
+            attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in kernel.arg_names}
+            src = ASTSource(fn=kernel, signature=_signature(kernel, c, t), constexprs=c, attrs=attrs)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+            loop = _loop_body(ptx)
+            out[f"{kind}_{fmt}_{group}"] = dict(pdl="griddepcontrol.wait" in ptx, mma="mma" in ptx,
+                                                loop_bar_sync="bar.sync" in loop,
+                                                loop_int_to_float="cvt.rn.f32.s32" in loop)
+    return out
+
+
+def test_kernels_compile_for_sm90_without_layout_shuffles_in_the_gemv():
+    import json
+    import os
+    import subprocess
+    import sys
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no ptxas for NVIDIA targets")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-W", "ignore", os.path.abspath(__file__)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(got) == 12
+    for name, flags in got.items():
+        assert flags["pdl"], name  # waits for the kernel in front (programmatic dependent launch)
+        assert not flags["loop_int_to_float"], name  # nibbles become floats by bit tricks
+        if name.startswith("gemv"):
+            assert not flags["loop_bar_sync"], name  # the streaming loop never goes through shared memory
+        else:
+            assert flags["mma"], name  # tensor cores
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(_compile_w4()))
