@@ -109,6 +109,8 @@ if HAS_TRITON:
                 xs = tl.load(xs_ptr + rm * stride_xs + kb, mask=m_ok, other=0.0)
                 ws = tl.load(ws_ptr + rn * stride_ws + kb, mask=n_ok, other=0.0)
                 acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
+            elif INT:  # int8 x int8 accumulates exactly in int32 (tl.dot's default is fp32)
+                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             else:
                 acc = tl.dot(a, b, acc)
             xp += BLOCK_K
