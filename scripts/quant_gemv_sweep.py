@@ -34,8 +34,8 @@ def fp8_cases(N, K):
           for _ in range(copies(N * K))]
     wsc = torch.rand(N, device="cuda") * 1e-3
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    for bn, bk, nw in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096), (4, 8)):
-        cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=3)
+    for bn, bk, nw, ahead in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (False, True)):
+        cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=3, AHEAD=ahead)
 
         def call(w, cfg=cfg):
             xq, xs = act_quant_launch(x, "fp8", K, 448.0)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from atom.model_ops.kernels.act_quant import act_quant, act_quant_launch, act_quant_ref
-from atom.model_ops.kernels.quant_gemm import (gemm_config, quant_gemm, quant_gemm_launch, quant_gemm_ref,
-                                                quant_gemv, quant_gemv_launch)
+from atom.model_ops.kernels.quant_gemm import (gemm_config, gemv_config, quant_gemm, quant_gemm_launch,
+                                                quant_gemm_ref, quant_gemv, quant_gemv_launch)
 from atom.model_ops.kernels.triton_import import HAS_TRITON
 from atom.model_ops.quant import common, fp8, int8
 from atom.model_ops.quant.common import fake_quant_act
@@ -122,6 +122,8 @@ def test_gemv_and_gemm_row_column_scales(kind, M, N, K, dtype):
         _close(quant_gemm_launch(xq, xs, wq, ws, b, dtype, config=cfg), ref, dtype)
         if M <= 17:
             _close(quant_gemv_launch(xq, xs, wq, ws, b, dtype), ref, dtype)
+            ahead = dict(gemv_config(M), AHEAD=True, BLOCK_K=32)  # the next tile in flight, K past the last
+            _close(quant_gemv_launch(xq, xs, wq, ws, b, dtype, config=ahead), ref, dtype)
     # one (per-tensor) activation scale
     one = xs[:1]
     _close(quant_gemm(xq, one, wq, ws, None, dtype), quant_gemm_ref(xq, one, wq, ws, None, dtype), dtype)

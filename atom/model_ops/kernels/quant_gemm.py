@@ -40,7 +40,7 @@ if HAS_TRITON:
     @triton.jit
     def _qgemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       stride_xs, stride_ws, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                      BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         ms = tl.arange(0, BLOCK_M)
@@ -53,11 +53,15 @@ if HAS_TRITON:
         else:
             acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         # The first weight tile is loaded before waiting for the quantizer in front (PDL):
-        # the weights do not depend on it; each next tile is loaded after the current is used.
+        # the weights do not depend on it; with AHEAD each next tile is loaded before the
+        # current one is used (two in flight, as the bf16 GEMV does), else after.
         w = tl.load(w_ptrs, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
         pdl_start(PDL)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (ks + k0) < K
+            if AHEAD:
+                w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=row_ok[:, None] & (ks + k0 + BLOCK_K < K)[None, :],
+                                 other=0.0)
             x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             wf = w.to(tl.float32)
             if BLOCKS:  # BLOCK_K is the scale block: this chunk is block k0 // BLOCK_K
@@ -68,7 +72,11 @@ if HAS_TRITON:
                 acc += part * xs[:, None] * ws[None, :]
             else:
                 acc3 += x[:, None, :] * wf[None, :, :]
-            w = tl.load(w_ptrs + (k0 + BLOCK_K), mask=row_ok[:, None] & (ks + k0 + BLOCK_K < K)[None, :], other=0.0)
+            if AHEAD:
+                w = w_next
+            else:
+                w = tl.load(w_ptrs + (k0 + BLOCK_K), mask=row_ok[:, None] & (ks + k0 + BLOCK_K < K)[None, :],
+                            other=0.0)
         if not BLOCKS:
             xs = tl.load(xs_ptr + ms * stride_xs, mask=m_ok, other=0.0)
             ws = tl.load(ws_ptr + rows * stride_ws, mask=row_ok, other=0.0)
@@ -128,16 +136,18 @@ if HAS_TRITON:
 
 
 def gemv_config(M: int, block_k: int = 0) -> dict:
-    """GEMV tiles: a fixed budget of 4096 fp32 partial sums per program (32 registers a
-    thread at 4 warps): two weight rows and 2048 / M columns per step (2048 one-byte weights
-    a row at M = 1, twice the bytes per step of the bf16 GEMV's 1024 two-byte ones); with
+    """GEMV tiles: eight weight rows and 512 / M columns per step (4096 fp32 partial sums a
+    program, 32 registers a thread at 4 warps): the best of 32 tilings at M = 1 on every
+    Llama-3.1-8B shape on the H200 (`scripts/quant_gemv_sweep.py`: 1.6-2.0 TB/s of fp8
+    weights with the activation quantizer; two rows x 2048 columns reached 1.4-1.5); the
+    tile loaded ahead (AHEAD) is a candidate of the sweep, off until measured; with
     blocks the chunk is the block (128) and 16 rows share a program, so that a step's
     [16, 128] weight tile is one 16-byte load per thread (the block's partial sums are
     reduced at every step, M x 16 x 128 products at most 8192 at M = 4)."""
     bm = triton.next_power_of_2(max(M, 1))
     if block_k:
-        return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=bm, BLOCK_N=2, BLOCK_K=max(128, 2048 // bm), num_warps=4, num_stages=3)
+        return dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=3, AHEAD=False)
+    return dict(BLOCK_M=bm, BLOCK_N=8, BLOCK_K=max(128, 512 // bm), num_warps=4, num_stages=3, AHEAD=False)
 
 
 def gemm_config(M: int, N: int, block_k: int = 0) -> dict:
