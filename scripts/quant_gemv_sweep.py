@@ -34,7 +34,7 @@ def fp8_cases(N, K):
           for _ in range(copies(N * K))]
     wsc = torch.rand(N, device="cuda") * 1e-3
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    for bn, bk, nw, ahead in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8), (False, True)):
+    for bn, bk, nw, ahead in itertools.product((4, 8, 16), (512, 1024), (4, 8), (False, True)):
         cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=3, AHEAD=ahead)
 
         def call(w, cfg=cfg):
@@ -54,8 +54,8 @@ def w4_cases(N, K, fmt):
         packs = [torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda") for _ in range(n)]
         scales = torch.randint(118, 126, (N, K // 32), dtype=torch.uint8, device="cuda")
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    for bn, nw in itertools.product((2, 4, 8, 16), (2, 4, 8)):
-        cfg = dict(kernel="w4_gemv", BLOCK_M=1, BLOCK_N=bn, BLOCK_W=32 * nw, num_warps=nw, num_stages=3)
+    for bn, nw, ahead in itertools.product((4, 8, 16), (2, 4, 8), (False, True)):
+        cfg = dict(kernel="w4_gemv", BLOCK_M=1, BLOCK_N=bn, BLOCK_W=32 * nw, num_warps=nw, num_stages=3, AHEAD=ahead)
         yield cfg, [lambda p=p, c=cfg: w4_linear_launch(x, p, scales, None, None, fmt, g, K, config=c)
                     for p in packs], N * K // 2 + scales.numel() * scales.element_size()
 

@@ -67,6 +67,16 @@ def test_op_matches_torch_reference(fmt, N, K, g, zp, M, dtype):
     assert rel_err(y, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("fmt, N, K, g, zp", OP_CASES)
+def test_gemv_with_the_next_words_loaded_ahead(fmt, N, K, g, zp):
+    """The GEMV's AHEAD variant (two word tiles in flight), K past the last tile of 8 words."""
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp)
+    x = torch.randn(2, K).to(torch.bfloat16)
+    cfg = dict(kernel="w4_gemv", BLOCK_M=2, BLOCK_N=4, BLOCK_W=8, AHEAD=True)
+    y = w4_linear_launch(x, packed, scales, zeros, None, fmt, g, K, config=cfg)
+    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, None, fmt, g, K)) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("kernel", ["w4_gemv", "w4_gemm"])
 def test_both_kernels_at_the_same_m(kernel):
     """M = 3 through either kernel (the table picks the GEMV): the same products."""
@@ -362,8 +372,8 @@ def _compile_w4() -> dict:
     for fmt, group, zp in ((0, 128, False), (0, 64, True), (1, 32, False)):
         types = {"w_ptr": "*i32", "s_ptr": "*bf16" if fmt == 0 else "*u8", "z_ptr": "*i8", "b_ptr": "*bf16"}
         for kind, kernel, consts, warps in (
-                ("gemv1", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_W=128), 4),
-                ("gemv4", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=4, BLOCK_N=4, BLOCK_W=128), 4),
+                ("gemv1", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_W=128, AHEAD=True), 4),
+                ("gemv4", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=4, BLOCK_N=4, BLOCK_W=128, AHEAD=False), 4),
                 ("gemm16", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, PER=8 - 6 * fmt,
                                                           DOT_PREC="tf32", DOT_F32=False), 4),
                 ("gemm128", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER=8 - 6 * fmt,

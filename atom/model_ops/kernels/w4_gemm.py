@@ -156,7 +156,7 @@ if HAS_TRITON:
                         stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
                         FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
                         HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, AHEAD: tl.constexpr = False):
         """Programs own BLOCK_N rows of y for all M (<= BLOCK_M <= 4) rows of x. `w_ptr`:
         int32 words of 8 nibbles, column 8j + i in nibble i of word j (int4 as stored; MXFP4's
         bytes viewed as int32, which is the same order).
@@ -179,12 +179,23 @@ if HAS_TRITON:
         acc1 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        if AHEAD:  # the next words are loaded before the current ones are used: two tiles in flight
+            j0 = tl.where(js < n_words, js, 0)
+            word_next = tl.load(w_ptr + (r64[:, None] * stride_wn + j0[None, :])[:, :, None],
+                                mask=(row_ok[:, None] & (js < n_words)[None, :])[:, :, None], other=0)
         for w0 in range(0, n_words, BLOCK_W):
             jw = w0 + js
             w_ok = jw < n_words
             jl = tl.where(w_ok, jw, 0)
             m3 = (row_ok[:, None] & w_ok[None, :])[:, :, None]
-            word = tl.load(w_ptr + (r64[:, None] * stride_wn + jl[None, :])[:, :, None], mask=m3, other=0)
+            if AHEAD:
+                word = word_next
+                jn = jw + BLOCK_W
+                jnl = tl.where(jn < n_words, jn, 0)
+                word_next = tl.load(w_ptr + (r64[:, None] * stride_wn + jnl[None, :])[:, :, None],
+                                    mask=(row_ok[:, None] & (jn < n_words)[None, :])[:, :, None], other=0)
+            else:
+                word = tl.load(w_ptr + (r64[:, None] * stride_wn + jl[None, :])[:, :, None], mask=m3, other=0)
             u = (word >> shifts) & 0xF  # [BLOCK_N, BLOCK_W, 8]
             ks = (jw[:, None] * 8 + es[None, :])[None, :, :]  # [1, BLOCK_W, 8]: the column of every nibble
             k_ok = ks < K
