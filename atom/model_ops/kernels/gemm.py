@@ -24,6 +24,7 @@ import torch
 from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, tl, triton
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import grouped_tile
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # pragma: no cover - older triton: pointer loads only
@@ -38,11 +39,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         rm = off_m + tl.arange(0, BLOCK_M)

@@ -35,7 +35,7 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, trito
 GEMV_MAX_M = 4
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.triton_import import pdl_start
+    from atom.model_ops.kernels.triton_import import grouped_tile, pdl_start
 
     @triton.jit
     def _qgemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -93,11 +93,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)

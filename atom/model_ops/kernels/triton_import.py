@@ -36,6 +36,16 @@ USE_PDL = True
 if HAS_TRITON:
 
     @triton.jit
+    def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of program `pid` when programs walk GROUP_M row tiles per
+        column tile before the next column (neighbours share weight tiles in L2): the
+        ordering of the project's tl.dot GEMMs."""
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+    @triton.jit
     def pdl_start(PDL: tl.constexpr):
         if PDL:
             gdc_launch_dependents()  # the next kernel may be scheduled once all our programs run

@@ -36,6 +36,7 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 from atom.model_ops.moe.tile_configs import TileTable, default_config
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import grouped_tile
 
     @triton.jit
     def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, rw_ptr,
@@ -46,11 +47,7 @@ if HAS_TRITON:
         expert e in the sorted order."""
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = grouped_tile(pid, num_m_blocks, num_n, GROUP_M)
         e = tl.load(block_expert_ptr + pid_m)
         if e < 0:
             return
