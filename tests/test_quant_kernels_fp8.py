@@ -192,6 +192,25 @@ def test_method_kernel_path_matches_reference(fmt, kind, dtype, monkeypatch):
         assert y.shape == ref.shape
 
 
+def test_block_weights_with_token_activations_keep_the_reference(monkeypatch):
+    """Block weights with per-token activations (a compressed-tensors block / token pair) have
+    no kernel (the kernels take a block's own 1 x bk groups): the layer says so and gives the
+    reference product where the GPU switch is on."""
+    f = FORMATS["fp8_block32"]
+    sp = spec(QuantType.per_1x32, FP8, True, "compressed-tensors", block_size=(32, 32), act_scheme="token")
+    torch.manual_seed(0)
+    layer = build("linear", sp)
+    t = f["quant"](torch.randn(layer.out_features, layer.in_features) * 0.1)
+    for name, tensor in t.items():
+        fill(layer, name, tensor, None)
+    layer.method.process_weights_after_loading(layer)
+    assert not layer.method.kernels and "reference" in layer.method.kernel
+    x = (torch.randn(5, layer.in_features) * 0.5).to(torch.bfloat16)
+    ref = layer(x)
+    monkeypatch.setattr(fp8.common, "use_kernels", lambda t: True)
+    torch.testing.assert_close(layer(x), ref, rtol=0, atol=0)
+
+
 def test_scaled_mm_route_on_cpu():
     """torch._scaled_mm (CPU in torch 2.13) as the fp8 product uses it: tensor-wise and
     row-wise scales, the bias added after, against the reference."""

@@ -122,8 +122,8 @@ def atom_kv_dtype(kv_cache_dtype: str) -> str:
 
 
 def linear_formats(llm) -> list[str]:
-    """The distinct formats (with the kernel where the method reports one) of the engine's
-    linear layers: which format really ran."""
+    """The distinct formats of the engine's linear layers: which format really ran (the
+    kernel of each layer is in `linear_methods_frame`)."""
     from atom.viz import linear_methods_frame
     try:
         frame = linear_methods_frame(llm)

@@ -140,7 +140,8 @@ def dummy_fill(module: nn.Module, name: str, p: torch.Tensor, gen: torch.Generat
     """Dummy values of the parameter `name` of `module`, by its role and dtype, such that
     every layer, quantized or not, computes with weights of the bf16 xavier std:
 
-    - norms ("norm" in the name): 1; other 1-D float parameters (biases): 0;
+    - norms ("norm" in the name): 1; biases (also stacked experts' [E, out]) and other 1-D
+      float parameters: 0;
     - float weights (>= 2-D): xavier normal over the last two dims (stacked experts [E, out,
       in]: each expert's own fans);
     - quantized values: float8_e4m3fn codes ~ N(0, 64) clamped to +-448; int8
@@ -183,6 +184,8 @@ def dummy_fill(module: nn.Module, name: str, p: torch.Tensor, gen: torch.Generat
             rows.copy_(r)
     elif "norm" in name:
         p.data.fill_(1.0)
+    elif name.endswith("bias"):  # stacked expert biases [E, out] too
+        p.data.zero_()
     elif p.dim() >= 2:
         std = _xavier_std(p.shape)
         for start in range(0, p.shape[0], 8192):  # chunks of rows keep memory flat

@@ -32,7 +32,7 @@ def moe_layers_frame(src: Any) -> pd.DataFrame:
     from atom.model_ops.moe import describe_moe_layers
     model = src if isinstance(src, nn.Module) else _runner_of(src).model
     return pd.DataFrame(describe_moe_layers(model), columns=["layer", "experts", "top_k", "width", "routing",
-                                                              "activation", "method", "format", "bytes",
+                                                              "activation", "method", "format", "bytes", "kernel",
                                                               "shared_experts", "parallel", "local_experts",
                                                               "rank", "ranks"])
 

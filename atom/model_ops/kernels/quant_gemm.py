@@ -183,7 +183,7 @@ def _check(xq, xs, w, ws, bias, block_k):
         want_x, want_w = None, (N,)
     if block_k and tuple(xs.shape) != want_x or not block_k and xs.numel() not in (1, M):
         raise ValueError(f"xs shape {tuple(xs.shape)}: expected {want_x or f'[{M}] or one value'}")
-    if ws.numel() != (want_w[0] * (want_w[1] if block_k else 1)):
+    if (tuple(ws.shape) != want_w) if block_k else (ws.numel() != N):
         raise ValueError(f"ws shape {tuple(ws.shape)}: expected {want_w}")
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"bias shape {tuple(bias.shape)}: expected ({N},)")
@@ -208,7 +208,9 @@ def _launch(kernel, grid, xq, xs, w, ws, bias, out_dtype, block_k, cfg, **extra)
 
 def quant_gemv_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None):
     M, N, K = _check(xq, xs, w, ws, bias, block_k)
-    cfg = config or gemv_config(M, block_k)
+    cfg = dict(config or gemv_config(M, block_k))
+    if block_k:  # a K step is one scale block
+        cfg["BLOCK_K"] = block_k
     return _launch(_qgemv_kernel, lambda c: (triton.cdiv(N, c["BLOCK_N"]),), xq, xs, w, ws, bias, out_dtype,
                    block_k, cfg, **pdl_args(xq))
 
@@ -217,7 +219,9 @@ def quant_gemm_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None):
     M, N, K = _check(xq, xs, w, ws, bias, block_k)
     if block_k and xq.dtype == torch.int8:
         raise ValueError("block scales are an fp8 format; int8 runs with row / column scales")
-    cfg = config or gemm_config(M, N, block_k)
+    cfg = dict(config or gemm_config(M, N, block_k))
+    if block_k:  # a K step is one scale block
+        cfg["BLOCK_K"] = block_k
     return _launch(_qgemm_kernel, lambda c: (triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]),),
                    xq, xs, w, ws, bias, out_dtype, block_k, cfg, GROUP_M=8, INT=xq.dtype == torch.int8)
 

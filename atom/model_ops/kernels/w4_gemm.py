@@ -417,9 +417,9 @@ REFERENCE_DESCRIPTION = "torch reference (dequantize to fp32, F.linear)"
 
 
 def use_w4_kernel(x: torch.Tensor) -> bool:
-    """The 4-bit methods run the Triton kernels for CUDA inputs when Triton is there; CPU
-    keeps the torch reference."""
-    return HAS_TRITON and x.is_cuda
+    """The 4-bit methods run the Triton kernels for NVIDIA CUDA inputs when Triton is there;
+    the CPU (and ROCm, where these kernels never ran) keeps the torch reference."""
+    return HAS_TRITON and x.is_cuda and torch.version.hip is None
 
 
 def kernel_for_weight(weight: torch.Tensor) -> str:

@@ -70,8 +70,11 @@ class Fp8LinearMethod(QuantLinearMethod):
         if self.act == "group" and self.act_group is None:
             raise refuse(prefix, spec, "per-group activations without a group size")
         bk = self.block[1] if self.block else 0
-        self.kernels = self.act != "none" and (self.act != "group" or (
-            self.act_group == bk and bk >= 16 and not bk & (bk - 1)))
+        # the kernels take block weights with their own 1 x bk activation groups only (block
+        # weights with per-token / per-tensor activations keep the reference)
+        self.kernels = self.act != "none" and (
+            (self.act == "group" and self.act_group == bk and bk >= 16 and not bk & (bk - 1))
+            or (self.act != "group" and self.weight_scheme != "block"))
         self.kernel = kernel_summary("fp8", self.act, bk) if self.kernels else REFERENCE_KERNEL
         self.scale_name = "weight_scale_inv" if (self.weight_scheme == "block"
                                                   and spec.quant_method != "compressed-tensors") else "weight_scale"
