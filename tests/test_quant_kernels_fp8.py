@@ -319,7 +319,11 @@ def test_method_compiles_fullgraph(monkeypatch):
 @pytest.mark.parametrize("fmt", METHOD_FORMATS + ["ds_block"])
 def test_methods_on_gpu_match_their_reference(fmt, kind, monkeypatch):
     """The methods on CUDA tensors (the kernel path taken by itself) against their reference
-    apply on the same layer, for every route (M 1, 8, 32, 300)."""
+    apply on the same layer, for every route (M 1, 8, 32, 300). Errors are measured against
+    the output's scale, as in `test_llama_shapes_on_gpu`: Hopper's fp8 tensor cores (the
+    tl.dot GEMM, cuBLASLt's scaled mm) accumulate with fewer mantissa bits than fp32, which
+    leaves ~0.2-0.8% of max|y| on the elements near zero (measured on the H200:
+    docs/perf/raw/2026-12-01-h200-quant-kernels-8bit.json); the CUDA-core GEMV is exact."""
     if fmt == "ds_block" and kind != "linear":
         pytest.skip("the qkv / merged test layers are 128 wide: one 128-block, covered by fp8_block32")
     layer = _loaded_layer(fmt, kind).cuda()
@@ -331,7 +335,8 @@ def test_methods_on_gpu_match_their_reference(fmt, kind, monkeypatch):
         monkeypatch.setattr(mod.common, "use_kernels", lambda t: False)
         ref = layer(x)
         monkeypatch.undo()
-        _close(y, ref, torch.bfloat16)
+        assert y.dtype == ref.dtype == torch.bfloat16 and y.shape == ref.shape
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
 
 
 def test_kernels_compile_for_sm90():
