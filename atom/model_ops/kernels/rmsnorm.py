@@ -133,7 +133,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              inplace: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (any leading shape)."""
     check_norm_args(x, weight)
-    if not inplace and HAS_TRITON and x.shape[-1] <= SHORT_ROW:
+    if not inplace and HAS_TRITON and 0 < x.shape[-1] <= SHORT_ROW:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if _launch_rows(x, weight, out, eps):
             return out
