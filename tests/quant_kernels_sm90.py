@@ -13,6 +13,11 @@ from __future__ import annotations
 import json
 
 
+def _launch_tiles(cfg: dict) -> dict:
+    """A tile table's entry without the launch options (warps, stages), as kernel constexprs."""
+    return {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+
+
 def compile_all() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -54,6 +59,13 @@ def compile_all() -> dict:
                            ops(f8, f8), ("wgmma",)),
         "gemm_int8": (qg._qgemm_kernel, dict(gemm, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, BLOCKS=False, INT=True),
                       ops(i8, i8), ("wgmma",)),
+        # the shipped defaults of the decode GEMV and of the M <= 16 block GEMM
+        "gemv_fp8_default": (qg._qgemv_kernel, dict(_launch_tiles(qg.gemv_config(1)), BLOCKS=False, HAS_BIAS=False,
+                                                    PDL=True),
+                             ops(f8, f8), ("ld.global.v4.b32", "e4m3x2", "griddepcontrol.wait")),
+        "gemm_fp8_block_m16_default": (qg._qgemm_kernel, dict(gemm, **_launch_tiles(qg.gemm_config(8, 4096, 128)),
+                                                              BLOCKS=True, INT=False),
+                                       ops(f8, f8), ("mma",)),
         "gemm_int8_m16": (qg._qgemm_kernel, dict(gemm, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, BLOCKS=False, INT=True),
                           ops(i8, i8), ("mma",)),
     }

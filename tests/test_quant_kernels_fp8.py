@@ -357,6 +357,6 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     import json
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(got) == 11
+    assert len(got) == 13
     for name, flags in got.items():
         assert all(flags.values()), (name, flags)

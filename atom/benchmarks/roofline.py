@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_CONFIGS))
     ap.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH)
     ap.add_argument("--flops", type=float, default=H200_BF16_FLOPS)
-    ap.add_argument("--quantization", default="bf16", help=f"weight format: {', '.join(FORMATS)}")
+    ap.add_argument("--quantization", default="bf16", choices=list(FORMATS), help="weight format")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--out", help="write JSON here")
     args = ap.parse_args(argv)
