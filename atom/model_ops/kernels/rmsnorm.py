@@ -81,20 +81,16 @@ def _heads_view(x: torch.Tensor):
     return None
 
 
-def _launch_rows(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> bool:
-    """The short-row kernel into contiguous `out`; False where x's layout does not fit it."""
-    view = _heads_view(x)
-    if view is None:
-        return False
+def _launch_rows(x: torch.Tensor, view: tuple, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    """The short-row kernel on x read through `view` (`_heads_view`) into contiguous `out`."""
     rows, heads, st, sh = view
     N = x.shape[-1]
     if rows == 0:
-        return True
+        return
     BLOCK = triton.next_power_of_2(N)
     block_r = max(1, min(64, 4096 // BLOCK))
     _rmsnorm_rows_kernel[(triton.cdiv(rows, block_r),)](
         x, weight, out, rows, heads, st, sh, N, float(eps), BLOCK_R=block_r, BLOCK=BLOCK, num_warps=4)
-    return True
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -133,10 +129,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              inplace: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (any leading shape)."""
     check_norm_args(x, weight)
-    if not inplace and HAS_TRITON and 0 < x.shape[-1] <= SHORT_ROW:
+    if not inplace and HAS_TRITON and 0 < x.shape[-1] <= SHORT_ROW and (view := _heads_view(x)) is not None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        if _launch_rows(x, weight, out, eps):
-            return out
+        _launch_rows(x, view, weight, out, eps)
+        return out
     x2 = as_rows(x)
     if inplace:
         if x2.data_ptr() != x.data_ptr():

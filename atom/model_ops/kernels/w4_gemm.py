@@ -65,9 +65,9 @@ GEMV_MAX_M = 4
 # - M <= 64: 64 x 64 tiles, K 64; larger M: 128 x 128 x 64 with 8 warps (compute bound:
 #   the dequantization is spread over 128 rows of x).
 GEMV_TILES = dict(BLOCK_N=4, BLOCK_W=128, num_warps=4, num_stages=3)
-# layers of at most 4096 outputs (Llama-3.1-8B's o_proj and down_proj): 256 words a step with
-# 8 warps and the next words loaded ahead: 19-30% less time than the tiles above for int4 and
-# MXFP4 at M = 1 on the H200 (scripts/quant_gemv_sweep.py; docs/perf/raw/*quant-gemv-sweep*)
+# layers of at most 4096 outputs (few programs of 4 rows): 256 words a step with 8 warps and
+# the next words loaded ahead, so each program keeps more bytes in flight (the sweep behind
+# both GEMV tables: scripts/quant_gemv_sweep.py, figures in docs/perf/README.md)
 GEMV_TILES_NARROW = dict(BLOCK_N=4, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True)
 NARROW_N = 4096
 GEMM_TILES = (
