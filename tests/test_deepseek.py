@@ -245,11 +245,16 @@ def test_describe_moe_layers_shows_deepseek(tmp_path):
 
 
 def test_deepseek_v2_lite_roofline_cost():
-    """The roofline reads the latent KV (31,104 B/token) and, per MoE layer, the top-6 + 2
-    shared experts: 2.45 B parameters multiplied per token (with the LM head), V2-Lite's
-    published 2.4 B activated of 15.7 B."""
+    """The roofline reads the latent KV (31,104 B/token) and, per MoE layer, the shared
+    experts, the router and the routed experts the step's tokens activate: at one token the
+    top 6, so 2.45 B parameters multiplied per token (with the LM head), V2-Lite's published
+    2.4 B activated; at a large batch every expert, the published 15.7 B in all."""
     from atom.benchmarks.roofline import model_cost
     from atom.benchmarks.workloads import MODEL_CONFIGS
     c = model_cost(MODEL_CONFIGS["deepseek-v2-lite"])
     assert c.kv_bytes_per_token == 31104
-    assert 2.35e9 < c.matmul_params < 2.5e9 and c.params == c.matmul_params + 102400 * 2048
+    assert (c.moe_layers, c.experts, c.top_k) == (26, 64, 6)
+    assert 2.35e9 < c.token_matmul_params() < 2.5e9
+    assert c.step_weight_params(1) == c.params + 26 * 6 * c.expert_params
+    assert c.params == c.matmul_params + 102400 * 2048
+    assert 15.5e9 < c.step_weight_params(4096) < 16.0e9

@@ -406,3 +406,27 @@ def test_moe_routers_stay_bf16_as_the_producer_writes_them():
     assert producer_ignore(MODEL_CONFIGS["llama-3.1-8b"]) == ["lm_head"]
     path = write_model_config("qwen3-30b-a3b", quantization="fp8_dynamic")
     assert json.load(open(os.path.join(path, "config.json")))["quantization_config"]["ignore"] == q
+
+
+def test_peer_dummy_reaches_the_child_and_the_xavier_refill_follows_atoms_rule(tmp_path):
+    import torch
+    ap = throughput.argparse.ArgumentParser()
+    peer_vllm.add_engine_limit_args(ap)
+    peer_vllm.add_format_args(ap)
+    ap.add_argument("--repeat", type=int, default=2)
+    cmd = peer_vllm.child_command("latency", str(tmp_path), 100, ap.parse_args(["--peer-dummy", "xavier"]), [])
+    assert peer_vllm.build_parser().parse_args(cmd[3:]).peer_dummy == "xavier"
+    assert peer_vllm.build_parser().parse_args(["latency", "--model-path", "x", "--vocab-size", "9"]).peer_dummy == "vllm"
+
+    class Experts(torch.nn.Module):  # names and shapes as vLLM's modules hold them
+        def __init__(self):
+            super().__init__()
+            self.w13_weight = torch.nn.Parameter(torch.full((4, 64, 96), 5e-4))
+            self.input_layernorm_weight = torch.nn.Parameter(torch.full((96,), 5e-4))
+            self.o_bias = torch.nn.Parameter(torch.full((96,), 5e-4))
+            self.ids = torch.nn.Parameter(torch.zeros(3, dtype=torch.int32), requires_grad=False)
+    m = Experts()
+    assert peer_vllm.xavier_refill(m) == 3
+    assert torch.all(m.input_layernorm_weight == 1) and torch.all(m.o_bias == 0) and torch.all(m.ids == 0)
+    std = (2 / (64 + 96)) ** 0.5  # each expert's own fans
+    assert abs(m.w13_weight.std().item() / std - 1) < 0.05

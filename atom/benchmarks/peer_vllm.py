@@ -11,6 +11,15 @@ that vLLM fails rather than silently running something else; `--kv-cache-dtype f
 vLLM `kv_cache_dtype="fp8"`. `engine_kwargs` and `child_command` build the arguments
 without vLLM (tests check them).
 
+Dummy weights: vLLM fills every parameter uniformly in +-1e-3 (`--peer-dummy vllm`, its own
+rule), ATOM by `atom.model_loader.loader.dummy_fill` (xavier). For dense models that changes
+no timing; a MoE model's routing depends on it (near-constant router scores can send most
+tokens to the same few experts, so that a step reads far fewer expert bytes). `--peer-dummy
+xavier` refills vLLM's parameters after loading with ATOM's rule (`xavier_refill`: norms 1,
+biases 0, matrices xavier-normal over their last two dims, stacked experts each on its own
+fans), so that both engines route statistically alike; tensors vLLM derives from the weights
+at load (MLA's absorbed projections) keep the values derived from its own dummies.
+
     python -m atom.benchmarks.peer_vllm throughput --model-path DIR --num-seqs 256 [--workload long]
     python -m atom.benchmarks.peer_vllm latency --model-path DIR --batches 1 8 64 [--quantization fp8_dynamic]
 """
@@ -44,13 +53,49 @@ def engine_kwargs(args) -> dict:
     return kw
 
 
+def xavier_refill(model) -> int:
+    """ATOM's dummy rule (`dummy_fill` for float parameters) applied in place to a loaded
+    vLLM model; returns the number of parameters refilled. Runs inside vLLM's worker
+    (`LLM.apply_model`); in place, so captured CUDA graphs keep their addresses."""
+    import torch
+    from atom.model_loader.loader import _xavier_std
+    gens: dict = {}
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.dtype.is_floating_point or p.element_size() < 2:
+                continue
+            if p.device not in gens:
+                gens[p.device] = torch.Generator(device=p.device).manual_seed(0)
+            gen = gens[p.device]
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias") or p.dim() < 2:
+                p.zero_()
+            else:
+                std = _xavier_std(p.shape)
+                for start in range(0, p.shape[0], 8192):
+                    rows = p.data[start:start + 8192]
+                    rows.copy_(torch.randn(rows.shape, generator=gen, device=rows.device, dtype=torch.float32) * std)
+            n += 1
+    return n
+
+
 def _engine(args):
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # no flashinfer on the H200 machine
+    if getattr(args, "peer_dummy", "vllm") == "xavier":
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model sends a function to the worker
     try:
         from vllm import LLM
     except ImportError as e:
         raise SystemExit(f"--peer vllm: vLLM is not importable here ({e}); install it or use another peer")
-    return LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args))
+    if getattr(args, "peer_dummy", "vllm") == "xavier":
+        if get_format(getattr(args, "quantization", None)).weights is not None:
+            raise SystemExit("--peer-dummy xavier refills bf16 parameters only; a quantized run keeps vLLM's rule")
+        counts = llm.apply_model(xavier_refill)
+        logging.getLogger(__name__).info("vLLM parameters refilled with the xavier rule: %s", counts)
+    return llm
 
 
 def _run(llm, requests, temperature: float) -> tuple[int, float]:
@@ -105,6 +150,9 @@ def add_format_args(ap: argparse.ArgumentParser) -> None:
                     help=f"weight format (atom.benchmarks.quant_formats): {', '.join(FORMATS)}")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="KV cache: auto (the model's dtype) or fp8 (e4m3 with scales)")
+    ap.add_argument("--peer-dummy", default="vllm", choices=["vllm", "xavier"],
+                    help="vLLM's dummy weights: its own uniform +-1e-3 rule, or refilled with ATOM's "
+                         "xavier rule (bf16 only; MoE routing depends on it)")
 
 
 def _format_name(value: str) -> str:
@@ -123,7 +171,8 @@ def child_command(kind: str, model_path: str, vocab_size: int, args, extra: list
            "--max-num-seqs", str(getattr(args, "max_num_seqs", 256)),
            "--max-num-batched-tokens", str(getattr(args, "max_num_batched_tokens", 8192)),
            "--quantization", get_format(getattr(args, "quantization", None)).name,
-           "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto"), *extra]
+           "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto"),
+           "--peer-dummy", getattr(args, "peer_dummy", "vllm"), *extra]
     if getattr(args, "enforce_eager", False):
         cmd.append("--enforce-eager")
     return cmd

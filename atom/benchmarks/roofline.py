@@ -81,24 +81,28 @@ def _moe_shape(cfg: dict) -> tuple[int, int, int, int, set[int]]:
 def deepseek_cost(cfg: dict, dtype_bytes: int = 2, weight_format: str | None = None,
                   kv_bytes: float | None = None) -> ModelCost:
     """MLA + MoE (DeepSeek-V2/V3): KV is one latent (kv_lora_rank + rope dims) per token and
-    layer; a step reads the dense layers, the shared experts and, as a floor, only the top-k
-    routed experts of each MoE layer (what batch 1 activates; larger batches read more)."""
+    layer; a step reads the attention and dense layers, the shared experts and routers of
+    each MoE layer, and the routed experts its tokens activate (uniform routing, as for the
+    other MoE families: `ModelCost.step_weight_bytes`)."""
     h, L, H = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
     nope, rope, v, r = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
     q_rank = cfg.get("q_lora_rank")
     q = h * q_rank + q_rank * H * (nope + rope) if q_rank else h * H * (nope + rope)
     attn = q + h * (r + rope) + r * H * (nope + v) + H * v * h
     dense = cfg.get("first_k_dense_replace", 0) or 0
+    E, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     expert = 3 * h * cfg["moe_intermediate_size"]
-    active = (cfg["num_experts_per_tok"] + (cfg.get("n_shared_experts") or 0)) * expert + h * cfg["n_routed_experts"]
-    body = L * attn + dense * 3 * h * cfg["intermediate_size"] + (L - dense) * active
+    always = (cfg.get("n_shared_experts") or 0) * expert + h * E  # shared experts + router, every MoE layer
+    body = L * attn + dense * 3 * h * cfg["intermediate_size"] + (L - dense) * always
     embed = cfg["vocab_size"] * h
     read = body + embed * (1 if cfg.get("tie_word_embeddings", False) else 2)
     fmt = get_format(weight_format)
-    per_param = fmt.weight_bytes(128, h) / (128 * h)  # the body at the format's bytes (scales as for K = hidden)
+    per_param = fmt.weight_bytes(128, h) / (128 * h)  # linears at the format's bytes (scales as for K = hidden)
     wbytes = (body * per_param + (read - body) * dtype_bytes) if fmt.weights is not None else 0.0
+    ebytes = expert * per_param if fmt.weights is not None else 0.0
     return ModelCost(read, body + embed, int(L * (r + rope) * (kv_bytes or dtype_bytes)), L, H, nope + rope,
-                     weight_bytes=wbytes, matmul_peak=fmt.matmul_peak)
+                     L - dense, E, k, expert, weight_bytes=wbytes, expert_weight_bytes=ebytes,
+                     matmul_peak=fmt.matmul_peak)
 
 
 def _kv_bytes(kv_cache_dtype: str | None, dtype_bytes: int) -> float:
