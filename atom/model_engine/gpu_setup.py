@@ -107,8 +107,8 @@ def setup(runner) -> None:
             # workload); without one every start-up chooses again, among the heuristic's only.
             cache_dir = config.compilation_config.cache_dir
             gemm_choice.choose_lt_algos(plan, runner.model, sizes, cache_dir=cache_dir,
-                                        # prefill steps at level 3 run Inductor's products
-                                        prefill_rows=0 if runner.compile_level else config.max_num_batched_tokens,
+                                        # at level 3 too: compiled steps call atom::plan_linear
+                                        prefill_rows=config.max_num_batched_tokens,
                                         wide_rows=(64, 1024) if cache_dir else None)
     max_blocks = -(-config.max_model_len // runner.block_size)
     runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)

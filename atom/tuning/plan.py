@@ -18,11 +18,24 @@ on another GPU kind or library version is the caller's choice (the file names th
 """
 from __future__ import annotations
 
+import itertools
 import json
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+# Live plans by handle, for the one place that needs a plan inside a compiled graph
+# (`atom::plan_linear` takes the handle, an int, since a custom op takes no Python object).
+# Weak: a plan lives as long as its engine; each engine's handle names its own plan only.
+_HANDLES = itertools.count(1)
+_LIVE: "weakref.WeakValueDictionary[int, KernelPlan]" = weakref.WeakValueDictionary()
+
+
+def plan_for(handle: int) -> "KernelPlan | None":
+    """The live plan with this handle (None once its engine is gone)."""
+    return _LIVE.get(handle)
 
 # Fusions the runner can install on a decoder layer (norm -> attention -> norm -> MLP):
 FUSIONS = (
@@ -74,6 +87,8 @@ class KernelPlan:
             raise ValueError(f"moe_kernel={self.moe_kernel!r} is invalid: choose one of {', '.join(MOE_KERNELS)}")
         self.moe_config_dirs = tuple(self.moe_config_dirs)
         self._kernels = None
+        self.handle = next(_HANDLES)
+        _LIVE[self.handle] = self
 
     # --- what the layers ask ------------------------------------------------------------
     @property

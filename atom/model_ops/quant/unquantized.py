@@ -5,17 +5,22 @@ Where the product runs:
   shapes: `python -m atom.benchmarks.cpu_gemm`; figures in docs/perf/raw).
 - GPU, one row (batch-1 decode), a shape where the engine's kernel plan chose it: the Triton
   GEMV (`kernels.gemv`).
-- GPU otherwise (outside torch.compile): the Triton GEMM when the plan says so
-  (ATOM_USE_TRITON_GEMM), else the cuBLASLt algorithm the plan chose for this shape, else
-  `F.linear` (cuBLAS / hipBLASLt).
+- GPU otherwise: the Triton GEMM when the plan says so (ATOM_USE_TRITON_GEMM), else the
+  cuBLASLt algorithm the plan chose for this shape, else `F.linear` (cuBLAS / hipBLASLt).
+  Under torch.compile (levels 1-3) the product is the `atom::plan_linear` op, which makes
+  the same choice when it runs: the plan's cuBLASLt algorithms are chosen after compilation
+  and hold for the compiled prefill steps too (Inductor's own product is cuBLAS's default).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from atom.model_ops.quant.base import LinearMethod
+from atom.tuning.plan import plan_for
 
 _ONEDNN = torch.backends.mkldnn.is_available()
 
@@ -32,9 +37,23 @@ def library_product(plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
     return F.linear(x, w, bias)
 
 
+@torch.library.custom_op("atom::plan_linear", mutates_args=())
+def plan_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan_handle: int) -> torch.Tensor:
+    """`library_product` with the plan of handle `plan_handle`, as one op in a compiled graph."""
+    return library_product(plan_for(plan_handle), x, weight, bias)
+
+
+@plan_linear.register_fake
+def _(x, weight, bias, plan_handle):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, plan=None) -> torch.Tensor:
     """x W^T (+ b) by the rules in the module docstring; `plan`: the engine's `KernelPlan`."""
-    if torch.compiler.is_compiling():  # Inductor generates its own; nothing of the plan is traced
+    if torch.compiler.is_compiling():
+        # only what is fixed for the engine's life is read here (no guard on the plan's choices)
+        if plan is not None and x.is_cuda and x.dtype == weight.dtype:
+            return torch.ops.atom.plan_linear(x, weight, bias, plan.handle)
         return F.linear(x, weight, bias)
     if x.is_cpu:
         if _ONEDNN and x.dtype == torch.float32:
