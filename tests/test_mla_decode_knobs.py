@@ -1,0 +1,145 @@
+"""The launch knobs of the absorbed MLA decode kernel (`atom.model_ops.kernels.mla_decode`):
+pipeline stages, page-wise block-table loads, grid order, splits by work, the split table and
+the workspace sized from it. Every knob is checked against `mla_torch.latent_decode_ref` on tiny
+shapes (Triton interpreter on CPU)."""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from atom.model_ops.attention.mla_torch import latent_decode_ref
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+R, P = 32, 16
+
+
+def _batch(lens, heads=5, block_size=8, seed=0, dtype=torch.float32):
+    """Random latent cache in shuffled pages, its block tables and queries for contexts `lens`."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // block_size) for n in lens]
+    nb = sum(pages) + 3
+    cache = torch.randn(nb, block_size, R + P, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages):
+        tables[b, :n] = perm[at:at + n]
+        at += n
+    ql = torch.randn(len(lens), heads, R, generator=g).to(dtype)
+    qp = torch.randn(len(lens), heads, P, generator=g).to(dtype)
+    return ql, qp, cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def _ref(ql, qp, cache, tables, lens, scale=0.3):
+    return latent_decode_ref(ql.float(), qp.float(), cache.float(), tables, lens.tolist(), scale)
+
+
+@pytest.mark.parametrize("cfg,block_size", [
+    (dict(TILE_N=16, num_stages=1), 16),                      # one block-table entry a tile
+    (dict(TILE_N=16, num_stages=3), 32),                      # a tile inside a bigger page
+    (dict(TILE_N=32, num_stages=2, num_warps=2), 8),          # four pages a tile, one entry each
+    (dict(TILE_N=16, page_loads=False, num_stages=2), 8),     # one entry a token
+    (dict(TILE_N=16, splits_first=False, num_splits=4, min_split_tokens=8), 8),
+    (dict(TILE_N=16, splits_first=True, num_splits=4, min_split_tokens=8, num_stages=3), 16),
+    (dict(BLOCK_H=16, TILE_N=16, num_splits=2, min_split_tokens=1), 4),
+])
+def test_knobs_match_reference(cfg, block_size):
+    ql, qp, cache, tables, lens = _batch([37, 1, 16, 70], block_size=block_size)
+    out = mla_decode_call(ql, qp, cache, tables, lens, config=cfg)
+    torch.testing.assert_close(out, _ref(ql, qp, cache, tables, lens), atol=2e-5, rtol=2e-5)
+
+
+def mla_decode_call(ql, qp, cache, tables, lens, **kw):
+    from atom.model_ops.kernels.mla_decode import mla_decode
+    return mla_decode(ql, qp, cache, tables, lens, R, 0.3, **kw)
+
+
+def test_half_precision_with_stages_and_pages_matches_reference():
+    """fp16 here: the interpreter computes bf16 wrongly (also before these knobs); the GPU test
+    of tests/test_mla.py runs the bf16 cache."""
+    ql, qp, cache, tables, lens = _batch([45, 9, 64], heads=20, block_size=16, dtype=torch.float16, seed=3)
+    out = mla_decode_call(ql, qp, cache, tables, lens,
+                          config=dict(TILE_N=32, num_stages=3, num_splits=4, min_split_tokens=16))
+    torch.testing.assert_close(out.float(), _ref(ql, qp, cache, tables, lens), atol=2e-2, rtol=2e-2)
+
+
+def test_splits_by_work_use_only_segments_of_min_split_tokens():
+    """A sequence uses min(num_splits, ceil(len / min_split_tokens)) segments of whole tiles;
+    the unused ones write only lse = -inf (their output rows in the workspace stay untouched,
+    the traffic a short sequence saves), and the merged result is the reference's."""
+    from atom.model_ops.kernels.mla_decode import MLAWorkspace
+    lens_l = [5, 40, 130, 16]
+    ql, qp, cache, tables, lens = _batch(lens_l, heads=3, block_size=16, seed=1)
+    ws = MLAWorkspace(4, 3, R, max_splits=8)
+    ws.partial_out.fill_(float("nan"))
+    ws.partial_lse.fill_(float("nan"))
+    out = mla_decode_call(ql, qp, cache, tables, lens, workspace=ws,
+                          config=dict(TILE_N=16, num_splits=8, min_split_tokens=16))
+    torch.testing.assert_close(out, _ref(ql, qp, cache, tables, lens), atol=2e-5, rtol=2e-5)
+    po, plse = ws.buffers(4, 3, R, 8)
+    for b, n in enumerate(lens_l):
+        used = min(8, math.ceil(n / 16))  # segments of >= 16 tokens (here one 16-token tile or more)
+        assert torch.isfinite(plse[b, :, :used]).all(), (b, plse[b])
+        assert torch.isneginf(plse[b, :, used:]).all(), (b, plse[b])
+        assert torch.isfinite(po[b, :, :used]).all()
+        assert torch.isnan(po[b, :, used:]).all()  # never written
+
+
+def test_workspace_too_small_lowers_the_split_count():
+    """Slots for fewer (sequence, segment) pairs than asked: the largest power of two that fits
+    is used (shapes only), with the reference's result."""
+    from atom.model_ops.kernels.mla_decode import MLAWorkspace
+    ql, qp, cache, tables, lens = _batch([50, 33], heads=2, block_size=8, seed=2)
+    ws = MLAWorkspace(2, 2, R, max_splits=8, slots=4)  # B=2: at most 2 splits
+    assert ws.fits(2, 2, R, 2) and not ws.fits(2, 2, R, 4)
+    ws.partial_lse.fill_(float("nan"))
+    out = mla_decode_call(ql, qp, cache, tables, lens, workspace=ws, config=dict(min_split_tokens=1, TILE_N=16),
+                          num_kv_splits=8)
+    torch.testing.assert_close(out, _ref(ql, qp, cache, tables, lens), atol=2e-5, rtol=2e-5)
+    assert torch.isfinite(ws.partial_lse).all()  # 2 x 2 heads x 2 splits: all four slots' lse written
+    assert "slots=4" in repr(ws)
+
+
+def test_split_table_keeps_programs_per_sm_and_workspace_covers_it():
+    from atom.model_ops.kernels.mla_decode import MLAWorkspace, pick_mla_config, workspace_slots
+    sms = 132
+    for b in (1, 8, 32, 64, 100, 128, 136, 200, 256):
+        cfg = pick_mla_config(b, 16, 512, sms)
+        progs = b * cfg["num_splits"]
+        assert progs >= min(2 * sms, 32 * b) * 0.5, (b, cfg)  # no batch leaves most SMs idle
+        assert cfg["num_splits"] & (cfg["num_splits"] - 1) == 0
+    assert pick_mla_config(4096, 16, 512, sms)["num_splits"] == 1
+    assert pick_mla_config(1, 16, 512, sms, max_splits=6)["num_splits"] == 4  # capped to a power of two
+    slots = workspace_slots(512, 16, 512, sms)
+    ws = MLAWorkspace(512, 16, 512, max_splits=32, slots=slots)
+    for b in range(1, 513):
+        s = pick_mla_config(b, 16, 512, sms)["num_splits"]
+        assert s == 1 or ws.fits(b, 16, 512, s), b
+    assert slots < 512 * 2  # far below max_num_seqs x max_splits
+
+
+def test_backend_workspace_follows_the_table():
+    from atom.model_ops.attention.mla_triton import TritonMLABackend
+    from atom.model_ops.kernels.mla_decode import pick_mla_config
+    layer = type("L", (), dict(num_heads=16, kv_lora_rank=512))()
+    be = TritonMLABackend([layer], max_num_tokens=256)
+    ws = be.workspace
+    assert ws.fits(130, 16, 512, pick_mla_config(130, 16, 512)["num_splits"])  # the profiled batch splits
+    assert ws.nbytes < 64 * 2**20 and "slots=" in repr(be)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (dict(TILE_N=24), "TILE_N=24"),
+    (dict(num_stages=0), "num_stages=0"),
+    (dict(min_split_tokens=0), "min_split_tokens=0"),
+    (dict(num_warp=4), "unknown keys \\['num_warp'\\]"),
+    (dict(num_splits=3), "num_splits=3"),
+])
+def test_bad_configs_name_the_field(cfg, match):
+    ql, qp, cache, tables, lens = _batch([9], heads=2)
+    with pytest.raises(ValueError, match=match):
+        mla_decode_call(ql, qp, cache, tables, lens, config=cfg)
