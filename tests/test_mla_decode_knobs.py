@@ -143,3 +143,91 @@ def test_bad_configs_name_the_field(cfg, match):
     ql, qp, cache, tables, lens = _batch([9], heads=2)
     with pytest.raises(ValueError, match=match):
         mla_decode_call(ql, qp, cache, tables, lens, config=cfg)
+
+
+def _sweep_script():
+    path = __file__.rsplit("/tests/", 1)[0] + "/scripts/mla_decode_sweep.py"
+    spec = importlib.util.spec_from_file_location("mla_decode_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sweep_grid_is_small_valid_and_varies_every_knob():
+    """The H200 sweep: <= 30 configurations a case, each one the kernel accepts, together
+    touching every knob of CONFIG_KEYS except BLOCK_H (16 heads: one block)."""
+    from atom.model_ops.kernels.mla_decode import CONFIG_KEYS, _check_config, pick_mla_config
+    sweep = _sweep_script()
+    seen = set()
+    for b in (1, 8, 32, 64, 128, 256):
+        default = pick_mla_config(b, 16, 512)
+        for quick in (False, True):
+            cfgs = sweep.configs(default, quick)
+            assert 0 < len(cfgs) <= 30
+            for c in cfgs:
+                _check_config(dict(default, **c), 16)
+                assert c != {k: default[k] for k in c}  # never the default again
+                seen |= set(c)
+    assert seen == set(CONFIG_KEYS) - {"BLOCK_H"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
+def test_sweep_says_it_needs_a_gpu(tmp_path, capsys):
+    sweep = _sweep_script()
+    import sys
+    argv = sys.argv
+    sys.argv = ["mla_decode_sweep.py", "--out", str(tmp_path / "x.json")]
+    try:
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            sweep.main()
+    finally:
+        sys.argv = argv
+
+
+def _compile_variants() -> dict:
+    """Child process (no interpreter): the decode kernel at DeepSeek-V2-Lite's shape for sm90,
+    per (page mode, stages, TILE_N, warps): cp.async copies in its PTX (pipelined loads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom.model_ops.kernels import mla_decode as m
+    k = m._mla_decode_kernel
+    types = dict(scale_log2="fp32", po_ptr="*fp32", plse_ptr="*fp32", seq_lens_ptr="*i32", bt_ptr="*i32")
+    # as the launcher specialises them: pointers and the strides of 576-wide rows divisible by 16
+    div16 = {a for a in k.arg_names if a.endswith("_ptr") or (a.startswith("stride_") and a != "stride_plh")}
+    out = {}
+    for mode, stages, tile, warps in ((0, 1, 32, 4), (0, 3, 32, 8), (1, 3, 16, 4), (2, 3, 32, 4), (2, 2, 64, 4)):
+        cx = dict(NUM_HEADS=16, R=512, P=64, R_PAD=512, P_PAD=64, BLOCK_H=16, TILE_N=tile, BLOCK_SIZE=16,
+                  NUM_SPLITS=4, DOT_PREC="tf32", PAGE_MODE=mode, SPLITS_FIRST=True)
+        sig = {a: "constexpr" if a in cx else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+               for a in k.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names) if a in div16}
+        c = triton.compile(ASTSource(fn=k, signature=sig, constexprs=cx, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        ptx = c.asm["ptx"]
+        out[f"{mode}/{stages}/{tile}/{warps}"] = dict(cp_async="cp.async" in ptx, mma="mma.sync" in ptx)
+    return out
+
+
+def test_decode_kernel_compiles_for_sm90_and_stages_pipeline_the_loads():
+    import json
+    import os
+    import subprocess
+    import sys
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no ptxas for NVIDIA targets")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_mla_decode_knobs import _compile_variants; "
+            "print(json.dumps(_compile_variants()))")
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(v["mma"] for v in got.values()), got  # the dots on tensor cores in every variant
+    assert not got["0/1/32/4"]["cp_async"]  # one stage: plain loads
+    for key in ("0/3/32/8", "1/3/16/4", "2/3/32/4", "2/2/64/4"):
+        assert got[key]["cp_async"], (key, got)  # more: copies issued ahead

@@ -218,10 +218,11 @@ class MLAWorkspace:
 _SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 4, 8), (1 / 2, 4), (2.0, 2), (float("inf"), 1))
 MIN_SPLIT_TOKENS = 256
 # Tiles for a 512-wide latent: a [16, 512] fp32 accumulator is 64 registers a thread at 4 warps
-# (8 warps halve it but spread the 16-row dots thinly); 2 stages keep two tiles of loads in
-# flight (TILE_N 32: 2 x 36 KiB of shared memory, so 2-3 programs fit an SM).
-_TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=2)
-_TILES_NARROW = dict(TILE_N=64, num_warps=4, num_stages=2)  # R_PAD <= 256
+# (8 warps halve it but spread the 16-row dots thinly). Stages: with num_stages >= 2 Triton turns
+# the tile loads (block-table entries, then latent rows) into cp.async copies issued ahead of the
+# dots (sm90 PTX: none at 1 stage); 3 is what launches without num_stages got before, kept.
+_TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=3)
+_TILES_NARROW = dict(TILE_N=64, num_warps=4, num_stages=3)  # R_PAD <= 256
 CONFIG_KEYS = ("BLOCK_H", "TILE_N", "num_warps", "num_stages", "num_splits", "min_split_tokens",
                "page_loads", "splits_first")
 
