@@ -231,3 +231,17 @@ def test_decode_kernel_compiles_for_sm90_and_stages_pipeline_the_loads():
     assert not got["0/1/32/4"]["cp_async"]  # one stage: plain loads
     for key in ("0/3/32/8", "1/3/16/4", "2/3/32/4", "2/2/64/4"):
         assert got[key]["cp_async"], (key, got)  # more: copies issued ahead
+
+
+def test_launch_and_sweep_frames():
+    from atom.viz.mla_frames import mla_launch_frame, mla_sweep_frame
+    df = mla_launch_frame([1, 64, 128, 512])
+    assert list(df.batch) == [1, 64, 128, 512] and list(df.num_splits) == [32, 4, 2, 1]
+    assert (df.programs_per_sm[:3] >= 0.24).all() and df.workspace_slots.iloc[-1] == 0
+    fake = dict(peak_TBs=4.0, results={"B=1, ctx 512": dict(
+        best=[dict(config={"TILE_N": 64}, us=2.0, TBs=2.0)],
+        all=[dict(config="default", us=4.0, TBs=1.0), dict(config={"TILE_N": 64}, us=2.0, TBs=2.0),
+             dict(config={"TILE_N": 16}, error="OutOfResources")])})
+    sf = mla_sweep_frame(fake)
+    assert len(sf) == 2 and list(sf.of_peak) == [0.25, 0.5]
+    assert list(sf.is_best) == [False, True] and list(sf.is_default) == [True, False]
