@@ -15,7 +15,7 @@ import torch
 
 from atom.model_ops.attention.metadata import get_forward_context
 from atom.model_ops.attention.mla_torch import MLABackend
-from atom.model_ops.kernels.mla_decode import MLAWorkspace, mla_decode, write_latent
+from atom.model_ops.kernels.mla_decode import MLAWorkspace, mla_decode, num_sms, workspace_slots, write_latent
 
 OP_NAME = "atom::mla_attention"
 
@@ -24,12 +24,15 @@ class TritonMLABackend(MLABackend):
     """One per engine: its MLA layers (by layer index) and the split-KV scratch."""
     name = "triton-mla"
 
-    def __init__(self, layers: list, max_num_tokens: int = 1024, device=None, max_split_seqs: int = 64):
+    def __init__(self, layers: list, max_num_tokens: int = 1024, device=None, max_splits: int = 32):
         self.layers = list(layers)
         a = layers[0]
-        # splits pay only for small batches: scratch for up to `max_split_seqs` sequences
-        self.workspace = MLAWorkspace(min(max_num_tokens, max_split_seqs), a.num_heads, a.kv_lora_rank,
-                                      device=device)
+        # scratch for the split count `pick_mla_config` gives every decode batch of up to
+        # `max_num_tokens` sequences (a few MiB: the split rule keeps B x splits bounded)
+        sms = num_sms(device)
+        slots = workspace_slots(max_num_tokens, a.num_heads, a.kv_lora_rank, sms, max_splits)
+        self.workspace = MLAWorkspace(max_num_tokens, a.num_heads, a.kv_lora_rank, max_splits=max_splits,
+                                      device=device, slots=slots)
 
     def write_kv(self, layer, kv_c, k_pe, meta) -> None:
         write_latent(kv_c, k_pe, layer.kv_cache, meta.slot_mapping)

@@ -7,13 +7,19 @@ is already in the latent space: q_lat [B, H, R] (q_nope W_UK) and q_pe [B, H, P]
 `mla_decode` : out_lat[b, h] = softmax_j(scale * (q_lat[b,h] . c_j + q_pe[b,h] . pe_j)) . c_j over
 the `seq_lens[b]` latents of sequence b. Programs map to (sequence, block of BLOCK_H heads,
 KV segment): all heads read the same latent rows (one shared "KV head"), so a program packs
-16+ heads into the rows of `tl.dot`. Few programs (small batches) split each sequence's
-context into `num_kv_splits` segments whose partial results (unnormalised output and
-log-sum-exp, in preallocated `MLAWorkspace` buffers, so the launch can live in a CUDA graph)
-a second kernel merges. The split count depends on shapes only.
+16+ heads into the rows of `tl.dot`. Each sequence's context is split into up to `num_splits`
+segments (a sequence uses as many as keep each >= `min_split_tokens`) whose partial results
+(normalised output and log-sum-exp, in preallocated `MLAWorkspace` buffers, so the launch can
+live in a CUDA graph) a second kernel merges exactly (log-sum-exp weights, empty segments
+weight 0). Why split at every batch size, not only below one program per SM: a decode step is
+a read of the latent cache, and the bandwidth it gets depends on the loads in flight, i.e. on
+programs per SM x tiles each keeps in flight (`num_stages` pipelines them); one long loop per
+SM with a ragged last wave reads at a fraction of the HBM rate. The launch choice
+(`pick_mla_config`, a small table) depends on shapes only. Tiles find their cache rows with one
+block-table load per page (or per tile), not one per token.
 
 The torch references: `atom.model_ops.attention.mla_torch.latent_decode_ref` and
-`write_latent_cache`.
+`write_latent_cache`. `scripts/mla_decode_sweep.py` times the configurations on a GPU.
 """
 from __future__ import annotations
 
@@ -33,18 +39,22 @@ if HAS_TRITON:
     @triton.jit
     def _mla_decode_kernel(
         ql_ptr, qp_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, po_ptr, plse_ptr,
-        scale_log2,
+        scale_log2, min_split_tokens,
         stride_qlb, stride_qlh, stride_qpb, stride_qph,
         stride_cb, stride_cs, stride_btb,
         stride_ob, stride_oh,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
         NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
         BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, PAGE_MODE: tl.constexpr, SPLITS_FIRST: tl.constexpr,
     ):
-        b = tl.program_id(0)
+        if SPLITS_FIRST:  # a sequence's segments are neighbours in launch order
+            split = tl.program_id(0)
+            b = tl.program_id(2)
+        else:
+            b = tl.program_id(0)
+            split = tl.program_id(2)
         hb = tl.program_id(1)
-        split = tl.program_id(2)
         b64 = b.to(tl.int64)
         seq_len = tl.load(seq_lens_ptr + b)
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -57,18 +67,34 @@ if HAS_TRITON:
                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
         qp = tl.load(qp_ptr + b64 * stride_qpb + heads[:, None] * stride_qph + offs_p[None, :],
                      mask=h_ok[:, None] & p_ok[None, :], other=0.0)
-        # this program's segment of the context, in whole tiles
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+        # this program's segment of the context, in whole tiles: a sequence uses only as many of
+        # the NUM_SPLITS segments as give each >= min_split_tokens (the rest are empty), so short
+        # sequences do not pay partial-result traffic for segments of a few tiles
+        # (segment k of `active` gets tiles [k n / active, (k + 1) n / active): sizes differ by <= 1)
+        n_tiles = tl.cdiv(seq_len, TILE_N)
+        active = tl.maximum(1, tl.minimum(NUM_SPLITS, tl.cdiv(seq_len, min_split_tokens)))
+        start = (split * n_tiles // active) * TILE_N
+        end = tl.minimum(((split + 1) * n_tiles // active) * TILE_N, seq_len)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+        bt_row = bt_ptr + b64 * stride_btb
         for n0 in range(start, end, TILE_N):
             offs_n = n0 + tl.arange(0, TILE_N)
             n_ok = offs_n < end
-            blk = tl.load(bt_ptr + b64 * stride_btb + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-            row = blk * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
+            # cache rows of this tile; segments start on whole tiles, so a tile never straddles
+            # a page where TILE_N divides the block size
+            if PAGE_MODE == 1:  # the tile lies in one page: one block-table entry
+                blk = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
+                row = blk * stride_cb + ((n0 % BLOCK_SIZE) + tl.arange(0, TILE_N)).to(tl.int64) * stride_cs
+            elif PAGE_MODE == 2:  # TILE_N // BLOCK_SIZE whole pages: one entry per page
+                pg = n0 // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
+                blks = tl.load(bt_row + pg, mask=pg * BLOCK_SIZE < end, other=0).to(tl.int64)
+                row = tl.reshape(blks[:, None] * stride_cb
+                                 + tl.arange(0, BLOCK_SIZE).to(tl.int64)[None, :] * stride_cs, [TILE_N])
+            else:  # one entry per token
+                blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+                row = blk * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
             c = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
             pe = tl.load(cache_ptr + row[:, None] + R + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :],
                          other=0.0)
@@ -88,9 +114,10 @@ if HAS_TRITON:
             tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=st_mask)
         else:
+            # an empty segment writes only its lse (-inf): the merge never reads its output rows
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             base = b64 * stride_pob + heads * stride_poh + split * stride_pos
-            tl.store(po_ptr + base[:, None] + offs_r[None, :], o, mask=st_mask)
+            tl.store(po_ptr + base[:, None] + offs_r[None, :], o, mask=st_mask & (l_i > 0.0)[:, None])
             tl.store(plse_ptr + b64 * stride_plb + heads * stride_plh + split, lse, mask=h_ok)
 
     @triton.jit
@@ -138,24 +165,35 @@ def _next_pow2(x: int) -> int:
 
 
 class MLAWorkspace:
-    """Split-KV scratch, allocated once (CUDA-graph safe): partial outputs [B, H, S, R] and
-    log-sum-exps [B, H, S] for up to `max_num_seqs` sequences; a bigger batch runs unsplit."""
+    """Split-KV scratch, allocated once (CUDA-graph safe): room for `slots` (sequence, segment)
+    pairs of partial outputs [H, R] and log-sum-exps [H], viewed per batch as [B, H, S, R] and
+    [B, H, S] (B * S <= slots, S <= max_splits). By default slots = max_num_seqs * max_splits;
+    `workspace_slots` sizes it for the splits `pick_mla_config` chooses. A batch whose split
+    count does not fit runs with the largest power of two that does."""
 
-    def __init__(self, max_num_seqs: int, num_heads: int, kv_lora_rank: int, max_splits: int = 8, device=None):
+    def __init__(self, max_num_seqs: int, num_heads: int, kv_lora_rank: int, max_splits: int = 8, device=None,
+                 slots: Optional[int] = None):
         if max_splits < 1 or max_splits & (max_splits - 1):
             raise ValueError(f"max_splits={max_splits} is invalid: must be a power of two >= 1")
-        self.max_num_seqs, self.num_heads, self.kv_lora_rank, self.max_splits = \
-            int(max_num_seqs), int(num_heads), int(kv_lora_rank), int(max_splits)
-        self.partial_out = torch.empty((self.max_num_seqs, num_heads, max_splits, kv_lora_rank),
-                                       dtype=torch.float32, device=device)
-        self.partial_lse = torch.empty((self.max_num_seqs, num_heads, max_splits), dtype=torch.float32, device=device)
+        slots = int(max_num_seqs) * int(max_splits) if slots is None else int(slots)
+        if slots < 1:
+            raise ValueError(f"slots={slots} is invalid: must be >= 1")
+        self.max_num_seqs, self.num_heads, self.kv_lora_rank, self.max_splits, self.slots = \
+            int(max_num_seqs), int(num_heads), int(kv_lora_rank), int(max_splits), slots
+        self.partial_out = torch.empty(slots * num_heads * kv_lora_rank, dtype=torch.float32, device=device)
+        self.partial_lse = torch.empty(slots * num_heads, dtype=torch.float32, device=device)
+
+    def fits(self, num_seqs: int, num_heads: int, kv_lora_rank: int, num_splits: int) -> bool:
+        return (num_seqs <= self.max_num_seqs and num_heads == self.num_heads and kv_lora_rank == self.kv_lora_rank
+                and num_splits <= self.max_splits and num_seqs * num_splits <= self.slots)
 
     def buffers(self, num_seqs: int, num_heads: int, kv_lora_rank: int, num_splits: int):
-        """Views for this batch, or None where it does not fit."""
-        if (num_seqs > self.max_num_seqs or num_heads != self.num_heads or kv_lora_rank != self.kv_lora_rank
-                or num_splits > self.max_splits):
+        """Views [B, H, S, R] and [B, H, S] for this batch, or None where it does not fit."""
+        if not self.fits(num_seqs, num_heads, kv_lora_rank, num_splits):
             return None
-        return self.partial_out[:num_seqs], self.partial_lse[:num_seqs]
+        n = num_seqs * num_heads * num_splits
+        return (self.partial_out[:n * kv_lora_rank].view(num_seqs, num_heads, num_splits, kv_lora_rank),
+                self.partial_lse[:n].view(num_seqs, num_heads, num_splits))
 
     @property
     def nbytes(self) -> int:
@@ -163,21 +201,67 @@ class MLAWorkspace:
 
     def __repr__(self) -> str:
         return (f"MLAWorkspace(max_num_seqs={self.max_num_seqs}, heads={self.num_heads}, "
-                f"kv_lora_rank={self.kv_lora_rank}, max_splits={self.max_splits}, {self.nbytes / 2**20:.1f} MiB)")
+                f"kv_lora_rank={self.kv_lora_rank}, max_splits={self.max_splits}, slots={self.slots}, "
+                f"{self.nbytes / 2**20:.1f} MiB)")
+
+
+# The launch choice, from shapes only (a CUDA graph replays it for any context lengths).
+# Design guesses, not measurements: `scripts/mla_decode_sweep.py` times the alternatives on
+# the H200 and these rows are edited from its results.
+#
+# Splits: the first row whose bound the programs before splitting (sequences x head blocks)
+# do not exceed, as a multiple of the SMs. The target is a few programs per SM whatever the
+# batch (about 2x the SMs): the old rule (split only below one program per SM) left a batch of
+# ~130 sequences one long sequential loop per SM with a ragged last wave. Inside the kernel a
+# sequence uses only as many segments as keep each >= MIN_SPLIT_TOKENS, so a split count
+# chosen for long contexts costs short ones nothing.
+_SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 4, 8), (1 / 2, 4), (2.0, 2), (float("inf"), 1))
+MIN_SPLIT_TOKENS = 256
+# Tiles for a 512-wide latent: a [16, 512] fp32 accumulator is 64 registers a thread at 4 warps
+# (8 warps halve it but spread the 16-row dots thinly). Stages: with num_stages >= 2 Triton turns
+# the tile loads (block-table entries, then latent rows) into cp.async copies issued ahead of the
+# dots (sm90 PTX: none at 1 stage); 3 is what launches without num_stages got before, kept.
+_TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=3)
+_TILES_NARROW = dict(TILE_N=64, num_warps=4, num_stages=3)  # R_PAD <= 256
+CONFIG_KEYS = ("BLOCK_H", "TILE_N", "num_warps", "num_stages", "num_splits", "min_split_tokens",
+               "page_loads", "splits_first")
 
 
 def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: int = 132,
-                    max_splits: int = 8) -> dict:
-    """Tiles and the split count, from shapes only: split while the grid has fewer programs
-    than SMs (about two programs per SM after splitting)."""
+                    max_splits: int = 32) -> dict:
+    """The launch configuration for a batch shape (see the tables above):
+    BLOCK_H / TILE_N / num_warps / num_stages (tiles), num_splits (segments per sequence, a
+    power of two), min_split_tokens (the least context a used segment gets), page_loads (one
+    block-table entry per page, not per token), splits_first (a sequence's segments launch
+    next to each other: the longest-first batch order then starts the longest work first)."""
     block_h = max(16, min(64, _next_pow2(num_heads)))
     r_pad = max(16, _next_pow2(kv_lora_rank))
-    tile_n = 64 if r_pad <= 128 else 32
     progs = num_seqs * -(-num_heads // block_h)
     splits = 1
-    if 0 < progs < num_sms:
-        splits = min(max_splits, _next_pow2(math.ceil(2 * num_sms / progs)))
-    return dict(BLOCK_H=block_h, TILE_N=tile_n, num_splits=splits, num_warps=4 if r_pad <= 256 else 8)
+    if progs > 0:
+        splits = next(n for bound, n in _SPLIT_ROWS if progs <= bound * num_sms)
+        splits = max(1, min(splits, 1 << (max(1, int(max_splits)).bit_length() - 1)))
+    tiles = _TILES_NARROW if r_pad <= 256 else _TILES_WIDE
+    return dict(BLOCK_H=block_h, **tiles, num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS,
+                page_loads=True, splits_first=True)
+
+
+def workspace_slots(max_num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: int = 132,
+                    max_splits: int = 32) -> int:
+    """(sequence, segment) pairs an `MLAWorkspace` needs so that every batch of up to
+    `max_num_seqs` sequences runs with the split count `pick_mla_config` gives it (unsplit
+    batches need none)."""
+    return max([b * s for b in range(1, int(max_num_seqs) + 1)
+                if (s := pick_mla_config(b, num_heads, kv_lora_rank, num_sms, max_splits)["num_splits"]) > 1]
+               + [1])
+
+
+def num_sms(device) -> int:
+    """SMs of a CUDA device (132, an H200's, elsewhere: only the interpreter's choice uses it)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _num_sms(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,13 +271,45 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _check_config(cfg: dict, block_size: int) -> None:
+    """Bad overrides fail here, naming the field, the value and what is allowed."""
+    unknown = sorted(set(cfg) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"mla_decode config has unknown keys {unknown}: allowed {list(CONFIG_KEYS)}")
+    for key in ("BLOCK_H", "TILE_N", "num_warps", "num_splits"):
+        v = cfg[key]
+        if not isinstance(v, int) or v < 1 or v & (v - 1) or (key in ("BLOCK_H", "TILE_N") and v < 16):
+            lo = 16 if key in ("BLOCK_H", "TILE_N") else 1
+            raise ValueError(f"mla_decode config {key}={v!r} is invalid: must be a power of two >= {lo}")
+    if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
+        raise ValueError(f"mla_decode config num_stages={cfg['num_stages']!r} is invalid: must be an int >= 1")
+    if not isinstance(cfg["min_split_tokens"], int) or cfg["min_split_tokens"] < 1:
+        raise ValueError(f"mla_decode config min_split_tokens={cfg['min_split_tokens']!r} is invalid: "
+                         "must be an int >= 1")
+    if block_size < 1:
+        raise ValueError(f"kv_cache block size {block_size} is invalid: must be >= 1")
+
+
+def _page_mode(tile_n: int, block_size: int, page_loads: bool) -> int:
+    """How the kernel finds a tile's cache rows: 1 one block-table entry a tile (TILE_N divides
+    the block size), 2 one a page (the block size, a power of two, divides TILE_N), 0 one a token."""
+    if not page_loads:
+        return 0
+    if block_size % tile_n == 0:
+        return 1
+    if tile_n % block_size == 0 and block_size & (block_size - 1) == 0:
+        return 2
+    return 0
+
+
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, kv_lora_rank: int, scale: float, out: Optional[torch.Tensor] = None,
                workspace: Optional[MLAWorkspace] = None, *, num_kv_splits: Optional[int] = None,
                config: Optional[dict] = None) -> torch.Tensor:
     """Absorbed MLA decode: q_lat [B, H, R], q_pe [B, H, P], kv_cache [blocks, bs, R + P] ->
-    out [B, H, R]. `num_kv_splits` None picks by shape (then capped by the workspace), a power
-    of two forces it; `config` overrides tiles (BLOCK_H, TILE_N, num_warps)."""
+    out [B, H, R]. `num_kv_splits` None picks by shape (then lowered to what the workspace
+    holds), a power of two forces it; `config` overrides any of `CONFIG_KEYS` (see
+    `pick_mla_config`), e.g. dict(TILE_N=64, num_warps=8, num_stages=3, num_splits=4)."""
     if not HAS_TRITON:
         raise RuntimeError("mla_decode needs triton; use mla_torch.latent_decode_ref without it")
     B, H, R = q_lat.shape
@@ -207,41 +323,52 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     for name, x in (("q_lat", q_lat), ("q_pe", q_pe), ("kv_cache", kv_cache), ("block_tables", block_tables)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
+    if num_kv_splits is not None:
+        n = int(num_kv_splits)
+        if n < 1 or n & (n - 1):
+            raise ValueError(f"num_kv_splits={num_kv_splits} is invalid: must be a power of two >= 1")
+        config = dict(config or {}, num_splits=n)
+    block_size = kv_cache.shape[1]
+    cfg = pick_mla_config(B, H, R, _num_sms(q_lat.device), workspace.max_splits if workspace else 32)
+    if config:
+        cfg = dict(cfg, **config)
+    _check_config(cfg, block_size)
     if out is None:
         out = torch.empty_like(q_lat)
     if B == 0:
         return out
-    cfg = pick_mla_config(B, H, R, _num_sms(q_lat.device), workspace.max_splits if workspace else 8)
-    if config:
-        cfg = dict(cfg, **config)
-    splits = cfg["num_splits"] if num_kv_splits is None else int(num_kv_splits)
-    if splits < 1 or splits & (splits - 1):
-        raise ValueError(f"num_kv_splits={splits} is invalid: must be a power of two >= 1")
+    splits = cfg["num_splits"]
     bufs = None
     if splits > 1:
-        bufs = (workspace.buffers(B, H, R, splits) if workspace is not None else
-                (torch.empty((B, H, splits, R), dtype=torch.float32, device=q_lat.device),
-                 torch.empty((B, H, splits), dtype=torch.float32, device=q_lat.device)))
-        if bufs is None:
-            splits = 1
+        if workspace is None:
+            bufs = (torch.empty((B, H, splits, R), dtype=torch.float32, device=q_lat.device),
+                    torch.empty((B, H, splits), dtype=torch.float32, device=q_lat.device))
+        else:  # the largest split count the preallocated scratch holds (shapes only)
+            while splits > 1 and not workspace.fits(B, H, R, splits):
+                splits //= 2
+            bufs = workspace.buffers(B, H, R, splits) if splits > 1 else None
     po, plse = bufs if splits > 1 else (out, out)
     r_pad, p_pad = max(16, _next_pow2(R)), max(16, _next_pow2(P))
     dot_prec = "ieee" if q_lat.dtype == torch.float32 else "tf32"
-    grid = (B, triton.cdiv(H, cfg["BLOCK_H"]), splits)
+    nhb = triton.cdiv(H, cfg["BLOCK_H"])
+    grid = (splits, nhb, B) if cfg["splits_first"] else (B, nhb, splits)
     _mla_decode_kernel[grid](
         q_lat, q_pe, kv_cache, block_tables, seq_lens, out, po, plse,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E, cfg["min_split_tokens"],
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         po.stride(0), po.stride(1), po.stride(2) if splits > 1 else 0, plse.stride(0), plse.stride(1),
         NUM_HEADS=H, R=R, P=P, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=cfg["BLOCK_H"], TILE_N=cfg["TILE_N"],
-        BLOCK_SIZE=kv_cache.shape[1], NUM_SPLITS=splits, DOT_PREC=dot_prec, num_warps=cfg["num_warps"],
+        BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_PREC=dot_prec,
+        PAGE_MODE=_page_mode(cfg["TILE_N"], block_size, bool(cfg["page_loads"])),
+        SPLITS_FIRST=bool(cfg["splits_first"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _mla_merge_kernel[(B, H)](
             out, po, plse, out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
-            plse.stride(0), plse.stride(1), R=R, R_PAD=r_pad, NUM_SPLITS=splits, num_warps=4)
+            plse.stride(0), plse.stride(1), R=R, R_PAD=r_pad, NUM_SPLITS=splits,
+            num_warps=4 if splits <= 8 else 8)
     return out
 
 
