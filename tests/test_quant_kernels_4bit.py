@@ -53,15 +53,22 @@ OP_CASES = [("int4", 12, 96, 32, False), ("int4", 10, 192, 48, True), ("int4", 9
             ("int4", 16, 64, 64, False), ("mxfp4", 12, 96, 32, False), ("mxfp4", 9, 160, 32, False)]
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["table", "gemv_gemm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M", [1, 3, 17, 64])
 @pytest.mark.parametrize("fmt, N, K, g, zp", OP_CASES)
-def test_op_matches_torch_reference(fmt, N, K, g, zp, M, dtype):
+def test_op_matches_torch_reference(fmt, N, K, g, zp, M, dtype, legacy):
+    """The table's kernel (w4_dot for 16-bit activations, where the group allows) and the
+    CUDA-core GEMV / dequantizing GEMM it replaced (what fp32 activations still run)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp)
     torch.manual_seed(M)
     x = torch.randn(M, K).to(dtype)
     bias = torch.randn(N).to(dtype) if M % 2 else None
-    y = w4_linear(x, packed, scales, zeros, bias, fmt, g, K)
+    if legacy:
+        name, cfg = w4_config(M, N, K, torch.float32, g)
+        y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=dict(cfg, kernel=name))
+    else:
+        y = w4_linear(x, packed, scales, zeros, bias, fmt, g, K)
     ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
     assert y.dtype == dtype and y.shape == (M, N)
     assert rel_err(y, ref) < TOL[dtype]
@@ -111,13 +118,74 @@ def test_op_traces_under_fake_tensors():
 
 
 def test_tile_table_regimes():
-    assert [w4_config(m, 4096, 4096)[0] for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1, 16, 64, 512)] == \
-        ["w4_gemv"] * 2 + ["w4_gemm"] * 4
-    assert w4_config(3, 4096, 4096)[1]["BLOCK_M"] == 4  # every row in one program
-    assert w4_config(16, 4096, 4096)[1]["BLOCK_M"] == 16  # one row tile: the weight streams once
-    assert w4_config(16, 4096, 4096)[1]["BLOCK_N"] == 16 and w4_config(16, 28672, 4096)[1]["BLOCK_N"] == 32
-    assert w4_config(64, 4096, 4096)[1]["BLOCK_M"] == 64
-    assert w4_config(512, 4096, 4096)[1]["BLOCK_M"] == 128
+    """16-bit activations run w4_dot at every M (one row tile up to 64 rows, split-K where
+    the row blocks are few); fp32 activations and groups without a power-of-two factor >= 16
+    keep the GEMV (M <= 4) / dequantizing GEMM table."""
+    ms = (1, GEMV_MAX_M, GEMV_MAX_M + 1, 16, 64, 512)
+    assert [w4_config(m, 4096, 4096)[0] for m in ms] == ["w4_dot"] * 6
+    assert [w4_config(m, 4096, 4096, torch.float16, 32)[0] for m in ms] == ["w4_dot"] * 6
+    for dtype, g in ((torch.float32, 128), (torch.bfloat16, 20), (torch.bfloat16, 8)):
+        assert [w4_config(m, 4096, 4096, dtype, g)[0] for m in ms] == ["w4_gemv"] * 2 + ["w4_gemm"] * 4
+    old = {m: w4_config(m, 4096, 4096, torch.float32)[1] for m in (3, 16, 64, 512)}
+    assert old[3]["BLOCK_M"] == 4 and old[16]["BLOCK_M"] == 16  # every row in one program
+    assert old[16]["BLOCK_N"] == 16 and w4_config(16, 28672, 4096, torch.float32)[1]["BLOCK_N"] == 32
+    assert old[64]["BLOCK_M"] == 64 and old[512]["BLOCK_M"] == 128
+    dot = {m: w4_config(m, 4096, 4096)[1] for m in (1, 17, 64, 512)}
+    assert dot[1]["BLOCK_M"] == 16 and dot[17]["BLOCK_M"] == 32 and dot[64]["BLOCK_M"] == 64
+    assert dot[512]["BLOCK_M"] == 128
+    # split-K: 64 row blocks of N = 4096 become 256 programs; N = 28672 (448 blocks) does not split;
+    # a short K keeps two K steps per split
+    assert dot[1]["SPLIT_K"] == 4 and w4_config(1, 28672, 4096)[1]["SPLIT_K"] == 1
+    assert w4_config(1, 4096, 14336)[1]["SPLIT_K"] == 4 and w4_config(1, 4096, 1024)[1]["SPLIT_K"] == 2
+    assert dot[512]["SPLIT_K"] == 1
+    assert w4_gemm.kernel_name(1) == "w4_dot" and w4_gemm.kernel_name(1, torch.float32) == "w4_gemv"
+
+
+# (fmt, N, K, group, asymmetric): N past the last 64-row block, K past the last tile
+DOT_CASES = [("int4", 72, 256, 128, False), ("int4", 72, 256, 128, True), ("int4", 70, 160, 32, False),
+             ("int4", 40, 96, 32, True), ("mxfp4", 72, 256, 32, False), ("mxfp4", 24, 96, 32, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, split, order", [(1, 1, 0), (3, 2, 1), (17, 2, 0), (17, 1, 1)])
+@pytest.mark.parametrize("fmt, N, K, g, zp", DOT_CASES)
+def test_w4_dot_matches_torch_reference(fmt, N, K, g, zp, M, split, order, dtype):
+    """The swap-AB tensor-core kernel: int4 sym / asym (groups 32, 128), MXFP4, M 1 / 3 / 17
+    (one and two row tiles), split-K 1 and 2, both column orders, bias, bf16 / fp16 (the
+    fp16 magic number 1024 and bf16's 128 both exact)."""
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=N + M)
+    torch.manual_seed(M)
+    x = torch.randn(M, K).to(dtype)
+    bias = torch.randn(N).to(dtype) if split == 1 or M == 3 else None
+    cfg = dict(kernel="w4_dot", BLOCK_M=16, BLOCK_N=64 if N > 32 else 16, BLOCK_K=64, SPLIT_K=split, ORDER=order)
+    y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=cfg)
+    ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert rel_err(y, ref) < TOL[dtype]
+
+
+def test_w4_dot_scales_after_the_dot_are_exact_in_fp16():
+    """One-hot rows of x pick out single weights: (q - z) * s with the scale applied to the
+    fp32 partial equals the fp32 dequantized weight rounded once to fp16."""
+    packed, scales, zeros = random_w4("int4", 16, 64, 32, True, seed=3)
+    scales = scales.half()
+    x = torch.eye(64, dtype=torch.float16)[:17]
+    cfg = dict(kernel="w4_dot", BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1)
+    y = w4_linear_launch(x, packed, scales, zeros, None, "int4", 32, 64, config=cfg)
+    w = dequantize_w4(packed, scales, zeros, "int4", 32, 64)
+    torch.testing.assert_close(y, w[:, :17].T.half(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=64), "BLOCK_M=8 must be >= 16"),
+    (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, group=8), "BLOCK_K=64 and group=8"),
+])
+def test_w4_dot_refuses_configs_it_cannot_run(cfg, match):
+    cfg = dict(cfg, kernel="w4_dot")
+    g = cfg.pop("group", 32)
+    packed, scales, zeros = random_w4("int4", 16, 64, g, False)
+    with pytest.raises(ValueError, match=match):
+        w4_linear_launch(torch.randn(2, 64).bfloat16(), packed, scales, zeros, None, "int4", g, 64, config=cfg)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -86,16 +86,17 @@ if HAS_TRITON:
             v = tl.permute(v, (0, 1, 3, 2))
         return tl.reshape(v, [BLOCK_N, DK])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "SPLIT_K", "stride_ys"])  # one compile per tile for every M and split
     def _w4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, n_words,
                        stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
                        FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        PDL: tl.constexpr, DOT_F32: tl.constexpr, MAGIC: tl.constexpr, MAGIC_F: tl.constexpr,
                        ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, DK: tl.constexpr, SPLIT_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, DK: tl.constexpr, SPLIT_K, PARTIAL: tl.constexpr):
         """acc[n, m] = sum_k W[n, k] x[m, k] for a BLOCK_N x BLOCK_M tile (the M tiles of one
-        weight tile are neighbours: it is fetched from HBM about once); SPLIT_K > 1 stores the
-        fp32 partial of K split pid(1) at y_ptr + pid(1) * stride_ys (y_ptr then fp32)."""
+        weight tile are neighbours: it is fetched from HBM about once). PARTIAL (SPLIT_K > 1;
+        SPLIT_K is a runtime argument, so every split count shares one compiled kernel) stores
+        the fp32 partial of K split pid(1) at y_ptr + pid(1) * stride_ys (y_ptr then fp32)."""
         pdl_start(PDL)
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -146,7 +147,7 @@ if HAS_TRITON:
                     scale = _e8m0(s_raw.to(tl.int32))
                 acc += d * scale[:, None]
         out = y_ptr + pid_k.to(tl.int64) * stride_ys + m64[None, :] * stride_ym + rows[:, None]
-        if SPLIT_K == 1:
+        if not PARTIAL:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
@@ -190,7 +191,7 @@ def w4_dot_launch(x, words, scales, z, bias, y, fmt_id: int, group: int, k: int,
                          scales.stride(0), z.stride(0), N, M * N if split > 1 else 0,
                          FMT=fmt_id, GROUP=group, HAS_ZP=common["HAS_ZP"], HAS_BIAS=bias is not None,
                          PDL=common["PDL"], DOT_F32=dot_f32, MAGIC=magic, MAGIC_F=magic_f, DK=dk,
-                         SPLIT_K=split, **{k_: v for k_, v in common.items() if k_ == "launch_pdl"},
+                         SPLIT_K=split, PARTIAL=split > 1, **{k_: v for k_, v in common.items() if k_ == "launch_pdl"},
                          **{"ORDER": 0, **cfg})
     if split > 1:
         block = 1024

@@ -85,7 +85,7 @@ GEMM_TILES = (
 #   steps of 256 (128 bytes of int4 per row: one line), so the weight streams once;
 # - larger M: 64 x 128 then 128 x 128 tiles, K 64, pipelined over 3 stages (compute bound).
 # SPLIT_K: layers whose row blocks give fewer than DOT_TARGET_PROGRAMS programs (N = 4096 at
-# BLOCK_N = 64: 64) split K in two, four or eight, keeping >= 2 K steps per split.
+# BLOCK_N = 64: 64) split K in two, four or eight, keeping >= 2 K steps per split (M <= 64).
 DOT_MIN_M = 1
 DOT_TARGET_PROGRAMS = 256
 DOT_TILES = (
@@ -99,7 +99,10 @@ DOT_TILES = (
 
 def dot_split_k(M: int, N: int, K: int, cfg: dict) -> int:
     """SPLIT_K for the w4_dot tiles `cfg`: the smallest of 1, 2, 4, 8 that reaches
-    DOT_TARGET_PROGRAMS programs while every split keeps at least two K steps."""
+    DOT_TARGET_PROGRAMS programs while every split keeps at least two K steps; 1 above
+    M = 64 (compute bound: the fp32 partials would be extra traffic for no gain in overlap)."""
+    if M > 64:
+        return 1
     progs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
     steps = -(-K // cfg["BLOCK_K"])
     split = 1
