@@ -30,6 +30,7 @@ FORMATS = {"int4": ("int4", 128, False), "int4_asym": ("int4", 128, True), "mxfp
 HBM_TBS = 4.3
 L2_MISS_BYTES = 256 << 20
 ASYM_TOP = 5  # tiles of the symmetric int4 sweep the asymmetric one re-times
+DEVICE = "cuda"  # the tests run the loop on the CPU (interpreter, a stand-in timer)
 
 # candidate tiles per regime: (BLOCK_N, BLOCK_K, num_warps, num_stages, ORDER), each with split-K counts
 SMALL = [(32, 256, 4, 3, 0), (64, 256, 4, 3, 0), (64, 512, 4, 3, 0), (128, 256, 4, 3, 0), (128, 256, 8, 3, 0),
@@ -63,12 +64,12 @@ def candidates(M: int, quick: bool) -> list[dict]:
 
 def packed_weights(fmt: str, N: int, K: int, g: int, zp: bool):
     if fmt == "int4":
-        packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (N, K // 8), dtype=torch.int32, device="cuda")
-        scales = (torch.rand(N, K // g, device="cuda") / K ** 0.5).bfloat16()
-        zeros = torch.randint(0, 16, (N, K // g), dtype=torch.int8, device="cuda") if zp else None
+        packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (N, K // 8), dtype=torch.int32, device=DEVICE)
+        scales = (torch.rand(N, K // g, device=DEVICE) / K ** 0.5).bfloat16()
+        zeros = torch.randint(0, 16, (N, K // g), dtype=torch.int8, device=DEVICE) if zp else None
     else:
-        packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda")
-        scales = torch.randint(118, 126, (N, K // 32), dtype=torch.uint8, device="cuda")
+        packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=DEVICE)
+        scales = torch.randint(118, 126, (N, K // 32), dtype=torch.uint8, device=DEVICE)
         zeros = None
     return packed, scales, zeros
 
@@ -92,7 +93,7 @@ def _compile_one(task) -> str:
     from atom.model_ops.kernels.w4_gemm import w4_linear_launch
     fmt, g, zp = FORMATS[name]
     packed, scales, zeros = packed_weights(fmt, 256, 2048, g, zp)
-    x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, 2048, device=DEVICE, dtype=torch.bfloat16)
     try:
         w4_linear_launch(x, packed, scales, zeros, None, fmt, g, 2048, config=cfg)
         torch.cuda.synchronize()
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--jobs", type=int, default=8, help="processes compiling the kernels first (0: none)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("w4_sweep: no CUDA GPU here (run it on the H200); nothing was timed", file=sys.stderr)
         return 2
     from atom.model_ops.kernels.w4_gemm import w4_config, w4_linear_launch
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     print(f"{'format':<10}{'N':>6}{'K':>6}{'M':>5} {'best us':>8}{'GB/s':>6}{'%HBM':>5}{'TFLOP/s':>8}"
           f"{'bf16 us':>8}{'x bf16':>7}{'old us':>8}{'x old':>6}  best config (table: w4_config's pick)")
     for N, K in SHAPES:
-        w16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        w16 = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16)
         ws16 = [w16] + [w16.clone() for _ in range(copies(nbytes(w16)) - 1)]
         weights = {}
         for name in args.formats:
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
             weights[name] = [one] + [tuple(t.clone() if t is not None else None for t in one)
                                      for _ in range(copies(nbytes(*one)) - 1)]
         for M in args.ms:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
             io = nbytes(x) + M * N * 2
             t16 = graph_time([lambda w=w: F.linear(x, w) for w in ws16], iters=args.iters)
             sym_times: list[tuple[float, dict]] = []
@@ -210,8 +211,8 @@ def main(argv=None) -> int:
         del ws16, weights
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), hbm_limit_tbs=HBM_TBS, quick=args.quick,
-                       seconds=time.time() - t_start, best=best_rows, rows=rows), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, hbm_limit_tbs=HBM_TBS,
+                       quick=args.quick, seconds=time.time() - t_start, best=best_rows, rows=rows), f, indent=1)
     print(f"wrote {args.out} ({time.time() - t_start:.0f} s)")
     return 0
 

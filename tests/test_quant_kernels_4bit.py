@@ -13,7 +13,7 @@ import torch
 
 import atom.model_ops.quant.int4 as int4_mod
 import atom.model_ops.quant.mxfp4 as mxfp4_mod
-from atom.model_ops.kernels import w4_gemm
+from atom.model_ops.kernels import w4_dot, w4_gemm
 from atom.model_ops.kernels.w4_gemm import (GEMV_MAX_M, dequantize_w4, w4_config, w4_linear, w4_linear_launch,
                                             w4_linear_ref)
 from atom.model_ops.linear import Linear, QKVLinear
@@ -428,7 +428,8 @@ def _loop_body(ptx: str) -> str:
 
 
 def _compile_w4() -> dict:
-    """Child process: the GEMV and GEMM for sm90 per format; what their PTX shows."""
+    """Child process: the GEMV, GEMM and w4_dot (split-K and not) for sm90 per format; what
+    their PTX shows."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -437,6 +438,7 @@ def _compile_w4() -> dict:
     out = {}
     aligned = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
                "n_words", "K")  # what the JIT specializes (16-divisible) at the Llama shapes
+    dot = dict(DOT_F32=False, MAGIC=w4_dot.MAGIC2[torch.bfloat16][0], MAGIC_F=w4_dot.MAGIC2[torch.bfloat16][1])
     for fmt, group, zp in ((0, 128, False), (0, 64, True), (1, 32, False)):
         types = {"w_ptr": "*i32", "s_ptr": "*bf16" if fmt == 0 else "*u8", "z_ptr": "*i8", "b_ptr": "*bf16"}
         for kind, kernel, consts, warps in (
@@ -445,9 +447,15 @@ def _compile_w4() -> dict:
                 ("gemm16", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, PER=8 - 6 * fmt,
                                                           DOT_PREC="tf32", DOT_F32=False), 4),
                 ("gemm128", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER=8 - 6 * fmt,
-                                                           DOT_PREC="tf32", DOT_F32=False), 8)):
+                                                           DOT_PREC="tf32", DOT_F32=False), 8),
+                ("dot16", w4_dot._w4_dot_kernel, dict(dot, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, ORDER=0,
+                                                       DK=w4_dot.dot_k(256, group), PARTIAL=True), 4),
+                ("dot128", w4_dot._w4_dot_kernel, dict(dot, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, ORDER=1,
+                                                        DK=w4_dot.dot_k(64, group), PARTIAL=False), 8)):
             c = dict(FMT=fmt, GROUP=group, HAS_ZP=zp, HAS_BIAS=True, PDL=True, **consts)
             t = dict(types, w_ptr="*u8") if kind.startswith("gemm") and fmt == 1 else types
+            if kind == "dot16":
+                t = dict(t, y_ptr="*fp32")  # the split-K partials
             attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in kernel.arg_names}
             src = ASTSource(fn=kernel, signature=_signature(kernel, c, t), constexprs=c, attrs=attrs)
             ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
@@ -473,7 +481,7 @@ def test_kernels_compile_for_sm90_without_layout_shuffles_in_the_gemv():
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(got) == 12
+    assert len(got) == 18
     for name, flags in got.items():
         assert flags["pdl"], name  # waits for the kernel in front (programmatic dependent launch)
         assert not flags["loop_int_to_float"], name  # nibbles become floats by bit tricks
@@ -486,3 +494,77 @@ def test_kernels_compile_for_sm90_without_layout_shuffles_in_the_gemv():
 if __name__ == "__main__":
     import json
     print(json.dumps(_compile_w4()))
+
+
+# ---------------------------------------------------------------------------
+# the tile sweep (scripts/w4_sweep.py): its loop on the CPU with a stand-in timer
+# ---------------------------------------------------------------------------
+
+def test_w4_sweep_loop_runs_every_format_and_regime(tmp_path, monkeypatch, capsys):
+    """The sweep's candidates, the table's pick and the old kernel are all launched (through
+    the interpreter here) and the JSON names a best tile per (format, shape, M); the
+    asymmetric int4 re-times the best symmetric tiles only. The timer is a stand-in that
+    runs each call once and ranks configs by BLOCK_N (larger is "faster")."""
+    import importlib.util
+    import json
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "w4_sweep", os.path.join(os.path.dirname(__file__), "..", "scripts", "w4_sweep.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    import atom.utils.cuda_timing as cuda_timing
+    calls_seen = []
+
+    def fake_time(calls, iters=10):
+        launched.clear()
+        for c in calls:
+            calls_seen.append(tuple(c().shape))
+        return 1e-5 / (1 + (launched[0].get("BLOCK_N", 0) if launched else 0))  # the config these calls ran
+
+    launched, kernels = [], set()
+    real = w4_gemm.w4_linear_launch
+
+    def spy(*args, config=None, **kwargs):
+        launched.append(config)
+        kernels.add(config["kernel"])
+        return real(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(w4_gemm, "w4_linear_launch", spy)
+    monkeypatch.setattr(cuda_timing, "graph_time", fake_time)
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "SHAPES", [(72, 256)])
+    monkeypatch.setattr(sweep, "L2_MISS_BYTES", 1)
+    monkeypatch.setattr(sweep, "LARGE_QUICK", [(64, 64, 64, 4, 3, 0)])
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--out", str(out), "--quick", "--jobs", "0", "--ms", "1", "17", "80"]) == 0
+    got = json.loads(out.read_text())
+    best = {(r["format"], r["M"]) for r in got["best"]}
+    assert best == {(f, m) for f in ("int4", "int4_asym", "mxfp4") for m in (1, 17, 80)}
+    assert all(s[1] == 72 for s in calls_seen)
+    assert kernels == {"w4_dot", "w4_gemv", "w4_gemm"}  # candidates / table, and the old kernels
+    asym = [r for r in got["rows"] if r["format"] == "int4_asym" and r["M"] == 1]
+    assert len(asym) <= sweep.ASYM_TOP + 1 < len([r for r in got["rows"] if r["format"] == "int4" and r["M"] == 1])
+    assert any(r["is_table"] for r in got["rows"])
+    for r in got["best"]:  # the largest BLOCK_N among the tiles timed for it
+        timed = [x["cfg"]["BLOCK_N"] for x in got["rows"] if (x["format"], x["M"]) == (r["format"], r["M"])]
+        assert r["cfg"]["BLOCK_N"] == max(timed)
+    assert "w4_sweep" not in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, g, zp", [("int4", 128, True), ("int4", 32, False), ("mxfp4", 32, False)])
+@pytest.mark.parametrize("M, cfg", [
+    (1, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, ORDER=0)),
+    (8, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, SPLIT_K=2, ORDER=1, num_warps=8)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, ORDER=0)),
+    (512, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, ORDER=1, num_warps=8)),
+])
+def test_gpu_w4_dot_configs(fmt, g, zp, M, cfg):
+    """The sweep's corners of the w4_dot grid compile and agree with the reference at a
+    Llama shape with bias (split-K sums, both column orders)."""
+    N, K = 4096, 14336
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=M)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=dict(cfg, kernel="w4_dot"))
+    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)) < TOL[torch.bfloat16]
