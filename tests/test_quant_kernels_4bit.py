@@ -13,7 +13,7 @@ import torch
 
 import atom.model_ops.quant.int4 as int4_mod
 import atom.model_ops.quant.mxfp4 as mxfp4_mod
-from atom.model_ops.kernels import w4_gemm
+from atom.model_ops.kernels import w4_dot, w4_gemm
 from atom.model_ops.kernels.w4_gemm import (GEMV_MAX_M, dequantize_w4, w4_config, w4_linear, w4_linear_launch,
                                             w4_linear_ref)
 from atom.model_ops.linear import Linear, QKVLinear
@@ -53,15 +53,22 @@ OP_CASES = [("int4", 12, 96, 32, False), ("int4", 10, 192, 48, True), ("int4", 9
             ("int4", 16, 64, 64, False), ("mxfp4", 12, 96, 32, False), ("mxfp4", 9, 160, 32, False)]
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["table", "gemv_gemm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M", [1, 3, 17, 64])
 @pytest.mark.parametrize("fmt, N, K, g, zp", OP_CASES)
-def test_op_matches_torch_reference(fmt, N, K, g, zp, M, dtype):
+def test_op_matches_torch_reference(fmt, N, K, g, zp, M, dtype, legacy):
+    """The table's kernel (w4_dot for 16-bit activations, where the group allows) and the
+    CUDA-core GEMV / dequantizing GEMM it replaced (what fp32 activations still run)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp)
     torch.manual_seed(M)
     x = torch.randn(M, K).to(dtype)
     bias = torch.randn(N).to(dtype) if M % 2 else None
-    y = w4_linear(x, packed, scales, zeros, bias, fmt, g, K)
+    if legacy:
+        name, cfg = w4_config(M, N, K, torch.float32, g)
+        y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=dict(cfg, kernel=name))
+    else:
+        y = w4_linear(x, packed, scales, zeros, bias, fmt, g, K)
     ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
     assert y.dtype == dtype and y.shape == (M, N)
     assert rel_err(y, ref) < TOL[dtype]
@@ -111,13 +118,74 @@ def test_op_traces_under_fake_tensors():
 
 
 def test_tile_table_regimes():
-    assert [w4_config(m, 4096, 4096)[0] for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1, 16, 64, 512)] == \
-        ["w4_gemv"] * 2 + ["w4_gemm"] * 4
-    assert w4_config(3, 4096, 4096)[1]["BLOCK_M"] == 4  # every row in one program
-    assert w4_config(16, 4096, 4096)[1]["BLOCK_M"] == 16  # one row tile: the weight streams once
-    assert w4_config(16, 4096, 4096)[1]["BLOCK_N"] == 16 and w4_config(16, 28672, 4096)[1]["BLOCK_N"] == 32
-    assert w4_config(64, 4096, 4096)[1]["BLOCK_M"] == 64
-    assert w4_config(512, 4096, 4096)[1]["BLOCK_M"] == 128
+    """16-bit activations run w4_dot at every M (one row tile up to 64 rows, split-K where
+    the row blocks are few); fp32 activations and groups without a power-of-two factor >= 16
+    keep the GEMV (M <= 4) / dequantizing GEMM table."""
+    ms = (1, GEMV_MAX_M, GEMV_MAX_M + 1, 16, 64, 512)
+    assert [w4_config(m, 4096, 4096)[0] for m in ms] == ["w4_dot"] * 6
+    assert [w4_config(m, 4096, 4096, torch.float16, 32)[0] for m in ms] == ["w4_dot"] * 6
+    for dtype, g in ((torch.float32, 128), (torch.bfloat16, 20), (torch.bfloat16, 8)):
+        assert [w4_config(m, 4096, 4096, dtype, g)[0] for m in ms] == ["w4_gemv"] * 2 + ["w4_gemm"] * 4
+    old = {m: w4_config(m, 4096, 4096, torch.float32)[1] for m in (3, 16, 64, 512)}
+    assert old[3]["BLOCK_M"] == 4 and old[16]["BLOCK_M"] == 16  # every row in one program
+    assert old[16]["BLOCK_N"] == 16 and w4_config(16, 28672, 4096, torch.float32)[1]["BLOCK_N"] == 32
+    assert old[64]["BLOCK_M"] == 64 and old[512]["BLOCK_M"] == 128
+    dot = {m: w4_config(m, 4096, 4096)[1] for m in (1, 17, 64, 512)}
+    assert dot[1]["BLOCK_M"] == 16 and dot[17]["BLOCK_M"] == 32 and dot[64]["BLOCK_M"] == 64
+    assert dot[512]["BLOCK_M"] == 128
+    # split-K: 64 row blocks of N = 4096 become 256 programs; N = 28672 (448 blocks) does not split;
+    # a short K keeps two K steps per split
+    assert dot[1]["SPLIT_K"] == 4 and w4_config(1, 28672, 4096)[1]["SPLIT_K"] == 1
+    assert w4_config(1, 4096, 14336)[1]["SPLIT_K"] == 4 and w4_config(1, 4096, 1024)[1]["SPLIT_K"] == 2
+    assert dot[512]["SPLIT_K"] == 1
+    assert w4_gemm.kernel_name(1) == "w4_dot" and w4_gemm.kernel_name(1, torch.float32) == "w4_gemv"
+
+
+# (fmt, N, K, group, asymmetric): N past the last 64-row block, K past the last tile
+DOT_CASES = [("int4", 72, 256, 128, False), ("int4", 72, 256, 128, True), ("int4", 70, 160, 32, False),
+             ("int4", 40, 96, 32, True), ("mxfp4", 72, 256, 32, False), ("mxfp4", 24, 96, 32, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, split, order", [(1, 1, 0), (3, 2, 1), (17, 2, 0), (17, 1, 1)])
+@pytest.mark.parametrize("fmt, N, K, g, zp", DOT_CASES)
+def test_w4_dot_matches_torch_reference(fmt, N, K, g, zp, M, split, order, dtype):
+    """The swap-AB tensor-core kernel: int4 sym / asym (groups 32, 128), MXFP4, M 1 / 3 / 17
+    (one and two row tiles), split-K 1 and 2, both column orders, bias, bf16 / fp16 (the
+    fp16 magic number 1024 and bf16's 128 both exact)."""
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=N + M)
+    torch.manual_seed(M)
+    x = torch.randn(M, K).to(dtype)
+    bias = torch.randn(N).to(dtype) if split == 1 or M == 3 else None
+    cfg = dict(kernel="w4_dot", BLOCK_M=16, BLOCK_N=64 if N > 32 else 16, BLOCK_K=64, SPLIT_K=split, ORDER=order)
+    y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=cfg)
+    ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert rel_err(y, ref) < TOL[dtype]
+
+
+def test_w4_dot_scales_after_the_dot_are_exact_in_fp16():
+    """One-hot rows of x pick out single weights: (q - z) * s with the scale applied to the
+    fp32 partial equals the fp32 dequantized weight rounded once to fp16."""
+    packed, scales, zeros = random_w4("int4", 16, 64, 32, True, seed=3)
+    scales = scales.half()
+    x = torch.eye(64, dtype=torch.float16)[:17]
+    cfg = dict(kernel="w4_dot", BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1)
+    y = w4_linear_launch(x, packed, scales, zeros, None, "int4", 32, 64, config=cfg)
+    w = dequantize_w4(packed, scales, zeros, "int4", 32, 64)
+    torch.testing.assert_close(y, w[:, :17].T.half(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=64), "BLOCK_M=8 must be >= 16"),
+    (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, group=8), "BLOCK_K=64 and group=8"),
+])
+def test_w4_dot_refuses_configs_it_cannot_run(cfg, match):
+    cfg = dict(cfg, kernel="w4_dot")
+    g = cfg.pop("group", 32)
+    packed, scales, zeros = random_w4("int4", 16, 64, g, False)
+    with pytest.raises(ValueError, match=match):
+        w4_linear_launch(torch.randn(2, 64).bfloat16(), packed, scales, zeros, None, "int4", g, 64, config=cfg)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -360,7 +428,8 @@ def _loop_body(ptx: str) -> str:
 
 
 def _compile_w4() -> dict:
-    """Child process: the GEMV and GEMM for sm90 per format; what their PTX shows."""
+    """Child process: the GEMV, GEMM and w4_dot (split-K and not) for sm90 per format; what
+    their PTX shows."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -369,6 +438,7 @@ def _compile_w4() -> dict:
     out = {}
     aligned = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
                "n_words", "K")  # what the JIT specializes (16-divisible) at the Llama shapes
+    dot = dict(DOT_F32=False, MAGIC=w4_dot.MAGIC2[torch.bfloat16][0], MAGIC_F=w4_dot.MAGIC2[torch.bfloat16][1])
     for fmt, group, zp in ((0, 128, False), (0, 64, True), (1, 32, False)):
         types = {"w_ptr": "*i32", "s_ptr": "*bf16" if fmt == 0 else "*u8", "z_ptr": "*i8", "b_ptr": "*bf16"}
         for kind, kernel, consts, warps in (
@@ -377,9 +447,15 @@ def _compile_w4() -> dict:
                 ("gemm16", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, PER=8 - 6 * fmt,
                                                           DOT_PREC="tf32", DOT_F32=False), 4),
                 ("gemm128", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER=8 - 6 * fmt,
-                                                           DOT_PREC="tf32", DOT_F32=False), 8)):
+                                                           DOT_PREC="tf32", DOT_F32=False), 8),
+                ("dot16", w4_dot._w4_dot_kernel, dict(dot, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, ORDER=0,
+                                                       DK=w4_dot.dot_k(256, group), PARTIAL=True), 4),
+                ("dot128", w4_dot._w4_dot_kernel, dict(dot, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, ORDER=1,
+                                                        DK=w4_dot.dot_k(64, group), PARTIAL=False), 8)):
             c = dict(FMT=fmt, GROUP=group, HAS_ZP=zp, HAS_BIAS=True, PDL=True, **consts)
             t = dict(types, w_ptr="*u8") if kind.startswith("gemm") and fmt == 1 else types
+            if kind == "dot16":
+                t = dict(t, y_ptr="*fp32")  # the split-K partials
             attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in kernel.arg_names}
             src = ASTSource(fn=kernel, signature=_signature(kernel, c, t), constexprs=c, attrs=attrs)
             ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
@@ -405,7 +481,7 @@ def test_kernels_compile_for_sm90_without_layout_shuffles_in_the_gemv():
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(got) == 12
+    assert len(got) == 18
     for name, flags in got.items():
         assert flags["pdl"], name  # waits for the kernel in front (programmatic dependent launch)
         assert not flags["loop_int_to_float"], name  # nibbles become floats by bit tricks
@@ -418,3 +494,77 @@ def test_kernels_compile_for_sm90_without_layout_shuffles_in_the_gemv():
 if __name__ == "__main__":
     import json
     print(json.dumps(_compile_w4()))
+
+
+# ---------------------------------------------------------------------------
+# the tile sweep (scripts/w4_sweep.py): its loop on the CPU with a stand-in timer
+# ---------------------------------------------------------------------------
+
+def test_w4_sweep_loop_runs_every_format_and_regime(tmp_path, monkeypatch, capsys):
+    """The sweep's candidates, the table's pick and the old kernel are all launched (through
+    the interpreter here) and the JSON names a best tile per (format, shape, M); the
+    asymmetric int4 re-times the best symmetric tiles only. The timer is a stand-in that
+    runs each call once and ranks configs by BLOCK_N (larger is "faster")."""
+    import importlib.util
+    import json
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "w4_sweep", os.path.join(os.path.dirname(__file__), "..", "scripts", "w4_sweep.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    import atom.utils.cuda_timing as cuda_timing
+    calls_seen = []
+
+    def fake_time(calls, iters=10):
+        launched.clear()
+        for c in calls:
+            calls_seen.append(tuple(c().shape))
+        return 1e-5 / (1 + (launched[0].get("BLOCK_N", 0) if launched else 0))  # the config these calls ran
+
+    launched, kernels = [], set()
+    real = w4_gemm.w4_linear_launch
+
+    def spy(*args, config=None, **kwargs):
+        launched.append(config)
+        kernels.add(config["kernel"])
+        return real(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(w4_gemm, "w4_linear_launch", spy)
+    monkeypatch.setattr(cuda_timing, "graph_time", fake_time)
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "SHAPES", [(72, 256)])
+    monkeypatch.setattr(sweep, "L2_MISS_BYTES", 1)
+    monkeypatch.setattr(sweep, "LARGE_QUICK", [(64, 64, 64, 4, 3, 0)])
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--out", str(out), "--quick", "--jobs", "0", "--ms", "1", "17", "80"]) == 0
+    got = json.loads(out.read_text())
+    best = {(r["format"], r["M"]) for r in got["best"]}
+    assert best == {(f, m) for f in ("int4", "int4_asym", "mxfp4") for m in (1, 17, 80)}
+    assert all(s[1] == 72 for s in calls_seen)
+    assert kernels == {"w4_dot", "w4_gemv", "w4_gemm"}  # candidates / table, and the old kernels
+    asym = [r for r in got["rows"] if r["format"] == "int4_asym" and r["M"] == 1]
+    assert len(asym) <= sweep.ASYM_TOP + 1 < len([r for r in got["rows"] if r["format"] == "int4" and r["M"] == 1])
+    assert any(r["is_table"] for r in got["rows"])
+    for r in got["best"]:  # the largest BLOCK_N among the tiles timed for it
+        timed = [x["cfg"]["BLOCK_N"] for x in got["rows"] if (x["format"], x["M"]) == (r["format"], r["M"])]
+        assert r["cfg"]["BLOCK_N"] == max(timed)
+    assert "w4_sweep" not in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, g, zp", [("int4", 128, True), ("int4", 32, False), ("mxfp4", 32, False)])
+@pytest.mark.parametrize("M, cfg", [
+    (1, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, ORDER=0)),
+    (8, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, SPLIT_K=2, ORDER=1, num_warps=8)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, ORDER=0)),
+    (512, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, ORDER=1, num_warps=8)),
+])
+def test_gpu_w4_dot_configs(fmt, g, zp, M, cfg):
+    """The sweep's corners of the w4_dot grid compile and agree with the reference at a
+    Llama shape with bias (split-K sums, both column orders)."""
+    N, K = 4096, 14336
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=M)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=dict(cfg, kernel="w4_dot"))
+    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)) < TOL[torch.bfloat16]

@@ -15,7 +15,13 @@ repacked):
   instruction per weight. In the GEMM int4 nibbles become floats by the magic-number trick
   (float(0x4B000000 | u) = 2^23 + u, minus the group's 2^23 + zero point).
 
-Two kernels, chosen by the number of rows M (`w4_config`):
+For bf16 / fp16 activations and groups with a power-of-two factor >= 16 (every checkpoint
+format: g32 / g64 / g128, channel-wise, MXFP4's 32) `w4_config` picks `w4_dot` at every M:
+the tensor-core swap-AB kernel of `kernels/w4_dot.py` (the weight tile is tl.dot's first
+operand, unpacked to exact small integers / e2m1 values, the group scales multiply the fp32
+partials, split-K for layers with few row blocks). The two kernels below run the rest (fp32
+activations, groups such as 20 or 8) and stay selectable by `config` for comparison
+(`scripts/w4_sweep.py` times them beside w4_dot). Chosen by the number of rows M:
 - M <= 4, `_w4_gemv_kernel` (batch-1 decode): weight streaming. A program owns BLOCK_N
   output rows and walks K, one int32 word (8 nibbles; MXFP4's bytes read 4 at a time) per
   thread per row and step, so a warp's loads are whole 128-byte lines, the thread's 8 x
@@ -35,7 +41,7 @@ Two kernels, chosen by the number of rows M (`w4_config`):
   per half byte). Programs run the M tiles of one weight tile next to each other, so a
   weight tile is fetched from HBM about once.
 
-`w4_linear` (the torch custom op `atom::w4_linear`) launches them; `w4_linear_ref` is the
+`w4_linear` (the torch custom op `atom::w4_linear`) launches them (and w4_dot); `w4_linear_ref` is the
 torch reference on the same tensors.
 """
 from __future__ import annotations
@@ -77,8 +83,50 @@ GEMM_TILES = (
 )
 
 
-def w4_config(M: int, N: int, K: int) -> tuple[str, dict]:
-    """(kernel name, tile config) for an [M, K] x [N, K]^T product (the tables above)."""
+# The tensor-core kernel (`w4_dot._w4_dot_kernel`, swap-AB: the weight is tl.dot's first
+# operand, scales after the dot) runs every M from DOT_MIN_M up for 16-bit activations and
+# groups with a power-of-two factor >= 16; fp32 activations and other groups keep the tables
+# above. Design guesses, not measured here (scripts/w4_sweep.py measures them on the H200):
+# - M <= 64: one row tile of 16 / 32 / 64 covers every row, 64 weight rows a program, K in
+#   steps of 256 (128 bytes of int4 per row: one line), so the weight streams once;
+# - larger M: 64 x 128 then 128 x 128 tiles, K 64, pipelined over 3 stages (compute bound).
+# SPLIT_K: layers whose row blocks give fewer than DOT_TARGET_PROGRAMS programs (N = 4096 at
+# BLOCK_N = 64: 64) split K in two, four or eight, keeping >= 2 K steps per split (M <= 64).
+DOT_MIN_M = 1
+DOT_TARGET_PROGRAMS = 256
+DOT_TILES = (
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)),
+    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)),
+    (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+)
+
+
+def dot_split_k(M: int, N: int, K: int, cfg: dict) -> int:
+    """SPLIT_K for the w4_dot tiles `cfg`: the smallest of 1, 2, 4, 8 that reaches
+    DOT_TARGET_PROGRAMS programs while every split keeps at least two K steps; 1 above
+    M = 64 (compute bound: the fp32 partials would be extra traffic for no gain in overlap)."""
+    if M > 64:
+        return 1
+    progs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    steps = -(-K // cfg["BLOCK_K"])
+    split = 1
+    while split < 8 and progs * split < DOT_TARGET_PROGRAMS and steps // (2 * split) >= 2:
+        split *= 2
+    return split
+
+
+def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group: int = 128) -> tuple[str, dict]:
+    """(kernel name, tile config) for an [M, K] x [N, K]^T product with activations of
+    `dtype` and weight groups of `group` columns (the tables above)."""
+    from atom.model_ops.kernels.w4_dot import supports
+    if M >= DOT_MIN_M and supports(dtype, group):
+        for max_m, cfg in DOT_TILES:
+            if max_m is None or M <= max_m:
+                cfg = dict(cfg)
+                cfg["SPLIT_K"] = dot_split_k(M, N, K, cfg)
+                return "w4_dot", cfg
     if M <= GEMV_MAX_M:
         tiles = GEMV_TILES_NARROW if N <= NARROW_N else GEMV_TILES
         return "w4_gemv", dict(tiles, BLOCK_M=max(1, triton.next_power_of_2(M)) if HAS_TRITON else 1)
@@ -91,9 +139,9 @@ def w4_config(M: int, N: int, K: int) -> tuple[str, dict]:
     raise AssertionError("unreachable")
 
 
-def kernel_name(M: int) -> str:
+def kernel_name(M: int, dtype: torch.dtype = torch.bfloat16, group: int = 128) -> str:
     """Which kernel runs M rows (for the per-layer tables)."""
-    return "w4_gemv" if M <= GEMV_MAX_M else "w4_gemm"
+    return w4_config(M, 1, 1 << 12, dtype, group)[0]
 
 
 if HAS_TRITON:
@@ -352,7 +400,7 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    name, cfg = w4_config(M, N, k)
+    name, cfg = w4_config(M, N, k, x.dtype, group)
     if config is not None:
         cfg = dict(config)
         name = cfg.pop("kernel", name)
@@ -360,7 +408,11 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     b = bias if bias is not None else y
     common = dict(FMT=FORMATS.index(fmt), PER=PER_ELEMENT[fmt], GROUP=group, HAS_ZP=zeros is not None,
                   HAS_BIAS=bias is not None, **pdl_args(x))
-    if name == "w4_gemv":
+    if name == "w4_dot":
+        from atom.model_ops.kernels.w4_dot import w4_dot_launch
+        words = packed if fmt == "int4" else packed.view(torch.int32)  # MXFP4: 4 bytes = 8 nibbles in order
+        w4_dot_launch(x, words, scales, z, bias, y, FORMATS.index(fmt), group, k, cfg, common, _dot_f32(x))
+    elif name == "w4_gemv":
         if cfg["BLOCK_M"] < M:
             raise ValueError(f"w4_linear: the GEMV's BLOCK_M={cfg['BLOCK_M']} must cover M={M}")
         if cfg["BLOCK_M"] > 4:
@@ -418,7 +470,8 @@ def w4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
 
 
 #: what the 4-bit methods report as their GPU kernel (`kernel` attribute, `kernel_for(layer)`)
-KERNEL_DESCRIPTION = f"atom::w4_linear (triton w4_gemv for M<={GEMV_MAX_M}, w4_gemm above)"
+KERNEL_DESCRIPTION = (f"atom::w4_linear (triton w4_dot: tensor-core swap-AB for bf16/fp16 activations; "
+                      f"else w4_gemv for M<={GEMV_MAX_M}, w4_gemm above)")
 REFERENCE_DESCRIPTION = "torch reference (dequantize to fp32, F.linear)"
 
 
