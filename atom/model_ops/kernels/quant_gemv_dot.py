@@ -178,6 +178,13 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
                 FUSE=M <= FUSE_MAX_M and act in ("token", "tensor", "group"))
 
 
+def table_summary() -> str:
+    """What `small_m_config` routes here, in words (the per-layer `kernel` column): edit it
+    with the table."""
+    return (f"quant_gemv_dot (tensor-core swap-AB, M<={DOT_MAX_M}; activation quantizer folded in "
+            f"for M<={FUSE_MAX_M})")
+
+
 def _cfg(M, N, K, block_k, config, kind):
     cfg = dict(config or small_m_config(M, N, K, block_k, kind) or {})
     if not cfg:
