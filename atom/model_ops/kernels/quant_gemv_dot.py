@@ -60,11 +60,13 @@ if HAS_TRITON:
     from atom.model_ops.kernels.act_quant import _quantize
     from atom.model_ops.kernels.triton_import import pdl_start
 
-    @triton.jit
+    # M and SPLIT_K are run-time values (M = 1 not specialized apart): fewer compiled variants
+    # for a sweep over M and SPLIT_K; SPLIT (SPLIT_K > 1) picks the store.
+    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _qdot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     stride_xs, stride_ws, qmax, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, BLOCKS: tl.constexpr, INT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     QUANT_X: tl.constexpr, STATIC: tl.constexpr, PDL: tl.constexpr):
+                     stride_xs, stride_ws, qmax, SPLIT_K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCKS: tl.constexpr, INT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, STATIC: tl.constexpr, PDL: tl.constexpr):
         """Program (n tile, K split). QUANT_X: x is unquantized and quantized here (STATIC: the
         scale is xs_ptr[0]; else per row over K, or per chunk with BLOCKS)."""
         pid_n = tl.program_id(0)
@@ -127,7 +129,7 @@ if HAS_TRITON:
             ws = tl.load(ws_ptr + rn * stride_ws, mask=n_ok, other=0.0)
             out = acc.to(tl.float32) * ws[:, None] * xsc[None, :]
         mask = n_ok[:, None] & m_ok[None, :]
-        if SPLIT_K == 1:
+        if not SPLIT:
             if HAS_BIAS:
                 out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptr + ms.to(tl.int64)[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
@@ -135,8 +137,8 @@ if HAS_TRITON:
         else:  # partial [SPLIT_K, M, N] fp32, contiguous
             tl.store(p_ptr + (pid_k * M + ms.to(tl.int64))[None, :] * N + rn[:, None], out, mask=mask)
 
-    @triton.jit
-    def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
+    def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K, BLOCK: tl.constexpr,
                              HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
         """y[m, n] = sum_s p[s, m, n] (in split order) + b[n], cast; one program per BLOCK of M * N."""
         pdl_start(PDL)
@@ -160,7 +162,8 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
     - BLOCK_N 64 weight rows a program (one warpgroup's wgmma height); BLOCK_K 256 (a 16 KiB
       fp8 weight tile a stage, 4 stages), or the scale block with block scales;
     - SPLIT_K: the smallest power of two that gives >= TARGET_PROGRAMS programs, keeping
-      >= 4 K steps a split (4096-row layers: 4, 6144: 4, 28672: 1);
+      >= 4 K steps a split (at BLOCK_K 256: 4096 x 4096 and 6144 x 4096: 4, 28672 x 4096: 1,
+      4096 x 14336: 8);
     - FUSE (activation quantizer folded in): M <= FUSE_MAX_M, for dynamic per-token, static
       per-tensor and 1 x block_k group activations.
     fp8 row / column products from M = 17 stay on torch._scaled_mm (cuBLASLt), which
@@ -212,13 +215,14 @@ def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax):
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    split = cfg["SPLIT_K"]
+    cfg = dict(cfg)
+    split = cfg.pop("SPLIT_K")
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias.contiguous() if bias is not None else y
     pdl = pdl_args(x)
     _qdot_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
         x, xs, w, ws, b, y, part, M, N, K, x.stride(0), w.stride(0), y.stride(0), stride_xs, stride_ws, float(qmax),
-        BLOCKS=bool(block_k), INT=w.dtype == torch.int8, HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static,
+        split, SPLIT=split > 1, BLOCKS=bool(block_k), INT=w.dtype == torch.int8, HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static,
         **pdl, **cfg)
     if split > 1:
         block = 1024
