@@ -144,6 +144,9 @@ def test_rejects_bad_input():
         quant_gemv_dot_fused_launch(x, wq, ws, None, "int8", 127.0)
     with pytest.raises(ValueError, match="ws shape"):
         quant_gemv_dot_fused_launch(x, wq, ws[:3], None, "fp8", 448.0)
+    with pytest.raises(ValueError, match="static_scale with block_k"):
+        quant_gemv_dot_fused_launch(x, wq, torch.ones(16, 2, device=DEV), None, "fp8", 448.0, 32,
+                                    static_scale=torch.tensor(0.1, device=DEV))
     with pytest.raises(ValueError, match="block_k=48"):
         quant_gemv_dot_fused_launch(x, wq, ws, None, "fp8", 448.0, 48)
 

@@ -68,7 +68,8 @@ if HAS_TRITON:
                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCKS: tl.constexpr, INT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, STATIC: tl.constexpr, PDL: tl.constexpr):
         """Program (n tile, K split). QUANT_X: x is unquantized and quantized here (STATIC: the
-        scale is xs_ptr[0]; else per row over K, or per chunk with BLOCKS)."""
+        scale is xs_ptr[0], row / column scales only; else per row over K, or per chunk with
+        BLOCKS)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,12 +104,9 @@ if HAS_TRITON:
             w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if BLOCKS:
-                if QUANT_X:
+                if QUANT_X:  # the chunk is the 1 x block_k group: its scale from its own amax
                     xf = x.to(tl.float32)
-                    if STATIC:
-                        xsb = tl.load(xs_ptr).to(tl.float32) + tl.zeros([M_PAD], tl.float32)
-                    else:
-                        xsb = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), 1), 1e-12), qmax)
+                    xsb = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), 1), 1e-12), qmax)
                     x = _quantize(xf, xsb[:, None], INT).to(qdt)
                 else:
                     xsb = tl.load(xs_ptr + ms * stride_xs + step, mask=m_ok, other=0.0)
@@ -254,6 +252,9 @@ def _check_fused(x, w, ws, bias, kind, block_k, static_scale):
         raise ValueError(f"w dtype {w.dtype}: kind={kind!r} needs {_KINDS[kind]}")
     if block_k and kind == "int8":
         raise ValueError("block scales are an fp8 format; int8 runs with row / column scales")
+    if static_scale is not None and block_k:
+        raise ValueError("static_scale with block_k: block activations are quantized per 1 x block_k group, "
+                         "dynamically")
     if static_scale is not None and static_scale.numel() != 1:
         raise ValueError(f"static_scale must be one value, got shape {tuple(static_scale.shape)}")
     M, K = x.shape
