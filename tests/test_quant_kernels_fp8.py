@@ -203,6 +203,8 @@ def test_block_weights_with_token_activations_keep_the_reference(monkeypatch):
     t = f["quant"](torch.randn(layer.out_features, layer.in_features) * 0.1)
     for name, tensor in t.items():
         fill(layer, name, tensor, None)
+    if layer.bias is not None:  # created empty: left unfilled it may hold NaN (then NaN != NaN below)
+        fill(layer, "bias", torch.randn(layer.out_features), None)
     layer.method.process_weights_after_loading(layer)
     assert not layer.method.kernels and "reference" in layer.method.kernel
     x = (torch.randn(5, layer.in_features) * 0.5).to(torch.bfloat16)
@@ -229,14 +231,19 @@ def test_scaled_mm_route_on_cpu():
 
 def test_routes_and_kernel_report():
     x = torch.zeros(32, 64, dtype=torch.bfloat16)
-    assert common.product_route("fp8", 1, x, 48) == "gemv"
-    assert common.product_route("fp8", 8, x, 48) == "gemm"
+    # small M: the swap-AB kernel's table (quant_gemv_dot.small_m_config), its quantizer folded in to M=16
+    assert common.product_route("fp8", 1, x, 48) == "dot_fused"
+    assert common.product_route("fp8", 8, x, 48, block_k=32) == "dot_fused"
+    assert common.product_route("int8", 16, x, 48) == "dot_fused"
+    assert common.product_route("int8", 32, x, 48) == "dot"
+    assert common.product_route("fp8", 64, x, 48, block_k=32) == "dot"
+    assert common.product_route("fp8", 65, x, 48, block_k=32) == "gemm"
+    assert common.product_route("int8", 65, x, 48) == "gemm"
     assert common.product_route("fp8", 32, x, 48) == "scaled_mm"
-    assert common.product_route("fp8", 32, x.half(), 48) == "gemm"  # row-wise needs bf16 out
+    assert common.product_route("fp8", 32, x.half(), 48) == "dot"  # row-wise needs bf16 out
     assert common.product_route("fp8", 32, x.half(), 48, rowwise=False) == "scaled_mm"
-    assert common.product_route("fp8", 32, x, 40) == "gemm"  # N not a multiple of 16
-    assert common.product_route("fp8", 32, x, 48, block_k=32) == "gemm"
-    assert common.product_route("int8", 32, x, 48) == "gemm"
+    assert common.product_route("fp8", 32, x, 40) == "dot"  # N not a multiple of 16
+    assert common.product_route("fp8", 65, x, 40) == "gemm"
     assert "_scaled_mm tensor-wise" in _loaded_layer("fp8_tensor_dynamic", "linear").method.kernel
     assert "_scaled_mm row-wise" in _loaded_layer("fp8_channel", "linear").method.kernel
     assert "_scaled_mm row-wise" in _loaded_layer("fp8_tensor_dynamic", "qkv").method.kernel

@@ -228,9 +228,10 @@ class QuantLinearMethod(LinearMethod):
 
 
 # ---------------------------------------------------------------------------
-# The GPU product of the 8-bit methods (fp8, int8): activation quantization by
-# `kernels.act_quant`, then `kernels.quant_gemm`'s GEMV (M <= GEMV_MAX_M) or GEMM, or
-# torch._scaled_mm for fp8 row / column scales where cuBLASLt takes the case.
+# The GPU product of the 8-bit methods (fp8, int8): at small M the tensor-core swap-AB
+# kernel (`kernels.quant_gemv_dot`, the activation quantizer folded in where its table says
+# so), else activation quantization by `kernels.act_quant` and `kernels.quant_gemm`'s GEMM,
+# or torch._scaled_mm for fp8 row / column scales where cuBLASLt takes the case (`product_route`).
 # ---------------------------------------------------------------------------
 
 SCALED_MM_MIN_M = 17  # from here fp8 row / column scaled products go to cuBLASLt when it takes them
@@ -284,15 +285,22 @@ def _scaled_mm(xq, xs, w, ws_row, bias, out_dtype, w_scalar):
 
 
 def product_route(kind: str, M: int, x2: torch.Tensor | None = None, N: int = 0, block_k: int = 0,
-                  rowwise: bool = True, bias: torch.Tensor | None = None) -> str:
-    """Which kernel the 8-bit GPU product runs for M rows: "gemv", "scaled_mm" or "gemm"."""
+                  rowwise: bool = True, bias: torch.Tensor | None = None, act: str = "token") -> str:
+    """Which kernel the 8-bit GPU product runs for M rows:
+    - "scaled_mm": fp8 row / column scales from SCALED_MM_MIN_M rows where cuBLASLt takes them;
+    - "dot_fused" / "dot": the tensor-core swap-AB kernel (`kernels.quant_gemv_dot`) where its
+      table `small_m_config(M, N, K, block_k, kind, act)` has an entry, with the activation
+      quantizer folded in ("dot_fused") or in front (`act_quant`, "dot");
+    - else "gemv" (the CUDA-core GEMV, M <= GEMV_MAX_M) or "gemm" (tl.dot tiles)."""
     from atom.model_ops.kernels.quant_gemm import GEMV_MAX_M
-    if M <= GEMV_MAX_M:
-        return "gemv"
+    from atom.model_ops.kernels.quant_gemv_dot import small_m_config
     if kind == "fp8" and not block_k and M >= SCALED_MM_MIN_M and x2 is not None \
             and scaled_mm_problem(x2, N, rowwise, bias) is None:
         return "scaled_mm"
-    return "gemm"
+    cfg = small_m_config(M, N, x2.shape[-1] if x2 is not None else 0, block_k, kind, act)
+    if cfg is not None:
+        return "dot_fused" if cfg.get("FUSE") else "dot"
+    return "gemv" if M <= GEMV_MAX_M else "gemm"
 
 
 @torch.library.custom_op("atom::quant_linear", mutates_args=())
@@ -309,6 +317,7 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
     depends on M and on the device's capability, which torch.compile should not trace."""
     from atom.model_ops.kernels.act_quant import act_quant
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
+    from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot, quant_gemv_dot_fused
     K, N = x.shape[-1], w.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
@@ -316,17 +325,23 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
     block_k = group if act == "group" else 0
     if act == "tensor" and static_scale is None:
         static_scale = _amax_scale(x2.float(), qmax)
+    one_scale = act == "tensor" and w_scalar is not None  # both scales single: cuBLASLt's tensor-wise
+    route = product_route(kind, M, x2, N, block_k, rowwise=not one_scale, bias=bias, act=act)
+    ws_k = ws if block_k else ws.reshape(-1)
+    if route == "dot_fused":  # one launch: the activations are quantized inside the product
+        y = quant_gemv_dot_fused(x2, w, ws_k, bias, kind, qmax, block_k, static_scale if act == "tensor" else None)
+        return y.reshape(*lead, N)
     xq, xs = act_quant(x2, kind, block_k or K, qmax, static_scale if act == "tensor" else None)
     if act != "group":
         xs = xs.reshape(-1)[:1] if act == "tensor" else xs.reshape(-1)
-    route = product_route(kind, M, x2, N, block_k, rowwise=not (xs.numel() == 1 and w_scalar is not None),
-                          bias=bias)
-    if route == "gemv":
-        y = quant_gemv(xq, xs, w, ws if block_k else ws.reshape(-1), bias, x.dtype, block_k)
+    if route == "dot":
+        y = quant_gemv_dot(xq, xs, w, ws_k, bias, x.dtype, block_k)
+    elif route == "gemv":
+        y = quant_gemv(xq, xs, w, ws_k, bias, x.dtype, block_k)
     elif route == "scaled_mm":
         y = _scaled_mm(xq, xs, w, ws, bias, x.dtype, w_scalar)
     else:
-        y = quant_gemm(xq, xs, w, ws if block_k else ws.reshape(-1), bias, x.dtype, block_k)
+        y = quant_gemm(xq, xs, w, ws_k, bias, x.dtype, block_k)
     return y.reshape(*lead, N)
 
 
@@ -336,9 +351,10 @@ def _(x, w, ws, bias, kind, act, qmax, group=0, static_scale=None, w_scalar=None
 
 
 def kernel_summary(kind: str, act: str, block_k: int = 0, tensorwise: bool = False) -> str:
-    """What `quantized_product` runs, for the per-layer table (`kernel` of a method)."""
-    from atom.model_ops.kernels.quant_gemm import GEMV_MAX_M
-    head = f"act_quant + quant_gemv (M<={GEMV_MAX_M}) / quant_gemm"
+    """What `quantized_product` runs, for the per-layer table (`kernel` of a method); the
+    small-M part follows the swap-AB kernel's table (`quant_gemv_dot.table_summary`)."""
+    from atom.model_ops.kernels.quant_gemv_dot import table_summary
+    head = f"act_quant + {table_summary()} / quant_gemm"
     if kind == "fp8" and not block_k:
         mm = "tensor-wise" if tensorwise else "row-wise, bf16 out"
         head += f"; torch._scaled_mm {mm} from M={SCALED_MM_MIN_M}"

@@ -1,0 +1,307 @@
+"""Small-M (M <= 64) 8-bit products on the tensor cores, "swap-AB": y = (xq xs)(wq ws)^T (+ b).
+
+Why: at decode sizes the CUDA-core GEMV (`quant_gemm._qgemv_kernel`) converts every weight
+byte to fp32 and multiply-adds it (~3 instructions a byte), which caps it at 1.6-2.0 TB/s of
+fp8 weights on an H200, under the bf16 GEMV's 3-4 TB/s. Here the weight tile is the first
+operand of tl.dot: a program owns BLOCK_N weight rows, reads them [BLOCK_N, BLOCK_K] straight
+from the row-major (K-major) weight, and multiplies them by the activation rows transposed,
+xq^T [BLOCK_K, M_PAD] (M_PAD >= 16, tl.dot's smallest size; the padding rows are masked to
+zero and never stored). The accumulator is [BLOCK_N, M_PAD]: fp32 for fp8, int32 for int8
+(exact, `out_dtype=tl.int32`). The instructions a weight byte costs drop to a fraction of
+one, so the loop is bound by the weight loads, which the compiler pipelines over
+`num_stages` K steps.
+
+Scales, as in `quant_gemm` (same operand layouts and `_check`):
+- row / column (`block_k` = 0): acc * ws[n] * xs[m] once at the end (xs one value or [M]);
+- blocks (`block_k` > 0): BLOCK_K = block_k, each step's product scaled by ws[n, kb] xs[m, kb]
+  before it is added (fp32).
+
+SPLIT_K: layers with few output rows (4096 / 64 = 64 programs against 132 SMs) split K over
+SPLIT_K programs per row tile. Each split writes its scaled fp32 partial to a buffer
+[SPLIT_K, M, N] and `_split_reduce_kernel` sums the splits in a fixed order, adds the bias
+and casts. Chosen over fp32 atomics into a zeroed buffer because (a) atomics need that
+buffer zeroed (a memset launch) and still a cast pass for 16-bit outputs, so they save no
+launch; (b) the fixed-order sum is deterministic (replays give the same bits); (c) the
+partials are small (SPLIT_K * M * N * 4 bytes: 64 KiB for 4096 rows at M = 1, SPLIT_K = 4,
+against 16 MiB of weights). Both launches have fixed shapes (no host sync, no
+data-dependent sizes): CUDA-graph safe. Both take part in programmatic dependent launch.
+
+Fused activation quantization (`quant_gemv_dot_fused`): the kernel reads x (bf16 / fp16 /
+fp32) instead of xq and quantizes each chunk on the fly with exactly `act_quant`'s arithmetic
+(`act_quant._quantize`, the same scale formula max(amax, 1e-12) / qmax with a correctly
+rounded division), so one launch replaces two:
+- per token: a prologue walks the whole K of the program's M_PAD rows (a row's scale needs
+  the amax of the full row, also under SPLIT_K), then the main loop quantizes each chunk;
+- per 1 x block_k group (FP8 block): the chunk is the group, its amax taken from the chunk
+  itself: no prologue;
+- static / per-tensor: the one scale is read from memory.
+Every program re-reads x (from L2): M * K * 2 bytes a program, which is why the table fuses
+only at small M.
+
+`small_m_config(M, N, K, block_k, kind, act)` is the dispatch table `quant.common` consults:
+None keeps the older kernels for that case; its values are design guesses until
+`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot` has been run on the H200.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from atom.model_ops.kernels.quant_gemm import _check
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
+
+DOT_MAX_M = 64  # the largest M this kernel takes
+FUSE_MAX_M = 16  # up to here the table folds the activation quantizer into the kernel
+TARGET_PROGRAMS = 264  # ~2 programs per SM of an H200 (132 SMs): SPLIT_K grows until reached
+_KINDS = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+if HAS_TRITON:
+    from atom.model_ops.kernels.act_quant import _quantize
+    from atom.model_ops.kernels.triton_import import pdl_start
+
+    # M and SPLIT_K are run-time values (M = 1 not specialized apart): fewer compiled variants
+    # for a sweep over M and SPLIT_K; SPLIT (SPLIT_K > 1) picks the store.
+    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
+    def _qdot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                     stride_xs, stride_ws, qmax, SPLIT_K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCKS: tl.constexpr, INT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, STATIC: tl.constexpr, PDL: tl.constexpr):
+        """Program (n tile, K split). QUANT_X: x is unquantized and quantized here (STATIC: the
+        scale is xs_ptr[0], row / column scales only; else per row over K, or per chunk with
+        BLOCKS)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        ms = tl.arange(0, M_PAD)
+        m_ok = ms < M
+        rk = tl.arange(0, BLOCK_K)
+        steps = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(steps, SPLIT_K)
+        first = pid_k * per_split
+        last = tl.minimum(first + per_split, steps)
+        w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        x_ptrs = x_ptr + ms.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+        pdl_start(PDL)
+        qdt = w_ptr.dtype.element_ty
+        if QUANT_X and not BLOCKS:
+            if STATIC:
+                xsc = tl.load(xs_ptr).to(tl.float32) + tl.zeros([M_PAD], tl.float32)
+            else:  # per-token scale: the amax over the whole row (act_quant's formula)
+                amax = tl.zeros([M_PAD, BLOCK_K], tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    v = tl.load(x_ptrs + k0, mask=m_ok[:, None] & (rk[None, :] + k0 < K), other=0.0)
+                    amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+                xsc = tl.math.div_rn(tl.maximum(tl.max(amax, 1), 1e-12), qmax)
+        if INT:
+            acc = tl.zeros([BLOCK_N, M_PAD], tl.int32)
+        else:
+            acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+        for step in range(first, last):
+            k0 = step * BLOCK_K
+            k_ok = rk + k0 < K
+            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if BLOCKS:
+                if QUANT_X:  # the chunk is the 1 x block_k group: its scale from its own amax
+                    xf = x.to(tl.float32)
+                    xsb = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), 1), 1e-12), qmax)
+                    x = _quantize(xf, xsb[:, None], INT).to(qdt)
+                else:
+                    xsb = tl.load(xs_ptr + ms * stride_xs + step, mask=m_ok, other=0.0)
+                wsb = tl.load(ws_ptr + rn * stride_ws + step, mask=n_ok, other=0.0)
+                acc += tl.dot(w, tl.trans(x)) * wsb[:, None] * xsb[None, :]
+            else:
+                if QUANT_X:
+                    x = _quantize(x.to(tl.float32), xsc[:, None], INT).to(qdt)
+                if INT:  # int8 x int8 accumulates exactly in int32 (tl.dot's default is fp32)
+                    acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.int32)
+                else:
+                    acc = tl.dot(w, tl.trans(x), acc)
+        if BLOCKS:
+            out = acc
+        else:
+            if not QUANT_X:
+                xsc = tl.load(xs_ptr + ms * stride_xs, mask=m_ok, other=0.0)
+            ws = tl.load(ws_ptr + rn * stride_ws, mask=n_ok, other=0.0)
+            out = acc.to(tl.float32) * ws[:, None] * xsc[None, :]
+        mask = n_ok[:, None] & m_ok[None, :]
+        if not SPLIT:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + ms.to(tl.int64)[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
+                     mask=mask)
+        else:  # partial [SPLIT_K, M, N] fp32, contiguous
+            tl.store(p_ptr + (pid_k * M + ms.to(tl.int64))[None, :] * N + rn[:, None], out, mask=mask)
+
+    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
+    def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K, BLOCK: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        """y[m, n] = sum_s p[s, m, n] (in split order) + b[n], cast; one program per BLOCK of M * N."""
+        pdl_start(PDL)
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < M * N
+        acc = tl.load(p_ptr + i, mask=ok, other=0.0)
+        for s in range(1, SPLIT_K):
+            acc += tl.load(p_ptr + s * M * N + i, mask=ok, other=0.0)
+        n = i % N
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + (i // N) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", act: str = "token"
+                   ) -> Optional[dict]:
+    """The swap-AB kernel's tiles for one product, or None where the older kernels run.
+
+    Design values (not measured yet; the integrator edits this from the H200 sweep):
+    - M <= DOT_MAX_M (64) for every 8-bit format; M_PAD = max(16, next power of two of M);
+    - BLOCK_N 64 weight rows a program (one warpgroup's wgmma height); BLOCK_K 256 (a 16 KiB
+      fp8 weight tile a stage, 4 stages), or the scale block with block scales;
+    - SPLIT_K: the smallest power of two that gives >= TARGET_PROGRAMS programs, keeping
+      >= 4 K steps a split (at BLOCK_K 256: 4096 x 4096 and 6144 x 4096: 4, 28672 x 4096: 1,
+      4096 x 14336: 8);
+    - FUSE (activation quantizer folded in): M <= FUSE_MAX_M, for dynamic per-token, static
+      per-tensor and 1 x block_k group activations.
+    fp8 row / column products from M = 17 stay on torch._scaled_mm (cuBLASLt), which
+    `quant.common.product_route` checks first."""
+    if M < 1 or M > DOT_MAX_M:
+        return None
+    bn = 64
+    bk = block_k or 256
+    steps = -(-K // bk)
+    split = 1
+    while -(-N // bn) * split < TARGET_PROGRAMS and steps // (split * 2) >= 4:
+        split *= 2
+    m_pad = max(16, triton.next_power_of_2(M)) if HAS_TRITON else max(16, 1 << (M - 1).bit_length())
+    return dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4,
+                FUSE=M <= FUSE_MAX_M and act in ("token", "tensor", "group"))
+
+
+def table_summary() -> str:
+    """What `small_m_config` routes here, in words (the per-layer `kernel` column): edit it
+    with the table."""
+    return (f"quant_gemv_dot (tensor-core swap-AB, M<={DOT_MAX_M}; activation quantizer folded in "
+            f"for M<={FUSE_MAX_M})")
+
+
+def _cfg(M, N, K, block_k, config, kind):
+    cfg = dict(config or small_m_config(M, N, K, block_k, kind) or {})
+    if not cfg:
+        raise ValueError(f"quant_gemv_dot takes M <= {DOT_MAX_M} rows, got M={M}")
+    cfg.pop("FUSE", None)
+    if block_k:  # a K step is one scale block
+        cfg["BLOCK_K"] = block_k
+    if cfg["M_PAD"] < max(16, M) or cfg["M_PAD"] & (cfg["M_PAD"] - 1):
+        raise ValueError(f"M_PAD={cfg['M_PAD']} must be a power of two >= max(16, M={M})")
+    if cfg["SPLIT_K"] < 1:
+        raise ValueError(f"SPLIT_K={cfg['SPLIT_K']} must be >= 1")
+    return cfg
+
+
+def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax):
+    """Both launches (the product, then the split reduction when SPLIT_K > 1)."""
+    M, K = x.shape
+    N = w.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    ws = ws.float().contiguous()
+    xs = xs.float().contiguous()
+    stride_xs = (xs.shape[-1] if block_k and not quant_x else (0 if xs.numel() == 1 else 1))
+    stride_ws = ws.shape[-1] if block_k else 1
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    cfg = dict(cfg)
+    split = cfg.pop("SPLIT_K")
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    b = bias.contiguous() if bias is not None else y
+    pdl = pdl_args(x)
+    _qdot_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
+        x, xs, w, ws, b, y, part, M, N, K, x.stride(0), w.stride(0), y.stride(0), stride_xs, stride_ws, float(qmax),
+        split, SPLIT=split > 1, BLOCKS=bool(block_k), INT=w.dtype == torch.int8, HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static,
+        **pdl, **cfg)
+    if split > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(M * N, block),)](part, b, y, M, N, y.stride(0), SPLIT_K=split, BLOCK=block,
+                                                            HAS_BIAS=bias is not None, num_warps=4, **pdl)
+    return y
+
+
+def quant_gemv_dot_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None):
+    """Pre-quantized operands (`quant_gemm`'s layouts) -> [M, N] in `out_dtype`; `config`
+    overrides `small_m_config`."""
+    M, N, K = _check(xq, xs, w, ws, bias, block_k)
+    if block_k and xq.dtype == torch.int8:
+        raise ValueError("block scales are an fp8 format; int8 runs with row / column scales")
+    cfg = _cfg(M, N, K, block_k, config, "int8" if xq.dtype == torch.int8 else "fp8")
+    return _run(xq, xs, w, ws, bias, out_dtype, block_k, cfg, False, False, 1.0)
+
+
+def _check_fused(x, w, ws, bias, kind, block_k, static_scale):
+    if not HAS_TRITON:
+        raise RuntimeError("quantized GEMM kernels need triton; use the torch reference without it")
+    if kind not in _KINDS:
+        raise ValueError(f"quant_gemv_dot_fused kind={kind!r}: allowed {sorted(_KINDS)}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x dtype {x.dtype}: the fused quantizer reads bfloat16, float16 or float32")
+    if w.dtype != _KINDS[kind]:
+        raise ValueError(f"w dtype {w.dtype}: kind={kind!r} needs {_KINDS[kind]}")
+    if block_k and kind == "int8":
+        raise ValueError("block scales are an fp8 format; int8 runs with row / column scales")
+    if static_scale is not None and block_k:
+        raise ValueError("static_scale with block_k: block activations are quantized per 1 x block_k group, "
+                         "dynamically")
+    if static_scale is not None and static_scale.numel() != 1:
+        raise ValueError(f"static_scale must be one value, got shape {tuple(static_scale.shape)}")
+    M, K = x.shape
+    N = w.shape[0]
+    if block_k:
+        if block_k < 16 or block_k & (block_k - 1) or K % block_k:
+            raise ValueError(f"block_k={block_k} must be a power of two >= 16 that divides K={K}")
+        want_w = (N, K // block_k)
+        if tuple(ws.shape) != want_w:
+            raise ValueError(f"ws shape {tuple(ws.shape)}: expected {want_w}")
+    elif ws.numel() != N:
+        raise ValueError(f"ws shape {tuple(ws.shape)}: expected ({N},)")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias shape {tuple(bias.shape)}: expected ({N},)")
+    return M, N, K
+
+
+def quant_gemv_dot_fused_launch(x, w, ws, bias, kind, qmax, block_k=0, static_scale=None, config=None):
+    """x [M, K] unquantized times the 8-bit w: the activations quantized inside the kernel as
+    `act_quant(x, kind, block_k or K, qmax, static_scale)` would (per token, per 1 x block_k
+    group, or with the one static scale) -> [M, N] in x's dtype."""
+    M, N, K = _check_fused(x, w, ws, bias, kind, block_k, static_scale)
+    cfg = _cfg(M, N, K, block_k, config, kind)
+    static = static_scale is not None
+    xs = static_scale.reshape(1) if static else ws  # unread without a static scale
+    return _run(x, xs, w, ws, bias, x.dtype, block_k, cfg, True, static, qmax)
+
+
+@torch.library.custom_op("atom::quant_gemv_dot", mutates_args=())
+def quant_gemv_dot(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                   bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_k: int = 0) -> torch.Tensor:
+    """The swap-AB tensor-core product of the module docstring (pre-quantized x) -> [M, N]."""
+    return quant_gemv_dot_launch(xq, xs, w, ws, bias, out_dtype, block_k)
+
+
+@quant_gemv_dot.register_fake
+def _(xq, xs, w, ws, bias, out_dtype, block_k=0):
+    return xq.new_empty(xq.shape[0], w.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("atom::quant_gemv_dot_fused", mutates_args=())
+def quant_gemv_dot_fused(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor], kind: str,
+                         qmax: float, block_k: int = 0, static_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The swap-AB product with the activation quantizer folded in -> [M, N] in x's dtype."""
+    return quant_gemv_dot_fused_launch(x, w, ws, bias, kind, qmax, block_k, static_scale)
+
+
+@quant_gemv_dot_fused.register_fake
+def _(x, w, ws, bias, kind, qmax, block_k=0, static_scale=None):
+    return x.new_empty(x.shape[0], w.shape[0])

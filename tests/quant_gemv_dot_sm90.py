@@ -1,0 +1,64 @@
+"""Builds the swap-AB small-M kernel (`kernels.quant_gemv_dot`) for an NVIDIA sm90 target
+without a GPU and reports marks of its PTX, as one JSON line (run as a child process by
+tests/test_quant_gemv_dot.py, without TRITON_INTERPRET): tensor-core instructions (wgmma
+at 64+ weight rows a program, mma below), asynchronous copies (the pipelined weight loads),
+PDL's griddepcontrol, the e4m3 conversion of the fused quantizer, its correctly rounded
+division; and the split reduction.
+
+    python tests/quant_gemv_dot_sm90.py
+"""
+from __future__ import annotations
+
+import json
+
+
+def compile_all() -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom.model_ops.kernels import quant_gemv_dot as qd
+
+    f8, i8 = "*fp8e4nv", "*i8"
+
+    def ops(x, w, y="*bf16"):
+        return dict(x_ptr=x, w_ptr=w, xs_ptr="*fp32", ws_ptr="*fp32", b_ptr=y, y_ptr=y, p_ptr="*fp32", qmax="fp32")
+
+    base = dict(M_PAD=16, BLOCK_N=64, BLOCK_K=256, SPLIT=True, BLOCKS=False, INT=False, HAS_BIAS=False,
+                QUANT_X=False, STATIC=False, PDL=True)
+    mark = ("wgmma", "cp.async", "griddepcontrol.wait")
+    cases = {
+        "fp8": (dict(base, HAS_BIAS=True), ops(f8, f8), mark),
+        "fp8_bn32": (dict(base, BLOCK_N=32, SPLIT=False), ops(f8, f8), ("mma.sync", "cp.async")),
+        "fp8_m64": (dict(base, M_PAD=64, BLOCK_N=128, BLOCK_K=128), ops(f8, f8), mark),
+        "fp8_fused": (dict(base, QUANT_X=True), ops("*bf16", f8), mark + ("div.rn.f32", "e4m3x2")),
+        "fp8_static": (dict(base, QUANT_X=True, STATIC=True), ops("*bf16", f8), mark + ("e4m3x2",)),
+        "fp8_block": (dict(base, BLOCK_K=128, BLOCKS=True), ops(f8, f8), mark),
+        "fp8_block_fused": (dict(base, BLOCK_K=128, BLOCKS=True, QUANT_X=True), ops("*bf16", f8),
+                            mark + ("div.rn.f32", "e4m3x2")),
+        "int8": (dict(base, INT=True), ops(i8, i8), mark + (".s8",)),
+        "int8_fused": (dict(base, M_PAD=32, INT=True, QUANT_X=True), ops("*fp16", i8, "*fp16"),
+                       mark + ("div.rn.f32",)),
+    }
+    divisible = {"x_ptr", "w_ptr", "y_ptr", "p_ptr", "K", "stride_xm", "stride_wn", "stride_ym"}
+    out = {}
+    for name, (constexprs, types, marks) in cases.items():
+        kernel = qd._qdot_kernel
+        names = kernel.arg_names
+        sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm["ptx"]
+        out[name] = {m: m in ptx for m in marks}
+    kernel = qd._split_reduce_kernel
+    constexprs = dict(BLOCK=1024, HAS_BIAS=True, PDL=True)
+    sig = {a: "constexpr" if a in constexprs else {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16"}.get(a, "i32")
+           for a in kernel.arg_names}
+    ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    out["split_reduce"] = {m: m in ptx for m in ("griddepcontrol.wait", "ld.global")}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all()))

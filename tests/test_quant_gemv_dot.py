@@ -1,0 +1,215 @@
+"""The swap-AB tensor-core small-M 8-bit product (`kernels.quant_gemv_dot`) against
+`quant_gemm_ref`: under TRITON_INTERPRET=1 on tiny shapes (fp8 row / column scales, fp8
+blocks, int8; M 1, 3, 16; SPLIT_K 1 and 2; N not a multiple of BLOCK_N; bias), the fused
+activation quantizer against `act_quant_ref` + the reference, its dispatch table, and
+`@pytest.mark.gpu` checks at the Llama-3.1-8B shapes for the H200."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.model_ops.kernels.act_quant import act_quant_ref
+from atom.model_ops.kernels.quant_gemm import quant_gemm_ref
+from atom.model_ops.kernels.quant_gemv_dot import (DOT_MAX_M, quant_gemv_dot, quant_gemv_dot_fused,
+                                                    quant_gemv_dot_fused_launch, quant_gemv_dot_launch,
+                                                    small_m_config)
+from atom.model_ops.kernels.triton_import import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (interpreter on CPU)")
+FP8 = torch.float8_e4m3fn
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+QMAX = {"fp8": 448.0, "int8": 127.0}
+
+
+def _x(M, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * 0.7
+    x[0, : min(3, K)] *= 30  # outliers
+    if M > 2:
+        x[2] = 0  # an all-zero row takes the amax floor
+    return x.to(dtype).to(DEV)
+
+
+def _weights(kind, N, K, block_k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "fp8":
+        wq = (torch.randn(N, K, generator=g) * 50).clamp(-448, 448).to(FP8)
+    else:
+        wq = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    ws = torch.rand(*((N, K // block_k) if block_k else (N,)), generator=g) * 0.01 + 1e-3
+    bias = torch.randn(N, generator=g)
+    return wq.to(DEV), ws.to(DEV), bias.to(DEV)
+
+
+def _close(y, ref, dtype):
+    assert y.dtype == ref.dtype == dtype and y.shape == ref.shape
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+
+
+def _cfg(M, split, block_n=16, block_k=32):
+    return dict(M_PAD=max(16, 1 << (M - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                num_warps=4, num_stages=2)
+
+
+# N = 40: two full 16-row tiles and a partial one; K = 96 / 160: three / five 32-wide steps,
+# so SPLIT_K = 2 gives splits of unequal length
+CASES = [(1, 40, 96), (3, 40, 160), (16, 24, 96)]
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("M,N,K", CASES)
+def test_row_column_scales(kind, M, N, K, split):
+    dtype = torch.bfloat16
+    x = _x(M, K, dtype)
+    wq, ws, bias = _weights(kind, N, K, 0)
+    xq, xs = act_quant_ref(x, kind, K, QMAX[kind])
+    xs = xs.reshape(-1)
+    for b in (None, bias):
+        ref = quant_gemm_ref(xq, xs, wq, ws, b, dtype)
+        _close(quant_gemv_dot_launch(xq, xs, wq, ws, b, dtype, config=_cfg(M, split)), ref, dtype)
+        # the quantizer folded in: the same quantized operand, so the same product
+        _close(quant_gemv_dot_fused_launch(x, wq, ws, b, kind, QMAX[kind], config=_cfg(M, split)), ref, dtype)
+    # one (per-tensor) activation scale, pre-quantized and static-fused
+    scale = torch.tensor(0.05, device=DEV)
+    xq1, xs1 = act_quant_ref(x, kind, K, QMAX[kind], scale)
+    ref1 = quant_gemm_ref(xq1, xs1[:1, 0], wq, ws, bias, dtype)
+    _close(quant_gemv_dot_launch(xq1, xs1[:1, 0], wq, ws, bias, dtype, config=_cfg(M, split)), ref1, dtype)
+    _close(quant_gemv_dot_fused_launch(x, wq, ws, bias, kind, QMAX[kind], static_scale=scale,
+                                       config=_cfg(M, split)), ref1, dtype)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("M,N,K,bk", [(1, 40, 96, 32), (3, 40, 128, 32), (16, 24, 128, 64)])
+def test_block_scales(M, N, K, bk, split):
+    dtype = torch.bfloat16
+    x = _x(M, K, dtype)
+    wq, ws, bias = _weights("fp8", N, K, bk)
+    xq, xs = act_quant_ref(x, "fp8", bk, 448.0)
+    ref = quant_gemm_ref(xq, xs, wq, ws, bias, dtype, bk)
+    _close(quant_gemv_dot_launch(xq, xs, wq, ws, bias, dtype, bk, config=_cfg(M, split)), ref, dtype)
+    _close(quant_gemv_dot_fused_launch(x, wq, ws, bias, "fp8", 448.0, bk, config=_cfg(M, split)), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_activation_dtypes_and_the_default_table(dtype):
+    """fp16 / fp32 in and out, through the custom ops (the table's own tiles)."""
+    M, N, K = 3, 72, 256
+    x = _x(M, K, dtype)
+    wq, ws, bias = _weights("fp8", N, K, 0)
+    xq, xs = act_quant_ref(x, "fp8", K, 448.0)
+    ref = quant_gemm_ref(xq, xs.reshape(-1), wq, ws, bias, dtype)
+    _close(quant_gemv_dot(xq, xs.reshape(-1), wq, ws, bias, dtype), ref, dtype)
+    _close(quant_gemv_dot_fused(x, wq, ws, bias, "fp8", 448.0), ref, dtype)
+
+
+def test_fused_quantizer_is_act_quant_bit_for_bit():
+    """With one-hot weights (w = I, unit scales) the product returns the fused quantizer's
+    dequantized activations: they equal act_quant_ref's exactly (fp32 out)."""
+    M, K = 3, 64
+    x = _x(M, K, torch.float32)
+    for kind, bk in (("fp8", 0), ("int8", 0), ("fp8", 32)):
+        w = torch.eye(K, device=DEV).to(FP8 if kind == "fp8" else torch.int8)
+        ws = torch.ones(*((K, K // bk) if bk else (K,)), device=DEV)
+        y = quant_gemv_dot_fused_launch(x, w, ws, None, kind, QMAX[kind], bk, config=_cfg(M, 1, 16, bk or 32))
+        q, s = act_quant_ref(x, kind, bk or K, QMAX[kind])
+        deq = (q.float().reshape(M, -1, bk or K) * s.unsqueeze(-1)).reshape(M, K)
+        assert torch.equal(y, deq), kind
+
+
+def test_table():
+    assert small_m_config(DOT_MAX_M + 1, 4096, 4096) is None
+    c = small_m_config(1, 4096, 4096)
+    assert c["M_PAD"] == 16 and c["SPLIT_K"] > 1 and c["FUSE"]
+    assert small_m_config(1, 28672, 4096)["SPLIT_K"] == 1  # 448 row tiles already fill the GPU
+    assert small_m_config(64, 4096, 4096)["M_PAD"] == 64 and not small_m_config(64, 4096, 4096)["FUSE"]
+    assert small_m_config(8, 4096, 4096, block_k=128)["BLOCK_K"] == 128
+    for M in (1, 5, 33, 64):  # every split keeps K steps
+        for N, K in LLAMA:
+            c = small_m_config(M, N, K)
+            assert (K // c["BLOCK_K"]) // c["SPLIT_K"] >= 4
+
+
+def test_rejects_bad_input():
+    x = _x(3, 64, torch.bfloat16)
+    wq, ws, _ = _weights("fp8", 16, 64, 0)
+    with pytest.raises(ValueError, match="M <= 64"):
+        quant_gemv_dot_fused_launch(_x(65, 64, torch.bfloat16), wq, ws, None, "fp8", 448.0)
+    with pytest.raises(ValueError, match="M_PAD=8"):
+        quant_gemv_dot_fused_launch(x, wq, ws, None, "fp8", 448.0, config=dict(_cfg(3, 1), M_PAD=8))
+    with pytest.raises(ValueError, match="kind='int4'"):
+        quant_gemv_dot_fused_launch(x, wq, ws, None, "int4", 7.0)
+    with pytest.raises(ValueError, match="w dtype"):
+        quant_gemv_dot_fused_launch(x, wq, ws, None, "int8", 127.0)
+    with pytest.raises(ValueError, match="ws shape"):
+        quant_gemv_dot_fused_launch(x, wq, ws[:3], None, "fp8", 448.0)
+    with pytest.raises(ValueError, match="static_scale with block_k"):
+        quant_gemv_dot_fused_launch(x, wq, torch.ones(16, 2, device=DEV), None, "fp8", 448.0, 32,
+                                    static_scale=torch.tensor(0.1, device=DEV))
+    with pytest.raises(ValueError, match="block_k=48"):
+        quant_gemv_dot_fused_launch(x, wq, ws, None, "fp8", 448.0, 48)
+
+
+# ---------------------------------------------------------------------------
+# H200: Llama-3.1-8B shapes
+# ---------------------------------------------------------------------------
+
+LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("M", [1, 8, 64])
+@pytest.mark.parametrize("N,K", LLAMA)
+@pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block", "int8"])
+def test_llama_shapes_on_gpu(fmt, N, K, M):
+    """Both launchers with the table's tiles; errors against max|ref| (Hopper's fp8 tensor
+    cores accumulate with fewer mantissa bits than fp32: see test_quant_kernels_fp8)."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    x = (torch.randn(M, K, device="cuda") * 0.5).to(dtype)
+    w = torch.randn(N, K, device="cuda") * 0.02
+    if fmt == "fp8_block":
+        s = w.reshape(N // 128, 128, K // 128, 128).abs().amax((1, 3)) / 448
+        full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        wq, bk, kind = (w / full).to(FP8), 128, "fp8"
+        ws = s.repeat_interleave(128, 0).contiguous()
+    elif fmt == "int8":
+        ws = w.abs().amax(1) / 127
+        wq, bk, kind = torch.round(w / ws[:, None]).clamp(-128, 127).to(torch.int8), 0, "int8"
+    else:
+        ws = w.abs().amax(1) / 448
+        wq, bk, kind = (w / ws[:, None]).to(FP8), 0, "fp8"
+    bias = torch.randn(N, device="cuda").to(dtype)
+    xq, xs = act_quant_ref(x, kind, bk or K, QMAX[kind])
+    xs = xs if bk else xs.reshape(-1)
+    ref = quant_gemm_ref(xq, xs, wq, ws, bias, dtype, bk)
+    tol = dict(rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+    y = quant_gemv_dot_launch(xq, xs, wq, ws, bias, dtype, bk)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+    y = quant_gemv_dot_fused_launch(x, wq, ws, bias, kind, QMAX[kind], bk)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+
+
+def test_kernel_compiles_for_sm90():
+    """The compiled (not interpreted) kernel builds for sm90 with tensor-core instructions and
+    pipelined (asynchronous) weight copies, fused and not, fp8 and int8
+    (tests/quant_gemv_dot_sm90.py in a child process without the interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no ptxas for NVIDIA targets")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-W", "ignore", os.path.join(here, "quant_gemv_dot_sm90.py")], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(got) == 10
+    for name, flags in got.items():
+        assert all(flags.values()), (name, flags)
