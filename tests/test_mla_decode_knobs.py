@@ -15,6 +15,7 @@ from atom.model_ops.attention.mla_torch import latent_decode_ref
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 R, P = 32, 16
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU, the kernel on a GPU
 
 
 def _batch(lens, heads=5, block_size=8, seed=0, dtype=torch.float32):
@@ -31,11 +32,11 @@ def _batch(lens, heads=5, block_size=8, seed=0, dtype=torch.float32):
         at += n
     ql = torch.randn(len(lens), heads, R, generator=g).to(dtype)
     qp = torch.randn(len(lens), heads, P, generator=g).to(dtype)
-    return ql, qp, cache, tables, torch.tensor(lens, dtype=torch.int32)
+    return tuple(t.to(DEV) for t in (ql, qp, cache, tables, torch.tensor(lens, dtype=torch.int32)))
 
 
 def _ref(ql, qp, cache, tables, lens, scale=0.3):
-    return latent_decode_ref(ql.float(), qp.float(), cache.float(), tables, lens.tolist(), scale)
+    return latent_decode_ref(ql.float(), qp.float(), cache.float(), tables, lens.tolist(), scale).to(ql.device)
 
 
 @pytest.mark.parametrize("cfg,block_size", [
@@ -74,7 +75,7 @@ def test_splits_by_work_use_only_segments_of_min_split_tokens():
     from atom.model_ops.kernels.mla_decode import MLAWorkspace
     lens_l = [5, 40, 130, 16]
     ql, qp, cache, tables, lens = _batch(lens_l, heads=3, block_size=16, seed=1)
-    ws = MLAWorkspace(4, 3, R, max_splits=8)
+    ws = MLAWorkspace(4, 3, R, max_splits=8, device=DEV)
     ws.partial_out.fill_(float("nan"))
     ws.partial_lse.fill_(float("nan"))
     out = mla_decode_call(ql, qp, cache, tables, lens, workspace=ws,
@@ -94,7 +95,7 @@ def test_workspace_too_small_lowers_the_split_count():
     is used (shapes only), with the reference's result."""
     from atom.model_ops.kernels.mla_decode import MLAWorkspace
     ql, qp, cache, tables, lens = _batch([50, 33], heads=2, block_size=8, seed=2)
-    ws = MLAWorkspace(2, 2, R, max_splits=8, slots=4)  # B=2: at most 2 splits
+    ws = MLAWorkspace(2, 2, R, max_splits=8, slots=4, device=DEV)  # B=2: at most 2 splits
     assert ws.fits(2, 2, R, 2) and not ws.fits(2, 2, R, 4)
     ws.partial_lse.fill_(float("nan"))
     out = mla_decode_call(ql, qp, cache, tables, lens, workspace=ws, config=dict(min_split_tokens=1, TILE_N=16),
@@ -119,7 +120,7 @@ def test_split_table_keeps_programs_per_sm_and_workspace_covers_it():
     for b in range(1, 513):
         s = pick_mla_config(b, 16, 512, sms)["num_splits"]
         assert s == 1 or ws.fits(b, 16, 512, s), b
-    assert slots < 512 * 2  # far below max_num_seqs x max_splits
+    assert slots <= 264 * 4  # 4 splits up to 2 x 132 sequences: far below max_num_seqs x max_splits
 
 
 def test_backend_workspace_follows_the_table():
@@ -210,6 +211,7 @@ def _compile_variants() -> dict:
     return out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-side PTX check; on a GPU the kernels run")
 def test_decode_kernel_compiles_for_sm90_and_stages_pipeline_the_loads():
     import json
     import os
@@ -236,8 +238,8 @@ def test_decode_kernel_compiles_for_sm90_and_stages_pipeline_the_loads():
 def test_launch_and_sweep_frames():
     from atom.viz.mla_frames import mla_launch_frame, mla_sweep_frame
     df = mla_launch_frame([1, 64, 128, 512])
-    assert list(df.batch) == [1, 64, 128, 512] and list(df.num_splits) == [32, 4, 2, 1]
-    assert (df.programs_per_sm[:3] >= 0.24).all() and df.workspace_slots.iloc[-1] == 0
+    assert list(df.batch) == [1, 64, 128, 512] and list(df.num_splits) == [32, 4, 4, 2]
+    assert (df.programs_per_sm[:3] >= 0.24).all() and df.workspace_slots.iloc[-1] == 512 * 2
     fake = dict(peak_TBs=4.0, results={"B=1, ctx 512": dict(
         best=[dict(config={"TILE_N": 64}, us=2.0, TBs=2.0)],
         all=[dict(config="default", us=4.0, TBs=1.0), dict(config={"TILE_N": 64}, us=2.0, TBs=2.0),

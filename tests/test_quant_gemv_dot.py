@@ -121,7 +121,7 @@ def test_fused_quantizer_is_act_quant_bit_for_bit():
 def test_table():
     assert small_m_config(DOT_MAX_M + 1, 4096, 4096) is None
     c = small_m_config(1, 4096, 4096)
-    assert c["M_PAD"] == 16 and c["SPLIT_K"] > 1 and c["FUSE"]
+    assert c["M_PAD"] == 16 and c["SPLIT_K"] > 1 and not c["FUSE"]  # fusing measured slower
     assert small_m_config(1, 28672, 4096)["SPLIT_K"] == 1  # 448 row tiles already fill the GPU
     assert small_m_config(64, 4096, 4096)["M_PAD"] == 64 and not small_m_config(64, 4096, 4096)["FUSE"]
     assert small_m_config(8, 4096, 4096, block_k=128)["BLOCK_K"] == 128

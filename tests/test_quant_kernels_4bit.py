@@ -118,27 +118,30 @@ def test_op_traces_under_fake_tensors():
 
 
 def test_tile_table_regimes():
-    """16-bit activations run w4_dot at every M (one row tile up to 64 rows, split-K where
-    the row blocks are few); fp32 activations and groups without a power-of-two factor >= 16
-    keep the GEMV (M <= 4) / dequantizing GEMM table."""
+    """16-bit activations: the FMA GEMV up to M = 4, w4_dot above (int4 up to M = 64, then
+    the dequantizing GEMM; MXFP4 at every M); fp32 activations and groups without a
+    power-of-two factor >= 16 keep the GEMV (M <= 4) / dequantizing GEMM table."""
     ms = (1, GEMV_MAX_M, GEMV_MAX_M + 1, 16, 64, 512)
-    assert [w4_config(m, 4096, 4096)[0] for m in ms] == ["w4_dot"] * 6
-    assert [w4_config(m, 4096, 4096, torch.float16, 32)[0] for m in ms] == ["w4_dot"] * 6
+    assert [w4_config(m, 4096, 4096)[0] for m in ms] == ["w4_gemv"] * 2 + ["w4_dot"] * 3 + ["w4_gemm"]
+    assert [w4_config(m, 4096, 4096, torch.float16, 32, "mxfp4")[0] for m in ms] == ["w4_gemv"] * 2 + ["w4_dot"] * 4
     for dtype, g in ((torch.float32, 128), (torch.bfloat16, 20), (torch.bfloat16, 8)):
         assert [w4_config(m, 4096, 4096, dtype, g)[0] for m in ms] == ["w4_gemv"] * 2 + ["w4_gemm"] * 4
     old = {m: w4_config(m, 4096, 4096, torch.float32)[1] for m in (3, 16, 64, 512)}
     assert old[3]["BLOCK_M"] == 4 and old[16]["BLOCK_M"] == 16  # every row in one program
     assert old[16]["BLOCK_N"] == 16 and w4_config(16, 28672, 4096, torch.float32)[1]["BLOCK_N"] == 32
     assert old[64]["BLOCK_M"] == 64 and old[512]["BLOCK_M"] == 128
-    dot = {m: w4_config(m, 4096, 4096)[1] for m in (1, 17, 64, 512)}
-    assert dot[1]["BLOCK_M"] == 16 and dot[17]["BLOCK_M"] == 32 and dot[64]["BLOCK_M"] == 64
-    assert dot[512]["BLOCK_M"] == 128
+    dot = {m: w4_config(m, 4096, 4096)[1] for m in (5, 17, 64)}
+    assert dot[5]["BLOCK_M"] == 16 and dot[17]["BLOCK_M"] == 32 and dot[64]["BLOCK_M"] == 64
+    assert dot[5]["ORDER"] == 1 and dot[17]["ORDER"] == 1 and "ORDER" not in dot[64]
+    assert "ORDER" not in w4_config(8, 4096, 4096, fmt="mxfp4")[1]
+    assert dot[64]["BLOCK_N"] == 128 and w4_config(512, 4096, 4096, fmt="mxfp4")[1]["BLOCK_M"] == 128
     # split-K: 64 row blocks of N = 4096 become 256 programs; N = 28672 (448 blocks) does not split;
-    # a short K keeps two K steps per split
-    assert dot[1]["SPLIT_K"] == 4 and w4_config(1, 28672, 4096)[1]["SPLIT_K"] == 1
-    assert w4_config(1, 4096, 14336)[1]["SPLIT_K"] == 4 and w4_config(1, 4096, 1024)[1]["SPLIT_K"] == 2
-    assert dot[512]["SPLIT_K"] == 1
-    assert w4_gemm.kernel_name(1) == "w4_dot" and w4_gemm.kernel_name(1, torch.float32) == "w4_gemv"
+    # a short K keeps two K steps per split; at most 4 at M = 64
+    assert dot[5]["SPLIT_K"] == 4 and w4_config(8, 28672, 4096)[1]["SPLIT_K"] == 1
+    assert w4_config(8, 4096, 14336)[1]["SPLIT_K"] == 4 and w4_config(8, 4096, 1024)[1]["SPLIT_K"] == 2
+    assert dot[64]["SPLIT_K"] == 4 and w4_config(512, 4096, 4096, fmt="mxfp4")[1]["SPLIT_K"] == 1
+    assert w4_gemm.kernel_name(8) == "w4_dot" and w4_gemm.kernel_name(1) == "w4_gemv"
+    assert w4_gemm.kernel_name(8, torch.float32) == "w4_gemm"
 
 
 # (fmt, N, K, group, asymmetric): N past the last 64-row block, K past the last tile

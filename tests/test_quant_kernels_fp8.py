@@ -231,19 +231,19 @@ def test_scaled_mm_route_on_cpu():
 
 def test_routes_and_kernel_report():
     x = torch.zeros(32, 64, dtype=torch.bfloat16)
-    # small M: the swap-AB kernel's table (quant_gemv_dot.small_m_config), its quantizer folded in to M=16
-    assert common.product_route("fp8", 1, x, 48) == "dot_fused"
-    assert common.product_route("fp8", 8, x, 48, block_k=32) == "dot_fused"
-    assert common.product_route("int8", 16, x, 48) == "dot_fused"
-    assert common.product_route("int8", 32, x, 48) == "dot"
+    # M <= 64: the swap-AB kernel's table (quant_gemv_dot.small_m_config), the quantizer in front
+    x = torch.zeros(80, 64, dtype=torch.bfloat16)
+    assert common.product_route("fp8", 1, x, 48) == "dot"
+    assert common.product_route("fp8", 8, x, 48, block_k=32) == "dot"
+    assert common.product_route("int8", 16, x, 48) == "dot"
+    assert common.product_route("fp8", 64, x, 48) == "dot"
     assert common.product_route("fp8", 64, x, 48, block_k=32) == "dot"
     assert common.product_route("fp8", 65, x, 48, block_k=32) == "gemm"
     assert common.product_route("int8", 65, x, 48) == "gemm"
-    assert common.product_route("fp8", 32, x, 48) == "scaled_mm"
-    assert common.product_route("fp8", 32, x.half(), 48) == "dot"  # row-wise needs bf16 out
-    assert common.product_route("fp8", 32, x.half(), 48, rowwise=False) == "scaled_mm"
-    assert common.product_route("fp8", 32, x, 40) == "dot"  # N not a multiple of 16
-    assert common.product_route("fp8", 65, x, 40) == "gemm"
+    assert common.product_route("fp8", 65, x, 48) == "scaled_mm"
+    assert common.product_route("fp8", 65, x.half(), 48) == "gemm"  # row-wise needs bf16 out
+    assert common.product_route("fp8", 65, x.half(), 48, rowwise=False) == "scaled_mm"
+    assert common.product_route("fp8", 65, x, 40) == "gemm"  # N not a multiple of 16
     assert "_scaled_mm tensor-wise" in _loaded_layer("fp8_tensor_dynamic", "linear").method.kernel
     assert "_scaled_mm row-wise" in _loaded_layer("fp8_channel", "linear").method.kernel
     assert "_scaled_mm row-wise" in _loaded_layer("fp8_tensor_dynamic", "qkv").method.kernel

@@ -206,22 +206,27 @@ class MLAWorkspace:
 
 
 # The launch choice, from shapes only (a CUDA graph replays it for any context lengths).
-# Design guesses, not measurements: `scripts/mla_decode_sweep.py` times the alternatives on
-# the H200 and these rows are edited from its results.
+# `scripts/mla_decode_sweep.py --quick` timed the alternatives on the H200 at DeepSeek-V2-Lite's
+# shape (batches 1, 32, 128; contexts 1024 and mixed 100-4096; figures in docs/perf/README.md);
+# batches above 264 sequences were not timed.
 #
 # Splits: the first row whose bound the programs before splitting (sequences x head blocks)
 # do not exceed, as a multiple of the SMs. The target is a few programs per SM whatever the
 # batch (about 2x the SMs): the old rule (split only below one program per SM) left a batch of
 # ~130 sequences one long sequential loop per SM with a ragged last wave. Inside the kernel a
 # sequence uses only as many segments as keep each >= MIN_SPLIT_TOKENS, so a split count
-# chosen for long contexts costs short ones nothing.
-_SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 4, 8), (1 / 2, 4), (2.0, 2), (float("inf"), 1))
+# chosen for long contexts costs short ones nothing. At 128 sequences of mixed lengths 4 splits
+# took 0.65x the time of 2 (the longest sequences dominate), at uniform 1024 tokens the same.
+_SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 4, 8), (2.0, 4), (4.0, 2), (float("inf"), 1))
 MIN_SPLIT_TOKENS = 256
 # Tiles for a 512-wide latent: a [16, 512] fp32 accumulator is 64 registers a thread at 4 warps
 # (8 warps halve it but spread the 16-row dots thinly). Stages: with num_stages >= 2 Triton turns
 # the tile loads (block-table entries, then latent rows) into cp.async copies issued ahead of the
-# dots (sm90 PTX: none at 1 stage); 3 is what launches without num_stages got before, kept.
+# dots (sm90 PTX: none at 1 stage). Small batches (programs before splitting <= SMs / 4: long
+# segments per program) ran 10-20% faster with 64-token tiles over 8 warps and 2 stages; from
+# ~128 sequences 32-token tiles over 4 warps were as fast as any.
 _TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=3)
+_TILES_WIDE_FEW = dict(TILE_N=64, num_warps=8, num_stages=2)
 _TILES_NARROW = dict(TILE_N=64, num_warps=4, num_stages=3)  # R_PAD <= 256
 CONFIG_KEYS = ("BLOCK_H", "TILE_N", "num_warps", "num_stages", "num_splits", "min_split_tokens",
                "page_loads", "splits_first")
@@ -241,7 +246,7 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
     if progs > 0:
         splits = next(n for bound, n in _SPLIT_ROWS if progs <= bound * num_sms)
         splits = max(1, min(splits, 1 << (max(1, int(max_splits)).bit_length() - 1)))
-    tiles = _TILES_NARROW if r_pad <= 256 else _TILES_WIDE
+    tiles = _TILES_NARROW if r_pad <= 256 else (_TILES_WIDE_FEW if 0 < progs <= num_sms / 4 else _TILES_WIDE)
     return dict(BLOCK_H=block_h, **tiles, num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS,
                 page_loads=True, splits_first=True)
 

@@ -52,7 +52,7 @@ from atom.model_ops.kernels.quant_gemm import _check
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 DOT_MAX_M = 64  # the largest M this kernel takes
-FUSE_MAX_M = 16  # up to here the table folds the activation quantizer into the kernel
+FUSE_MAX_M = 0  # up to here the table folds the activation quantizer in (0: never; see small_m_config)
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H200 (132 SMs): SPLIT_K grows until reached
 _KINDS = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
@@ -155,17 +155,21 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
                    ) -> Optional[dict]:
     """The swap-AB kernel's tiles for one product, or None where the older kernels run.
 
-    Design values (not measured yet; the integrator edits this from the H200 sweep):
+    From the H200 sweep (`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot
+    --quick`, Llama-3.1-8B shapes; figures in docs/perf/README.md), where these tiles were
+    the best of the grid at every shape and M in 1-64:
     - M <= DOT_MAX_M (64) for every 8-bit format; M_PAD = max(16, next power of two of M);
+      at M = 1 1.3-1.7x faster than the CUDA-core GEMV, at M = 16-64 than the tl.dot GEMM and
+      than torch._scaled_mm (which from M = 65 takes fp8 row / column products);
     - BLOCK_N 64 weight rows a program (one warpgroup's wgmma height); BLOCK_K 256 (a 16 KiB
       fp8 weight tile a stage, 4 stages), or the scale block with block scales;
     - SPLIT_K: the smallest power of two that gives >= TARGET_PROGRAMS programs, keeping
       >= 4 K steps a split (at BLOCK_K 256: 4096 x 4096 and 6144 x 4096: 4, 28672 x 4096: 1,
       4096 x 14336: 8);
-    - FUSE (activation quantizer folded in): M <= FUSE_MAX_M, for dynamic per-token, static
-      per-tensor and 1 x block_k group activations.
-    fp8 row / column products from M = 17 stay on torch._scaled_mm (cuBLASLt), which
-    `quant.common.product_route` checks first."""
+    - FUSE (activation quantizer folded in) only up to FUSE_MAX_M, now 0: every program
+      re-reading and reducing its rows of x cost 2.5-6x the time of the separate quantizer
+      launch plus the unfused kernel, so the table never fuses (the fused kernel stays
+      callable with `FUSE=True` in a config)."""
     if M < 1 or M > DOT_MAX_M:
         return None
     bn = 64
@@ -182,8 +186,8 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
 def table_summary() -> str:
     """What `small_m_config` routes here, in words (the per-layer `kernel` column): edit it
     with the table."""
-    return (f"quant_gemv_dot (tensor-core swap-AB, M<={DOT_MAX_M}; activation quantizer folded in "
-            f"for M<={FUSE_MAX_M})")
+    fused = f"; activation quantizer folded in for M<={FUSE_MAX_M}" if FUSE_MAX_M else ""
+    return f"quant_gemv_dot (tensor-core swap-AB, M<={DOT_MAX_M}{fused})"
 
 
 def _cfg(M, N, K, block_k, config, kind):

@@ -84,48 +84,59 @@ GEMM_TILES = (
 
 
 # The tensor-core kernel (`w4_dot._w4_dot_kernel`, swap-AB: the weight is tl.dot's first
-# operand, scales after the dot) runs every M from DOT_MIN_M up for 16-bit activations and
-# groups with a power-of-two factor >= 16; fp32 activations and other groups keep the tables
-# above. Design guesses, not measured here (scripts/w4_sweep.py measures them on the H200):
-# - M <= 64: one row tile of 16 / 32 / 64 covers every row, 64 weight rows a program, K in
-#   steps of 256 (128 bytes of int4 per row: one line), so the weight streams once;
-# - larger M: 64 x 128 then 128 x 128 tiles, K 64, pipelined over 3 stages (compute bound).
+# operand, scales after the dot) for 16-bit activations and groups with a power-of-two factor
+# >= 16 (fp32 activations and other groups keep the tables above). From the H200 sweep
+# (`scripts/w4_sweep.py --quick`, Llama-3.1-8B shapes; figures in docs/perf/README.md):
+# - M <= GEMV_MAX_M: the FMA GEMV above stays faster (0.6-0.9x its time for int4 and MXFP4);
+# - 5 <= M <= 64: w4_dot, 3-7x faster than the FMA kernels; up to M = 32 one 16 / 32-row tile,
+#   64 weight rows, K 256, int4 tiles put back in natural column order in registers so that x
+#   loads contiguously (ORDER 1: ~1.7x faster than loading x permuted); at M = 64 128 weight rows, K 128,
+#   8 warps (1.5-1.8x faster than 64 rows);
+# - above M = 64: int4 keeps the tl.dot GEMM above (w4_dot 0.4x its speed at M = 512), MXFP4
+#   runs w4_dot (1.4-1.9x the GEMM's speed: its e2m1 decode costs more than the dot's tile).
 # SPLIT_K: layers whose row blocks give fewer than DOT_TARGET_PROGRAMS programs (N = 4096 at
 # BLOCK_N = 64: 64) split K in two, four or eight, keeping >= 2 K steps per split (M <= 64).
-DOT_MIN_M = 1
+DOT_MIN_M = GEMV_MAX_M + 1
 DOT_TARGET_PROGRAMS = 256
 DOT_TILES = (
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)),
     (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)),
-    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)),
+    (64, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)),
     (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
     (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
 )
+DOT_MAX_M = {"int4": 64, "mxfp4": None}  # None: every M
 
 
 def dot_split_k(M: int, N: int, K: int, cfg: dict) -> int:
-    """SPLIT_K for the w4_dot tiles `cfg`: the smallest of 1, 2, 4, 8 that reaches
-    DOT_TARGET_PROGRAMS programs while every split keeps at least two K steps; 1 above
-    M = 64 (compute bound: the fp32 partials would be extra traffic for no gain in overlap)."""
+    """SPLIT_K for the w4_dot tiles `cfg`: the smallest of 1, 2, 4, 8 (4 above M = 32, the
+    sweep's best at M = 64) that reaches DOT_TARGET_PROGRAMS programs while every split keeps
+    at least two K steps; 1 above M = 64 (compute bound: the fp32 partials would be extra
+    traffic for no gain in overlap)."""
     if M > 64:
         return 1
     progs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
     steps = -(-K // cfg["BLOCK_K"])
+    cap = 4 if M > 32 else 8
     split = 1
-    while split < 8 and progs * split < DOT_TARGET_PROGRAMS and steps // (2 * split) >= 2:
+    while split < cap and progs * split < DOT_TARGET_PROGRAMS and steps // (2 * split) >= 2:
         split *= 2
     return split
 
 
-def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group: int = 128) -> tuple[str, dict]:
-    """(kernel name, tile config) for an [M, K] x [N, K]^T product with activations of
-    `dtype` and weight groups of `group` columns (the tables above)."""
+def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group: int = 128,
+              fmt: str = "int4") -> tuple[str, dict]:
+    """(kernel name, tile config) for an [M, K] x [N, K]^T product of format `fmt` with
+    activations of `dtype` and weight groups of `group` columns (the tables above)."""
     from atom.model_ops.kernels.w4_dot import supports
-    if M >= DOT_MIN_M and supports(dtype, group):
+    top = DOT_MAX_M.get(fmt, 64)
+    if M >= DOT_MIN_M and (top is None or M <= top) and supports(dtype, group):
         for max_m, cfg in DOT_TILES:
             if max_m is None or M <= max_m:
                 cfg = dict(cfg)
                 cfg["SPLIT_K"] = dot_split_k(M, N, K, cfg)
+                if fmt == "int4" and M <= 32:
+                    cfg["ORDER"] = 1
                 return "w4_dot", cfg
     if M <= GEMV_MAX_M:
         tiles = GEMV_TILES_NARROW if N <= NARROW_N else GEMV_TILES
@@ -139,9 +150,9 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
     raise AssertionError("unreachable")
 
 
-def kernel_name(M: int, dtype: torch.dtype = torch.bfloat16, group: int = 128) -> str:
+def kernel_name(M: int, dtype: torch.dtype = torch.bfloat16, group: int = 128, fmt: str = "int4") -> str:
     """Which kernel runs M rows (for the per-layer tables)."""
-    return w4_config(M, 1, 1 << 12, dtype, group)[0]
+    return w4_config(M, 1, 1 << 12, dtype, group, fmt)[0]
 
 
 if HAS_TRITON:
@@ -400,7 +411,7 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    name, cfg = w4_config(M, N, k, x.dtype, group)
+    name, cfg = w4_config(M, N, k, x.dtype, group, fmt)
     if config is not None:
         cfg = dict(config)
         name = cfg.pop("kernel", name)
@@ -470,8 +481,8 @@ def w4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
 
 
 #: what the 4-bit methods report as their GPU kernel (`kernel` attribute, `kernel_for(layer)`)
-KERNEL_DESCRIPTION = (f"atom::w4_linear (triton w4_dot: tensor-core swap-AB for bf16/fp16 activations; "
-                      f"else w4_gemv for M<={GEMV_MAX_M}, w4_gemm above)")
+KERNEL_DESCRIPTION = (f"atom::w4_linear (triton w4_gemv for M<={GEMV_MAX_M}; w4_dot, tensor-core swap-AB, for "
+                      f"bf16/fp16 activations above (int4 up to M={DOT_MAX_M['int4']}); else w4_gemm)")
 REFERENCE_DESCRIPTION = "torch reference (dequantize to fp32, F.linear)"
 
 

@@ -234,7 +234,8 @@ class QuantLinearMethod(LinearMethod):
 # or torch._scaled_mm for fp8 row / column scales where cuBLASLt takes the case (`product_route`).
 # ---------------------------------------------------------------------------
 
-SCALED_MM_MIN_M = 17  # from here fp8 row / column scaled products go to cuBLASLt when it takes them
+SCALED_MM_MIN_M = 65  # from here fp8 row / column scaled products go to cuBLASLt when it takes them
+# (below it the swap-AB kernel of `kernels.quant_gemv_dot` was faster at every Llama shape)
 
 
 def use_kernels(x: torch.Tensor) -> bool:
