@@ -217,7 +217,7 @@ class AsyncLLMEngine:
             if getattr(self.engine.runner, "device", None) is not None and \
                     self.engine.runner.device.type == "cuda":
                 import torch
-                torch.cuda.set_device(self.engine.runner.device)
+                torch.cuda.set_device(torch.device(self.engine.runner.device).index or 0)
         except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
             self.error = e
             loop.call_soon_threadsafe(_set_exception, ready, e)
