@@ -152,3 +152,25 @@ def test_a_family_whose_layers_do_not_split_is_refused_before_any_process(tiny_l
     monkeypatch.setattr(LlamaForCausalLM, "supports_tensor_parallel", False)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not implemented for LlamaForCausalLM"):
         TensorParallelExecutor(Config(tiny_llama, tensor_parallel_size=2))
+
+
+def test_single_rank_layers_trace_into_one_graph():
+    """At TP=1 the collectives are the identity before any compiler-disabled call: a model
+    compiled as one graph (level 3, fullgraph) traces the row-parallel linear and the
+    vocab-parallel embedding without a graph break."""
+    tp = ParallelState.single()
+    row = RowParallelLinear(16, 8, bias=False, prefix="t.o_proj", tp=tp)
+    emb = VocabEmbedding(32, 16, tp=tp)
+    with torch.no_grad():
+        row.weight.normal_()
+        emb.weight.normal_()
+
+    def f(ids):
+        return row(emb(ids))
+
+    ids = torch.tensor([1, 5, 31])
+    got = torch.compile(f, fullgraph=True, backend="eager")(ids)
+    torch.testing.assert_close(got, f(ids))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(torch.compile(lambda x: tp.all_gather(tp.all_reduce(x)), fullgraph=True,
+                                             backend="eager")(x), x)

@@ -97,19 +97,28 @@ class ParallelState:
         return 1, w // num_kv_heads
 
     # --- collectives ----------------------------------------------------------------
-    @torch.compiler.disable
+    # The identity at TP=1 is decided before any torch.compiler.disable'd call, so that a model
+    # compiled as one graph (level 3) traces straight through it; the collectives themselves
+    # stay outside the graph.
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks (in place; returned). Identity at TP=1."""
         if self.world_size == 1:
             return x
+        return self._all_reduce(x)
+
+    @torch.compiler.disable
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.group.allreduce([x]).wait()
         return x
 
-    @torch.compiler.disable
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The ranks' `x` concatenated along `dim`, rank order. Identity at TP=1."""
         if self.world_size == 1:
             return x
+        return self._all_gather(x, dim)
+
+    @torch.compiler.disable
+    def _all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self.group.allgather([parts], [x]).wait()
