@@ -50,6 +50,58 @@ def test_concurrent_streams_equal_generate(llm):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_a_lagging_stream_gets_the_queued_steps_as_one_output(llm):
+    """A consumer that sleeps between outputs receives merged deltas: fewer outputs than
+    tokens, the same tokens and text as `LLM.generate`, the final one last."""
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    want = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]
+
+    async def main():
+        eng = AsyncLLMEngine.from_engine(llm.engine)
+        await eng.start()
+        try:
+            outs = []
+            async for out in eng.generate(PROMPTS[1], sp):
+                outs.append(out)
+                await asyncio.sleep(0.05)  # several engine steps queue up meanwhile
+            return outs
+        finally:
+            await eng.shutdown()
+
+    outs = _run(main())
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert sum(len(o.outputs[0].new_token_ids) for o in outs) == 24 and len(outs) < 24
+    assert [t for o in outs for t in o.outputs[0].new_token_ids] == want.outputs[0].token_ids
+    assert "".join(o.outputs[0].new_text for o in outs) == want.outputs[0].text
+    streamed = [lp for o in outs[:-1] for lp in o.outputs[0].logprobs]  # DELTA logprobs, then the final's
+    assert len(streamed) == sum(len(o.outputs[0].token_ids) for o in outs[:-1])
+    assert len(outs[-1].outputs[0].logprobs) == 24
+
+
+def test_merge_outputs_joins_deltas_and_keeps_other_completions():
+    from atom.model_engine.async_engine import merge_outputs
+    from atom.outputs import CompletionOutput, Logprob, RequestOutput
+
+    def out(*comps, finished=False, plp=None):
+        return RequestOutput("r", None, [1, 2], list(comps), finished, prompt_logprobs=plp)
+
+    lp = lambda t: {t: Logprob(-0.5)}  # noqa: E731
+    a = out(CompletionOutput(0, "a", [7], None, [lp(7)], new_token_ids=[7], new_text="a"),
+            CompletionOutput(1, "x", [9], None, [lp(9)], finish_reason="length", new_token_ids=[9], new_text="x"),
+            plp=[None, {2: Logprob(-1.0)}])
+    b = out(CompletionOutput(0, "b", [8], None, [lp(8)], new_token_ids=[8], new_text="b"))
+    m = merge_outputs(a, b)
+    assert [c.index for c in m.outputs] == [0, 1] and m.prompt_logprobs == a.prompt_logprobs
+    c0 = m.outputs[0]
+    assert (c0.text, c0.token_ids, c0.new_token_ids, c0.new_text) == ("ab", [7, 8], [7, 8], "ab")
+    assert [list(d) for d in c0.logprobs] == [[7], [8]] and m.outputs[1] is a.outputs[1]
+    final = out(CompletionOutput(0, "abc", [7, 8, 5], None, None, finish_reason="stop", new_token_ids=[5],
+                                 new_text="c"), finished=True)
+    f = merge_outputs(m, final)
+    assert f.finished and f.outputs[0].token_ids == [7, 8, 5] and f.outputs[0].new_token_ids == [7, 8, 5]
+    assert f.outputs[0].new_text == "abc"
+
+
 def test_refused_request_fails_alone_and_leaving_aborts(llm):
     bm = llm.engine.block_manager
 

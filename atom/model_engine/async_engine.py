@@ -32,6 +32,7 @@ feeds latency histograms; aborted requests' outputs go to it too.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import itertools
 import logging
@@ -40,7 +41,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from atom.outputs import RequestOutput, RequestOutputKind
+from atom.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -171,20 +172,29 @@ class AsyncLLMEngine:
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """The request's outputs until its final one. Leaving early (break, an exception, a
-        cancelled task) aborts it."""
+        cancelled task) aborts it. Outputs that queued up while the consumer was busy (a
+        loaded server writing hundreds of streams) come as one (`merge_outputs`): their
+        deltas joined, so a lagging stream sends one chunk per catch-up, not one per step."""
         q = self._streams.get(request_id)
         if q is None:
             raise KeyError(f"request {request_id!r} is not in flight")
         finished = False
+        held = None  # an item taken while merging that is not an output (abort, error)
         try:
             while True:
-                item = await q.get()
+                item, held = (held, None) if held is not None else (await q.get(), None)
                 if item is _ABORTED:
                     finished = True
                     return
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                while not item.finished and not q.empty():
+                    nxt = q.get_nowait()
+                    if nxt is _ABORTED or isinstance(nxt, BaseException):
+                        held = nxt
+                        break
+                    item = merge_outputs(item, nxt)
                 finished = item.finished
                 yield item
                 if finished:
@@ -355,6 +365,31 @@ class AsyncLLMEngine:
     def _fail_streams(self, error: BaseException) -> None:
         for q in self._streams.values():
             q.put_nowait(error)
+
+
+def _merge_completion(p: CompletionOutput, c: CompletionOutput) -> CompletionOutput:
+    new = dict(new_token_ids=p.new_token_ids + c.new_token_ids, new_text=p.new_text + c.new_text)
+    if c.finished:  # a final output carries the whole completion already
+        return dataclasses.replace(c, **new)
+    lps = None if p.logprobs is None and c.logprobs is None else list(p.logprobs or []) + list(c.logprobs or [])
+    return dataclasses.replace(c, text=p.text + c.text, token_ids=p.token_ids + c.token_ids, logprobs=lps, **new)
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One DELTA output standing for two consecutive ones of a request: per completion the
+    deltas (`token_ids`, `text`, `logprobs`, `new_*`) joined, or the later final output with
+    the joined `new_*`; completions only the earlier one carried are kept; the prompt's
+    logprobs of the first output are kept."""
+    prev = {c.index: c for c in earlier.outputs}
+    outs = {c.index: (_merge_completion(prev[c.index], c) if c.index in prev and not prev[c.index].finished
+                      else c) for c in later.outputs}
+    for i, c in prev.items():
+        outs.setdefault(i, c)
+    merged = copy.copy(later)
+    merged.outputs = [outs[i] for i in sorted(outs)]
+    if merged.prompt_logprobs is None:
+        merged.prompt_logprobs = earlier.prompt_logprobs
+    return merged
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
