@@ -165,6 +165,12 @@ def gemm_config(M: int, N: int, block_k: int = 0) -> dict:
     return cfg
 
 
+def check_block_k(block_k: int, K: int) -> None:
+    """A block-scale width must be a power of two >= 16 that divides K."""
+    if block_k < 16 or block_k & (block_k - 1) or K % block_k:
+        raise ValueError(f"block_k={block_k} must be a power of two >= 16 that divides K={K}")
+
+
 def _check(xq, xs, w, ws, bias, block_k):
     if not HAS_TRITON:
         raise RuntimeError("quantized GEMM kernels need triton; use the torch reference without it")
@@ -175,8 +181,7 @@ def _check(xq, xs, w, ws, bias, block_k):
     M, K = xq.shape
     N = w.shape[0]
     if block_k:
-        if block_k < 16 or block_k & (block_k - 1) or K % block_k:
-            raise ValueError(f"block_k={block_k} must be a power of two >= 16 that divides K={K}")
+        check_block_k(block_k, K)
         want_x, want_w = (M, K // block_k), (N, K // block_k)
     else:
         want_x, want_w = None, (N,)

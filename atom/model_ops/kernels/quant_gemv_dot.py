@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from atom.model_ops.kernels.quant_gemm import _check
+from atom.model_ops.kernels.quant_gemm import _check, check_block_k
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 DOT_MAX_M = 64  # the largest M this kernel takes
@@ -264,8 +264,7 @@ def _check_fused(x, w, ws, bias, kind, block_k, static_scale):
     M, K = x.shape
     N = w.shape[0]
     if block_k:
-        if block_k < 16 or block_k & (block_k - 1) or K % block_k:
-            raise ValueError(f"block_k={block_k} must be a power of two >= 16 that divides K={K}")
+        check_block_k(block_k, K)
         want_w = (N, K // block_k)
         if tuple(ws.shape) != want_w:
             raise ValueError(f"ws shape {tuple(ws.shape)}: expected {want_w}")
