@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from atom.utils.cuda_timing import graph_time
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+PRE_DOT_SCALED_MM_MIN_M = 17  # where fp8 row / column products went to torch._scaled_mm before the dot kernel
 L2_MISS_BYTES = 256 << 20
 
 
@@ -122,8 +123,8 @@ def dot_cases(N, K, M, kind, quick):
                 return quant_gemv_dot_launch(xq, xs if bk else xs.reshape(-1), w, ws, None, torch.bfloat16, bk,
                                              config=kcfg)
         yield dict(cfg, kernel="quant_gemv_dot"), [lambda w=w, c=call: c(w) for w in wqs], nbytes
-    # the engine's product before this kernel, for the same M
-    if q == "fp8" and not bk and M >= common.SCALED_MM_MIN_M:
+    # the engine's product before this kernel, for the same M (cuBLASLt's scaled mm from 17 rows then)
+    if q == "fp8" and not bk and M >= PRE_DOT_SCALED_MM_MIN_M:
         route = "scaled_mm"
 
         def old(w):

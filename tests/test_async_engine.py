@@ -51,8 +51,10 @@ def test_concurrent_streams_equal_generate(llm):
 
 
 def test_a_lagging_stream_gets_the_queued_steps_as_one_output(llm):
-    """A consumer that sleeps between outputs receives merged deltas: fewer outputs than
-    tokens, the same tokens and text as `LLM.generate`, the final one last."""
+    """A consumer that reads its first output and then only after the engine has finished the
+    request receives the rest as one merged output: the same tokens, text and logprobs as
+    `LLM.generate`, the final one last."""
+    import time
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     want = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]
 
@@ -60,22 +62,24 @@ def test_a_lagging_stream_gets_the_queued_steps_as_one_output(llm):
         eng = AsyncLLMEngine.from_engine(llm.engine)
         await eng.start()
         try:
-            outs = []
-            async for out in eng.generate(PROMPTS[1], sp):
-                outs.append(out)
-                await asyncio.sleep(0.05)  # several engine steps queue up meanwhile
+            rid = await eng.add_request(PROMPTS[1], sp)
+            outs, it = [], eng.stream(rid)
+            outs.append(await it.__anext__())
+            t0 = time.monotonic()
+            while not eng.engine.is_finished() and time.monotonic() - t0 < 60:
+                await asyncio.sleep(0.01)  # every later step's output queues up meanwhile
+            await asyncio.sleep(0.05)      # and its hand-over to this loop runs
+            outs += [o async for o in it]
             return outs
         finally:
             await eng.shutdown()
 
     outs = _run(main())
-    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
-    assert sum(len(o.outputs[0].new_token_ids) for o in outs) == 24 and len(outs) < 24
+    assert len(outs) == 2 and outs[-1].finished and not outs[0].finished
     assert [t for o in outs for t in o.outputs[0].new_token_ids] == want.outputs[0].token_ids
     assert "".join(o.outputs[0].new_text for o in outs) == want.outputs[0].text
-    streamed = [lp for o in outs[:-1] for lp in o.outputs[0].logprobs]  # DELTA logprobs, then the final's
-    assert len(streamed) == sum(len(o.outputs[0].token_ids) for o in outs[:-1])
-    assert len(outs[-1].outputs[0].logprobs) == 24
+    assert len(outs[0].outputs[0].logprobs) == len(outs[0].outputs[0].token_ids)  # a DELTA output's own
+    assert len(outs[-1].outputs[0].logprobs) == 24  # the final output carries them all
 
 
 def test_merge_outputs_joins_deltas_and_keeps_other_completions():
@@ -100,6 +104,13 @@ def test_merge_outputs_joins_deltas_and_keeps_other_completions():
     f = merge_outputs(m, final)
     assert f.finished and f.outputs[0].token_ids == [7, 8, 5] and f.outputs[0].new_token_ids == [7, 8, 5]
     assert f.outputs[0].new_text == "abc"
+    # n > 1: completion 1 finished a step before the request; the final output repeats it with
+    # no new tokens: its last delta must survive the merge
+    fin = out(CompletionOutput(0, "abc", [7, 8, 5], None, None, finish_reason="stop", new_token_ids=[5],
+                               new_text="c"),
+              CompletionOutput(1, "x", [9], None, None, finish_reason="length"), finished=True)
+    g = merge_outputs(a, fin)
+    assert (g.outputs[1].new_token_ids, g.outputs[1].new_text) == ([9], "x")
 
 
 def test_refused_request_fails_alone_and_leaving_aborts(llm):

@@ -33,6 +33,33 @@ def test_table_prints_each_rate_and_atoms_ratio():
     assert "TTFT 2.00x, TPOT 1.50x, throughput 1.02x (ATOM vs vllm)" in text
     assert "TTFT 1.50x, TPOT 1.25x, throughput 1.12x (ATOM vs vllm)" in text
     assert sc.table({"atom": {"runs": []}, "vllm": {"error": "x", "runs": []}}).count("\n") == 0
+    idle = {"atom": {"runs": [_run(4.0, 10.0, 2.0, 500.0)]}, "vllm": {"runs": [_run(4.0, 20.0, 3.0, 0.0)]}}
+    assert "ratio" not in sc.table(idle)  # a server that completed nothing: no ratio, no crash
+
+
+def test_stop_ends_the_whole_process_group(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+    # a parent that ignores SIGTERM and a child that would outlive it (its pid in a file)
+    pidfile = tmp_path / "child.pid"
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    t0 = time.monotonic()
+    while not pidfile.exists() and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    sc.stop(proc, grace=1.0)
+    assert proc.poll() is not None
+    time.sleep(0.5)
+    try:  # gone, or a zombie waiting for init to reap it
+        state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z", "X"), state
 
 
 def test_bench_args_carry_the_rates_and_lengths():

@@ -72,11 +72,13 @@ def xavier_refill(model) -> int:
                 p.fill_(1.0)
             elif name.endswith("bias") or p.dim() < 2:
                 p.zero_()
-            else:
+            else:  # a matrix (or each expert's) at a time, in chunks of rows: little scratch memory
                 std = _xavier_std(p.shape)
-                for start in range(0, p.shape[0], 8192):
-                    rows = p.data[start:start + 8192]
-                    rows.copy_(torch.randn(rows.shape, generator=gen, device=rows.device, dtype=torch.float32) * std)
+                for mat in (p.data.unbind(0) if p.dim() == 3 else (p.data,)):  # views: written in place
+                    for start in range(0, mat.shape[0], 8192):
+                        rows = mat[start:start + 8192]
+                        rows.copy_(torch.randn(rows.shape, generator=gen, device=rows.device,
+                                               dtype=torch.float32) * std)
             n += 1
     return n
 
@@ -84,6 +86,8 @@ def xavier_refill(model) -> int:
 def _engine(args):
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # no flashinfer on the H200 machine
     if getattr(args, "peer_dummy", "vllm") == "xavier":
+        if get_format(getattr(args, "quantization", None)).weights is not None:
+            raise SystemExit("--peer-dummy xavier refills bf16 parameters only; a quantized run keeps vLLM's rule")
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model sends a function to the worker
     try:
         from vllm import LLM
@@ -91,8 +95,6 @@ def _engine(args):
         raise SystemExit(f"--peer vllm: vLLM is not importable here ({e}); install it or use another peer")
     llm = LLM(**engine_kwargs(args))
     if getattr(args, "peer_dummy", "vllm") == "xavier":
-        if get_format(getattr(args, "quantization", None)).weights is not None:
-            raise SystemExit("--peer-dummy xavier refills bf16 parameters only; a quantized run keeps vLLM's rule")
         counts = llm.apply_model(xavier_refill)
         logging.getLogger(__name__).info("vLLM parameters refilled with the xavier rule: %s", counts)
     return llm

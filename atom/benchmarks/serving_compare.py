@@ -59,13 +59,26 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
 
 
 def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+    """SIGTERM to the server's process group (vLLM's engine processes too), then SIGKILL to
+    what is left after `grace` seconds, so that the next server finds the GPU free."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
         try:
-            proc.wait(grace)
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            continue
+        try:  # the parent is gone; its children may not be
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(1.0)
 
 
 def bench_args(args, base_url: str, label: str) -> argparse.Namespace:
@@ -101,6 +114,8 @@ def run_server(kind: str, args, model_dir: str, port: int) -> dict:
         return {"server": kind, "command": cmd, "error": str(e), "runs": []}
     finally:
         stop(proc)
+        if log is not subprocess.DEVNULL:
+            log.close()
 
 
 def table(reports: dict[str, dict]) -> str:
@@ -118,7 +133,9 @@ def table(reports: dict[str, dict]) -> str:
         if "atom" in runs:
             a = runs["atom"]
             for kind, r in runs.items():
-                if kind != "atom":
+                vals = (r["ttft_ms"]["p50"], a["ttft_ms"]["p50"], r["tpot_ms"]["p50"], a["tpot_ms"]["p50"],
+                        a["output_throughput"], r["output_throughput"])
+                if kind != "atom" and all(v > 0 for v in vals):  # (NaN compares False: skipped too)
                     lines.append(f"{'':>6} {'ratio':>6} TTFT {r['ttft_ms']['p50'] / a['ttft_ms']['p50']:.2f}x, "
                                  f"TPOT {r['tpot_ms']['p50'] / a['tpot_ms']['p50']:.2f}x, throughput "
                                  f"{a['output_throughput'] / r['output_throughput']:.2f}x (ATOM vs {kind})")
@@ -159,12 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     from atom.benchmarks.workloads import write_model_config
     model_dir = args.model_dir or write_model_config(args.model)
     reports = {kind: run_server(kind, args, model_dir, args.port + i) for i, kind in enumerate(args.servers)}
+    result = {"benchmark": "serving_compare", "model": args.model, "provenance": provenance(), "servers": reports}
+    if args.out:  # before the table: a report that cannot be tabled is still kept
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
     text = table(reports)
     logger.info("\n%s", text)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"benchmark": "serving_compare", "model": args.model, "provenance": provenance(),
-                       "servers": reports, "table": text}, f, indent=2)
+            json.dump(dict(result, table=text), f, indent=2)
     return 0 if all(r.get("runs") for r in reports.values()) else 1
 
 

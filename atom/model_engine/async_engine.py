@@ -95,6 +95,7 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self.snapshot = EngineSnapshot()
         self.error: BaseException | None = None   # why the thread stopped, if it failed
+        self._cuda_device = 0
 
     @classmethod
     def from_engine(cls, engine, **kwargs) -> "AsyncLLMEngine":
@@ -117,6 +118,9 @@ class AsyncLLMEngine:
         if self._thread is not None:
             raise RuntimeError("AsyncLLMEngine.start() was called already")
         self._loop = asyncio.get_running_loop()
+        import torch
+        # a runner on a bare "cuda" runs on the device the starting thread has selected
+        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
         ready: asyncio.Future = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=self.name, daemon=True)
         self._thread.start()
@@ -227,7 +231,8 @@ class AsyncLLMEngine:
             if getattr(self.engine.runner, "device", None) is not None and \
                     self.engine.runner.device.type == "cuda":
                 import torch
-                torch.cuda.set_device(torch.device(self.engine.runner.device).index or 0)
+                index = torch.device(self.engine.runner.device).index
+                torch.cuda.set_device(self._cuda_device if index is None else index)
         except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
             self.error = e
             loop.call_soon_threadsafe(_set_exception, ready, e)
@@ -381,8 +386,7 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
     the joined `new_*`; completions only the earlier one carried are kept; the prompt's
     logprobs of the first output are kept."""
     prev = {c.index: c for c in earlier.outputs}
-    outs = {c.index: (_merge_completion(prev[c.index], c) if c.index in prev and not prev[c.index].finished
-                      else c) for c in later.outputs}
+    outs = {c.index: _merge_completion(prev[c.index], c) if c.index in prev else c for c in later.outputs}
     for i, c in prev.items():
         outs.setdefault(i, c)
     merged = copy.copy(later)

@@ -50,8 +50,12 @@ def compile_model(runner) -> None:
     backend = "inductor" if cc.use_inductor else "eager"
     options = dict(cc.inductor_compile_config) if backend == "inductor" and cc.inductor_compile_config else None
     dynamic = None if level == 1 else True
+    # level 3 is one graph, except across ranks: the collectives (compiler-disabled calls)
+    # split it there, so that tensor-parallel engines compile too
+    ranks = getattr(runner, "parallel", None)
+    fullgraph = level == 3 and (ranks is None or ranks.world_size == 1)
     runner.model_forward = torch.compile(runner.model, backend=backend, dynamic=dynamic, options=options,
-                                         fullgraph=level == 3)
+                                         fullgraph=fullgraph)
     runner.decode_forward = runner.model if level == 3 else runner.model_forward
     logger.info("compilation level %d (backend %s, dynamic=%s)", level, backend, dynamic)
 

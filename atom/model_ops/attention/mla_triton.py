@@ -28,7 +28,8 @@ class TritonMLABackend(MLABackend):
         self.layers = list(layers)
         a = layers[0]
         # scratch for the split count `pick_mla_config` gives every decode batch of up to
-        # `max_num_tokens` sequences (a few MiB: the split rule keeps B x splits bounded)
+        # `max_num_tokens` sequences (B x splits is bounded by the split rule: ~33 MiB for 16
+        # heads of a 512-wide latent at 1024 sequences, 4 bytes per value)
         sms = num_sms(device)
         slots = workspace_slots(max_num_tokens, a.num_heads, a.kv_lora_rank, sms, max_splits)
         self.workspace = MLAWorkspace(max_num_tokens, a.num_heads, a.kv_lora_rank, max_splits=max_splits,

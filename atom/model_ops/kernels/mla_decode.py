@@ -8,7 +8,7 @@ is already in the latent space: q_lat [B, H, R] (q_nope W_UK) and q_pe [B, H, P]
 the `seq_lens[b]` latents of sequence b. Programs map to (sequence, block of BLOCK_H heads,
 KV segment): all heads read the same latent rows (one shared "KV head"), so a program packs
 16+ heads into the rows of `tl.dot`. Each sequence's context is split into up to `num_splits`
-segments (a sequence uses as many as keep each >= `min_split_tokens`) whose partial results
+segments (a sequence uses ceil(length / `min_split_tokens`) of them, at most all) whose partial results
 (normalised output and log-sum-exp, in preallocated `MLAWorkspace` buffers, so the launch can
 live in a CUDA graph) a second kernel merges exactly (log-sum-exp weights, empty segments
 weight 0). Why split at every batch size, not only below one program per SM: a decode step is
@@ -67,8 +67,8 @@ if HAS_TRITON:
                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
         qp = tl.load(qp_ptr + b64 * stride_qpb + heads[:, None] * stride_qph + offs_p[None, :],
                      mask=h_ok[:, None] & p_ok[None, :], other=0.0)
-        # this program's segment of the context, in whole tiles: a sequence uses only as many of
-        # the NUM_SPLITS segments as give each >= min_split_tokens (the rest are empty), so short
+        # this program's segment of the context, in whole tiles: a sequence uses only
+        # ceil(seq_len / min_split_tokens) of the NUM_SPLITS segments (the rest are empty), so short
         # sequences do not pay partial-result traffic for segments of a few tiles
         # (segment k of `active` gets tiles [k n / active, (k + 1) n / active): sizes differ by <= 1)
         n_tiles = tl.cdiv(seq_len, TILE_N)
@@ -214,7 +214,7 @@ class MLAWorkspace:
 # do not exceed, as a multiple of the SMs. The target is a few programs per SM whatever the
 # batch (about 2x the SMs): the old rule (split only below one program per SM) left a batch of
 # ~130 sequences one long sequential loop per SM with a ragged last wave. Inside the kernel a
-# sequence uses only as many segments as keep each >= MIN_SPLIT_TOKENS, so a split count
+# sequence uses only ceil(length / MIN_SPLIT_TOKENS) segments (at most the split count), so a split count
 # chosen for long contexts costs short ones nothing. At 128 sequences of mixed lengths 4 splits
 # took 0.65x the time of 2 (the longest sequences dominate), at uniform 1024 tokens the same.
 _SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 4, 8), (2.0, 4), (4.0, 2), (float("inf"), 1))
@@ -236,7 +236,7 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
                     max_splits: int = 32) -> dict:
     """The launch configuration for a batch shape (see the tables above):
     BLOCK_H / TILE_N / num_warps / num_stages (tiles), num_splits (segments per sequence, a
-    power of two), min_split_tokens (the least context a used segment gets), page_loads (one
+    power of two), min_split_tokens (a sequence uses ceil(length / it) segments), page_loads (one
     block-table entry per page, not per token), splits_first (a sequence's segments launch
     next to each other: the longest-first batch order then starts the longest work first)."""
     block_h = max(16, min(64, _next_pow2(num_heads)))
