@@ -43,6 +43,11 @@ def engine_logits(runner, ids: list[int], chunk: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def layer_scales(runner) -> dict:
+    """{layer index: (k_scale, v_scale)} the engine's attention layers hold now."""
+    return {a.layer_idx: (float(a.k_scale), float(a.v_scale)) for a in runner.attn_layers}
+
+
 def hf_logits(path, ids):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -81,7 +86,7 @@ def test_fp8_engine_allocates_fp8_and_twice_the_blocks_from_memory(tiny_llama, m
     assert fp8.attn_layers[0].k_cache.dtype == torch.float8_e4m3fn
     assert bf16.attn_layers[0].k_cache.dtype == torch.bfloat16
     frame = kv_cache_frame(fp8)
-    assert set(frame["dtype"]) == {"float8_e4m3fn"} and set(frame["scale_source"]) == {"default 1.0"}
+    assert set(frame["dtype"]) == {"float8_e4m3fn"} and set(frame["scale_source"]) == {"pending (first prefill)"}
 
 
 def test_fp8_kv_logits_match_transformers_with_fp8_kv(tiny_llama):
@@ -89,10 +94,13 @@ def test_fp8_kv_logits_match_transformers_with_fp8_kv(tiny_llama):
     FP8 cache: those of transformers with e4m3 keys / values; the bf16-cache engine gives
     plain transformers' logits, and FP8 moves them (the check can fail)."""
     ids = _prompts((70,), seed=11)[0]
-    ref, ref8 = hf_logits(tiny_llama, ids), hf_with_fp8_kv(tiny_llama)(torch.tensor([ids])).logits[0].detach()
+    ref = hf_logits(tiny_llama, ids)
     bf16 = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=16).engine.runner
     torch.testing.assert_close(engine_logits(bf16, ids, 70), ref, rtol=1e-4, atol=1e-4)
     fp8 = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=16, kv_cache_dtype="fp8").engine.runner
+    first = engine_logits(fp8, ids, 70)  # computes the scales (no checkpoint ones) from these keys / values
+    ref8 = hf_with_fp8_kv(tiny_llama, layer_scales(fp8))(torch.tensor([ids])).logits[0].detach()
+    torch.testing.assert_close(first, ref8, rtol=1e-4, atol=1e-4)
     for chunk in (70, 16):
         got = engine_logits(fp8, ids, chunk)
         torch.testing.assert_close(got, ref8, rtol=1e-4, atol=1e-4)
@@ -106,11 +114,12 @@ def test_fp8_kv_greedy_tokens_match_transformers_with_fp8_kv(tiny_llama, tiny_qw
     with e4m3 keys / values, exactly (Llama and Qwen3, prompts of 5-70 tokens)."""
     ps = _prompts()
     for path in (tiny_llama, tiny_qwen3):
-        hf8 = hf_with_fp8_kv(path)
-        ref = [hf_greedy(hf8, p, GREEDY.max_tokens) for p in ps]
         llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=64, kv_cache_dtype="fp8",
                   enable_prefix_caching=True, max_num_batched_tokens=32)
-        assert [o.token_ids for o in llm.generate(ps + ps[1:], GREEDY, use_tqdm=False)] == ref + ref[1:]
+        got = [o.token_ids for o in llm.generate(ps + ps[1:], GREEDY, use_tqdm=False)]
+        hf8 = hf_with_fp8_kv(path, layer_scales(llm.engine.runner))  # the scales the first step computed
+        ref = [hf_greedy(hf8, p, GREEDY.max_tokens) for p in ps]
+        assert got == ref + ref[1:]
 
 
 def test_checkpoint_kv_scales_are_loaded_and_used(tiny_llama, tmp_path):
@@ -124,6 +133,7 @@ def test_checkpoint_kv_scales_are_loaded_and_used(tiny_llama, tmp_path):
     for layer, (ks, vs) in scales.items():  # the same scales, by hand
         plain.attn_layers[layer].k_scale.fill_(ks)
         plain.attn_layers[layer].v_scale.fill_(vs)
+        plain.attn_layers[layer].kv_scale_pending = False
     by_hand = engine_logits(plain, ids, 40)
     assert (by_hand - base).abs().max() > 1.0, "these scales should saturate and move the logits"
     for naming in ("self_attn", "output_scale"):
@@ -136,6 +146,34 @@ def test_checkpoint_kv_scales_are_loaded_and_used(tiny_llama, tmp_path):
         torch.testing.assert_close(engine_logits(runner, ids, 40), by_hand, rtol=0, atol=0)
         bf16 = LLM(str(path), enable_log_stats=False, num_kvcache_blocks=16).engine.runner
         torch.testing.assert_close(engine_logits(bf16, ids, 40), hf_logits(tiny_llama, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_scales_without_a_checkpoint_are_computed_from_the_first_prefill(tiny_llama):
+    """No checkpoint scales: the first cache write (a real prefill, after start-up) sets each
+    layer's k_scale / v_scale to amax(|k|) / 200 and amax(|v|) / 100 of that step, once; a
+    bf16 cache arms nothing."""
+    from atom.model_ops.attention import K_SCALE_RANGE, V_SCALE_RANGE
+    ids = _prompts((40,), seed=7)[0]
+    runner = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=16, kv_cache_dtype="fp8").engine.runner
+    assert all(a.kv_scale_pending and float(a.k_scale) == 1.0 for a in runner.attn_layers)
+    seen = {}
+
+    def first_kv(m, args):  # this layer's keys / values at its first call (returns None: args kept)
+        seen.setdefault(m.layer_idx, (args[1].abs().max().item(), args[2].abs().max().item()))
+    hooks = [a.register_forward_pre_hook(first_kv) for a in runner.attn_layers]
+    engine_logits(runner, ids, 40)
+    for h in hooks:
+        h.remove()
+    for a in runner.attn_layers:
+        kmax, vmax = seen[a.layer_idx]
+        assert float(a.k_scale) == pytest.approx(kmax / K_SCALE_RANGE) and float(a.k_scale) != 1.0
+        assert float(a.v_scale) == pytest.approx(vmax / V_SCALE_RANGE)
+        assert not a.kv_scale_pending and a.kv_scale_source == "computed"
+    before = layer_scales(runner)
+    engine_logits(runner, [i + 1 for i in ids], 40)  # later steps keep them
+    assert layer_scales(runner) == before and set(kv_cache_frame(runner)["scale_source"]) == {"computed"}
+    bf16 = LLM(tiny_llama, enable_log_stats=False, num_kvcache_blocks=16).engine.runner
+    assert bf16.arm_kv_scale_calibration() == 0 and not any(a.kv_scale_pending for a in bf16.attn_layers)
 
 
 def test_per_head_kv_scales_are_refused_with_the_tensor_name(tiny_llama, tmp_path):

@@ -47,17 +47,21 @@ def add_kv_scales(path, scales: dict[int, tuple[float, float]], naming: str = "s
     assert len(glob.glob(os.path.join(path, "*.safetensors"))) == 2
 
 
-def hf_with_fp8_kv(path):
-    """transformers' model whose attention sees its keys and values rounded to e4m3 (scale 1,
-    saturating at +-448): the numerics the engine's FP8 cache has, as a reference for it."""
+def hf_with_fp8_kv(path, scales: dict | None = None):
+    """transformers' model whose attention sees its keys and values stored as e4m3 (x / scale,
+    saturating at +-448, times scale): the numerics the engine's FP8 cache has, as a reference
+    for it. `scales`: {layer index: (k_scale, v_scale)}; 1 where absent."""
     import transformers
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def fp8_kv_sdpa(module, query, key, value, attention_mask, **kw):
-        def rnd(x):
-            return x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
-        return sdpa_attention_forward(module, query, rnd(key), rnd(value), attention_mask, **kw)
+        ks, vs = (scales or {}).get(module.layer_idx, (1.0, 1.0))
 
-    transformers.AttentionInterface.register("atom_test_fp8_kv", fp8_kv_sdpa)
+        def rnd(x, s):
+            return ((x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+        return sdpa_attention_forward(module, query, rnd(key, ks), rnd(value, vs), attention_mask, **kw)
+
+    name = f"atom_test_fp8_kv_{id(scales)}" if scales else "atom_test_fp8_kv"
+    transformers.AttentionInterface.register(name, fp8_kv_sdpa)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             attn_implementation="atom_test_fp8_kv").eval()
+                                                             attn_implementation=name).eval()

@@ -175,6 +175,22 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda":
             self.setup_gpu()
+        self.arm_kv_scale_calibration()
+
+    def arm_kv_scale_calibration(self) -> int:
+        """FP8 KV cache: layers without checkpoint scales compute theirs at the first cache
+        write from now on (after warm-up and graph capture, so from real tokens); returns how
+        many layers were armed."""
+        if self.kv_dtype.itemsize >= 2:
+            return 0
+        armed = [a for a in self.attn_layers if hasattr(a, "calibrate_kv_scales")
+                 and getattr(a, "kv_scale_source", "") != "checkpoint"]
+        for a in armed:
+            a.kv_scale_pending = True
+            a.kv_scale_source = "pending (first prefill)"
+        if armed:
+            logger.info("FP8 KV cache: %d layer(s) compute their scales from the first prefill", len(armed))
+        return len(armed)
 
     # --- DP attention ----------------------------------------------------------------------------
     @torch.inference_mode()

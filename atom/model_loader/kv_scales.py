@@ -4,8 +4,9 @@ Producers store one scale per layer for keys and one for values (dequantized = f
 llm-compressor / compressed-tensors (`kv_cache_scheme`) and vLLM-style checkpoints as
 `<layer>.self_attn.k_scale` / `v_scale`, AutoFP8 / Quark as `<layer>.self_attn.k_proj.output_scale`
 / `v_proj.output_scale`. The model's `Attention` sits one module below the projection's
-parent (`self_attn.attn`) and holds `k_scale` / `v_scale` buffers (1.0 until loaded); they
-matter only when the engine runs `kv_cache_dtype="fp8"`.
+parent (`self_attn.attn`) and holds `k_scale` / `v_scale` buffers; they matter only when the
+engine runs `kv_cache_dtype="fp8"`, where layers the checkpoint gives none compute theirs from
+the first prefill (`Attention.calibrate_kv_scales`).
 """
 from __future__ import annotations
 

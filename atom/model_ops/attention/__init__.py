@@ -11,8 +11,11 @@ Per layer, from the constructor (model files pass them): `sliding_window` W (a q
 position p sees keys p - W < j <= p; None: full causal attention) and `sinks` (a [num_heads]
 tensor of learned logits, one per query head, that join the softmax denominator, as GPT-OSS
 has them; the model owns and loads the parameter, the layer only reads it). The layer also
-holds `k_scale` / `v_scale` (fp32 scalars, 1.0 unless the checkpoint has them), which the
-backend uses when the cache it was bound to is FP8 (`kv_cache_dtype="fp8"`).
+holds `k_scale` / `v_scale` (fp32 scalars), which the backend uses when the cache it was bound
+to is FP8 (`kv_cache_dtype="fp8"`): the checkpoint's where it has them, else computed from the
+first real prefill's keys and values (`calibrate_kv_scales`, armed by the runner once its
+warm-up and graph capture are done): amax(|k|) / 200 and amax(|v|) / 100, the headroom vLLM's
+`calculate_kv_scales` leaves below fp8's 448 for later tokens.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ from atom.model_ops.attention.metadata import (AttentionMetadata, current_forwar
                                                get_forward_context, set_forward_context)
 from atom.model_ops.attention.torch_backend import TorchAttentionBackend
 from atom.model_ops.attention.options import AttentionOptions
+
+# the first prefill's amax maps to these fp8 values: room for later, larger keys / values
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
 
 __all__ = ["Attention", "AttentionMetadata", "AttentionOptions", "TorchAttentionBackend", "forward_context", "get_forward_context",
            "current_forward_context", "set_forward_context"]
@@ -55,7 +61,8 @@ class Attention(nn.Module):
         # FP8 KV-cache scales: the checkpoint's k_scale / v_scale (the loader routes them), else 1.0
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
-        self.kv_scale_source = "default 1.0"  # "checkpoint" once the loader copied them
+        self.kv_scale_source = "default 1.0"  # "checkpoint" once the loader copied them, or "computed"
+        self.kv_scale_pending = False          # set by the runner: compute them at the next cache write
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend = TorchAttentionBackend()
@@ -64,6 +71,19 @@ class Attention(nn.Module):
     def options(self) -> AttentionOptions:
         """The sliding window, sinks and FP8 scales the backend applies to this layer."""
         return AttentionOptions(self.sinks, self.sliding_window, self.k_scale, self.v_scale)
+
+    def calibrate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Once armed (`kv_scale_pending`), at the next cache write: k_scale / v_scale from this
+        step's keys and values (amax / K_SCALE_RANGE, / V_SCALE_RANGE; 1.0 where all are zero),
+        on the device, no host sync. The backends call it where they write the cache."""
+        if not self.kv_scale_pending:
+            return
+        self.kv_scale_pending = False
+        with torch.no_grad():
+            for buf, x, rng in ((self.k_scale, k, K_SCALE_RANGE), (self.v_scale, v, V_SCALE_RANGE)):
+                amax = x.detach().abs().amax().float()
+                buf.copy_(torch.where(amax > 0, amax / rng, torch.ones_like(amax)))
+        self.kv_scale_source = "computed"
 
     def kv_cache_spec(self, dtype: torch.dtype):
         """What this layer stores per token (its backend decides the layout)."""

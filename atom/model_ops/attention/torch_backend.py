@@ -21,6 +21,7 @@ class TorchAttentionBackend:
         return FullAttentionSpec(layer.num_kv_heads, layer.head_dim, dtype, layer.sliding_window)
 
     def write_kv(self, layer, k: torch.Tensor, v: torch.Tensor, meta) -> None:
+        layer.calibrate_kv_scales(k, v)
         torch_native.write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, meta.step_cache,
                                     layer.k_scale, layer.v_scale)
 

@@ -40,6 +40,7 @@ class TritonAttentionBackend:
 
     # --- the cache writes: the plain kernel here, and the target fused kernels write into
     def write_kv(self, layer, k: torch.Tensor, v: torch.Tensor, meta) -> None:
+        layer.calibrate_kv_scales(k, v)
         reshape_and_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
 
     def cache_target(self, layer, meta) -> tuple | None:
