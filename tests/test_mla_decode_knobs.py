@@ -125,11 +125,14 @@ def test_split_table_keeps_programs_per_sm_and_workspace_covers_it():
 
 def test_backend_workspace_follows_the_table():
     from atom.model_ops.attention.mla_triton import TritonMLABackend
-    from atom.model_ops.kernels.mla_decode import pick_mla_config
+    from atom.model_ops.kernels.mla_decode import num_sms, pick_mla_config
     layer = type("L", (), dict(num_heads=16, kv_lora_rank=512))()
     be = TritonMLABackend([layer], max_num_tokens=256)
     ws = be.workspace
-    assert ws.fits(130, 16, 512, pick_mla_config(130, 16, 512)["num_splits"])  # the profiled batch splits
+    sms = num_sms(None)  # the backend's device (here the CPU: the interpreter splits little)
+    splits = {b: pick_mla_config(b, 16, 512, sms)["num_splits"] for b in range(1, 257)}
+    assert all(s == 1 or ws.fits(b, 16, 512, s) for b, s in splits.items())
+    assert pick_mla_config(1, 16, 512, sms)["num_splits"] <= 4 < pick_mla_config(1, 16, 512)["num_splits"]
     assert ws.nbytes < 64 * 2**20 and "slots=" in repr(be)
 
 
