@@ -50,7 +50,8 @@ def compile_all() -> dict:
         src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm["ptx"]
         out[name] = {m: m in ptx for m in marks}
-    kernel = qd._split_reduce_kernel
+    from atom.model_ops.kernels import split_k
+    kernel = split_k._split_k_sum_kernel
     constexprs = dict(BLOCK=1024, HAS_BIAS=True, PDL=True)
     sig = {a: "constexpr" if a in constexprs else {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16"}.get(a, "i32")
            for a in kernel.arg_names}

@@ -171,6 +171,17 @@ def check_block_k(block_k: int, K: int) -> None:
         raise ValueError(f"block_k={block_k} must be a power of two >= 16 that divides K={K}")
 
 
+def check_weight_scales(ws, bias, N: int, K: int, block_k: int) -> None:
+    """The weight's scales ([N, K / block_k] with blocks, else N values) and the bias ([N])."""
+    if block_k:
+        check_block_k(block_k, K)
+    want_w = (N, K // block_k) if block_k else (N,)
+    if (tuple(ws.shape) != want_w) if block_k else (ws.numel() != N):
+        raise ValueError(f"ws shape {tuple(ws.shape)}: expected {want_w}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias shape {tuple(bias.shape)}: expected ({N},)")
+
+
 def _check(xq, xs, w, ws, bias, block_k):
     if not HAS_TRITON:
         raise RuntimeError("quantized GEMM kernels need triton; use the torch reference without it")
@@ -180,17 +191,10 @@ def _check(xq, xs, w, ws, bias, block_k):
         raise ValueError(f"xq and w must both be float8_e4m3fn or int8, got {xq.dtype} and {w.dtype}")
     M, K = xq.shape
     N = w.shape[0]
-    if block_k:
-        check_block_k(block_k, K)
-        want_x, want_w = (M, K // block_k), (N, K // block_k)
-    else:
-        want_x, want_w = None, (N,)
+    check_weight_scales(ws, bias, N, K, block_k)
+    want_x = (M, K // block_k) if block_k else None
     if block_k and tuple(xs.shape) != want_x or not block_k and xs.numel() not in (1, M):
         raise ValueError(f"xs shape {tuple(xs.shape)}: expected {want_x or f'[{M}] or one value'}")
-    if (tuple(ws.shape) != want_w) if block_k else (ws.numel() != N):
-        raise ValueError(f"ws shape {tuple(ws.shape)}: expected {want_w}")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias shape {tuple(bias.shape)}: expected ({N},)")
     return M, N, K
 
 

@@ -18,7 +18,7 @@ Scales, as in `quant_gemm` (same operand layouts and `_check`):
 
 SPLIT_K: layers with few output rows (4096 / 64 = 64 programs against 132 SMs) split K over
 SPLIT_K programs per row tile. Each split writes its scaled fp32 partial to a buffer
-[SPLIT_K, M, N] and `_split_reduce_kernel` sums the splits in a fixed order, adds the bias
+[SPLIT_K, M, N] and `split_k.split_k_sum` sums the splits in a fixed order, adds the bias
 and casts. Chosen over fp32 atomics into a zeroed buffer because (a) atomics need that
 buffer zeroed (a memset launch) and still a cast pass for 16-bit outputs, so they save no
 launch; (b) the fixed-order sum is deterministic (replays give the same bits); (c) the
@@ -35,12 +35,12 @@ rounded division), so one launch replaces two:
 - per 1 x block_k group (FP8 block): the chunk is the group, its amax taken from the chunk
   itself: no prologue;
 - static / per-tensor: the one scale is read from memory.
-Every program re-reads x (from L2): M * K * 2 bytes a program, which is why the table fuses
-only at small M.
+Every program re-reads x (from L2): M * K * 2 bytes a program; measured slower than the
+separate quantizer at every M, so the table does not fuse (`FUSE_MAX_M`).
 
-`small_m_config(M, N, K, block_k, kind, act)` is the dispatch table `quant.common` consults:
-None keeps the older kernels for that case; its values are design guesses until
-`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot` has been run on the H200.
+`small_m_config(M, N, K, block_k, kind, act)` is the dispatch table `quant.common` consults
+(None keeps the older kernels for that case), set from the H200 sweep
+(`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot`).
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ from typing import Optional
 
 import torch
 
-from atom.model_ops.kernels.quant_gemm import _check, check_block_k
+from atom.model_ops.kernels.quant_gemm import _check, check_weight_scales
+from atom.model_ops.kernels.split_k import split_k_sum
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 DOT_MAX_M = 64  # the largest M this kernel takes
@@ -135,21 +136,6 @@ if HAS_TRITON:
         else:  # partial [SPLIT_K, M, N] fp32, contiguous
             tl.store(p_ptr + (pid_k * M + ms.to(tl.int64))[None, :] * N + rn[:, None], out, mask=mask)
 
-    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-    def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K, BLOCK: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-        """y[m, n] = sum_s p[s, m, n] (in split order) + b[n], cast; one program per BLOCK of M * N."""
-        pdl_start(PDL)
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < M * N
-        acc = tl.load(p_ptr + i, mask=ok, other=0.0)
-        for s in range(1, SPLIT_K):
-            acc += tl.load(p_ptr + s * M * N + i, mask=ok, other=0.0)
-        n = i % N
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + (i // N) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
 
 def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", act: str = "token"
                    ) -> Optional[dict]:
@@ -227,9 +213,7 @@ def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax):
         split, SPLIT=split > 1, BLOCKS=bool(block_k), INT=w.dtype == torch.int8, HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static,
         **pdl, **cfg)
     if split > 1:
-        block = 1024
-        _split_reduce_kernel[(triton.cdiv(M * N, block),)](part, b, y, M, N, y.stride(0), SPLIT_K=split, BLOCK=block,
-                                                            HAS_BIAS=bias is not None, num_warps=4, **pdl)
+        split_k_sum(part, bias, y, pdl)
     return y
 
 
@@ -263,15 +247,7 @@ def _check_fused(x, w, ws, bias, kind, block_k, static_scale):
         raise ValueError(f"static_scale must be one value, got shape {tuple(static_scale.shape)}")
     M, K = x.shape
     N = w.shape[0]
-    if block_k:
-        check_block_k(block_k, K)
-        want_w = (N, K // block_k)
-        if tuple(ws.shape) != want_w:
-            raise ValueError(f"ws shape {tuple(ws.shape)}: expected {want_w}")
-    elif ws.numel() != N:
-        raise ValueError(f"ws shape {tuple(ws.shape)}: expected ({N},)")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias shape {tuple(bias.shape)}: expected ({N},)")
+    check_weight_scales(ws, bias, N, K, block_k)
     return M, N, K
 
 

@@ -1,5 +1,5 @@
 """The tensor-core 4-bit kernel `_w4_dot_kernel` ("swap-AB"): y = x W^T (+ b) with the
-weight as the first tl.dot operand, for every M (decode's M = 1 as well as prefill's 2048).
+weight as the first tl.dot operand, for any M (which M it runs is `w4_gemm.w4_config`'s table).
 
 The weight bytes are the checkpoint's (see `w4_gemm`'s module docstring for the layouts).
 A program owns BLOCK_N weight rows and BLOCK_M rows of x (BLOCK_M >= 16: tl.dot's smallest
@@ -28,11 +28,11 @@ Column order: the two halves of p are adjacent along K in the unpacked tile (tl.
 tile's columns within each word run 0, 4, 1, 5, 2, 6, 3, 7. With ORDER=0 (default) x is
 loaded in that same order (a gather within each 16 bytes of x; the dot sums over K, so any
 order shared by both operands is the same product); ORDER=1 permutes the weight tile back to
-the natural order (tl.permute) and loads x contiguously. Which is faster is the sweep's to say.
+the natural order (tl.permute) and loads x contiguously (the table picks it for int4 at small M).
 
 SPLIT_K > 1 (layers with too few row blocks to fill the GPU): program (.., s) takes the K
 steps s, s + SPLIT_K, ...; it writes an fp32 partial to a [SPLIT_K, M, N] buffer and
-`_splitk_sum_kernel` adds them (and the bias) in a fixed order: deterministic, no atomics,
+`split_k.split_k_sum` adds them (and the bias) in a fixed order: deterministic, no atomics,
 CUDA-graph safe (the buffer comes from torch's allocator, the graph pool under capture).
 
 Compiler notes (Triton 3.6): the int32 -> int16 truncation and the int16 -> bf16/fp16
@@ -46,6 +46,7 @@ import math
 
 import torch
 
+from atom.model_ops.kernels.split_k import split_k_sum
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 #: 16-bit float bit patterns 2^b in both halves of an int32: bf16 128.0, fp16 1024.0
@@ -154,20 +155,6 @@ if HAS_TRITON:
         else:
             tl.store(out, acc, mask=row_ok[:, None] & m_ok[None, :])
 
-    @triton.jit
-    def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, MN, N, PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-        """y (flat [M * N]) = sum over s of p[s] (+ bias), in split order."""
-        pdl_start(PDL)
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < MN
-        acc = tl.zeros([BLOCK], tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            acc += tl.load(p_ptr + s * MN + i, mask=ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
 
 def w4_dot_launch(x, words, scales, z, bias, y, fmt_id: int, group: int, k: int, cfg: dict, common: dict,
                   dot_f32: bool) -> None:
@@ -184,17 +171,14 @@ def w4_dot_launch(x, words, scales, z, bias, y, fmt_id: int, group: int, k: int,
     if cfg["BLOCK_M"] < 16:
         raise ValueError(f"w4_linear: the w4_dot kernel's BLOCK_M={cfg['BLOCK_M']} must be >= 16 (tl.dot)")
     magic, magic_f = MAGIC2[x.dtype]
+    pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=y.device)
     b = bias if bias is not None else y
     _w4_dot_kernel[grid](x, words, scales, z, b, out, M, N, k, words.shape[1], x.stride(0), words.stride(0),
                          scales.stride(0), z.stride(0), N, M * N if split > 1 else 0,
                          FMT=fmt_id, GROUP=group, HAS_ZP=common["HAS_ZP"], HAS_BIAS=bias is not None,
-                         PDL=common["PDL"], DOT_F32=dot_f32, MAGIC=magic, MAGIC_F=magic_f, DK=dk,
-                         SPLIT_K=split, PARTIAL=split > 1, **{k_: v for k_, v in common.items() if k_ == "launch_pdl"},
-                         **{"ORDER": 0, **cfg})
+                         DOT_F32=dot_f32, MAGIC=magic, MAGIC_F=magic_f, DK=dk,
+                         SPLIT_K=split, PARTIAL=split > 1, **pdl, **{"ORDER": 0, **cfg})
     if split > 1:
-        block = 1024
-        _splitk_sum_kernel[(triton.cdiv(M * N, block),)](
-            out, b, y, M * N, N, PDL=common["PDL"], HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block,
-            **{k_: v for k_, v in common.items() if k_ == "launch_pdl"})
+        split_k_sum(out, bias, y, pdl)

@@ -16,12 +16,13 @@ repacked):
   (float(0x4B000000 | u) = 2^23 + u, minus the group's 2^23 + zero point).
 
 For bf16 / fp16 activations and groups with a power-of-two factor >= 16 (every checkpoint
-format: g32 / g64 / g128, channel-wise, MXFP4's 32) `w4_config` picks `w4_dot` at every M:
-the tensor-core swap-AB kernel of `kernels/w4_dot.py` (the weight tile is tl.dot's first
+format: g32 / g64 / g128, channel-wise, MXFP4's 32) `w4_config` picks `w4_dot` above
+M = 4 (int4 up to M = 64, MXFP4 at every M; the table `DOT_TILES` below says why): the
+tensor-core swap-AB kernel of `kernels/w4_dot.py` (the weight tile is tl.dot's first
 operand, unpacked to exact small integers / e2m1 values, the group scales multiply the fp32
-partials, split-K for layers with few row blocks). The two kernels below run the rest (fp32
-activations, groups such as 20 or 8) and stay selectable by `config` for comparison
-(`scripts/w4_sweep.py` times them beside w4_dot). Chosen by the number of rows M:
+partials, split-K for layers with few row blocks). The two kernels below run the rest (every
+M <= 4, int4 above 64, fp32 activations, groups such as 20 or 8) and stay selectable by
+`config` for comparison (`scripts/w4_sweep.py` times them beside w4_dot). By the number of rows M:
 - M <= 4, `_w4_gemv_kernel` (batch-1 decode): weight streaming. A program owns BLOCK_N
   output rows and walks K, one int32 word (8 nibbles; MXFP4's bytes read 4 at a time) per
   thread per row and step, so a warp's loads are whole 128-byte lines, the thread's 8 x
