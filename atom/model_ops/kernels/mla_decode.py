@@ -277,7 +277,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _check_config(cfg: dict, block_size: int) -> None:
+def _check_config(cfg: dict) -> None:
     """Bad overrides fail here, naming the field, the value and what is allowed."""
     unknown = sorted(set(cfg) - set(CONFIG_KEYS))
     if unknown:
@@ -292,8 +292,6 @@ def _check_config(cfg: dict, block_size: int) -> None:
     if not isinstance(cfg["min_split_tokens"], int) or cfg["min_split_tokens"] < 1:
         raise ValueError(f"mla_decode config min_split_tokens={cfg['min_split_tokens']!r} is invalid: "
                          "must be an int >= 1")
-    if block_size < 1:
-        raise ValueError(f"kv_cache block size {block_size} is invalid: must be >= 1")
 
 
 def _page_mode(tile_n: int, block_size: int, page_loads: bool) -> int:
@@ -335,10 +333,12 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
             raise ValueError(f"num_kv_splits={num_kv_splits} is invalid: must be a power of two >= 1")
         config = dict(config or {}, num_splits=n)
     block_size = kv_cache.shape[1]
+    if block_size < 1:
+        raise ValueError(f"kv_cache block size {block_size} is invalid: must be >= 1")
     cfg = pick_mla_config(B, H, R, _num_sms(q_lat.device), workspace.max_splits if workspace else 32)
-    if config:
+    if config:  # the table's own rows are valid: only overrides are checked (not per decode call)
         cfg = dict(cfg, **config)
-    _check_config(cfg, block_size)
+        _check_config(cfg)
     if out is None:
         out = torch.empty_like(q_lat)
     if B == 0:
