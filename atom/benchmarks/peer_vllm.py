@@ -58,7 +58,7 @@ def xavier_refill(model) -> int:
     vLLM model; returns the number of parameters refilled. Runs inside vLLM's worker
     (`LLM.apply_model`); in place, so captured CUDA graphs keep their addresses."""
     import torch
-    from atom.model_loader.loader import _xavier_std
+    from atom.model_loader.loader import _xavier_std, float_dummy_role
     gens: dict = {}
     n = 0
     with torch.no_grad():
@@ -68,9 +68,10 @@ def xavier_refill(model) -> int:
             if p.device not in gens:
                 gens[p.device] = torch.Generator(device=p.device).manual_seed(0)
             gen = gens[p.device]
-            if "norm" in name:
+            role = float_dummy_role(name, p)
+            if role == "one":
                 p.fill_(1.0)
-            elif name.endswith("bias") or p.dim() < 2:
+            elif role == "zero":
                 p.zero_()
             else:  # a matrix (or each expert's) at a time, in chunks of rows: little scratch memory
                 std = _xavier_std(p.shape)

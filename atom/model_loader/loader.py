@@ -182,17 +182,25 @@ def dummy_fill(module: nn.Module, name: str, p: torch.Tensor, gen: torch.Generat
             else:
                 r = torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=gen, device=dev)
             rows.copy_(r)
-    elif "norm" in name:
+    elif (role := float_dummy_role(name, p)) == "one":
         p.data.fill_(1.0)
-    elif name.endswith("bias"):  # stacked expert biases [E, out] too
-        p.data.zero_()
-    elif p.dim() >= 2:
+    elif role == "xavier":
         std = _xavier_std(p.shape)
         for start in range(0, p.shape[0], 8192):  # chunks of rows keep memory flat
             rows = p.data[start:start + 8192]
             rows.copy_(torch.randn(rows.shape, generator=gen, device=dev) * std)
     else:
         p.data.zero_()
+
+
+def float_dummy_role(name: str, p: torch.Tensor) -> str:
+    """The dummy rule for a float parameter: "one" for norms, "zero" for biases (stacked
+    experts' [E, out] too) and other 1-D ones, "xavier" for matrices (the last two dims)."""
+    if "norm" in name:
+        return "one"
+    if name.endswith("bias") or p.dim() < 2:
+        return "zero"
+    return "xavier"
 
 
 def init_dummy_weights(model: nn.Module, mode: str) -> None:

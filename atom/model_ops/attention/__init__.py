@@ -58,7 +58,8 @@ class Attention(nn.Module):
         self.sliding_window = None if sliding_window is None else int(sliding_window)
         # the caller's parameter, read (not registered here: it is loaded under the caller's name)
         self.__dict__["sinks"] = sinks
-        # FP8 KV-cache scales: the checkpoint's k_scale / v_scale (the loader routes them), else 1.0
+        # FP8 KV-cache scales: the checkpoint's k_scale / v_scale (the loader routes them), else
+        # computed at the first prefill (`calibrate_kv_scales`); 1.0 until then
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
         self.kv_scale_source = "default 1.0"  # "checkpoint" once the loader copied them, or "computed"
