@@ -215,16 +215,16 @@ class MLAWorkspace:
 # batch (about 2x the SMs): the old rule (split only below one program per SM) left a batch of
 # ~130 sequences one long sequential loop per SM with a ragged last wave. Inside the kernel a
 # sequence uses only ceil(length / MIN_SPLIT_TOKENS) segments (at most the split count), so a split count
-# chosen for long contexts costs short ones nothing. At 128 sequences of mixed lengths 4 splits
-# took 0.65x the time of 2 (the longest sequences dominate), at uniform 1024 tokens the same.
+# chosen for long contexts costs short ones nothing. Up to 2x the SMs 4 splits beat 2 in the
+# sweep: in a batch of mixed lengths the longest sequences set the step's time.
 _SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 4, 8), (2.0, 4), (4.0, 2), (float("inf"), 1))
 MIN_SPLIT_TOKENS = 256
 # Tiles for a 512-wide latent: a [16, 512] fp32 accumulator is 64 registers a thread at 4 warps
 # (8 warps halve it but spread the 16-row dots thinly). Stages: with num_stages >= 2 Triton turns
 # the tile loads (block-table entries, then latent rows) into cp.async copies issued ahead of the
 # dots (sm90 PTX: none at 1 stage). Small batches (programs before splitting <= SMs / 4: long
-# segments per program) ran 10-20% faster with 64-token tiles over 8 warps and 2 stages; from
-# ~128 sequences 32-token tiles over 4 warps were as fast as any.
+# segments per program) were faster with 64-token tiles over 8 warps and 2 stages; from ~128
+# sequences 32-token tiles over 4 warps were as fast as any.
 _TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=3)
 _TILES_WIDE_FEW = dict(TILE_N=64, num_warps=8, num_stages=2)
 _TILES_NARROW = dict(TILE_N=64, num_warps=4, num_stages=3)  # R_PAD <= 256

@@ -1,8 +1,8 @@
 """Small-M (M <= 64) 8-bit products on the tensor cores, "swap-AB": y = (xq xs)(wq ws)^T (+ b).
 
 Why: at decode sizes the CUDA-core GEMV (`quant_gemm._qgemv_kernel`) converts every weight
-byte to fp32 and multiply-adds it (~3 instructions a byte), which caps it at 1.6-2.0 TB/s of
-fp8 weights on an H200, under the bf16 GEMV's 3-4 TB/s. Here the weight tile is the first
+byte to fp32 and multiply-adds it (~3 instructions a byte), which keeps it instruction-bound,
+below the HBM rate the bf16 GEMV reaches (docs/perf/README.md). Here the weight tile is the first
 operand of tl.dot: a program owns BLOCK_N weight rows, reads them [BLOCK_N, BLOCK_K] straight
 from the row-major (K-major) weight, and multiplies them by the activation rows transposed,
 xq^T [BLOCK_K, M_PAD] (M_PAD >= 16, tl.dot's smallest size; the padding rows are masked to
@@ -145,17 +145,17 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
     --quick`, Llama-3.1-8B shapes; figures in docs/perf/README.md), where these tiles were
     the best of the grid at every shape and M in 1-64:
     - M <= DOT_MAX_M (64) for every 8-bit format; M_PAD = max(16, next power of two of M);
-      at M = 1 1.3-1.7x faster than the CUDA-core GEMV, at M = 16-64 than the tl.dot GEMM and
-      than torch._scaled_mm (which from M = 65 takes fp8 row / column products);
+      faster there than the CUDA-core GEMV, the tl.dot GEMM and torch._scaled_mm (which from
+      M = 65 takes fp8 row / column products);
     - BLOCK_N 64 weight rows a program (one warpgroup's wgmma height); BLOCK_K 256 (a 16 KiB
       fp8 weight tile a stage, 4 stages), or the scale block with block scales;
     - SPLIT_K: the smallest power of two that gives >= TARGET_PROGRAMS programs, keeping
       >= 4 K steps a split (at BLOCK_K 256: 4096 x 4096 and 6144 x 4096: 4, 28672 x 4096: 1,
       4096 x 14336: 8);
     - FUSE (activation quantizer folded in) only up to FUSE_MAX_M, now 0: every program
-      re-reading and reducing its rows of x cost 2.5-6x the time of the separate quantizer
-      launch plus the unfused kernel, so the table never fuses (the fused kernel stays
-      callable with `FUSE=True` in a config)."""
+      re-reading and reducing its rows of x cost more than the separate quantizer launch
+      plus the unfused kernel, so the table never fuses (the fused kernel stays callable
+      with `FUSE=True` in a config)."""
     if M < 1 or M > DOT_MAX_M:
         return None
     bn = 64

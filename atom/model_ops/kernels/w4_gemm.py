@@ -86,15 +86,16 @@ GEMM_TILES = (
 
 # The tensor-core kernel (`w4_dot._w4_dot_kernel`, swap-AB: the weight is tl.dot's first
 # operand, scales after the dot) for 16-bit activations and groups with a power-of-two factor
-# >= 16 (fp32 activations and other groups keep the tables above). From the H200 sweep
-# (`scripts/w4_sweep.py --quick`, Llama-3.1-8B shapes; figures in docs/perf/README.md):
-# - M <= GEMV_MAX_M: the FMA GEMV above stays faster (0.6-0.9x its time for int4 and MXFP4);
-# - 5 <= M <= 64: w4_dot, 3-7x faster than the FMA kernels; up to M = 32 one 16 / 32-row tile,
+# >= 16 (fp32 activations and other groups keep the tables above). The regimes follow the
+# H200 sweep (`scripts/w4_sweep.py --quick`, Llama-3.1-8B shapes; figures in docs/perf/README.md):
+# - M <= GEMV_MAX_M: the FMA GEMV above stays faster (a single row leaves the tensor cores'
+#   padding rows idle while w4_dot's per-chunk unpack and scale work remain);
+# - 5 <= M <= 64: w4_dot, well ahead of the FMA kernels; up to M = 32 one 16 / 32-row tile,
 #   64 weight rows, K 256, int4 tiles put back in natural column order in registers so that x
-#   loads contiguously (ORDER 1: ~1.7x faster than loading x permuted); at M = 64 128 weight rows, K 128,
-#   8 warps (1.5-1.8x faster than 64 rows);
-# - above M = 64: int4 keeps the tl.dot GEMM above (w4_dot 0.4x its speed at M = 512), MXFP4
-#   runs w4_dot (1.4-1.9x the GEMM's speed: its e2m1 decode costs more than the dot's tile).
+#   loads contiguously (ORDER 1: faster than loading x permuted); at M = 64 128 weight rows,
+#   K 128, 8 warps;
+# - above M = 64: int4 keeps the tl.dot GEMM above (faster there than w4_dot), MXFP4 runs
+#   w4_dot (its e2m1 decode, per weight, costs the GEMM more than w4_dot's chunked one).
 # SPLIT_K: layers whose row blocks give fewer than DOT_TARGET_PROGRAMS programs (N = 4096 at
 # BLOCK_N = 64: 64) split K in two, four or eight, keeping >= 2 K steps per split (M <= 64).
 DOT_MIN_M = GEMV_MAX_M + 1
@@ -110,8 +111,8 @@ DOT_MAX_M = {"int4": 64, "mxfp4": None}  # None: every M
 
 
 def dot_split_k(M: int, N: int, K: int, cfg: dict) -> int:
-    """SPLIT_K for the w4_dot tiles `cfg`: the smallest of 1, 2, 4, 8 (4 above M = 32, the
-    sweep's best at M = 64) that reaches DOT_TARGET_PROGRAMS programs while every split keeps
+    """SPLIT_K for the w4_dot tiles `cfg`: the smallest of 1, 2, 4, 8 (4 above M = 32, where
+    the sweep found no gain beyond it) that reaches DOT_TARGET_PROGRAMS programs while every split keeps
     at least two K steps; 1 above M = 64 (compute bound: the fp32 partials would be extra
     traffic for no gain in overlap)."""
     if M > 64:
