@@ -110,6 +110,8 @@ EXCLUDES = [
     ("model.layers.0.mlp.down_proj", {"model.layers.0.mlp.down_proj"}),                      # exact
     ("model.layers.1", {f"model.layers.1.{p}" for p in ("self_attn.qkv_proj", "self_attn.o_proj",
                                                         "mlp.gate_up_proj", "mlp.down_proj")}),  # prefix
+    ("model.layers.1.", {f"model.layers.1.{p}" for p in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                         "mlp.gate_up_proj", "mlp.down_proj")}),  # prefix.
     (["*.o_proj"], {"model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"}),   # glob
     (["re:model\\.layers\\.0\\.self_attn"], {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"}),
     (["model.layers.0.self_attn.k_proj"], {"model.layers.0.self_attn.qkv_proj"}),  # a shard: its packed layer
@@ -118,7 +120,7 @@ EXCLUDES = [
 ]
 
 
-@pytest.mark.parametrize("exclude,expected", EXCLUDES, ids=["exact", "prefix", "glob", "regex", "shard", "list"])
+@pytest.mark.parametrize("exclude,expected", EXCLUDES, ids=["exact", "prefix", "prefix_dot", "glob", "regex", "shard", "list"])
 def test_exclude_layer_patterns(tiny_llama, in_tmp, exclude, expected):
     llm = _llm(tiny_llama, online_quant_config={**PTPC, "exclude_layer": exclude})
     methods = _formats(llm)
@@ -240,17 +242,31 @@ def test_gather_rule_refuses_an_uneven_split():
 # --- SmolLM2 --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_ptpc_fp8_online(smollm2_path, in_tmp):
-    sp = SamplingParams(temperature=0, max_tokens=24)
+    """A real model with `exclude_layer`: 112 of its 120 linears re-quantized, and ATOM's greedy
+    answer is the one transformers' SmolLM2 with the same layers fake-quantized gives,
+    teacher-forced. Not token for token from free generation: fp8 activations make this
+    model's answer to the prompt chaotic (a 1e-6 relative change of the embeddings moves the
+    reference's first-token log-probabilities by ~0.3 while its top two are ~0.2 apart), so
+    fp32 rounding order alone can pick the other of two near-tied tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     msg = [{"role": "user", "content": "What is the capital of France?"}]
-    plain = LLM(smollm2_path, max_model_len=512, enable_log_stats=False, num_kvcache_blocks=32)
-    ref = plain.chat(msg, sp, use_tqdm=False)[0]
-    del plain
+    excluded = ("model.layers.0.", "model.layers.29.")
     llm = LLM(smollm2_path, max_model_len=512, enable_log_stats=False, num_kvcache_blocks=32,
               online_quant_config={**PTPC, "exclude_layer": ["re:model\\.layers\\.(0|29)\\."]})
     out = llm.chat(msg, sp, use_tqdm=False)[0]
     info = llm.engine.runner.online_quant_info
     assert info["num_layers"] == 120 and info["num_quantized"] == 112
-    assert "Paris" in out.text and out.token_ids[:6] == ref.token_ids[:6]
+    assert {n for n, f in _formats(llm).items() if f == "unquantized" and n != "lm_head"} == \
+        {f"{b}{p}" for b in excluded for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                "mlp.down_proj")}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    ref = fake_quantized_copy(hf, "ptpc_fp8", only=lambda name, _m: not name.startswith(excluded))
+    prompt = list(out.prompt_token_ids)
+    with torch.inference_mode():
+        lp = ref(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    gap = lp.max(-1).values - lp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert (gap == 0).float().mean() >= 0.75, gap   # mostly the reference's own argmax
+    assert gap.max() < 0.5, gap                     # elsewhere a near-tie of the reference's
 
 
 def test_compile_cache_key_includes_the_online_config(tiny_llama):

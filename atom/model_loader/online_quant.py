@@ -51,12 +51,14 @@ FIELD = "online_quant_config"
 
 def exclude_matches(name: str, entry: str) -> bool:
     """`entry` of an exclude list matches layer `name`: `re:` regex from the start, a glob,
-    or the exact name / a parent module's name."""
+    or the exact name / a parent module's name (`model.layers.1` or `model.layers.1.`: the
+    layers of block 1, never those of block 10)."""
     if entry.startswith("re:"):
         return re.match(entry[3:], name) is not None
     if any(c in entry for c in "*?["):
         return fnmatch.fnmatchcase(name, entry)
-    return name == entry or name.startswith(entry + ".")
+    parent = entry if entry.endswith(".") else entry + "."
+    return name == entry or name.startswith(parent)
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
