@@ -3,7 +3,8 @@ concurrent streams give `LLM.generate`'s greedy tokens, a refused request fails 
 a client that leaves frees its blocks (the snapshot says so), the outputs' wire format
 round-trips, a build error surfaces from `start()`, a child killed mid-run fails the open
 streams with EngineDeadError (no hang), and a tensor-parallel engine runs inside the child
-(its worker is the child's child) and shutdown reaps both."""
+(its worker is the child's child) and shutdown reaps both; a program that exits without
+shutting the engine down still exits, the child reaped on the way."""
 from __future__ import annotations
 
 import asyncio
@@ -230,3 +231,32 @@ def test_tensor_parallel_engine_in_the_process_and_shutdown_reaps_it(tiny_llama,
     assert [[t for o in outs for t in o.outputs[0].new_token_ids] for outs in got] == want
     assert "tp_rank=0/2" in e.info.description and len(workers) == 1
     assert e._core.process.exitcode == 0 and wait_gone(workers) == [] and not e.is_running
+
+
+EXIT_WITHOUT_SHUTDOWN = '''
+import asyncio, sys
+from atom.model_engine.arg_utils import EngineArgs
+from atom.model_engine.async_engine import AsyncLLMEngine
+
+async def main():
+    e = AsyncLLMEngine.from_engine_args(EngineArgs(model=sys.argv[1], max_model_len=64, enforce_eager=True))
+    await e.start()
+    print(e._core.process.pid, flush=True)
+
+if __name__ == "__main__":
+    asyncio.run(main())   # no shutdown(): the engine process must not keep this one alive
+'''
+
+
+@pytest.mark.slow
+def test_a_program_that_never_shuts_the_engine_down_still_exits_and_reaps_it(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    from parallel_helpers import child_env
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(EXIT_WITHOUT_SHUTDOWN)
+    done = subprocess.run([sys.executable, str(script), tiny_llama], capture_output=True, text=True,
+                          timeout=120, env=child_env())
+    assert done.returncode == 0, done.stderr
+    assert wait_gone([int(done.stdout.split()[0])], 10.0) == []
