@@ -252,6 +252,22 @@ class EngineProcess:
         return f"the engine process (pid {self.process.pid}) {_exit_status(self.process.exitcode)}"
 
     def _read(self, on_ready, on_report) -> None:
+        """`_serve_reports`; an error of its own (a message that does not unpickle, say)
+        ends the engine: the child is killed and start() or every stream gets the error."""
+        state = {"ready": False}
+        try:
+            self._serve_reports(on_ready, on_report, state)
+        except BaseException as e:  # noqa: BLE001 - handed to start() or the streams
+            logger.exception("reading the engine process's messages failed")
+            self._ended = True
+            self.process.kill()
+            if not state["ready"]:
+                on_ready(e)
+            else:
+                dead = EngineDeadError(f"reading the engine process's messages failed: {type(e).__name__}: {e}")
+                on_report(Report(state["snapshot"], stopped=dead, cause=e))
+
+    def _serve_reports(self, on_ready, on_report, state: dict) -> None:
         """Wait for "ready", load the tokenizer, then hand over every report until the last."""
         try:
             msg = self._conn.recv()
@@ -267,12 +283,9 @@ class EngineProcess:
             on_ready(error)
             return
         _, info, snapshot = msg
-        try:
-            from atom.model_engine.llm_engine import load_tokenizer
-            tokenizer = load_tokenizer(info.model)
-        except BaseException as e:  # noqa: BLE001 - start() raises it (and stops the child)
-            on_ready(e)
-            return
+        from atom.model_engine.llm_engine import load_tokenizer
+        tokenizer = load_tokenizer(info.model)
+        state.update(ready=True, snapshot=snapshot)
         on_ready((info, snapshot, tokenizer))
         prompts: dict[str, tuple] = {}
         while True:
@@ -285,7 +298,7 @@ class EngineProcess:
                 return
             report.outputs = decode_outputs(report.outputs, prompts)
             report.aborted = decode_outputs(report.aborted, prompts)
-            snapshot = report.snapshot
+            snapshot = state["snapshot"] = report.snapshot
             if report.stopped is not None:
                 self._ended = True
             on_report(report)
