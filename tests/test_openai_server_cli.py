@@ -64,8 +64,8 @@ def test_chat_template_file_or_text(tmp_path):
 
 
 def _serving(tokenizer, template=None):
-    llm = types.SimpleNamespace(tokenizer=tokenizer, config=types.SimpleNamespace(max_model_len=64))
-    engine = types.SimpleNamespace(engine=llm, is_running=True)
+    engine = types.SimpleNamespace(tokenizer=tokenizer, info=types.SimpleNamespace(max_model_len=64),
+                                   is_running=True)
     return OpenAIServing(engine, ["m"], chat_template=template)
 
 
@@ -96,3 +96,43 @@ def test_completion_jobs_check_lengths_and_scoring():
         with pytest.raises(APIError) as e:
             s.completion_job(CompletionRequest.model_validate({"model": "m", **body}))
         assert e.value.param == param and e.value.status == 400
+
+
+def test_the_engine_runs_in_its_own_process_unless_told_otherwise(tiny_llama):
+    p = openai_server.make_parser()
+    assert p.parse_args([]).engine_process is True and "--no-engine-process" in p.format_help()
+    _, engine = openai_server.build(p.parse_args(["--model", tiny_llama]))
+    assert engine.mode == "process" and not engine.is_running and engine.engine is None
+    _, engine = openai_server.build(p.parse_args(["--model", tiny_llama, "--no-engine-process"]))
+    assert engine.mode == "thread"
+
+
+def test_a_thread_mode_app_serves_the_offline_tokens(tiny_llama):
+    """`--no-engine-process`: the app on an engine thread of this process (driven in-process
+    through its lifespan) answers as `LLM.generate` does."""
+    import asyncio
+
+    import httpx
+
+    from atom import LLM, SamplingParams
+    args = openai_server.make_parser().parse_args(["--model", tiny_llama, "--max-model-len", "128",
+                                                   "--enforce-eager", "--no-engine-process",
+                                                   "--served-model-name", "tiny"])
+    app, engine = openai_server.build(args)
+    want = LLM(tiny_llama, max_model_len=128, enforce_eager=True, enable_log_stats=False).generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                health = (await c.get("/health")).status_code
+                models = (await c.get("/v1/models")).json()
+                r = await c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6,
+                                                          "temperature": 0, "ignore_eos": True,
+                                                          "return_token_ids": True})
+                return health, models, r.json()
+    health, models, body = asyncio.run(main())
+    assert health == 200 and models["data"][0]["root"] == tiny_llama and models["data"][0]["max_model_len"] == 128
+    assert body["choices"][0]["token_ids"] == want.token_ids
+    assert engine.engine is not None and not engine.is_running   # stopped with the app

@@ -7,10 +7,14 @@ Takes every engine flag (`EngineArgs`; the guide's `--port` stays the engine's i
 plus the server's own: `--host` (127.0.0.1), `--server-port` (8000), `--served-model-name`
 (default: `--model`), `--chat-template` (a file, or the template text), `--api-key` (or
 `$ATOM_API_KEY`), `--max-waiting-requests` (503 past it; default no limit) and
-`--shutdown-timeout` (seconds SIGTERM waits for requests in flight). The engine runs with
-`asyncio_mode=True` (`AsyncLLMEngine`). SIGTERM / Ctrl-C: new requests get a 503 (and new
-connections are refused once the listener closes), requests in flight finish within the
-timeout, then what is left is aborted and the process exits (0).
+`--shutdown-timeout` (seconds SIGTERM waits for requests in flight) and
+`--engine-process` / `--no-engine-process`. The engine runs with `asyncio_mode=True`
+(`AsyncLLMEngine`): by default in a process of its own (`--engine-process`), so the HTTP
+side's Python work and the engine's do not share one GIL; `--no-engine-process` steps it
+in a thread of the server process instead. The engine process ignores SIGINT / SIGTERM (the
+server drains, then stops it) and exits with the server. SIGTERM / Ctrl-C: new requests get
+a 503 (and new connections are refused once the listener closes), requests in flight finish
+within the timeout, then what is left is aborted and the process exits (0).
 """
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Answer 503 once this many requests wait to be scheduled (default: no limit).")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="Seconds SIGTERM lets requests in flight finish.")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="Run the engine in a process of its own (default), or with "
+                        "--no-engine-process in a thread of the server process.")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     return p
@@ -87,14 +94,7 @@ def build(args: argparse.Namespace):
         raise ValueError("; ".join(found))
     template = read_chat_template(args.chat_template)
 
-    def factory():
-        from atom.model_engine.llm_engine import LLMEngine
-        from atom.utils.seed import set_seed
-        config = eargs.create_engine_config(asyncio_mode=True)
-        set_seed(eargs.seed)
-        return LLMEngine(config)
-
-    engine = AsyncLLMEngine(factory)
+    engine = AsyncLLMEngine.from_engine_args(eargs, process=args.engine_process)
     names = args.served_model_name or [args.model]
     options = ServerOptions(names, api_key=args.api_key, chat_template=template,
                             max_waiting_requests=args.max_waiting_requests)

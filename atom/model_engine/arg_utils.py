@@ -259,10 +259,11 @@ class EngineArgs:
             config.torch_dtype = dtype
         return config
 
-    def create_engine(self):
+    def create_engine(self, **overrides: Any):
         """Build the config and an :class:`~atom.model_engine.llm_engine.LLMEngine` on it
-        (``--dtype`` applied, the RNGs seeded with ``--seed``)."""
-        config = self.create_engine_config()
+        (``--dtype`` applied, the RNGs seeded with ``--seed``); ``overrides`` as in
+        :meth:`create_engine_config` (the server's ``asyncio_mode=True``)."""
+        config = self.create_engine_config(**overrides)
         from atom.model_engine.llm_engine import LLMEngine
         from atom.utils.seed import set_seed
 

@@ -1,33 +1,44 @@
-"""`AsyncLLMEngine`: one `LLMEngine` stepped by a thread of its own, driven from asyncio.
+"""`AsyncLLMEngine`: one `LLMEngine` stepped while requests come and go, driven from asyncio.
 
-    engine = AsyncLLMEngine(lambda: EngineArgs(model=...).create_engine())
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=...))    # its own process
+    engine = AsyncLLMEngine.from_engine(llm.engine)                     # a thread of this one
     await engine.start()
     async for out in engine.generate(prompt, SamplingParams(max_tokens=8)):
         print(out.outputs[0].new_text, end="")          # DELTA outputs, one per step
     await engine.shutdown()
 
 This is the guide's `asyncio_mode`: the engine keeps stepping while requests come and go.
+The stepping itself is `EngineLoop` (`engine_loop.py`), run in one of two places:
 
-Why a thread (and not `step()` between awaits on the event loop): a step on a GPU spends most
-of its time waiting for the device, and torch releases the GIL while it waits; in a thread of
-its own that wait overlaps the event loop parsing requests, tokenizing, and writing SSE
-chunks for the previous step. On the loop itself every step would stall all HTTP traffic for
-its whole duration. The engine is never touched by two threads: the engine thread is its
-only user. The loop talks to it through a command queue (add / abort / stop, drained
-between steps) and gets each step's outputs back in one `call_soon_threadsafe` per step,
-which fans them out to per-request `asyncio.Queue`s. Idle, the thread blocks on the command
-queue (no spinning). The engine is built in that thread too (`engine_factory`), so CUDA's
-per-thread current device and anything captured at start-up (CUDA graphs) belong to it.
+- process mode (`from_engine_args`, or `engine_args=`; the server's default): a child process
+  builds the engine from `EngineArgs` and steps it (`engine_process.py`). The server's
+  per-request Python work (JSON, SSE chunks, queues) and the engine's per-step work then
+  hold two GILs, not one. `engine` is None here: what the server reads of the engine is
+  `info` (`EngineInfo`: model, max_model_len, max_num_seqs) and `tokenizer` (loaded in
+  this process from the model's folder). A script that uses it needs the
+  `if __name__ == "__main__":` guard: the spawned child imports the main module again.
+- thread mode (`from_engine(engine)` or an `engine_factory`: tests, notebooks): a thread of
+  this process builds (`engine_factory`) and steps it; `engine` is that `LLMEngine`. A
+  step on a GPU mostly waits for the device and torch releases the GIL meanwhile, so the
+  event loop still overlaps it. The engine is built in that thread, so CUDA's per-thread
+  current device and anything captured at start-up (CUDA graphs) belong to it.
 
-A request that cannot be served is refused in `add_request` (a ValueError / TypeError
-naming why) and only its caller sees the exception; a request whose consumer goes away
-(`generate` closed: a disconnected client) is aborted, freeing its KV blocks. An exception
-escaping a step fails the requests then in flight (`EngineError`) and the loop goes on.
+Either way the engine has one user, the loop: requests reach it as commands (add / abort /
+stop, drained between steps), and each round's outputs come back in one `Report`, handed
+to the event loop at once (`call_soon_threadsafe`), which fans them out to per-request
+`asyncio.Queue`s. Idle, the loop blocks on its commands (no spinning).
 
-After every step and command the thread publishes an `EngineSnapshot` (running / waiting
-requests, KV blocks, prefix-cache and preemption counters) that `/metrics` reads without
-touching the engine. `on_step` (called in the engine thread with each step's outputs)
-feeds latency histograms; aborted requests' outputs go to it too.
+A request that cannot be served is refused in `add_request` (the engine's ValueError /
+TypeError naming why) and only its caller sees the exception; a request whose consumer goes
+away (`generate` closed: a disconnected client) is aborted, freeing its KV blocks. An
+exception escaping a step fails the requests then in flight (`EngineError`) and the loop
+goes on. An engine that stops (shutdown, a loop error, the engine process dying) fails
+every open stream and waiting `add_request` with `EngineDeadError`; `is_running` turns False.
+
+After every round the loop publishes an `EngineSnapshot` (running / waiting requests, KV
+blocks, prefix-cache and preemption counters) that `/metrics` reads without touching the
+engine. `on_step` (called off the event loop, with each round's outputs, aborted requests'
+final outputs included) feeds latency histograms.
 """
 from __future__ import annotations
 
@@ -38,100 +49,152 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from typing import Any, AsyncIterator, Callable
 
-from atom.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from atom.model_engine.engine_loop import (STOP, EngineDeadError, EngineError, EngineInfo, EngineLoop,
+                                           EngineSnapshot, Report)
+from atom.outputs import CompletionOutput, RequestOutput
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineError", "EngineInfo", "EngineSnapshot",
+           "EngineThread", "merge_outputs"]
 
-class EngineError(RuntimeError):
-    """The engine failed while it ran this request (not the request's fault)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (not started, stopped, or failed to start)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSnapshot:
-    """What the engine looked like after its latest step or command (read by `/metrics`)."""
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_usage: float = 0.0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-
-
-@dataclasses.dataclass
-class _Add:
-    request_id: str
-    prompt: Any
-    params: SamplingParams
-    future: "asyncio.Future"
-
-
-_STOP = object()
 _ABORTED = object()   # put in a request's queue by abort(): its stream ends
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine_factory: Callable[[], Any], name: str = "atom-engine",
-                 on_step: Callable[[list[RequestOutput], float], None] | None = None):
-        self._factory = engine_factory
+class EngineThread:
+    """Thread mode: the engine built by `factory` and stepped by a thread of this process."""
+
+    def __init__(self, factory: Callable[[], Any], name: str = "atom-engine"):
+        self.factory = factory
         self.name = name
-        self.on_step = on_step
         self.engine = None                  # the LLMEngine, once the thread built it
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
-        self.snapshot = EngineSnapshot()
-        self.error: BaseException | None = None   # why the thread stopped, if it failed
         self._cuda_device = 0
+
+    def __repr__(self) -> str:
+        return f"EngineThread(alive={self.alive})"
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, on_ready, on_report) -> None:
+        import torch
+        # a runner on a bare "cuda" runs on the device the starting thread has selected
+        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        self._thread = threading.Thread(target=self._run, args=(on_ready, on_report), name=self.name,
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """STOP, then wait for the thread (a thread cannot be killed: `timeout` is not used)."""
+        if self._thread is not None:
+            self._commands.put(STOP)
+            self._thread.join()
+
+    def _run(self, on_ready, on_report) -> None:
+        try:
+            self.engine = self.factory()
+            runner_device = getattr(self.engine.runner, "device", None)
+            if runner_device is not None and runner_device.type == "cuda":
+                import torch
+                index = torch.device(runner_device).index
+                torch.cuda.set_device(self._cuda_device if index is None else index)
+        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
+            on_ready(e)
+            return
+        loop = EngineLoop(self.engine, self._commands, on_report)
+        on_ready((EngineInfo.of(self.engine), loop.snapshot, self.engine.tokenizer))
+        loop.run()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine_factory: Callable[[], Any] | None = None, name: str = "atom-engine",
+                 on_step: Callable[[list[RequestOutput], float], None] | None = None, *,
+                 engine_args=None):
+        """`engine_factory` (thread mode) or `engine_args` (an `EngineArgs`: process mode)."""
+        if (engine_factory is None) == (engine_args is None):
+            raise ValueError("AsyncLLMEngine needs exactly one of engine_factory (thread mode) and "
+                             "engine_args (process mode)")
+        if engine_args is None:
+            self._core = EngineThread(engine_factory, name)
+        else:
+            from atom.model_engine.engine_process import EngineProcess
+            self._core = EngineProcess(engine_args, name)
+        self.name = name
+        self.on_step = on_step
+        self.info: EngineInfo | None = None   # once started
+        self.tokenizer = None                 # the model's (None: prompts must be token ids)
+        self.snapshot = EngineSnapshot()
+        self.error: BaseException | None = None   # why the engine stopped, if it failed
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._adding: dict[str, asyncio.Future] = {}   # adds the engine has not answered yet
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+        self._started = False
+        self._dead = False                    # the engine's last report came
 
     @classmethod
     def from_engine(cls, engine, **kwargs) -> "AsyncLLMEngine":
-        """Wrap an engine built already (tests, notebooks); it must not be stepped elsewhere."""
+        """Wrap an engine built already (thread mode: tests, notebooks); it must not be
+        stepped elsewhere."""
         return cls(lambda: engine, **kwargs)
+
+    @classmethod
+    def from_engine_args(cls, engine_args, process: bool = True, **kwargs) -> "AsyncLLMEngine":
+        """An engine on `engine_args` (`create_engine(asyncio_mode=True)`): built in a process
+        of its own (`process`), or in a thread of this one."""
+        if process:
+            return cls(engine_args=engine_args, **kwargs)
+        return cls(lambda: engine_args.create_engine(asyncio_mode=True), **kwargs)
+
+    @property
+    def engine(self):
+        """The `LLMEngine` (thread mode, once built); None in process mode."""
+        return getattr(self._core, "engine", None)
+
+    @property
+    def mode(self) -> str:
+        return "thread" if isinstance(self._core, EngineThread) else "process"
 
     def __repr__(self) -> str:
         state = "running" if self.is_running else "stopped"
-        return (f"AsyncLLMEngine({state}, in_flight={len(self._streams)}, {self.snapshot}, "
-                f"engine={self.engine!r})")
+        desc = self.info.description if self.info is not None else None
+        return (f"AsyncLLMEngine({state}, {self._core!r}, in_flight={len(self._streams)}, "
+                f"{self.snapshot}, engine={desc})")
 
     # --- life cycle --------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._core.alive and not self._dead
 
     async def start(self) -> None:
-        """Start the engine thread; returns once the engine is built (raises what building it
-        raised)."""
-        if self._thread is not None:
+        """Start the engine; returns once it is built (raises what building it raised)."""
+        if self._started:
             raise RuntimeError("AsyncLLMEngine.start() was called already")
-        self._loop = asyncio.get_running_loop()
-        import torch
-        # a runner on a bare "cuda" runs on the device the starting thread has selected
-        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        ready: asyncio.Future = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name=self.name, daemon=True)
-        self._thread.start()
-        await ready
+        self._started = True
+        loop = self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future = loop.create_future()
+        self._core.start(lambda result: _call_soon(loop, _settle, ready, result), self._on_report)
+        try:
+            self.info, self.snapshot, self.tokenizer = await ready
+        except BaseException as e:
+            self.error = e
+            await loop.run_in_executor(None, self._core.stop, 10.0)
+            raise
 
-    async def shutdown(self) -> None:
-        """Abort what is in flight, stop the thread and wait for it."""
-        if self._thread is None:
-            return
-        self._commands.put(_STOP)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is in flight and stop the engine; wait for it (process mode: up to
+        `timeout` seconds, then the process is killed)."""
+        if self._started:
+            await asyncio.get_running_loop().run_in_executor(None, self._core.stop, timeout)
 
     # --- requests ----------------------------------------------------------------------
     @property
@@ -144,10 +207,10 @@ class AsyncLLMEngine:
 
     def num_pending_with(self, num_new: int) -> int:
         """Requests waiting for a place in the running batch: those held beyond
-        `max_num_seqs` (exact on arrival, whatever the engine thread has taken in yet), or the
+        `max_num_seqs` (exact on arrival, whatever the engine has taken in yet), or the
         engine's own waiting queue when that is longer (KV blocks or the token budget are
         the limit)."""
-        cap = self.engine.config.max_num_seqs if self.engine is not None else 0
+        cap = self.info.max_num_seqs if self.info is not None else 0
         return max(len(self._streams) + num_new - cap, self.snapshot.num_waiting)
 
     def new_request_id(self, prefix: str = "req") -> str:
@@ -164,7 +227,8 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id={rid!r} is invalid: a request with that id is in flight")
         fut = self._loop.create_future()
         self._streams[rid] = asyncio.Queue()
-        self._commands.put(_Add(rid, prompt, params, fut))
+        self._adding[rid] = fut
+        self._core.send(("add", rid, prompt, params))
         try:
             await fut
         except BaseException:
@@ -172,6 +236,9 @@ class AsyncLLMEngine:
             if not fut.done() or fut.cancelled():  # cancelled while waiting: it may still land
                 self.abort(rid)
             raise
+        finally:
+            if self._adding.get(rid) is fut:
+                del self._adding[rid]
         return rid
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -221,155 +288,50 @@ class AsyncLLMEngine:
         if q is not None:
             q.put_nowait(_ABORTED)
         if self.is_running:
-            self._commands.put(("abort", request_id))
+            self._core.send(("abort", request_id))
 
-    # --- the engine thread ---------------------------------------------------------------
-    def _run(self, ready: asyncio.Future) -> None:
-        loop = self._loop
-        try:
-            self.engine = self._factory()
-            if getattr(self.engine.runner, "device", None) is not None and \
-                    self.engine.runner.device.type == "cuda":
-                import torch
-                index = torch.device(self.engine.runner.device).index
-                torch.cuda.set_device(self._cuda_device if index is None else index)
-        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
-            self.error = e
-            loop.call_soon_threadsafe(_set_exception, ready, e)
-            return
-        self._publish()
-        loop.call_soon_threadsafe(_set_result, ready, None)
-        try:
-            self._loop_body()
-        except BaseException as e:  # noqa: BLE001 - logged, requests failed below
-            logger.exception("the engine thread stopped")
-            self.error = e
-        finally:
-            self._abort_all(EngineDeadError("the engine stopped"))
-            shutdown = getattr(self.engine, "shutdown", None)
-            if shutdown is not None:  # reap tensor-parallel workers now, not at interpreter exit
-                try:
-                    shutdown()
-                except Exception:  # noqa: BLE001 - stopping anyway
-                    logger.exception("engine shutdown failed")
-
-    def _loop_body(self) -> None:
-        engine = self.engine
-        stats = engine.stats
-        logged_idle = True
-        while True:
-            if engine.is_finished():  # idle: block until a command (or the next status line)
-                timeout = stats.log_interval if not logged_idle else None
-                try:
-                    cmd = self._commands.get(timeout=timeout)
-                except queue.Empty:
-                    self._log_status(force=True)
-                    logged_idle = True
-                    continue
-                if not self._handle(cmd):
-                    return
-            while True:  # everything queued, before the next step
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if not self._handle(cmd):
-                    return
-            if engine.is_finished():
-                self._publish()
-                continue
+    # --- reports, off the event loop and on it -----------------------------------------
+    def _on_report(self, report: Report) -> None:
+        """A round's report (the engine thread, or the engine process's reader thread)."""
+        self.snapshot = report.snapshot
+        outs = report.outputs + report.aborted if report.aborted else report.outputs
+        if self.on_step is not None and outs:
             try:
-                outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 - a bug: fail what is in flight, keep serving
-                logger.exception("engine step failed; aborting the requests in flight")
-                self._abort_all(EngineError(f"the engine failed: {type(e).__name__}: {e}"))
-                continue
-            logged_idle = False
-            now = time.perf_counter()
-            self._publish()
-            self._notify(outputs, now)
-            if outputs:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
-
-    def _handle(self, cmd) -> bool:
-        """Run one command in the engine thread; False: stop."""
-        engine = self.engine
-        if cmd is _STOP:
-            return False
-        if isinstance(cmd, _Add):
-            try:
-                engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
-                engine.set_output_kind(cmd.request_id, RequestOutputKind.DELTA)
-            except Exception as e:  # noqa: BLE001 - the request's own error, for its caller
-                self._loop.call_soon_threadsafe(_set_exception, cmd.future, e)
-            else:
-                self._loop.call_soon_threadsafe(_set_result, cmd.future, cmd.request_id)
-            return True
-        kind, rid = cmd
-        if kind == "abort":
-            out = engine.abort(rid)
-            if out is not None:
-                logger.debug("aborted %s", rid)
-                self._notify([out], time.perf_counter())
-            self._publish()
-        return True
-
-    def _notify(self, outputs: list[RequestOutput], now: float) -> None:
-        if self.on_step is not None and outputs:
-            try:
-                self.on_step(outputs, now)
+                self.on_step(outs, report.now)
             except Exception:  # noqa: BLE001 - metrics must never stop the engine
                 logger.exception("on_step hook failed")
+        if report.for_requests:
+            _call_soon(self._loop, self._receive, report)
 
-    def _publish(self) -> None:
-        e = self.engine
-        bm, sched = e.block_manager, e.scheduler
-        self.snapshot = EngineSnapshot(
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
-            prefix_query_tokens=bm.num_query_tokens, prefix_hit_tokens=bm.num_hit_tokens,
-            num_preemptions=sched.num_preemptions, num_steps=e.stats.num_steps)
-
-    def _log_status(self, force: bool = False) -> None:
-        s = self.snapshot
-        self.engine.stats.maybe_log(s.num_running, s.num_waiting, s.kv_usage, force=force,
-                                    prefix_cache=(s.prefix_hit_tokens, s.prefix_query_tokens))
-
-    def _abort_all(self, error: BaseException) -> None:
-        """Abort every request the engine holds and fail their streams with `error`."""
-        engine = self.engine
-        if engine is not None:
-            for rid in list(engine.requests):
-                try:
-                    out = engine.abort(rid)
-                    if out is not None:
-                        self._notify([out], time.perf_counter())
-                except Exception:  # noqa: BLE001 - keep freeing the others
-                    logger.exception("could not abort %s", rid)
-            try:
-                self._publish()
-            except Exception:  # noqa: BLE001
-                logger.exception("could not read the engine's state")
-        while True:  # refuse adds still queued
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, _Add):
-                self._loop.call_soon_threadsafe(_set_exception, cmd.future, error)
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._fail_streams, error)
-
-    # --- on the event loop ---------------------------------------------------------------
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
+    def _receive(self, report: Report) -> None:
+        """On the event loop: answer adds, fan the outputs out, fail what the engine failed."""
+        for rid in report.accepted:
+            fut = self._adding.pop(rid, None)
+            if fut is not None:
+                _set_result(fut, rid)
+        for rid, error in report.refused:
+            fut = self._adding.pop(rid, None)
+            if fut is not None:
+                _set_exception(fut, error)
+        for out in report.outputs:
             q = self._streams.get(out.request_id)
             if q is not None:
                 q.put_nowait(out)
-
-    def _fail_streams(self, error: BaseException) -> None:
-        for q in self._streams.values():
-            q.put_nowait(error)
+        if report.failed is not None:
+            error, rids = report.failed
+            for rid in rids:
+                q = self._streams.get(rid)
+                if q is not None:
+                    q.put_nowait(error)
+        if report.stopped is not None:
+            self._dead = True
+            if report.cause is not None:
+                self.error = report.cause
+            for q in self._streams.values():
+                q.put_nowait(report.stopped)
+            for fut in self._adding.values():
+                _set_exception(fut, report.stopped)
+            self._adding.clear()
 
 
 def _merge_completion(p: CompletionOutput, c: CompletionOutput) -> CompletionOutput:
@@ -404,3 +366,20 @@ def _set_result(fut: asyncio.Future, value) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def _settle(fut: asyncio.Future, result) -> None:
+    if isinstance(result, BaseException):
+        _set_exception(fut, result)
+    else:
+        _set_result(fut, result)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop | None, fn, *args) -> None:
+    """`fn(*args)` on `loop` from another thread (nothing once the loop is closed)."""
+    if loop is None:
+        return
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # closed meanwhile
+        logger.debug("event loop closed: %s dropped", getattr(fn, "__name__", fn))

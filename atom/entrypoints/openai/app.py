@@ -1,7 +1,11 @@
 """The FastAPI app: routes, API-key check, OpenAI-style errors, engine start and stop.
 
-    app = build_app(AsyncLLMEngine(factory), ServerOptions(served_model_names=["m"]))
+    app = build_app(AsyncLLMEngine.from_engine_args(eargs), ServerOptions(served_model_names=["m"]))
     uvicorn.run(app, ...)           # the engine starts in the app's lifespan
+
+The app needs of the engine only `AsyncLLMEngine`'s own surface: start / shutdown,
+is_running, `info` (EngineInfo: model, max_model_len) and `tokenizer` once started,
+`snapshot`, `on_step`, and the request calls `serving.py` makes; never the `LLMEngine`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (the `/v1`
 ones behind `--api-key` when set: a missing or wrong bearer token is a 401), `GET /health`
@@ -51,7 +55,7 @@ def build_app(engine, options: ServerOptions) -> FastAPI:
                                 options.max_waiting_requests)
         state["serving"] = serving
         app.state.serving = serving
-        logger.info("serving %s: %r", options.served_model_names, engine.engine)
+        logger.info("serving %s: %r", options.served_model_names, engine)
         try:
             yield
         finally:
@@ -123,7 +127,7 @@ def build_app(engine, options: ServerOptions) -> FastAPI:
         s = serving()
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "atom",
-             "root": engine.engine.config.model, "max_model_len": s.max_model_len}
+             "root": engine.info.model, "max_model_len": s.max_model_len}
             for name in options.served_model_names]}
 
     @app.get("/health")

@@ -4,13 +4,13 @@ One `ServerMetrics` per server, on its own `CollectorRegistry` (no module global
 servers in a process never mix their counts). Two sources:
 
 - the engine's state, read at scrape time from the `AsyncLLMEngine.snapshot` the engine
-  thread publishes after every step (gauges: running / waiting requests, KV usage, free and
+  publishes after every step (gauges: running / waiting requests, KV usage, free and
   total KV blocks; cumulative counters: prefix-cache queried and hit tokens, preemptions) —
   cumulative since start, never windowed (the status line's hit rate is the windowed one);
-- each step's outputs, through `observe_step` (the engine's `on_step` hook, called in the
-  engine thread): prompt tokens (once per request, at its first output), generation tokens,
-  finished requests by reason (aborts too: the engine
-  thread hands their outputs to the same hook), and the TTFT / inter-token / end-to-end / queue-time
+- each step's outputs, through `observe_step` (the engine's `on_step` hook, called off the
+  event loop: in the engine thread, or in the reader thread of the engine process): prompt
+  tokens (once per request, at its first output), generation tokens, finished requests by
+  reason (aborts too: their final outputs come to the same hook), and the TTFT / inter-token / end-to-end / queue-time
   histograms (the engine's own timestamps; inter-token: between a completion's outputs,
   divided over the tokens they carried).
 """
@@ -103,7 +103,7 @@ class ServerMetrics:
         return f"ServerMetrics(model_name={self.model_name!r}, in_flight={len(self._seen)})"
 
     def observe_step(self, outputs, now: float) -> None:
-        """One step's outputs (engine thread)."""
+        """One step's outputs (off the event loop)."""
         with self._lock:
             for out in outputs:
                 rid = out.request_id

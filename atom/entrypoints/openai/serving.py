@@ -52,10 +52,9 @@ class _Job:
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
                  chat_template: str | None = None, max_waiting_requests: int | None = None):
-        self.engine = engine
-        llm = engine.engine
-        self.tokenizer = llm.tokenizer
-        self.max_model_len = llm.config.max_model_len
+        self.engine = engine            # reads: tokenizer, info (EngineInfo), requests
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.info.max_model_len
         self.served_model_names = list(served_model_names)
         self.chat_template = chat_template
         self.max_waiting_requests = max_waiting_requests
