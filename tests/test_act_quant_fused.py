@@ -84,8 +84,9 @@ def test_norm_quant_is_the_separate_kernels(kind, qmax, M, N):
 @pytest.mark.parametrize("kind,qmax", KINDS[:2])
 @pytest.mark.parametrize("M,N", [(1, 896), (3, 14336), (64, 4096)])
 def test_norm_quant_near_the_torch_reference(kind, qmax, M, N, dtype):
-    """Against the torch reference the sum of squares runs in another order: the residual
-    is exact, the scales within an ulp, each quantized value at most one grid step off.
+    """Against the torch reference the sum of squares runs in another order (and, compiled,
+    sqrt and division are approximate): the residual is exact, the scales within a few ulp,
+    each quantized value at most one grid step off.
     (bf16 is left to the test above: the interpreter rounds bf16 casts unlike torch.)"""
     x, r = _rows(M, N, dtype), _rows(M, N, dtype, seed=1)
     w = (torch.rand(N, generator=torch.Generator().manual_seed(2)) + 0.5).to(dtype).to(DEV)
@@ -93,7 +94,7 @@ def test_norm_quant_near_the_torch_reference(kind, qmax, M, N, dtype):
         q, s, res = norm_quant(x, res_in, w, 1e-5, kind, qmax)
         qr, sr, rr = norm_quant_ref(x, res_in, w, 1e-5, kind, qmax)
         assert torch.equal(res, rr)
-        torch.testing.assert_close(s, sr, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=0)
+        torch.testing.assert_close(s, sr, rtol=4e-6 if dtype == torch.float32 else 1e-3, atol=0)
         _one_step_apart(q, qr, kind)
 
 
@@ -105,9 +106,9 @@ def test_silu_quant_is_the_separate_kernels(kind, qmax, M, I, dtype):
     q, s = silu_quant(x, kind, qmax)
     h = silu_and_mul(x)
     _same((q, s), act_quant(h, kind, I, qmax))
-    if dtype != torch.bfloat16:  # the reference: elementwise, so the same bits here too
+    if dtype != torch.bfloat16:  # the torch reference (its own exp and division): within a grid step
         qr, sr = silu_quant_ref(x, kind, qmax)
-        torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
+        torch.testing.assert_close(s, sr, rtol=4e-6, atol=0)
         _one_step_apart(q, qr, kind)
 
 
