@@ -186,6 +186,7 @@ def base128(tmp_path_factory):
                            intermediate_size=256, initializer_range=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["fp8_dynamic"])
 def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, scheme, monkeypatch):
     """The engine on the Triton backend (attention, norms, SiLU and the 8-bit GPU routes
