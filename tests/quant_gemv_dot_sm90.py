@@ -3,7 +3,8 @@ without a GPU and reports marks of its PTX, as one JSON line (run as a child pro
 tests/test_quant_gemv_dot.py, without TRITON_INTERPRET): tensor-core instructions (wgmma
 at 64+ weight rows a program, mma below), asynchronous copies (the pipelined weight loads),
 PDL's griddepcontrol, the e4m3 conversion of the fused quantizer, its correctly rounded
-division; and the split reduction.
+division, the folded split K's barrier, GPU-scope acq_rel counter and L2 reads; and the split
+reduction.
 
     python tests/quant_gemv_dot_sm90.py
 """
@@ -22,10 +23,13 @@ def compile_all() -> dict:
     f8, i8 = "*fp8e4nv", "*i8"
 
     def ops(x, w, y="*bf16"):
-        return dict(x_ptr=x, w_ptr=w, xs_ptr="*fp32", ws_ptr="*fp32", b_ptr=y, y_ptr=y, p_ptr="*fp32", qmax="fp32")
+        return dict(x_ptr=x, w_ptr=w, xs_ptr="*fp32", ws_ptr="*fp32", b_ptr=y, y_ptr=y, p_ptr="*fp32",
+                    lock_ptr="*i32", qmax="fp32")
 
     base = dict(M_PAD=16, BLOCK_N=64, BLOCK_K=256, SPLIT=True, BLOCKS=False, INT=False, HAS_BIAS=False,
-                QUANT_X=False, STATIC=False, PDL=True)
+                QUANT_X=False, STATIC=False, FOLD=False, PDL=True)
+    # the folded split K: a block barrier, one thread's acq_rel counter at GPU scope, L2 reads
+    fold = ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg", "atom.global.gpu.acq_rel.exch")
     mark = ("wgmma", "cp.async", "griddepcontrol.wait")
     cases = {
         "fp8": (dict(base, HAS_BIAS=True), ops(f8, f8), mark),
@@ -37,6 +41,8 @@ def compile_all() -> dict:
         "fp8_block_fused": (dict(base, BLOCK_K=128, BLOCKS=True, QUANT_X=True), ops("*bf16", f8),
                             mark + ("div.rn.f32", "e4m3x2")),
         "int8": (dict(base, INT=True), ops(i8, i8), mark + (".s8",)),
+        "fp8_fold": (dict(base, HAS_BIAS=True, FOLD=True), ops(f8, f8), mark + fold),
+        "int8_fold": (dict(base, INT=True, FOLD=True), ops(i8, i8), mark + fold),
         "int8_fused": (dict(base, M_PAD=32, INT=True, QUANT_X=True), ops("*fp16", i8, "*fp16"),
                        mark + ("div.rn.f32",)),
     }

@@ -194,10 +194,10 @@ def test_llama_shapes_on_gpu(fmt, N, K, M):
 
 def test_kernel_compiles_for_sm90():
     """The compiled (not interpreted) kernel builds for sm90 with tensor-core instructions and
-    pipelined (asynchronous) weight copies, fused and not, fp8 and int8
-    (tests/quant_gemv_dot_sm90.py in a child process without the interpreter)."""
+    pipelined (asynchronous) weight copies, fused and not, fp8 and int8, the folded split K's
+    counter (tests/quant_gemv_dot_sm90.py in a child process without the interpreter)."""
     from sm90_child import run_sm90_check
     got = run_sm90_check("quant_gemv_dot_sm90.py")
-    assert len(got) == 10
+    assert len(got) == 12
     for name, flags in got.items():
         assert all(flags.values()), (name, flags)

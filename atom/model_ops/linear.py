@@ -113,6 +113,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype,
+                          lock: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer on an input a kernel in front already quantized as `method.input_quant`
+        says (a kernel-plan fusion): q [M, K], scales [M, 1] -> [M, N] in `out_dtype`."""
+        return self.method.apply_quantized(self, xq, xs, out_dtype, lock)
+
     def extra_repr(self) -> str:
         tp = f", tp={self.tp_mode}:{self.tp.rank}/{self.tp.world_size}" if self.tp.world_size > 1 else ""
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
@@ -171,6 +177,10 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
+        return self.tp.all_reduce(y) if self.reduce_results else y
+
+    def forward_quantized(self, xq, xs, out_dtype, lock=None):
+        y = self.method.apply_quantized(self, xq, xs, out_dtype, lock)
         return self.tp.all_reduce(y) if self.reduce_results else y
 
 

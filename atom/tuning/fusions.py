@@ -13,7 +13,16 @@ which computes the same thing with fewer kernels where the plan says so:
   rotates them (after the q/k norms) and writes k, v itself; NVIDIA only (the kernel reads
   what it wrote after a block barrier, not checked on AMD GPUs);
 - "rope+kv_write": otherwise the rotary kernel (with the q/k norms) also writes k, v into
-  the cache, and the attention op only reads.
+  the cache, and the attention op only reads;
+- "norm+quant" / "silu+quant": 8-bit projections whose method takes its input quantized
+  (`method.input_quant`: dynamic per-token fp8 / int8 W8A8, dynamic per-tensor fp8 for one
+  row) get it from the kernel in front, at any batch: add + RMSNorm + quantize before the
+  q/k/v and gate-up products, SiLU-and-mul + quantize before down
+  (`kernels.act_quant_fused`, bit for bit the separate kernels), the product then reading q
+  (`Linear.forward_quantized`, the method's usual routes);
+- "split_k_fold": those 8-bit products (o_proj too, after its own quantizer) sum a split K
+  inside the swap-AB kernel, with a counter buffer `install` gives each layer
+  (`quant_gemv_dot.split_k_lock`), instead of a second reduction launch.
 A layer matches when it has the Llama-shaped parts (`matches`); others keep their forward.
 `uninstall` restores the architecture's forward.
 """
@@ -27,7 +36,8 @@ from torch import nn
 
 from atom.model_ops.activation import silu_and_mul
 from atom.model_ops.attention import get_forward_context
-from atom.model_ops.quant import is_unquantized
+from atom.model_ops.quant import common, is_unquantized
+from atom.model_ops.quant.common import InputQuant
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +47,11 @@ def default_fusions(backend: str) -> tuple[str, ...]:
     if backend == "torch":
         return ()
     out = ("norm+gemv", "norm+gemv+silu", "norm+gemv+rope", "rope+kv_write")
-    return out + (("rope_in_attention",) if torch.version.hip is None else ())
+    if torch.version.hip is None:
+        out += ("rope_in_attention",)
+    if backend == "triton":  # the 8-bit products' kernels (NVIDIA; ROCm's run the reference)
+        out += ("norm+quant", "silu+quant", "split_k_fold")
+    return out
 
 
 def matches(layer: nn.Module) -> bool:
@@ -62,10 +76,52 @@ def install(model: nn.Module, plan) -> int:
             attn.qkv_proj.one_row = (("norm",) if plan.has("norm+gemv") else ()) + \
                 (("norm+rope",) if plan.has("norm+gemv+rope") and not qk_norm else ())
             m.mlp.gate_up_proj.one_row = "norm+silu" if plan.has("norm+gemv+silu") else ()
+            if plan.has("split_k_fold"):
+                _give_locks(m)
             m.forward = types.MethodType(fused_forward, m)
             n += 1
     logger.info("fusions %s installed on %d decoder layers", list(plan.fusions), n)
     return n
+
+
+def _give_locks(layer: nn.Module) -> None:
+    """Each 8-bit projection of the decoder layer that takes a quantized input gets its split-K
+    counters, once: kept after `uninstall` too, since a CUDA graph captured with them keeps
+    their address."""
+    from atom.model_ops.kernels.quant_gemv_dot import split_k_lock
+    attn, mlp = layer.self_attn, layer.mlp
+    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        if linear.method.input_quant(linear) is not None and "split_k_lock" not in linear.__dict__:
+            linear.split_k_lock = split_k_lock(linear.weight.shape[0], linear.weight.device)
+
+
+def quant_input(plan, fusion: str, linear: nn.Module, x: torch.Tensor) -> InputQuant | None:
+    """How `fusion`'s kernel quantizes x, the input of `linear`, for it to read (None: the
+    layer takes x): the plan has the fusion, the method takes a quantized input for x's rows
+    (per-tensor scales: one row only), and its kernels run for x (an NVIDIA GPU, or the
+    interpreter when the plan forces the kernels, the product then on its torch reference)."""
+    if plan is None or not plan.has(fusion) or x.dim() != 2:
+        return None
+    iq = linear.method.input_quant(linear)
+    if iq is None or (not iq.per_token and x.shape[0] != 1):
+        return None
+    return iq if common.use_kernels(x) or plan.force_kernels else None
+
+
+def _lock(plan, linear: nn.Module) -> torch.Tensor | None:
+    return linear.__dict__.get("split_k_lock") if plan is not None and plan.has("split_k_fold") else None
+
+
+def project(plan, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)`; with "split_k_fold" on an 8-bit layer that takes a quantized input, its
+    quantizer (`act_quant`) and then the product with the split K folded in."""
+    iq = quant_input(plan, "split_k_fold", linear, x)
+    lock = _lock(plan, linear)
+    if iq is None or lock is None:
+        return linear(x)
+    from atom.model_ops.kernels.act_quant import act_quant
+    q, s = act_quant(x, iq.kind, x.shape[-1], iq.qmax)
+    return linear.forward_quantized(q, s, x.dtype, lock)
 
 
 def uninstall(model: nn.Module) -> None:
@@ -78,9 +134,17 @@ def uninstall(model: nn.Module) -> None:
 
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False):
     """`linear(norm(x + residual))`, then SiLU-and-mul when `gated`; returns (y, x + residual)
-    like the norm (no add when `residual` is None: the residual is then x). One row, where the
-    plan chose a Triton GEMV for the shape, runs as one fused kernel."""
+    like the norm (no add when `residual` is None: the residual is then x). An 8-bit layer
+    under "norm+quant" reads its input quantized by the norm's kernel (any batch); one row of
+    an unquantized layer, where the plan chose a Triton GEMV for the shape, runs as one fused
+    kernel."""
     plan = linear.plan
+    iq = quant_input(plan, "norm+quant", linear, x)
+    if iq is not None:  # the norm's kernel quantizes the row for the 8-bit product
+        from atom.model_ops.kernels.act_quant_fused import norm_quant
+        q, s, residual = norm_quant(x, residual, norm.weight, norm.eps, iq.kind, iq.qmax)
+        y = linear.forward_quantized(q, s, x.dtype, _lock(plan, linear))
+        return (silu_and_mul(y) if gated else y), residual
     cfg = None
     if plan is not None and linear.bias is None and is_unquantized(linear):
         cfg = plan.one_row_config(x, linear.weight, "norm+silu" if gated else "norm")
@@ -91,8 +155,22 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, ga
         h, residual = norm(x), x
     else:
         h, residual = norm(x, residual)
-    y = linear(h)
+    y = project(plan, linear, h)
     return (silu_and_mul(y) if gated else y), residual
+
+
+def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
+    """down(silu_and_mul(gate_up(norm(hidden + residual)))), hidden + residual; with "silu+quant"
+    (an 8-bit down that takes a quantized input) the SiLU kernel quantizes for down."""
+    mlp, norm = layer.mlp, layer.post_attention_layernorm
+    iq = quant_input(plan, "silu+quant", mlp.down_proj, hidden)
+    if iq is None:
+        act, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual, gated=True)
+        return project(plan, mlp.down_proj, act), residual
+    from atom.model_ops.kernels.act_quant_fused import silu_quant
+    y, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual)
+    q, s = silu_quant(y, iq.kind, iq.qmax)
+    return mlp.down_proj.forward_quantized(q, s, y.dtype, _lock(plan, mlp.down_proj)), residual
 
 
 def norm_linear_rope(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -121,21 +199,21 @@ def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.
         # decode: the attention kernel rotates q and k (after the q / k norms) and writes k, v
         rotary = (attn.rotary_emb.cos_sin_cache,) + ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
                                                      if qk_norm else ())
-        return attn.o_proj(attn.attn(q, k, v, rotary))
+        return project(plan, attn.o_proj, attn.attn(q, k, v, rotary))
     target = attn.attn.backend.cache_target(attn.attn, meta) if plan.has("rope+kv_write") else None
     if target is not None:  # (None: the backend writes this cache itself, e.g. FP8)
         # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
         norms = (attn.q_norm, attn.k_norm) if qk_norm else ()
         attn.rotary_emb(positions, q, k, *norms, kv_cache=(v, *target))
-        return attn.o_proj(attn.attn(q, None, None))
+        return project(plan, attn.o_proj, attn.attn(q, None, None))
     q, k = attn.rotary_emb(positions, q, k, *((attn.q_norm, attn.k_norm) if qk_norm else ()))
-    return attn.o_proj(attn.attn(q, k, v))
+    return project(plan, attn.o_proj, attn.attn(q, k, v))
 
 
 def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
     """The decoder layer's forward with the plan's fusions (see the module docstring); falls
     back to the architecture's forward under torch.compile and on the torch backend."""
-    attn, mlp = self.self_attn, self.mlp
+    attn = self.self_attn
     plan = attn.qkv_proj.plan
     if plan is None or torch.compiler.is_compiling() or plan.kernels_for(hidden) is None \
             or attn.attn.backend.name != "triton":
@@ -148,9 +226,8 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
                                      attn.rotary_emb.cos_sin_cache, *target)
     if fused is not None:  # q rotated, k and v in the cache
         qkv, residual = fused
-        hidden = attn.o_proj(attn.attn(qkv[:, :attn.qkv_proj.q_size], None, None))
+        hidden = project(plan, attn.o_proj, attn.attn(qkv[:, :attn.qkv_proj.q_size], None, None))
     else:
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
         hidden = _attention(attn, plan, positions, qkv)
-    act, residual = norm_linear(self.post_attention_layernorm, mlp.gate_up_proj, hidden, residual, gated=True)
-    return mlp.down_proj(act), residual
+    return _mlp(self, plan, hidden, residual)

@@ -44,6 +44,9 @@ FUSIONS = (
     "norm+gemv+rope",    # batch 1: RMSNorm, q/k/v GEMV, rotary and the K/V cache write (no q/k norm)
     "rope+kv_write",     # prefill: the rotary kernel (after q/k norms) also writes K/V into the cache
     "rope_in_attention",  # decode: the attention kernel rotates q/k and writes K/V itself
+    "norm+quant",        # 8-bit layers: add + RMSNorm + the activation quantizer in one kernel (q/k/v, gate-up)
+    "silu+quant",        # 8-bit layers: SiLU-and-mul + the activation quantizer in one kernel (down)
+    "split_k_fold",      # 8-bit small-M products sum their split K themselves (no reduction launch)
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 MOE_KERNELS = ("auto", "reference", "triton")  # experts kernel: auto = Triton where the plan runs kernels

@@ -13,14 +13,20 @@ if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
+    def silu_mul_cols(x_row, cols, mask, I):
+        """silu(x[cols]) * x[I + cols] of one row in fp32 (zero where masked): the one copy of
+        the arithmetic, which the fused SiLU + quantizer (`act_quant_fused`) shares."""
+        a = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_row + I + cols, mask=mask, other=0.0).to(tl.float32)
+        return a / (1.0 + tl.exp(-a)) * g
+
+    @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
-        a = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-        y = a / (1.0 + tl.exp(-a)) * g
+        y = silu_mul_cols(x_ptr + row * stride_x, cols, mask, I)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -26,6 +26,16 @@ partials are small (SPLIT_K * M * N * 4 bytes: 64 KiB for 4096 rows at M = 1, SP
 against 16 MiB of weights). Both launches have fixed shapes (no host sync, no
 data-dependent sizes): CUDA-graph safe. Both take part in programmatic dependent launch.
 
+Folded split-K (a `lock` given, `split_k_lock`; the kernel plan's "split_k_fold"): no second
+launch. Each split stores its partial as above, then counts itself on its n tile's int32
+counter (a block barrier, then one acq_rel atomic at GPU scope); the program that counts
+last, whichever it is, reads the SPLIT_K partials of its tile back in split order, adds the
+bias, stores y and sets the counter back to zero. The same fixed-order sum as the separate
+reduction (the same bits, deterministic); what it costs is one atomic a program and the last
+program's read of SPLIT_K small tiles, against a launch. The counters are a buffer of the
+layer's, zero between launches, used by one launch at a time (launches in one stream; the
+next kernel's PDL wait comes before it touches them).
+
 Fused activation quantization (`quant_gemv_dot_fused`): the kernel reads x (bf16 / fp16 /
 fp32) instead of xq and quantizes each chunk on the fly with exactly `act_quant`'s arithmetic
 (`act_quant._quantize`, the same scale formula max(amax, 1e-12) / qmax with a correctly
@@ -64,13 +74,16 @@ if HAS_TRITON:
     # M and SPLIT_K are run-time values (M = 1 not specialized apart): fewer compiled variants
     # for a sweep over M and SPLIT_K; SPLIT (SPLIT_K > 1) picks the store.
     @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-    def _qdot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     stride_xs, stride_ws, qmax, SPLIT_K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _qdot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, lock_ptr, M, N, K, stride_xm, stride_wn,
+                     stride_ym, stride_xs, stride_ws, qmax, SPLIT_K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCKS: tl.constexpr, INT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, STATIC: tl.constexpr, PDL: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, STATIC: tl.constexpr, FOLD: tl.constexpr,
+                     PDL: tl.constexpr):
         """Program (n tile, K split). QUANT_X: x is unquantized and quantized here (STATIC: the
         scale is xs_ptr[0], row / column scales only; else per row over K, or per chunk with
-        BLOCKS)."""
+        BLOCKS). FOLD (with SPLIT): the last split of each n tile to finish sums the partials
+        (see the module docstring); lock_ptr: one int32 counter per n tile, zero on entry and
+        left zero."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,7 +147,23 @@ if HAS_TRITON:
             tl.store(y_ptr + ms.to(tl.int64)[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty),
                      mask=mask)
         else:  # partial [SPLIT_K, M, N] fp32, contiguous
-            tl.store(p_ptr + (pid_k * M + ms.to(tl.int64))[None, :] * N + rn[:, None], out, mask=mask)
+            tile = p_ptr + ms.to(tl.int64)[None, :] * N + rn[:, None]
+            tl.store(tile + pid_k.to(tl.int64) * M * N, out, mask=mask)
+            if FOLD:
+                # every thread's partial is stored before the counter's release (bar.sync, then
+                # one thread's acq_rel atomic at GPU scope); the program that counts last reads
+                # all splits from L2 (.cg), in split order: split_k_sum's sum, bit for bit
+                tl.debug_barrier()
+                arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT_K - 1:
+                    total = tl.load(tile, mask=mask, other=0.0, cache_modifier=".cg")
+                    for s in range(1, SPLIT_K):
+                        total += tl.load(tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+                    tl.store(y_ptr + ms.to(tl.int64)[None, :] * stride_ym + rn[:, None],
+                             total.to(y_ptr.dtype.element_ty), mask=mask)
+                    tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next launch (a graph replay)
 
 
 def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", act: str = "token"
@@ -190,8 +219,9 @@ def _cfg(M, N, K, block_k, config, kind):
     return cfg
 
 
-def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax):
-    """Both launches (the product, then the split reduction when SPLIT_K > 1)."""
+def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax, lock=None):
+    """Both launches (the product, then the split reduction when SPLIT_K > 1 and no `lock`
+    folds it into the product)."""
     M, K = x.shape
     N = w.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -207,24 +237,42 @@ def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax):
     split = cfg.pop("SPLIT_K")
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias.contiguous() if bias is not None else y
+    tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    fold = split > 1 and lock is not None
+    if fold:
+        check_lock(lock, tiles, x.device)
     pdl = pdl_args(x)
-    _qdot_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
-        x, xs, w, ws, b, y, part, M, N, K, x.stride(0), w.stride(0), y.stride(0), stride_xs, stride_ws, float(qmax),
-        split, SPLIT=split > 1, BLOCKS=bool(block_k), INT=w.dtype == torch.int8, HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static,
-        **pdl, **cfg)
-    if split > 1:
+    _qdot_kernel[(tiles, split)](
+        x, xs, w, ws, b, y, part, lock if fold else part, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+        stride_xs, stride_ws, float(qmax), split, SPLIT=split > 1, BLOCKS=bool(block_k), INT=w.dtype == torch.int8,
+        HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static, FOLD=fold, **pdl, **cfg)
+    if split > 1 and not fold:
         split_k_sum(part, bias, y, pdl)
     return y
 
 
-def quant_gemv_dot_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None):
+def split_k_lock(N: int, device) -> torch.Tensor:
+    """The counters a product of N output rows folds its split-K sum with (one per n tile of
+    the smallest BLOCK_N, 16; zeros): a layer's own buffer, made once and kept (a CUDA graph
+    captured with it keeps its address), used by one launch at a time."""
+    return torch.zeros(-(-N // 16), dtype=torch.int32, device=device)
+
+
+def check_lock(lock: torch.Tensor, tiles: int, device) -> None:
+    if lock.dtype != torch.int32 or lock.dim() != 1 or lock.numel() < tiles or lock.device != torch.device(device):
+        raise ValueError(f"split-K lock: int32 [>= {tiles}] on {device} wanted (one counter per n tile), got "
+                         f"{lock.dtype} {tuple(lock.shape)} on {lock.device}")
+
+
+def quant_gemv_dot_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None, lock=None):
     """Pre-quantized operands (`quant_gemm`'s layouts) -> [M, N] in `out_dtype`; `config`
-    overrides `small_m_config`."""
+    overrides `small_m_config`. `lock` (`split_k_lock(N)`): a split K is summed inside the
+    product, not by the separate reduction (the same bits)."""
     M, N, K = _check(xq, xs, w, ws, bias, block_k)
     if block_k and xq.dtype == torch.int8:
         raise ValueError("block scales are an fp8 format; int8 runs with row / column scales")
     cfg = _cfg(M, N, K, block_k, config, "int8" if xq.dtype == torch.int8 else "fp8")
-    return _run(xq, xs, w, ws, bias, out_dtype, block_k, cfg, False, False, 1.0)
+    return _run(xq, xs, w, ws, bias, out_dtype, block_k, cfg, False, False, 1.0, lock)
 
 
 def _check_fused(x, w, ws, bias, kind, block_k, static_scale):

@@ -23,14 +23,12 @@ if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
-    def _rmsnorm_kernel(
-        x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr,
-        stride_x, stride_r, stride_o, stride_ro,
-        N, eps,
-        BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
-    ):
-        pdl_start(PDL)
-        row = tl.program_id(0).to(tl.int64)
+    def add_rms_norm_row(x_ptr, r_ptr, w_ptr, rout_ptr, row, stride_x, stride_r, stride_ro, N, eps,
+                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+        """Row `row` of rmsnorm(x + r) * w in fp32 ([BLOCK], zero past N), the sum x + r
+        rounded to the residual's dtype, stored to rout and normalised as that rounded value
+        (HAS_RES; else x alone). The one copy of the norm's arithmetic: the fused norm +
+        quantizer (`act_quant_fused`) calls it too, so both give the same bits."""
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -42,8 +40,21 @@ if HAS_TRITON:
         var = tl.sum(x * x, 0) / N
         rstd = 1.0 / tl.sqrt(var + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (x * rstd * w).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        return x * rstd * w
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr,
+        stride_x, stride_r, stride_o, stride_ro,
+        N, eps,
+        BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+    ):
+        pdl_start(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        y = add_rms_norm_row(x_ptr, r_ptr, w_ptr, rout_ptr, row, stride_x, stride_r, stride_ro, N, eps,
+                             BLOCK, HAS_RES)
+        cols = tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
     @triton.jit
@@ -115,14 +126,19 @@ def _launch(x2, r2, w, o2, ro2, eps):
     M, N = x2.shape
     if M == 0:
         return
-    BLOCK = triton.next_power_of_2(N)
-    num_warps = 1 if BLOCK <= 256 else 4 if BLOCK <= 2048 else 8 if BLOCK <= 8192 else 16
     _rmsnorm_kernel[(M,)](
         x2, r2 if r2 is not None else x2, w, o2, ro2 if ro2 is not None else o2,
         x2.stride(0), r2.stride(0) if r2 is not None else 0,
         o2.stride(0), ro2.stride(0) if ro2 is not None else 0,
-        N, float(eps), BLOCK=BLOCK, HAS_RES=r2 is not None, num_warps=num_warps, **pdl_args(x2),
+        N, float(eps), HAS_RES=r2 is not None, **norm_row_config(N), **pdl_args(x2),
     )
+
+
+def norm_row_config(N: int) -> dict:
+    """BLOCK and warps of a program that normalises one row of N (the whole row in one block):
+    shared with the fused norm + quantizer, so that its sum runs in the same order."""
+    block = triton.next_power_of_2(N)
+    return dict(BLOCK=block, num_warps=1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,

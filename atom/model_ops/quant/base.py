@@ -30,6 +30,18 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def input_quant(self, layer: nn.Module):
+        """How a kernel in front may hand this layer its input already quantized (a fusion of
+        the kernel plan), for `apply_quantized`: a `quant.common.InputQuant`, or None (the
+        default) where the layer takes x only."""
+        return None
+
+    def apply_quantized(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype,
+                        lock: torch.Tensor | None = None) -> torch.Tensor:
+        """`apply` of an input quantized as `input_quant` says: q [M, K] and its scales
+        [M, 1] fp32 -> [M, N] in `out_dtype`; `lock`: see `quant.common.prequantized_product`."""
+        raise NotImplementedError(f"{type(self).__name__} takes no pre-quantized input (its input_quant is None)")
+
     def format(self, layer: nn.Module) -> str:
         """What the weights are stored as (e.g. "bfloat16", "fp8 per-channel")."""
         raise NotImplementedError

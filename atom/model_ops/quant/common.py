@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -232,6 +232,8 @@ class QuantLinearMethod(LinearMethod):
 # kernel (`kernels.quant_gemv_dot`, the activation quantizer folded in where its table says
 # so), else activation quantization by `kernels.act_quant` and `kernels.quant_gemm`'s GEMM,
 # or torch._scaled_mm for fp8 row / column scales where cuBLASLt takes the case (`product_route`).
+# `prequantized_product` runs the same routes on an input a kernel in front already quantized
+# (the kernel plan's "norm+quant" / "silu+quant"; the methods' `apply_quantized`).
 # ---------------------------------------------------------------------------
 
 SCALED_MM_MIN_M = 65  # from here fp8 row / column scaled products go to cuBLASLt when it takes them
@@ -247,21 +249,27 @@ def use_kernels(x: torch.Tensor) -> bool:
 
 
 def scaled_mm_problem(x2: torch.Tensor, N: int, rowwise: bool, bias: torch.Tensor | None = None) -> str | None:
-    """Why torch._scaled_mm cannot run this fp8 product (None: it can): cuBLASLt's rules
-    as torch 2.11 checks them. K and N multiples of 16; tensor-wise scales on sm89+, any of
-    bf16 / fp16 / fp32 out; row-wise scales ([M, 1] x [1, N]) on sm90+ with bf16 out only;
-    not on ROCm (its fp8 is the fnuz variant)."""
-    K = x2.shape[1]
+    """Why torch._scaled_mm cannot run this fp8 product of x2 [M, K] (its dtype the output's)
+    (None: it can): `scaled_mm_problem_for`."""
+    return scaled_mm_problem_for(x2.shape[1], N, x2.dtype, x2.device, rowwise)
+
+
+def scaled_mm_problem_for(K: int, N: int, out_dtype: torch.dtype, device, rowwise: bool) -> str | None:
+    """Why torch._scaled_mm cannot run an fp8 product [M, K] x [K, N] -> `out_dtype` on
+    `device` (None: it can): cuBLASLt's rules as torch 2.11 checks them. K and N multiples
+    of 16; tensor-wise scales on sm89+, any of bf16 / fp16 / fp32 out; row-wise scales
+    ([M, 1] x [1, N]) on sm90+ with bf16 out only; not on ROCm (its fp8 is the fnuz variant)."""
     if K % 16 or N % 16:
         return f"K={K} and N={N} must be multiples of 16"
-    if x2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"out dtype {x2.dtype}"
-    if rowwise and x2.dtype != torch.bfloat16:
-        return f"row-wise scales need a bfloat16 output, not {x2.dtype}"
-    if x2.is_cuda:
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"out dtype {out_dtype}"
+    if rowwise and out_dtype != torch.bfloat16:
+        return f"row-wise scales need a bfloat16 output, not {out_dtype}"
+    device = torch.device(device)
+    if device.type == "cuda":
         if torch.version.hip is not None:
             return "ROCm"
-        cap = torch.cuda.get_device_capability(x2.device)
+        cap = torch.cuda.get_device_capability(device)
         if cap < ((9, 0) if rowwise else (8, 9)):
             return f"compute capability {cap}"
     return None
@@ -293,12 +301,21 @@ def product_route(kind: str, M: int, x2: torch.Tensor | None = None, N: int = 0,
       table `small_m_config(M, N, K, block_k, kind, act)` has an entry, with the activation
       quantizer folded in ("dot_fused") or in front (`act_quant`, "dot");
     - else "gemv" (the CUDA-core GEMV, M <= GEMV_MAX_M) or "gemm" (tl.dot tiles)."""
+    if x2 is None:
+        return route_for(kind, M, 0, N, None, None, block_k, rowwise, act)
+    return route_for(kind, M, x2.shape[-1], N, x2.dtype, x2.device, block_k, rowwise, act)
+
+
+def route_for(kind: str, M: int, K: int, N: int, out_dtype: torch.dtype | None, device, block_k: int = 0,
+              rowwise: bool = True, act: str = "token") -> str:
+    """`product_route` for a product [M, K] x [K, N] -> `out_dtype` on `device` (None: no
+    torch._scaled_mm)."""
     from atom.model_ops.kernels.quant_gemm import GEMV_MAX_M
     from atom.model_ops.kernels.quant_gemv_dot import small_m_config
-    if kind == "fp8" and not block_k and M >= SCALED_MM_MIN_M and x2 is not None \
-            and scaled_mm_problem(x2, N, rowwise, bias) is None:
+    if kind == "fp8" and not block_k and M >= SCALED_MM_MIN_M and out_dtype is not None \
+            and scaled_mm_problem_for(K, N, out_dtype, device, rowwise) is None:
         return "scaled_mm"
-    cfg = small_m_config(M, N, x2.shape[-1] if x2 is not None else 0, block_k, kind, act)
+    cfg = small_m_config(M, N, K, block_k, kind, act)
     if cfg is not None:
         return "dot_fused" if cfg.get("FUSE") else "dot"
     return "gemv" if M <= GEMV_MAX_M else "gemm"
@@ -317,8 +334,7 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
     One custom op around the whole product (its own kernels are custom ops too): the route
     depends on M and on the device's capability, which torch.compile should not trace."""
     from atom.model_ops.kernels.act_quant import act_quant
-    from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
-    from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot, quant_gemv_dot_fused
+    from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_fused
     K, N = x.shape[-1], w.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
@@ -328,22 +344,84 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
         static_scale = _amax_scale(x2.float(), qmax)
     one_scale = act == "tensor" and w_scalar is not None  # both scales single: cuBLASLt's tensor-wise
     route = product_route(kind, M, x2, N, block_k, rowwise=not one_scale, bias=bias, act=act)
-    ws_k = ws if block_k else ws.reshape(-1)
     if route == "dot_fused":  # one launch: the activations are quantized inside the product
+        ws_k = ws if block_k else ws.reshape(-1)
         y = quant_gemv_dot_fused(x2, w, ws_k, bias, kind, qmax, block_k, static_scale if act == "tensor" else None)
         return y.reshape(*lead, N)
     xq, xs = act_quant(x2, kind, block_k or K, qmax, static_scale if act == "tensor" else None)
     if act != "group":
         xs = xs.reshape(-1)[:1] if act == "tensor" else xs.reshape(-1)
-    if route == "dot":
-        y = quant_gemv_dot(xq, xs, w, ws_k, bias, x.dtype, block_k)
-    elif route == "gemv":
-        y = quant_gemv(xq, xs, w, ws_k, bias, x.dtype, block_k)
-    elif route == "scaled_mm":
-        y = _scaled_mm(xq, xs, w, ws, bias, x.dtype, w_scalar)
-    else:
-        y = quant_gemm(xq, xs, w, ws_k, bias, x.dtype, block_k)
-    return y.reshape(*lead, N)
+    return _product_on_route(route, xq, xs, w, ws, bias, x.dtype, block_k, w_scalar).reshape(*lead, N)
+
+
+def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_scalar, lock=None) -> torch.Tensor:
+    """The product of quantized activations (`act_quant`'s layouts) on `route`
+    (`product_route`; "dot_fused" runs "dot": x is quantized already). `lock`: the swap-AB
+    kernel folds a split K into itself (`quant_gemv_dot.split_k_lock`)."""
+    from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
+    from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot, quant_gemv_dot_launch
+    ws_k = ws if block_k else ws.reshape(-1)
+    if route in ("dot", "dot_fused"):
+        if lock is not None:  # the launch itself (the custom op declares no mutated counters)
+            return quant_gemv_dot_launch(xq, xs, w, ws_k, bias, out_dtype, block_k, lock=lock)
+        return quant_gemv_dot(xq, xs, w, ws_k, bias, out_dtype, block_k)
+    if route == "gemv":
+        return quant_gemv(xq, xs, w, ws_k, bias, out_dtype, block_k)
+    if route == "scaled_mm":
+        return _scaled_mm(xq, xs, w, ws, bias, out_dtype, w_scalar)
+    return quant_gemm(xq, xs, w, ws_k, bias, out_dtype, block_k)
+
+
+class InputQuant(NamedTuple):
+    """How a method takes its input already quantized (`apply_quantized`): `kind` "fp8"
+    (e4m3) / "int8", quantized as `act_quant(x, kind, K, qmax)` does, one scale a row.
+    `per_token` False: the format's scale is one for the whole input (dynamic per-tensor),
+    which a per-row quantizer gives only for one row."""
+    kind: str
+    qmax: float
+    per_token: bool = True
+
+
+def _check_prequantized(xq: torch.Tensor, xs: torch.Tensor, K: int) -> None:
+    if xq.dim() != 2 or xq.shape[1] != K:
+        raise ValueError(f"pre-quantized x must be [M, K={K}], got shape {tuple(xq.shape)}")
+    if xq.dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise ValueError(f"pre-quantized x dtype {xq.dtype}: float8_e4m3fn or int8 wanted")
+    if xs.numel() not in (1, xq.shape[0]):
+        raise ValueError(f"pre-quantized x scales: one a row ({xq.shape[0]}) or one in all, got shape "
+                         f"{tuple(xs.shape)}")
+
+
+def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                         bias: Optional[torch.Tensor], out_dtype: torch.dtype, w_scalar: Optional[torch.Tensor] = None,
+                         lock: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """xq [M, K] already quantized (float8_e4m3fn / int8 like w, by a kernel in front: one
+    scale a row, xs [M] or [M, 1] fp32, or one scale for every row) times the 8-bit weight
+    w [N, K] with its row scales ws [N, 1] -> [M, N] in `out_dtype`: `quantized_product`'s
+    routes for M rows (the same table: swap-AB to 64 rows, then torch._scaled_mm or the
+    Triton GEMM), without its quantizer. `lock`: the split-K sum folded into the swap-AB
+    kernel. Eager only (the fused decoder forward; under torch.compile the layers run
+    `quantized_product`)."""
+    _check_prequantized(xq, xs, w.shape[1])
+    if xq.dtype != w.dtype:
+        raise ValueError(f"pre-quantized x dtype {xq.dtype} != the weight's {w.dtype}")
+    M, K = xq.shape
+    N = w.shape[0]
+    xs = xs.reshape(-1).float()
+    one_scale = xs.numel() == 1 and w_scalar is not None  # both single: cuBLASLt's tensor-wise scales
+    route = route_for("int8" if xq.dtype == torch.int8 else "fp8", M, K, N, out_dtype, xq.device,
+                      rowwise=not one_scale)
+    return _product_on_route(route, xq, xs, w, ws, bias, out_dtype, 0, w_scalar, lock)
+
+
+def prequantized_ref(xq: torch.Tensor, xs: torch.Tensor, w32: torch.Tensor, bias: Optional[torch.Tensor],
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """The torch reference of `prequantized_product` with the weight dequantized to fp32
+    (w32): x = q * scale exactly (what `fake_quant_act` gives for the same q and scale),
+    times w32 in fp32."""
+    _check_prequantized(xq, xs, w32.shape[1])
+    x32 = xq.float() * xs.float().reshape(-1, 1)
+    return F.linear(x32, w32, bias.float() if bias is not None else None).to(out_dtype)
 
 
 @quantized_product.register_fake

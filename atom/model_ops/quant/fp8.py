@@ -21,7 +21,9 @@ GEMV (small M), torch._scaled_mm (per-tensor / per-channel, larger M, where cuBL
 the case) or the Triton GEMM (fp16 row-wise, odd sizes, blocks: each K block's tl.dot
 scaled by x_scale[m, kb] * w_scale[n, kb]). Weight-only fp8 and blocks whose activation
 group differs from the block width (or is narrower than 16) keep the reference; `kernel`
-says which.
+says which. Dynamic per-token (and, for one row, per-tensor) activations may also come
+quantized by the kernel in front (`input_quant` / `apply_quantized`: the kernel plan's
+"norm+quant" and "silu+quant" fusions), the product then running the same routes.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ import torch
 from torch import nn
 
 from atom.model_ops.quant import common
-from atom.model_ops.quant.common import (FP8_MAX, REFERENCE_KERNEL, QuantLinearMethod, bias_param, expand_rows,
-                                         fake_quant_act, kernel_summary, per_row_from_shards, per_shard_param,
-                                         product, quantized_product, refuse, row_param, weight_param)
+from atom.model_ops.quant.common import (FP8_MAX, REFERENCE_KERNEL, InputQuant, QuantLinearMethod, bias_param,
+                                         expand_rows, fake_quant_act, kernel_summary, per_row_from_shards,
+                                         per_shard_param, prequantized_product, prequantized_ref, product,
+                                         quantized_product, refuse, row_param, weight_param)
 from atom.quant_spec import QuantType
 
 logger = logging.getLogger(__name__)
@@ -124,6 +127,20 @@ class Fp8LinearMethod(QuantLinearMethod):
         x32 = fake_quant_act(x, "fp8", self.act, self.act_group,
                              layer.act_scale if self.static else None)
         return product(x, x32, self.dequantized_weight(layer), layer.bias)
+
+    def input_quant(self, layer: nn.Module) -> InputQuant | None:
+        """Dynamic per-token or per-tensor activations on the kernels: their quantizer may run
+        in the kernel in front (per-tensor only for one row, where the tensor is the row)."""
+        if not self.kernels or self.static or self.act not in ("token", "tensor"):
+            return None
+        return InputQuant("fp8", FP8_MAX, per_token=self.act == "token")
+
+    def apply_quantized(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype,
+                        lock: torch.Tensor | None = None) -> torch.Tensor:
+        if common.use_kernels(xq):
+            return prequantized_product(xq, xs, layer.weight, layer.row_scale, layer.bias, out_dtype,
+                                        getattr(layer, "w_scalar", None), lock)
+        return prequantized_ref(xq, xs, self.dequantized_weight(layer), layer.bias, out_dtype)
 
     def format_spec(self) -> str:
         w = {"tensor": "per-tensor", "channel": "per-channel"}.get(self.weight_scheme)

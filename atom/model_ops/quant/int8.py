@@ -14,6 +14,8 @@ On a GPU (`common.use_kernels`) W8A8 runs `common.quantized_product`: a Triton k
 quantizes the activations to int8 with the reference's arithmetic (qmax as above), then a
 weight-streaming GEMV (small M) or a Triton tl.dot int8 x int8 -> int32 GEMM, the scales
 applied to the exact integer sums. W8A16 (no activation quantization) keeps the reference.
+W8A8's activations may also come quantized by the kernel in front (`input_quant` /
+`apply_quantized`, the kernel plan's "norm+quant" and "silu+quant").
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ import torch
 from torch import nn
 
 from atom.model_ops.quant import common
-from atom.model_ops.quant.common import (REFERENCE_KERNEL, QuantLinearMethod, bias_param, fake_quant_act,
-                                         kernel_summary, product, quantized_product, refuse, row_param,
-                                         weight_param)
+from atom.model_ops.quant.common import (REFERENCE_KERNEL, InputQuant, QuantLinearMethod, bias_param,
+                                         fake_quant_act, kernel_summary, prequantized_product, prequantized_ref,
+                                         product, quantized_product, refuse, row_param, weight_param)
 from atom.quant_spec import QuantType
 
 
@@ -59,6 +61,16 @@ class Int8LinearMethod(QuantLinearMethod):
                                      self.act_qmax)
         x32 = fake_quant_act(x, "int8", self.act, qmax=self.act_qmax)
         return product(x, x32, self.dequantized_weight(layer), layer.bias)
+
+    def input_quant(self, layer: nn.Module) -> InputQuant | None:
+        """W8A8: the per-token quantizer may run in the kernel in front (a plan's fusion)."""
+        return InputQuant("int8", self.act_qmax) if self.act == "token" else None
+
+    def apply_quantized(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype,
+                        lock: torch.Tensor | None = None) -> torch.Tensor:
+        if common.use_kernels(xq):
+            return prequantized_product(xq, xs, layer.weight, layer.weight_scale, layer.bias, out_dtype, lock=lock)
+        return prequantized_ref(xq, xs, self.dequantized_weight(layer), layer.bias, out_dtype)
 
     def format_spec(self) -> str:
         return "int8 per-channel, " + ("act dynamic per-token" if self.act == "token" else "weight only")

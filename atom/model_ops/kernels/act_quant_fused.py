@@ -1,0 +1,171 @@
+"""Dynamic per-token activation quantization fused into the kernel in front of an 8-bit
+product, so that the row goes to the product already quantized (one launch, and one pass over
+the row, fewer at every M):
+- `norm_quant(x, residual, w, eps, kind, qmax)`: residual add + RMSNorm + quantization, before
+  the q/k/v and gate-up projections -> (q, scales, x + residual);
+- `silu_quant(x, kind, qmax)`: SiLU-and-mul + quantization, before the down projection
+  -> (q, scales).
+q is [M, K] float8_e4m3fn or int8 and scales [M, 1] fp32, what `act_quant(h, kind, K, qmax)`
+returns for the row h that the separate kernels would have written.
+
+Bit for bit the separate kernels (`rmsnorm.fused_add_rms_norm` / `activation.silu_and_mul`,
+then `act_quant`): the row is computed by the same jit functions (`rmsnorm.add_rms_norm_row`,
+`activation.silu_mul_cols`; the norm with the same block and warps, `rmsnorm.norm_row_config`,
+so its sum runs in the same order), rounded to the activations' dtype as those kernels store
+it, and quantized with `act_quant`'s arithmetic (scale = max(amax, 1e-12) / qmax correctly
+rounded, `act_quant._quantize`). The rounded row itself is never written. One exception, the
+first decoder layer of a model whose hidden size is at most `rmsnorm.SHORT_ROW` (512): with
+no residual to add the unfused norm is `rms_norm`'s short-row kernel, which sums in another
+order, so a normed value there can differ by one ulp of its dtype (and its quantized value
+by one step).
+
+One program per row, the whole row in registers (`silu_quant` rows wider than
+`act_quant.SINGLE_PASS_MAX` are walked twice in chunks, amax then quantize, recomputing the
+activation: the same values). Both take part in programmatic dependent launch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from atom.model_ops.kernels.act_quant import SINGLE_PASS_MAX, act_quant_ref
+from atom.model_ops.kernels.rmsnorm import (as_rows, check_norm_args, fused_add_rms_norm_ref, norm_row_config,
+                                           rms_norm_ref)
+from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
+
+_KINDS = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+if HAS_TRITON:
+    from atom.model_ops.kernels.act_quant import _quantize
+    from atom.model_ops.kernels.activation import silu_mul_cols
+    from atom.model_ops.kernels.rmsnorm import add_rms_norm_row
+    from atom.model_ops.kernels.triton_import import pdl_start
+
+    @triton.jit
+    def _quantize_row(h, q_row, s_ptr, cols, mask, qmax, INT8: tl.constexpr):
+        """h (fp32 values of the row, zero where masked) quantized as act_quant does."""
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), 0), 1e-12), qmax)
+        tl.store(s_ptr, scale)
+        tl.store(q_row + cols, _quantize(h, scale, INT8).to(q_row.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_quant_kernel(x_ptr, r_ptr, w_ptr, rout_ptr, q_ptr, s_ptr, stride_x, stride_r, stride_ro, stride_q,
+                           N, eps, qmax, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, INT8: tl.constexpr,
+                           PDL: tl.constexpr):
+        pdl_start(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        h = add_rms_norm_row(x_ptr, r_ptr, w_ptr, rout_ptr, row, stride_x, stride_r, stride_ro, N, eps,
+                             BLOCK, HAS_RES)
+        h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # the normed row as the norm kernel stores it
+        cols = tl.arange(0, BLOCK)
+        _quantize_row(h, q_ptr + row * stride_q, s_ptr + row, cols, cols < N, qmax, INT8)
+
+    @triton.jit
+    def _silu_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, I, qmax, BLOCK: tl.constexpr,
+                           SINGLE: tl.constexpr, INT8: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_x
+        q_row = q_ptr + row * stride_q
+        dt = x_ptr.dtype.element_ty
+        if SINGLE:
+            cols = tl.arange(0, BLOCK)
+            ok = cols < I
+            h = silu_mul_cols(x_row, cols, ok, I).to(dt).to(tl.float32)  # as silu_and_mul stores it
+            _quantize_row(h, q_row, s_ptr + row, cols, ok, qmax, INT8)
+        else:
+            amax = tl.zeros([BLOCK], tl.float32)
+            for c in range(0, I, BLOCK):
+                cols = c + tl.arange(0, BLOCK)
+                h = silu_mul_cols(x_row, cols, cols < I, I).to(dt).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(h))
+            scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), qmax)
+            tl.store(s_ptr + row, scale)
+            for c in range(0, I, BLOCK):
+                cols = c + tl.arange(0, BLOCK)
+                ok = cols < I
+                h = silu_mul_cols(x_row, cols, ok, I).to(dt).to(tl.float32)
+                tl.store(q_row + cols, _quantize(h, scale, INT8).to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_kind(kind: str, qmax: float) -> None:
+    if kind not in _KINDS:
+        raise ValueError(f"kind={kind!r}: allowed {sorted(_KINDS)}")
+    if not qmax > 0:
+        raise ValueError(f"qmax={qmax}: must be > 0")
+
+
+def _need_triton(name: str) -> None:
+    if not HAS_TRITON:
+        raise RuntimeError(f"{name} needs triton; use {name}_ref without it")
+
+
+def norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, kind: str,
+               qmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, N] (+ residual) -> (q [M, N], scales [M, 1] fp32, x + residual): RMSNorm of the
+    sum quantized per row as `act_quant` would quantize the normed row. Without a residual the
+    third output is x itself (the first decoder layer, as the norm returns it)."""
+    _need_triton("norm_quant")
+    _check_kind(kind, qmax)
+    check_norm_args(x, weight, residual)
+    if x.dim() != 2:
+        raise ValueError(f"norm_quant takes x [M, N], got shape {tuple(x.shape)}")
+    M, N = x.shape
+    x2 = as_rows(x)
+    q = torch.empty(M, N, dtype=_KINDS[kind], device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        r2 = as_rows(residual)
+        rout = torch.empty(M, N, dtype=residual.dtype, device=x.device)
+    else:
+        r2, rout = x2, x
+    if M:
+        _norm_quant_kernel[(M,)](x2, r2, weight, rout, q, s, x2.stride(0), r2.stride(0), rout.stride(0), q.stride(0),
+                                 N, float(eps), float(qmax), HAS_RES=residual is not None, INT8=kind == "int8",
+                                 **norm_row_config(N), **pdl_args(x2))
+    return q, s, rout
+
+
+def silu_quant_config(I: int, single_pass_max: int = SINGLE_PASS_MAX) -> dict:
+    """BLOCK, SINGLE and warps for rows of I activations (see the module docstring)."""
+    block = triton.next_power_of_2(I)
+    if block <= single_pass_max:
+        return dict(BLOCK=block, SINGLE=True, num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+    return dict(BLOCK=4096, SINGLE=False, num_warps=8)
+
+
+def silu_quant(x: torch.Tensor, kind: str, qmax: float, config: Optional[dict] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, 2I] ([gate | up]) -> (q [M, I], scales [M, 1] fp32): silu(gate) * up quantized
+    per row as `act_quant` would quantize `silu_and_mul(x)`; `config` overrides
+    `silu_quant_config`."""
+    _need_triton("silu_quant")
+    _check_kind(kind, qmax)
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_quant takes x [M, 2I], got shape {tuple(x.shape)}")
+    M, I = x.shape[0], x.shape[1] // 2
+    x2 = as_rows(x)
+    q = torch.empty(M, I, dtype=_KINDS[kind], device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M and I:
+        _silu_quant_kernel[(M,)](x2, q, s, x2.stride(0), q.stride(0), I, float(qmax), INT8=kind == "int8",
+                                 **(config or silu_quant_config(I)), **pdl_args(x2))
+    return q, s
+
+
+def norm_quant_ref(x, residual, weight, eps, kind, qmax):
+    """The torch reference of `norm_quant`: the norm's reference, then `act_quant_ref`."""
+    if residual is None:
+        h, residual = rms_norm_ref(x, weight, eps), x
+    else:
+        h, residual = fused_add_rms_norm_ref(x, residual, weight, eps)
+    q, s = act_quant_ref(h, kind, h.shape[-1], qmax)
+    return q, s, residual
+
+
+def silu_quant_ref(x, kind, qmax):
+    """The torch reference of `silu_quant`: `silu_and_mul_ref`, then `act_quant_ref`."""
+    from atom.model_ops.kernels.activation import silu_and_mul_ref
+    h = silu_and_mul_ref(x)
+    return act_quant_ref(h, kind, h.shape[-1], qmax)

@@ -1,0 +1,55 @@
+"""Builds the fused quantizers (`kernels.act_quant_fused`: add + RMSNorm + quantize, SiLU-and-mul
++ quantize) for an NVIDIA sm90 target without a GPU and reports marks of their PTX, as one
+JSON line (run as a child process by tests/test_act_quant_fused.py, without
+TRITON_INTERPRET): the quantizer's correctly rounded division, the e4m3 conversion, PDL's
+griddepcontrol.
+
+    python tests/act_quant_fused_sm90.py
+"""
+from __future__ import annotations
+
+import json
+
+
+def compile_all() -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom.model_ops.kernels import act_quant_fused as aqf
+    from atom.model_ops.kernels.rmsnorm import norm_row_config
+
+    f8, i8 = "*fp8e4nv", "*i8"
+    norm = norm_row_config(4096)
+    silu = aqf.silu_quant_config(14336)
+    marks = ("div.rn.f32", "griddepcontrol.wait")
+
+    def norm_types(x, q):
+        return dict(x_ptr=x, r_ptr=x, w_ptr=x, rout_ptr=x, q_ptr=q, s_ptr="*fp32", eps="fp32", qmax="fp32")
+
+    def silu_types(x, q):
+        return dict(x_ptr=x, q_ptr=q, s_ptr="*fp32", qmax="fp32")
+
+    cases = {
+        "norm_quant_fp8": (aqf._norm_quant_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=True, INT8=False, PDL=True),
+                           norm_types("*bf16", f8), norm["num_warps"], marks + ("e4m3x2",)),
+        "norm_quant_int8": (aqf._norm_quant_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=False, INT8=True, PDL=True),
+                            norm_types("*fp16", i8), norm["num_warps"], marks),
+        "silu_quant_fp8": (aqf._silu_quant_kernel, dict(BLOCK=silu["BLOCK"], SINGLE=True, INT8=False, PDL=True),
+                           silu_types("*bf16", f8), silu["num_warps"], marks + ("e4m3x2",)),
+        "silu_quant_fp8_chunks": (aqf._silu_quant_kernel, dict(BLOCK=4096, SINGLE=False, INT8=False, PDL=True),
+                                  silu_types("*bf16", f8), 8, marks + ("e4m3x2",)),
+        "silu_quant_int8": (aqf._silu_quant_kernel, dict(BLOCK=silu["BLOCK"], SINGLE=True, INT8=True, PDL=True),
+                            silu_types("*bf16", i8), silu["num_warps"], marks),
+    }
+    out = {}
+    for name, (kernel, constexprs, types, warps, want) in cases.items():
+        sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+        out[name] = {m: m in ptx for m in want}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all()))

@@ -1,0 +1,222 @@
+"""The kernel plan's fusions for 8-bit layers ("norm+quant", "silu+quant", "split_k_fold";
+`atom.tuning.fusions`) on the CPU, under Triton's interpreter: the plan keeps and shows them;
+the fused pieces of a decoder layer (norm + q/k/v, norm + gate-up + SiLU + down, o_proj) give
+the unfused layers' bits (ptpc fp8, int8 W8A8, per-tensor fp8), with the products on their
+torch reference and on the GPU routes (forced); and a tiny Llama quantized ptpc fp8
+generates the same greedy tokens with the fusions installed as without."""
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from atom.model_ops.attention.metadata import AttentionMetadata, forward_context
+from atom.model_ops.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from atom.model_ops.norm import RMSNorm
+from atom.model_ops.quant import common
+from atom.tuning import fusions
+from atom.tuning.fusions import default_fusions
+from atom.tuning.plan import KernelPlan
+from conftest import make_tiny_model
+from test_quant_kernels_fp8 import INT8_SPEC
+from test_quant_methods import FORMATS, OneSpec, fill, q_int8_channel
+
+triton = pytest.importorskip("triton")
+NEW = ("norm+quant", "silu+quant", "split_k_fold")
+# CPU tensors through the kernels need the interpreter (set by conftest where there is no GPU)
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _plans():
+    """(unfused, fused): the Triton plan without and with the 8-bit fusions, kernels forced
+    onto CPU tensors (the interpreter)."""
+    every = default_fusions("triton")
+    return (KernelPlan(backend="triton", fusions=[f for f in every if f not in NEW], force_kernels=True),
+            KernelPlan(backend="triton", fusions=every, force_kernels=True))
+
+
+def test_the_plan_has_shows_and_keeps_the_fusions(tmp_path):
+    assert set(NEW) <= set(default_fusions("triton"))
+    assert not set(NEW) & set(default_fusions("aiter")) and default_fusions("torch") == ()
+    plan = KernelPlan(backend="triton", fusions=NEW)
+    assert all(plan.has(f) for f in NEW) and all(f in repr(plan) for f in NEW)
+    loaded = KernelPlan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded.fusions == NEW and loaded.to_dict() == plan.to_dict()
+    with pytest.raises(ValueError, match=r"fusions=\['norm\+quantize'\] are invalid"):
+        KernelPlan(fusions=("norm+quantize",))
+
+
+# ---------------------------------------------------------------------------
+# the fused pieces of a decoder layer against the unfused layers
+# ---------------------------------------------------------------------------
+
+def _spec(fmt):
+    return INT8_SPEC if fmt == "int8" else FORMATS[fmt]["spec"]
+
+
+def _quant(fmt, w):
+    return q_int8_channel(w) if fmt == "int8" else FORMATS[fmt]["quant"](w)
+
+
+def _loaded(layer, fmt, seed):
+    g = torch.Generator().manual_seed(seed)
+    for sid in layer.shard_ids():
+        w = torch.randn(layer.shard_range(sid)[1], layer.in_features, generator=g) * 0.1
+        for name, t in _quant(fmt, w).items():
+            fill(layer, name, t, sid)
+    layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+def _decoder_parts(fmt, H=128, I=160, K_o=2048, device="cpu"):
+    """The projections and norms of a decoder layer in `fmt` on `device` (o_proj 2048 wide:
+    its K splits in two, so that the folded split K runs), as `fusions` reads them."""
+    qc = OneSpec(_spec(fmt))
+    attn = types.SimpleNamespace(
+        qkv_proj=_loaded(QKVLinear(H, 32, 4, 2, quant_config=qc, prefix="l.qkv_proj"), fmt, 1),
+        o_proj=_loaded(RowParallelLinear(K_o, 64, quant_config=qc, prefix="l.o_proj"), fmt, 2))
+    mlp = types.SimpleNamespace(
+        gate_up_proj=_loaded(MergedLinear(H, [I, I], quant_config=qc, prefix="l.gate_up_proj"), fmt, 3),
+        down_proj=_loaded(RowParallelLinear(I, H, quant_config=qc, prefix="l.down_proj"), fmt, 4))
+    norm = RMSNorm(H)
+    norm.weight.data = torch.rand(H, generator=torch.Generator().manual_seed(5)) + 0.5
+    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, norm):
+        m.to(device)
+    layer = types.SimpleNamespace(self_attn=attn, mlp=mlp, input_layernorm=norm, post_attention_layernorm=norm)
+    fusions._give_locks(layer)
+    return layer
+
+
+def _meta(plan):
+    """A forward's context holding `plan` (the layers' norms and SiLU then take its kernels)."""
+    z = torch.zeros(1, dtype=torch.int32)
+    return AttentionMetadata(z, z, z.reshape(1, 1), z.long(), 1, 1, plan=plan)
+
+
+def _run_parts(layer, plan, x, res, a):
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        lin.plan = plan
+    with forward_context(_meta(plan)):
+        qkv, r1 = fusions.norm_linear(layer.input_layernorm, layer.self_attn.qkv_proj, x, res)
+        first = fusions.norm_linear(layer.input_layernorm, layer.self_attn.qkv_proj, x, None)
+        o = fusions.project(plan, layer.self_attn.o_proj, a)
+        out, r2 = fusions._mlp(layer, plan, x, res)
+    return qkv, r1, first[0], o, out, r2
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU cases need Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("gpu_routes", [False, True])
+@pytest.mark.parametrize("fmt", ["fp8_channel", "int8", "fp8_tensor_dynamic"])
+def test_fused_pieces_give_the_unfused_layers_bits(fmt, gpu_routes, monkeypatch):
+    """norm + q/k/v, o_proj and norm + gate-up + SiLU + down at M = 1, 3, 17: the fused path
+    (the quantizer in the norm / SiLU kernel, the product on q; o_proj's split K folded) and
+    the unfused layers give the same bits, the products on their torch reference
+    (`gpu_routes` False, the CPU's) or on the GPU routes (forced: the swap-AB kernel and its
+    fold, under the interpreter). Dynamic per-tensor fp8 is fused for one row only."""
+    monkeypatch.setattr(common, "use_kernels", lambda t: gpu_routes)
+    _check_fused_pieces(fmt, "cpu", gpu_routes, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fmt", ["fp8_channel", "int8", "fp8_tensor_dynamic"])
+def test_fused_pieces_on_gpu_give_the_unfused_layers_bits(fmt, monkeypatch):
+    """The same on CUDA tensors, compiled kernels and the GPU routes (the fold included)."""
+    _check_fused_pieces(fmt, "cuda", True, monkeypatch)
+
+
+def _check_fused_pieces(fmt, device, gpu_routes, monkeypatch):
+    layer = _decoder_parts(fmt, device=device)
+    assert layer.self_attn.o_proj.split_k_lock.dtype == torch.int32
+    calls = []
+    from atom.model_ops.kernels import act_quant_fused, split_k
+    for mod, name in ((act_quant_fused, "norm_quant"), (act_quant_fused, "silu_quant"), (split_k, "split_k_sum")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    from atom.model_ops.kernels import quant_gemv_dot
+    monkeypatch.setattr(quant_gemv_dot, "split_k_sum", split_k.split_k_sum)  # (imported by name there)
+    unfused, fused = _plans()
+    g = torch.Generator().manual_seed(0)
+    for M in (1, 3, 17):
+        x, res = (torch.randn(M, 128, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
+        a = torch.randn(M, 2048, generator=g).to(torch.bfloat16).to(device)
+        calls.clear()
+        want = _run_parts(layer, unfused, x, res, a)
+        assert "norm_quant" not in calls and "silu_quant" not in calls
+        splits_unfused = calls.count("split_k_sum")
+        calls.clear()
+        got = _run_parts(layer, fused, x, res, a)
+        for g_, w_ in zip(got, want):
+            assert g_.dtype == w_.dtype and torch.equal(g_, w_), (fmt, M)
+        fused_here = fmt != "fp8_tensor_dynamic" or M == 1
+        assert (calls.count("norm_quant"), calls.count("silu_quant")) == ((3, 1) if fused_here else (0, 0))
+        if gpu_routes and fused_here:  # o_proj: 2048 / 256 = 8 K steps, split in two; folded when fused
+            assert splits_unfused >= 1 and calls.count("split_k_sum") == splits_unfused - 1
+    assert not layer.self_attn.o_proj.split_k_lock.any()
+
+
+def test_fused_pieces_fall_back_where_they_do_not_apply(monkeypatch):
+    """Unquantized layers, weight-only or static 8-bit layers, plans without the fusions and
+    a torch-backend plan: `quant_input` says no and the pieces run the layers as before."""
+    layer = _decoder_parts("fp8_channel")
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    unfused, fused = _plans()
+    qkv = layer.self_attn.qkv_proj
+    assert fusions.quant_input(fused, "norm+quant", qkv, x) == common.InputQuant("fp8", 448.0, True)
+    assert fusions.quant_input(unfused, "norm+quant", qkv, x) is None
+    assert fusions.quant_input(None, "norm+quant", qkv, x) is None
+    assert fusions.quant_input(KernelPlan(backend="triton", fusions=NEW), "norm+quant", qkv, x) is None  # CPU
+    assert fusions.quant_input(fused, "norm+quant", Linear(128, 64), x) is None
+    static = _loaded(Linear(128, 64, quant_config=OneSpec(FORMATS["fp8_tensor_static"]["spec"]), prefix="s"),
+                     "fp8_tensor_static", 1)
+    assert fusions.quant_input(fused, "norm+quant", static, x) is None
+    with pytest.raises(NotImplementedError, match="takes no pre-quantized input"):
+        Linear(128, 64).forward_quantized(x, x, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------
+# the engine: a tiny quantized Llama, greedy tokens with and without the fusions
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base128(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama128"), "llama", hidden_size=128,
+                           intermediate_size=256, initializer_range=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["fp8_dynamic"])
+def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, scheme, monkeypatch):
+    """The engine on the Triton backend (attention, norms, SiLU and the 8-bit GPU routes
+    under the interpreter): the decoder layers' fused forward with the 8-bit fusions gives
+    the unfused forward's greedy tokens (a prefill of two requests, a two-row decode step,
+    one-row steps), and the fused kernels ran. (int8 W8A8 goes through the same pieces:
+    `test_fused_pieces_give_the_unfused_layers_bits`.)"""
+    from atom import LLM, SamplingParams
+    from atom.model_ops.attention.triton_backend import TritonAttentionBackend
+    from atom.model_ops.kernels import act_quant_fused
+    from test_quant_methods import quantize_checkpoint
+    path = str(tmp_path / scheme)
+    quantize_checkpoint(base128, path, scheme)
+    monkeypatch.setattr(common, "use_kernels", lambda t: True)
+    calls = []
+    for name in ("norm_quant", "silu_quant"):
+        real = getattr(act_quant_fused, name)
+        monkeypatch.setattr(act_quant_fused, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32, enforce_eager=True)
+    runner = llm.engine.runner
+    runner.set_attention_backend(TritonAttentionBackend(runner.attn_layers, 64, runner.device))
+    # one prefill of both, a two-row decode step, then one-row steps for the longer request
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 22))]
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 4)]
+    out = {}
+    for name, plan in zip(("unfused", "fused"), _plans()):
+        runner.install_plan(plan)
+        calls.clear()
+        out[name] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert ("norm_quant" in calls and "silu_quant" in calls) == (name == "fused")
+    assert out["fused"] == out["unfused"]
+    layer = runner.model.model.layers[0]
+    assert "forward" in layer.__dict__ and layer.self_attn.o_proj.split_k_lock.dtype == torch.int32
