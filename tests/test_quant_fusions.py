@@ -30,15 +30,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _plans():
-    """(unfused, fused): the Triton plan without and with the 8-bit fusions, kernels forced
-    onto CPU tensors (the interpreter)."""
-    every = default_fusions("triton")
+    """(unfused, fused): the Triton plan without and with the 8-bit fusions (the opt-in fold
+    included), kernels forced onto CPU tensors (the interpreter)."""
+    every = default_fusions("triton") + ("split_k_fold",)
     return (KernelPlan(backend="triton", fusions=[f for f in every if f not in NEW], force_kernels=True),
             KernelPlan(backend="triton", fusions=every, force_kernels=True))
 
 
 def test_the_plan_has_shows_and_keeps_the_fusions(tmp_path):
-    assert set(NEW) <= set(default_fusions("triton"))
+    assert {"norm+quant", "silu+quant"} <= set(default_fusions("triton"))
+    assert "split_k_fold" not in default_fusions("triton")  # opt-in (tuning/fusions.py says why)
     assert not set(NEW) & set(default_fusions("aiter")) and default_fusions("torch") == ()
     plan = KernelPlan(backend="triton", fusions=NEW)
     assert all(plan.has(f) for f in NEW) and all(f in repr(plan) for f in NEW)
@@ -159,13 +160,17 @@ def _check_fused_pieces(fmt, device, gpu_routes, monkeypatch):
 
 def test_fused_pieces_fall_back_where_they_do_not_apply(monkeypatch):
     """Unquantized layers, weight-only or static 8-bit layers, plans without the fusions and
-    a torch-backend plan: `quant_input` says no and the pieces run the layers as before."""
+    a torch-backend plan, more rows than the fusions take: `quant_input` says no and the
+    pieces run the layers as before."""
     layer = _decoder_parts("fp8_channel")
     x = torch.randn(2, 128, dtype=torch.bfloat16)
     unfused, fused = _plans()
     qkv = layer.self_attn.qkv_proj
     assert fusions.quant_input(fused, "norm+quant", qkv, x) == common.InputQuant("fp8", 448.0, True)
     assert fusions.quant_input(unfused, "norm+quant", qkv, x) is None
+    rows = fusions.FUSED_QUANT_MAX_ROWS
+    assert fusions.quant_input(fused, "norm+quant", qkv, torch.randn(rows, 128, dtype=torch.bfloat16)) is not None
+    assert fusions.quant_input(fused, "norm+quant", qkv, torch.randn(rows + 1, 128, dtype=torch.bfloat16)) is None
     assert fusions.quant_input(None, "norm+quant", qkv, x) is None
     assert fusions.quant_input(KernelPlan(backend="triton", fusions=NEW), "norm+quant", qkv, x) is None  # CPU
     assert fusions.quant_input(fused, "norm+quant", Linear(128, 64), x) is None

@@ -16,13 +16,17 @@ which computes the same thing with fewer kernels where the plan says so:
   the cache, and the attention op only reads;
 - "norm+quant" / "silu+quant": 8-bit projections whose method takes its input quantized
   (`method.input_quant`: dynamic per-token fp8 / int8 W8A8, dynamic per-tensor fp8 for one
-  row) get it from the kernel in front, at any batch: add + RMSNorm + quantize before the
+  row) get it from the kernel in front, up to `FUSED_QUANT_MAX_ROWS` rows (decode batches; bit
+  for bit the separate kernels there on the H200, not above, where the separate norm runs
+  another kernel): add + RMSNorm + quantize before the
   q/k/v and gate-up products, SiLU-and-mul + quantize before down
   (`kernels.act_quant_fused`, bit for bit the separate kernels), the product then reading q
   (`Linear.forward_quantized`, the method's usual routes);
 - "split_k_fold": those 8-bit products (o_proj too, after its own quantizer) sum a split K
   inside the swap-AB kernel, with a counter buffer `install` gives each layer
-  (`quant_gemv_dot.split_k_lock`), instead of a second reduction launch.
+  (`quant_gemv_dot.split_k_lock`), instead of a second reduction launch. Opt-in only, not in
+  `default_fusions`: on the H200 its result differed from the separate reduction at the
+  28672 x 4096 shape, and one decoder layer was no faster with it.
 A layer matches when it has the Llama-shaped parts (`matches`); others keep their forward.
 `uninstall` restores the architecture's forward.
 """
@@ -42,6 +46,9 @@ from atom.model_ops.quant.common import InputQuant
 logger = logging.getLogger(__name__)
 
 
+FUSED_QUANT_MAX_ROWS = 64  # the quantizing fusions' rows at most (see the module docstring)
+
+
 def default_fusions(backend: str) -> tuple[str, ...]:
     """The fusions a backend runs at level 0 (the Triton kernels; AITER shares them)."""
     if backend == "torch":
@@ -50,7 +57,7 @@ def default_fusions(backend: str) -> tuple[str, ...]:
     if torch.version.hip is None:
         out += ("rope_in_attention",)
     if backend == "triton":  # the 8-bit products' kernels (NVIDIA; ROCm's run the reference)
-        out += ("norm+quant", "silu+quant", "split_k_fold")
+        out += ("norm+quant", "silu+quant")
     return out
 
 
@@ -103,7 +110,7 @@ def quant_input(plan, fusion: str, linear: nn.Module, x: torch.Tensor) -> InputQ
     if plan is None or not plan.has(fusion) or x.dim() != 2:
         return None
     iq = linear.method.input_quant(linear)
-    if iq is None or (not iq.per_token and x.shape[0] != 1):
+    if iq is None or (not iq.per_token and x.shape[0] != 1) or x.shape[0] > FUSED_QUANT_MAX_ROWS:
         return None
     return iq if common.use_kernels(x) or plan.force_kernels else None
 
