@@ -16,17 +16,16 @@ which computes the same thing with fewer kernels where the plan says so:
   the cache, and the attention op only reads;
 - "norm+quant" / "silu+quant": 8-bit projections whose method takes its input quantized
   (`method.input_quant`: dynamic per-token fp8 / int8 W8A8, dynamic per-tensor fp8 for one
-  row) get it from the kernel in front, up to `FUSED_QUANT_MAX_ROWS` rows (decode batches; bit
-  for bit the separate kernels there on the H200, not above, where the separate norm runs
-  another kernel): add + RMSNorm + quantize before the
-  q/k/v and gate-up products, SiLU-and-mul + quantize before down
-  (`kernels.act_quant_fused`, bit for bit the separate kernels), the product then reading q
+  row) get it from the kernel in front, up to `FUSED_QUANT_MAX_ROWS` rows (decode batches,
+  where the fused kernels give the separate kernels' bits; above, the separate norm runs
+  another kernel): add + RMSNorm + quantize before the q/k/v and gate-up products,
+  SiLU-and-mul + quantize before down (`kernels.act_quant_fused`), the product then reading q
   (`Linear.forward_quantized`, the method's usual routes);
 - "split_k_fold": those 8-bit products (o_proj too, after its own quantizer) sum a split K
   inside the swap-AB kernel, with a counter buffer `install` gives each layer
   (`quant_gemv_dot.split_k_lock`), instead of a second reduction launch. Opt-in only, not in
-  `default_fusions`: on the H200 its result differed from the separate reduction at the
-  28672 x 4096 shape, and one decoder layer was no faster with it.
+  `default_fusions`: its GPU test differs from the separate reduction at 28672 x 4096
+  (docs/perf has the layer timings).
 A layer matches when it has the Llama-shaped parts (`matches`); others keep their forward.
 `uninstall` restores the architecture's forward.
 """
