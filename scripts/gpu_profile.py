@@ -4,6 +4,7 @@ top CUDA kernels of a window of steps (torch profiler). A diagnosis tool, not a 
     python3 scripts/gpu_profile.py --model qwen3-0.6b --scenario workload   # nano-vllm workload
     python3 scripts/gpu_profile.py --model qwen3-0.6b --scenario bs1        # batch-1 decode
     python3 scripts/gpu_profile.py --model deepseek-v2-lite --windows 0:2,300:20 --no-summary
+    python3 scripts/gpu_profile.py --model qwen3-0.6b --level 3 --windows 0:3   # the compiled prefill steps
         # the kernels of the first two (prefill) steps and of 20 steps after step 300
 """
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--scenario", choices=["workload", "bs1"], default="workload")
     ap.add_argument("--windows", default="300:20",
                     help="profiled windows as first_step:steps, comma-separated (steps before a window run unprofiled)")
+    ap.add_argument("--level", type=int, default=0, help="compilation level (0-3)")
     ap.add_argument("--no-summary", dest="summary", action="store_false",
                     help="skip the whole-workload run that gives the per-kind step totals (a short warm-up instead)")
     args = ap.parse_args()
@@ -68,12 +70,13 @@ def main() -> None:
     vocab = MODEL_CONFIGS[args.model]["vocab_size"]
     if args.scenario == "workload":
         llm = LLM(path, load_dummy="xavier", max_model_len=4096, enable_log_stats=False,
-                  max_num_seqs=512, max_num_batched_tokens=16384)
+                  max_num_seqs=512, max_num_batched_tokens=16384,
+                  compilation_config={"level": args.level})
         reqs = nano_vllm_workload(256)
         sps = [SamplingParams(temperature=0.6, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     else:
         llm = LLM(path, load_dummy="xavier", max_model_len=2048, enable_log_stats=False, max_num_seqs=8,
-                  compilation_config={"cudagraph_capture_sizes": [1]})
+                  compilation_config={"cudagraph_capture_sizes": [1], "level": args.level})
         reqs = mixed_workload(1, (128, 128), (512, 512), vocab, seed=1)
         sps = [SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)]
         windows = [(min(first, 100), n) for first, n in windows]

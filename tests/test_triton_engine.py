@@ -88,3 +88,33 @@ def test_one_row_gemv_paths_in_the_engine(model, request, monkeypatch):
     assert bool(calls) == (model == "tiny_llama")  # Qwen3's q/k norm keeps the rotary kernel
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert out[0].token_ids == hf_greedy(hf, p, 4)
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_llama"])
+def test_compiled_decoder_layers_run_the_plan_kernels(model, request, monkeypatch):
+    """Level 3's compiled graph (here traced through AOT autograd's functionalization, as
+    Inductor traces it, without generating code): each decoder layer's norms, SiLU-and-mul
+    and its rotary with the cache write are the engine's kernels as registered ops, not torch
+    code for Inductor, and the tokens stay transformers'."""
+    from atom.model_ops.attention import triton_backend
+    from atom.model_ops.kernels import graph_ops
+    path = request.getfixturevalue(model)
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
+    runner = llm.engine.runner
+    _on_triton(runner, fused=True)
+    torch._dynamo.reset()
+    runner.model_forward = torch.compile(runner.model, backend="aot_eager", dynamic=True, fullgraph=True)
+    rope_calls, norm_calls = [], []
+    real_rope, real_norm = triton_backend.rotary_embedding, graph_ops._fused_add_rms_norm
+    monkeypatch.setattr(triton_backend, "rotary_embedding",
+                        lambda *a, **kw: rope_calls.append(kw["kv_cache"] is not None) or real_rope(*a, **kw))
+    monkeypatch.setattr(graph_ops, "_fused_add_rms_norm", lambda *a: norm_calls.append(1) or real_norm(*a))
+    ps = [[5, 6, 7, 8, 9], list(range(10, 50))]  # the second is chunked: 32 + 8 tokens
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    layers = len(runner.model.model.layers)
+    steps = runner.num_steps
+    assert len(rope_calls) == layers * steps and all(rope_calls), "every layer's rotary wrote the cache in the op"
+    assert len(norm_calls) == (2 * layers - 1) * steps  # layer 0's input norm has no residual to add
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in ps]
+    torch._dynamo.reset()

@@ -26,6 +26,11 @@ which computes the same thing with fewer kernels where the plan says so:
   (`quant_gemv_dot.split_k_lock`), instead of a second reduction launch. Opt-in only, not in
   `default_fusions`: its GPU test differs from the separate reduction at 28672 x 4096
   (docs/perf has the layer timings).
+Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
+branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
+registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
+inside the attention op (`Attention.forward_rope`: "rope+kv_write"), so that the compiled
+graph runs the kernels level 0 runs instead of Inductor's code for them (slower on the H200).
 A layer matches when it has the Llama-shaped parts (`matches`); others keep their forward.
 `uninstall` restores the architecture's forward.
 """
@@ -216,11 +221,32 @@ def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.
     return project(plan, attn.o_proj, attn.attn(q, k, v))
 
 
+def compiled_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+    """The decoder layer as a compiled graph traces it (see the module docstring)."""
+    from atom.model_ops.kernels import graph_ops
+    attn, mlp = self.self_attn, self.mlp
+    h, residual = graph_ops.norm(self.input_layernorm, hidden, residual)
+    norms = (attn.q_norm, attn.k_norm) if getattr(attn, "qk_norm", False) else ()
+    out = attn.attn.forward_rope(attn.qkv_proj(h), attn.qkv_proj.q_size, positions, attn.rotary_emb.cos_sin_cache,
+                                 *norms)
+    h, residual = graph_ops.norm(self.post_attention_layernorm, attn.o_proj(out), residual)
+    return mlp.down_proj(torch.ops.atom.silu_and_mul(mlp.gate_up_proj(h))), residual
+
+
+def _compiles_fused(layer: nn.Module, plan, hidden: torch.Tensor) -> bool:
+    """Under torch.compile: whether the plan's kernels run for `hidden` (a GPU, or
+    `force_kernels`) with the rotary and cache write in the Triton attention op."""
+    return (plan.has("rope+kv_write") and (hidden.is_cuda or plan.force_kernels)
+            and plan.backend != "torch" and layer.self_attn.attn.backend.name == "triton")
+
+
 def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
     """The decoder layer's forward with the plan's fusions (see the module docstring); falls
-    back to the architecture's forward under torch.compile and on the torch backend."""
+    back to the architecture's forward on the torch backend."""
     attn = self.self_attn
     plan = attn.qkv_proj.plan
+    if plan is not None and torch.compiler.is_compiling() and _compiles_fused(self, plan, hidden):
+        return compiled_forward(self, positions, hidden, residual)
     if plan is None or torch.compiler.is_compiling() or plan.kernels_for(hidden) is None \
             or attn.attn.backend.name != "triton":
         return type(self).forward(self, positions, hidden, residual)

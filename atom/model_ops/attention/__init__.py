@@ -105,6 +105,13 @@ class Attention(nn.Module):
         out = self.backend.forward(self, q, k, v, rotary)
         return out.view(T, -1)
 
+    def forward_rope(self, qkv: torch.Tensor, q_size: int, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     q_norm=None, k_norm=None) -> torch.Tensor:
+        """The packed, unrotated q/k/v projection [T, q_size + 2 kv] -> [T, q_size]: the q/k
+        norms (when given), the rotary embedding, the cache write and attention in one op
+        (Triton backend only; compiled graphs call this: `tuning.fusions`). qkv is rotated in place."""
+        return self.backend.forward_rope(self, qkv, q_size, positions, cos_sin_cache, q_norm, k_norm)
+
     def extra_repr(self) -> str:
         extra = (f", sliding_window={self.sliding_window}" if self.sliding_window else "") + \
             (", sinks" if self.sinks is not None else "")

@@ -8,6 +8,10 @@ attention kernel rotates them (after the q / k norms when their weights are give
 writes k and v itself. Being a registered op, it is opaque to torch.compile: level 3 splits
 the graph there (`splitting_ops`). The op finds the engine's backend (its layers and
 split-KV scratch) through the per-forward context, so engines in one process do not share them.
+`atom::unified_attention_rope(qkv, ...)` is the compiled graphs' form (level 3, `forward_rope`):
+the packed q/k/v projection in, the q/k norms, the rotary embedding and the cache write by the
+rotary kernel (the "rope+kv_write" fusion), then the same attention, all inside one op, so
+that Inductor neither regenerates the rotary nor copies q, k, v apart for the op.
 Each layer's sinks, sliding window and FP8 scales (`Attention.options`) go to the kernel and
 the cache write; the fused rotary / GEMV cache writes are declined for an FP8 cache
 (`cache_target` is None), the attention kernel's own decode write quantizes.
@@ -22,6 +26,7 @@ from atom.model_engine.kv_cache import FullAttentionSpec
 from atom.model_ops.attention.metadata import get_forward_context
 from atom.model_ops.attention.triton_unified import AttentionWorkspace, DecodeRope, unified_attention
 from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES, reshape_and_cache
+from atom.model_ops.kernels.rotary import rotary_embedding
 
 OP_NAME = "atom::unified_attention_with_output"
 
@@ -57,6 +62,17 @@ class TritonAttentionBackend:
         torch.ops.atom.unified_attention_with_output(q, k, v, out, layer.layer_idx, *(rotary or ()))
         return out
 
+    def forward_rope(self, layer, qkv: torch.Tensor, q_size: int, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, q_norm=None, k_norm=None) -> torch.Tensor:
+        """Attention of the packed, unrotated projection qkv [T, q + 2 kv] (rotated in place:
+        the op declares it mutated): [T, q_size]."""
+        out = qkv.new_empty(qkv.shape[0], q_size)
+        torch.ops.atom.unified_attention_rope(
+            qkv, out, layer.layer_idx, q_size, positions, cos_sin_cache,
+            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 1e-6)
+        return out
+
     def __repr__(self) -> str:
         return f"TritonAttentionBackend(layers={len(self.layers)}, workspace={self.workspace!r})"
 
@@ -83,4 +99,31 @@ def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v:
 @unified_attention_with_output.register_fake
 def _(q, k, v, output, layer_idx, cos_sin_cache=None, q_norm_weight=None, k_norm_weight=None,
       norm_eps=1e-6) -> None:
+    return None
+
+
+@torch.library.custom_op("atom::unified_attention_rope", mutates_args=("qkv", "output"))
+def unified_attention_rope(qkv: torch.Tensor, output: torch.Tensor, layer_idx: int, q_size: int,
+                           positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                           q_norm_weight: Optional[torch.Tensor], k_norm_weight: Optional[torch.Tensor],
+                           norm_eps: float) -> None:
+    meta = get_forward_context()
+    backend = meta.attn_backend
+    layer = backend.layers[layer_idx]
+    T, D = qkv.shape[0], layer.head_dim
+    kv_size = (qkv.shape[1] - q_size) // 2
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    target = backend.cache_target(layer, meta)
+    # the q/k norms, the rotation, and (but for an FP8 cache) the cache write in one kernel
+    rotary_embedding(positions, q, k, cos_sin_cache, D, q_norm_weight, k_norm_weight, norm_eps,
+                     kv_cache=(v, *target) if target is not None else None)
+    if target is None:
+        backend.write_kv(layer, k.view(T, -1, D), v.view(T, -1, D), meta)
+    unified_attention(q.view(T, -1, D), layer.k_cache, layer.v_cache, output.view(T, -1, D), meta.cu_seqlens_q,
+                      meta.seq_lens, meta.block_tables, layer.scale, meta.max_query_len, workspace=backend.workspace,
+                      options=layer.options)
+
+
+@unified_attention_rope.register_fake
+def _(qkv, output, layer_idx, q_size, positions, cos_sin_cache, q_norm_weight, k_norm_weight, norm_eps) -> None:
     return None
