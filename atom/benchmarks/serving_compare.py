@@ -97,6 +97,8 @@ def run_server(kind: str, args, model_dir: str, port: int) -> dict:
     from atom.benchmarks.serving import run
     extra = (args.atom_args if kind == "atom" else args.vllm_args).split()
     cmd = server_command(kind, model_dir, port, args.max_model_len, extra)
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
     log = open(os.path.join(args.log_dir, f"server-{kind}.log"), "w") if args.log_dir else subprocess.DEVNULL
     logger.info("starting %s: %s", kind, " ".join(cmd))
     t0 = time.monotonic()
