@@ -11,6 +11,7 @@ import pytest
 
 from atom import LLM, SamplingParams
 from atom.model_engine.async_engine import AsyncLLMEngine, EngineError
+from engine_scenarios import refuse_one_and_leave_one
 
 
 @pytest.fixture(scope="module")
@@ -121,25 +122,14 @@ def test_refused_request_fails_alone_and_leaving_aborts(llm):
         eng = AsyncLLMEngine.from_engine(llm.engine, on_step=lambda outs, now: seen.extend(outs))
         await eng.start()
         try:
-            good = asyncio.create_task(_collect(eng, [5, 6], SP))
-            with pytest.raises(ValueError, match="prompt token ids"):
-                await eng.add_request([5, 10**6], SP)
-            long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-            agen = eng.generate([7, 8, 9], long)
-            first = await agen.__anext__()          # it runs ...
-            assert not first.finished
-            await agen.aclose()                     # ... and the client leaves
-            for _ in range(200):
-                if bm.num_free_blocks == bm.num_blocks and not llm.engine.requests:
-                    break
-                await asyncio.sleep(0.01)
-            toks = await good
-            return toks, eng.snapshot, [o.outputs[0].finish_reason for o in seen if o.finished]
+            outs = await refuse_one_and_leave_one(
+                eng, SP, lambda: bm.num_free_blocks == bm.num_blocks and not llm.engine.requests)
+            return outs, eng.snapshot, [o.outputs[0].finish_reason for o in seen if o.finished]
         finally:
             await eng.shutdown()
 
-    toks, snap, reasons = _run(main())
-    assert len(toks) == 10
+    outs, snap, reasons = _run(main())
+    assert sum(len(o.outputs[0].new_token_ids) for o in outs) == 10
     assert snap.num_free_blocks == snap.num_blocks and bm.num_free_blocks == bm.num_blocks
     assert sorted(reasons) == ["abort", "length"]
 

@@ -20,6 +20,7 @@ from atom.model_engine.async_engine import AsyncLLMEngine, EngineDeadError
 from atom.model_engine.engine_process import (EngineTraceback, decode_outputs, encode_outputs,
                                               portable)
 from atom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine_scenarios import collect, refuse_one_and_leave_one
 from parallel_helpers import PROMPTS, wait_gone
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the engine process inherits it
@@ -68,16 +69,9 @@ def want(tiny_llama):
     return [o.token_ids for o in ref.generate(PROMPTS, SP, use_tqdm=False)]
 
 
-async def _collect(eng, prompt, sp=SP):
-    outs = []
-    async for out in eng.generate(prompt, sp):
-        outs.append(out)
-    return outs
-
-
 def test_concurrent_streams_equal_generate(eng, loop, tiny_llama, want):
     async def main():
-        return await asyncio.gather(*[_collect(eng, p) for p in PROMPTS])
+        return await asyncio.gather(*[collect(eng, p, SP) for p in PROMPTS])
 
     got = run(loop, main())
     assert [[t for o in outs for t in o.outputs[0].new_token_ids] for outs in got] == want
@@ -95,23 +89,13 @@ def test_concurrent_streams_equal_generate(eng, loop, tiny_llama, want):
 def test_refused_request_fails_alone_and_leaving_frees_the_blocks(eng, loop, seen):
     seen.clear()
 
+    def idle() -> bool:
+        s = eng.snapshot
+        return s.num_free_blocks == s.num_blocks and s.num_running == 0 and any(
+            o.finished and o.outputs[0].finish_reason == "abort" for o in seen)
+
     async def main():
-        good = asyncio.create_task(_collect(eng, [5, 6]))
-        with pytest.raises(ValueError, match="prompt token ids"):
-            await eng.add_request([5, 10**6], SP)
-        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-        agen = eng.generate([7, 8, 9], long)
-        first = await agen.__anext__()          # it runs ...
-        assert not first.finished
-        await agen.aclose()                     # ... and the client leaves
-        outs = await good
-        for _ in range(500):
-            s = eng.snapshot
-            if s.num_free_blocks == s.num_blocks and s.num_running == 0 and any(
-                    o.finished and o.outputs[0].finish_reason == "abort" for o in seen):
-                break
-            await asyncio.sleep(0.01)
-        return outs
+        return await refuse_one_and_leave_one(eng, SP, idle)
 
     outs = run(loop, main())
     assert sum(len(o.outputs[0].new_token_ids) for o in outs) == 10
@@ -217,7 +201,7 @@ def test_tensor_parallel_engine_in_the_process_and_shutdown_reaps_it(tiny_llama,
 
     async def main():
         await e.start()
-        got = await asyncio.gather(*[_collect(e, p) for p in PROMPTS])
+        got = await asyncio.gather(*[collect(e, p, SP) for p in PROMPTS])
         stream = e.generate([5, 6], long)
         await stream.__anext__()
         workers = _spawned_children(e._core.process.pid)
