@@ -185,19 +185,30 @@ def test_per_head_kv_scales_are_refused_with_the_tensor_name(tiny_llama, tmp_pat
         LLM(str(path), enable_log_stats=False, num_kvcache_blocks=16, kv_cache_dtype="fp8")
 
 
-def test_fp8_kv_on_the_triton_backend_matches_the_torch_backend(tiny_qwen3):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_kv_on_the_triton_backend_matches_the_torch_backend(tiny_qwen3, compiled):
     """The engine's Triton attention op (interpreter) over an FP8 cache, every fusion on:
     the same greedy tokens as the torch backend over an FP8 cache (both quantize the same
-    way; the rotary / GEMV cache writes are declined for FP8, the decode kernel quantizes)."""
+    way; the rotary / GEMV cache writes are declined for FP8, the decode kernel quantizes).
+    Compiled (level 3's graph, traced by AOT autograd): the rotary op then leaves the cache
+    write to the backend's quantizing write."""
     pytest.importorskip("triton")
+    import torch
     from test_triton_engine import _on_triton
     ps = [[5, 6, 7, 8, 9], list(range(10, 50))]
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     kw = dict(enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32, kv_cache_dtype="fp8")
     want = [o.token_ids for o in LLM(tiny_qwen3, **kw).generate(ps, sp, use_tqdm=False)]
     llm = LLM(tiny_qwen3, **kw)
-    _on_triton(llm.engine.runner, fused=True)
-    assert [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)] == want
+    runner = llm.engine.runner
+    _on_triton(runner, fused=True)
+    if compiled:
+        torch._dynamo.reset()
+        runner.model_forward = torch.compile(runner.model, backend="aot_eager", dynamic=True, fullgraph=True)
+    try:
+        assert [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)] == want
+    finally:
+        torch._dynamo.reset()
 
 
 def test_fp8_latent_cache_is_refused_before_weights_load(tmp_path):
