@@ -198,7 +198,7 @@ def test_the_engine_allocates_through_the_manager(tiny_qwen3):
     assert runner.kv_bytes_per_block * 24 == cfg.nbytes
 
 
-def test_compiled_code_does_not_guard_on_the_plan(monkeypatch):
+def test_compiled_code_does_not_guard_on_the_plan():
     """Level 3 compiles at start-up, before the start-up choices fill the plan: what the
     layers ask the plan under torch.compile must not become a guard of the graph, or the
     first request recompiles it. The plan's tables change after a first compiled call; a
@@ -218,8 +218,10 @@ def test_compiled_code_does_not_guard_on_the_plan(monkeypatch):
     first = compiled(x)
     plan.gemv[(8, 4, torch.float32, "plain")] = {}
     plan.lt[(1, 8, 4, torch.float32)] = (None, None)
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    torch.testing.assert_close(compiled(x), first)  # the torch product, nothing of the plan
+    # (the config's own patch: a monkeypatch of it is undone as a delete, which leaves
+    # dynamo without the setting for the rest of the process)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(compiled(x), first)  # the torch product, nothing of the plan
     torch._dynamo.reset()
 
 
