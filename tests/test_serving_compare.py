@@ -33,6 +33,9 @@ def test_table_prints_each_rate_and_atoms_ratio():
     assert "TTFT 2.00x, TPOT 1.50x, throughput 1.02x (ATOM vs vllm)" in text
     assert "TTFT 1.50x, TPOT 1.25x, throughput 1.12x (ATOM vs vllm)" in text
     assert sc.table({"atom": {"runs": []}, "vllm": {"error": "x", "runs": []}}).count("\n") == 0
+    split = {"atom": {"runs": [dict(_run(4.0, 10.0, 2.0, 500.0), server_ttft_ms_mean=6.25)]}}
+    assert sc.table(split).splitlines()[1].split()[5:7] == ["10.0", "6.2"]  # client mean, server's
+    assert sc.table(reports).splitlines()[1].split()[6] == "-"  # a server without the histogram
     idle = {"atom": {"runs": [_run(4.0, 10.0, 2.0, 500.0)]}, "vllm": {"runs": [_run(4.0, 20.0, 3.0, 0.0)]}}
     assert "ratio" not in sc.table(idle)  # a server that completed nothing: no ratio, no crash
 
@@ -68,3 +71,23 @@ def test_bench_args_carry_the_rates_and_lengths():
     b = sc.bench_args(args, "http://127.0.0.1:1", "atom")
     assert b.request_rate == [2.0, math.inf] and (b.input_len, b.output_len, b.max_concurrency) == (64, 8, 32)
     assert b.model == "model" and b.label == "atom"
+
+
+def test_server_histograms_split_a_run_by_the_difference_of_two_readings():
+    from atom.benchmarks.serving import parse_histograms, server_means
+    page = (
+        '# HELP atom:time_to_first_token_seconds Arrival to first token.\n'
+        'atom:time_to_first_token_seconds_bucket{le="0.1",model_name="model"} 3.0\n'
+        'atom:time_to_first_token_seconds_sum{model_name="model"} {ttft}\n'
+        'atom:time_to_first_token_seconds_count{model_name="model"} {n}\n'
+        'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.02\n'
+        'vllm:request_queue_time_seconds_sum{engine="1",model_name="m"} 0.01\n'
+        'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 2\n'
+        'vllm:request_queue_time_seconds_count{engine="1",model_name="m"} 1\n')
+    before = parse_histograms(page.replace("{ttft}", "0.5").replace("{n}", "10"))
+    after = parse_histograms(page.replace("{ttft}", "0.9").replace("{n}", "18"))
+    assert before[("request_queue_time_seconds", "count")] == 3.0  # summed over label sets
+    means = server_means(before, after)
+    assert means["server_ttft_ms_mean"] == pytest.approx(50.0)  # 0.4 s over 8 requests
+    assert means["server_queue_ms_mean"] is None  # no new observation between the readings
+    assert server_means({}, {}) == {"server_ttft_ms_mean": None, "server_queue_ms_mean": None}

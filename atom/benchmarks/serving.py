@@ -15,6 +15,11 @@ Per request: TTFT (send to the first chunk with a choice: a model without a toke
 streams empty text), ITL (between two such chunks: one token each, on both servers, unless
 a step makes several), TPOT ((e2e - TTFT) / (output tokens - 1)), e2e. Per run:
 mean / p50 / p99 of each, request and token throughput over the run's wall time, failures.
+Where the server exposes Prometheus histograms of its own TTFT and queue time on `/metrics`
+(ours as `atom:`, vLLM's as `vllm:`), each run also gets their means over its requests
+(`server_ttft_ms_mean`, `server_queue_ms_mean`: the difference of `/metrics` read before and
+after the run), so a client TTFT splits into the engine's part and the rest (HTTP, the
+server's own work, the transport to the engine).
 JSON (`--out`) names the commit and versions (`atom.benchmarks.provenance`).
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import logging
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -206,6 +212,47 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+_HISTOGRAMS = {"time_to_first_token_seconds": "server_ttft_ms_mean", "request_queue_time_seconds": "server_queue_ms_mean"}
+_SAMPLE = re.compile(r"^[A-Za-z_:][A-Za-z0-9_:]*?:(time_to_first_token_seconds|request_queue_time_seconds)"
+                     r"_(sum|count)(?:\{[^}]*\})?\s+(\S+)$")
+
+
+def parse_histograms(text: str) -> dict[tuple[str, str], float]:
+    """{(histogram, "sum" | "count"): value} of the TTFT and queue-time histograms in a
+    Prometheus text page (any `prefix:`), summed over their label sets."""
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m:
+            key = (m.group(1), m.group(2))
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def server_histograms(base_url: str, headers: dict) -> dict[tuple[str, str], float]:
+    """`parse_histograms` of the server's `/metrics` ({} where it has none or it fails)."""
+    import httpx
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10)
+    except httpx.HTTPError:
+        return {}
+    return parse_histograms(r.text) if r.status_code == 200 else {}
+
+
+def server_means(before: dict, after: dict) -> dict[str, float | None]:
+    """Each histogram's mean in ms over the observations between two readings (None: absent)."""
+    out = {}
+    for name, key in _HISTOGRAMS.items():
+        n = after.get((name, "count"), 0.0) - before.get((name, "count"), 0.0)
+        total = after.get((name, "sum"), 0.0) - before.get((name, "sum"), 0.0)
+        out[key] = 1e3 * total / n if n > 0 else None
+    return out
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
+
+
 def run(args: argparse.Namespace) -> dict:
     from atom.benchmarks.provenance import provenance
     for r in args.request_rate:
@@ -224,12 +271,15 @@ def run(args: argparse.Namespace) -> dict:
         asyncio.run(run_rate(url, model, warm, math.inf, args.max_concurrency, headers, 0, args.timeout))
     runs = []
     for rate in args.request_rate:
+        before = server_histograms(args.base_url, headers)
         res = asyncio.run(run_rate(url, model, reqs, rate, args.max_concurrency, headers,
                                    args.seed, args.timeout))
-        logger.info("rate %s: %d ok, %d failed, %.2f req/s, %.1f out tok/s, TTFT p50 %.1f ms, "
-                    "TPOT p50 %.2f ms, ITL p50 %.2f ms", res["request_rate"], res["completed"],
-                    res["failed"], res["request_throughput"], res["output_throughput"],
-                    res["ttft_ms"]["p50"], res["tpot_ms"]["p50"], res["itl_ms"]["p50"])
+        res.update(server_means(before, server_histograms(args.base_url, headers)))
+        logger.info("rate %s: %d ok, %d failed, %.2f req/s, %.1f out tok/s, TTFT p50 %.1f ms (mean %.1f, "
+                    "server's mean %s), TPOT p50 %.2f ms, ITL p50 %.2f ms", res["request_rate"], res["completed"],
+                    res["failed"], res["request_throughput"], res["output_throughput"], res["ttft_ms"]["p50"],
+                    res["ttft_ms"]["mean"], _ms(res["server_ttft_ms_mean"]), res["tpot_ms"]["p50"],
+                    res["itl_ms"]["p50"])
         runs.append(res)
     config = {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf") for k, v in vars(args).items()
               if k != "api_key"}

@@ -121,17 +121,21 @@ def run_server(kind: str, args, model_dir: str, port: int) -> dict:
 
 
 def table(reports: dict[str, dict]) -> str:
-    """One line per (rate, server): TTFT / TPOT / ITL p50 (ms), output tok/s, failures, and
-    ATOM's ratio to each other server (their time over ours: > 1 means ATOM is faster)."""
-    lines = [f"{'rate':>6} {'server':>6} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>8} {'out tok/s':>10} {'failed':>6}"]
+    """One line per (rate, server): TTFT / TPOT / ITL p50 (ms), the client's TTFT mean beside
+    the server's own (its `/metrics` histogram: "-" where it has none), output tok/s, failures,
+    and ATOM's ratio to each other server (their time over ours: > 1 means ATOM is faster)."""
+    lines = [f"{'rate':>6} {'server':>6} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>8} {'TTFT mean':>10} "
+             f"{'srv mean':>9} {'out tok/s':>10} {'failed':>6}"]
     by_rate: dict[str, dict[str, dict]] = {}
     for kind, rep in reports.items():
         for r in rep.get("runs", []):
             by_rate.setdefault(str(r["request_rate"]), {})[kind] = r
     for rate, runs in by_rate.items():
         for kind, r in runs.items():
+            srv = r.get("server_ttft_ms_mean")
             lines.append(f"{rate:>6} {kind:>6} {r['ttft_ms']['p50']:9.1f} {r['tpot_ms']['p50']:9.2f} "
-                         f"{r['itl_ms']['p50']:8.2f} {r['output_throughput']:10.0f} {r['failed']:6d}")
+                         f"{r['itl_ms']['p50']:8.2f} {r['ttft_ms']['mean']:10.1f} "
+                         f"{'-' if srv is None else f'{srv:.1f}':>9} {r['output_throughput']:10.0f} {r['failed']:6d}")
         if "atom" in runs:
             a = runs["atom"]
             for kind, r in runs.items():
