@@ -30,7 +30,8 @@ Under torch.compile (level 3's prefill and mixed steps) the same forward runs it
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
 inside the attention op (`Attention.forward_rope`: "rope+kv_write"), so that the compiled
-graph runs the kernels level 0 runs instead of Inductor's code for them (slower on the H200).
+graph runs the kernels level 0 runs instead of Inductor's code for them (docs/perf has the
+prefill profiles of both).
 A layer matches when it has the Llama-shaped parts (`matches`); others keep their forward.
 `uninstall` restores the architecture's forward.
 """
@@ -204,21 +205,25 @@ def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.
     """Rotate, write the cache and attend with the fused kernels; o_proj of the result."""
     q_size, kv_size = attn.qkv_proj.q_size, attn.qkv_proj.kv_size
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    qk_norm = getattr(attn, "qk_norm", False)
     meta = get_forward_context()
     if plan.has("rope_in_attention") and meta.max_query_len == 1:
         # decode: the attention kernel rotates q and k (after the q / k norms) and writes k, v
-        rotary = (attn.rotary_emb.cos_sin_cache,) + ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-                                                     if qk_norm else ())
+        norms = _qk_norms(attn)
+        rotary = (attn.rotary_emb.cos_sin_cache,) + ((norms[0].weight, norms[1].weight, norms[0].eps)
+                                                     if norms else ())
         return project(plan, attn.o_proj, attn.attn(q, k, v, rotary))
     target = attn.attn.backend.cache_target(attn.attn, meta) if plan.has("rope+kv_write") else None
     if target is not None:  # (None: the backend writes this cache itself, e.g. FP8)
         # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
-        norms = (attn.q_norm, attn.k_norm) if qk_norm else ()
-        attn.rotary_emb(positions, q, k, *norms, kv_cache=(v, *target))
+        attn.rotary_emb(positions, q, k, *_qk_norms(attn), kv_cache=(v, *target))
         return project(plan, attn.o_proj, attn.attn(q, None, None))
-    q, k = attn.rotary_emb(positions, q, k, *((attn.q_norm, attn.k_norm) if qk_norm else ()))
+    q, k = attn.rotary_emb(positions, q, k, *_qk_norms(attn))
     return project(plan, attn.o_proj, attn.attn(q, k, v))
+
+
+def _qk_norms(attn) -> tuple:
+    """(q_norm, k_norm) of an attention with per-head q/k RMSNorms (Qwen3), else ()."""
+    return (attn.q_norm, attn.k_norm) if getattr(attn, "qk_norm", False) else ()
 
 
 def compiled_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
@@ -226,18 +231,10 @@ def compiled_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residu
     from atom.model_ops.kernels import graph_ops
     attn, mlp = self.self_attn, self.mlp
     h, residual = graph_ops.norm(self.input_layernorm, hidden, residual)
-    norms = (attn.q_norm, attn.k_norm) if getattr(attn, "qk_norm", False) else ()
     out = attn.attn.forward_rope(attn.qkv_proj(h), attn.qkv_proj.q_size, positions, attn.rotary_emb.cos_sin_cache,
-                                 *norms)
+                                 *_qk_norms(attn))
     h, residual = graph_ops.norm(self.post_attention_layernorm, attn.o_proj(out), residual)
     return mlp.down_proj(torch.ops.atom.silu_and_mul(mlp.gate_up_proj(h))), residual
-
-
-def _compiles_fused(layer: nn.Module, plan, hidden: torch.Tensor) -> bool:
-    """Under torch.compile: whether the plan's kernels run for `hidden` (a GPU, or
-    `force_kernels`) with the rotary and cache write in the Triton attention op."""
-    return (plan.has("rope+kv_write") and (hidden.is_cuda or plan.force_kernels)
-            and plan.backend != "torch" and layer.self_attn.attn.backend.name == "triton")
 
 
 def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
@@ -245,10 +242,12 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     back to the architecture's forward on the torch backend."""
     attn = self.self_attn
     plan = attn.qkv_proj.plan
-    if plan is not None and torch.compiler.is_compiling() and _compiles_fused(self, plan, hidden):
-        return compiled_forward(self, positions, hidden, residual)
-    if plan is None or torch.compiler.is_compiling() or plan.kernels_for(hidden) is None \
-            or attn.attn.backend.name != "triton":
+    on_triton = plan is not None and plan.runs_kernels(hidden) and attn.attn.backend.name == "triton"
+    if torch.compiler.is_compiling():
+        if on_triton and plan.has("rope+kv_write"):
+            return compiled_forward(self, positions, hidden, residual)
+        return type(self).forward(self, positions, hidden, residual)
+    if not on_triton:
         return type(self).forward(self, positions, hidden, residual)
     fused = None
     if plan.has("norm+gemv+rope") and not getattr(attn, "qk_norm", False) and hidden.shape[0] == 1:

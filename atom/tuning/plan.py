@@ -102,10 +102,15 @@ class KernelPlan:
             self._kernels = kernels_for(self.backend) or False
         return self._kernels or None
 
+    def runs_kernels(self, x: torch.Tensor) -> bool:
+        """Whether this plan's backend runs kernels for tensor `x`: a GPU, or anywhere when
+        `force_kernels` (compiled or not; what runs under torch.compile is the caller's call)."""
+        return self.backend != "torch" and (x.is_cuda or self.force_kernels)
+
     def kernels_for(self, x: torch.Tensor):
-        """The kernels for tensor `x`: the backend's on a GPU (or anywhere when
-        `force_kernels`), None on a CPU and under torch.compile (Inductor fuses the torch code)."""
-        if torch.compiler.is_compiling() or not (x.is_cuda or self.force_kernels):
+        """The kernels for tensor `x` where `runs_kernels(x)`, None elsewhere and under
+        torch.compile (Inductor fuses the torch code)."""
+        if torch.compiler.is_compiling() or not self.runs_kernels(x):
             return None
         return self.kernels
 
@@ -135,7 +140,7 @@ class KernelPlan:
         too: the layer then calls the Triton path through the `atom::moe_experts` op."""
         if self.moe_kernel != "auto":
             return self.moe_kernel
-        return "triton" if self.backend != "torch" and (x.is_cuda or self.force_kernels) else "reference"
+        return "triton" if self.runs_kernels(x) else "reference"
 
     def moe_tiles(self, experts: int, width: int, hidden: int, dtype: torch.dtype, device: torch.device | str):
         """The MoE `TileTable` of this shape for this dtype and device, read once (tuned file for

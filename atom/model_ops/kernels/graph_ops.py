@@ -2,9 +2,9 @@
 
 Under torch.compile a layer's torch code is what Inductor sees, and it generates its own
 kernels for it; for the decoder layer's RMSNorms (with the residual add) and SiLU-and-mul
-on prefill-sized inputs those were slower than the engine's kernels on the H200 (the Qwen3
-per-head q/k norm by 5x). Registered ops are opaque to the compiler, so a compiled graph that
-calls these runs the engine's kernels, as level 0 does (`tuning.fusions`, compiled branch).
+on prefill-sized inputs those were slower than the engine's kernels (docs/perf has the
+profiles). Registered ops are opaque to the compiler, so a compiled graph that calls these
+runs the engine's kernels, as level 0 does (`tuning.fusions`, compiled branch).
 Each op is functional (fresh outputs, nothing mutated), so Inductor needs no copies around it.
 """
 from __future__ import annotations
