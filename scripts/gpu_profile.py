@@ -5,6 +5,7 @@ top CUDA kernels of a window of steps (torch profiler). A diagnosis tool, not a 
     python3 scripts/gpu_profile.py --model qwen3-0.6b --scenario bs1        # batch-1 decode
     python3 scripts/gpu_profile.py --model deepseek-v2-lite --windows 0:2,300:20 --no-summary
     python3 scripts/gpu_profile.py --model qwen3-0.6b --level 3 --windows 0:3   # the compiled prefill steps
+    python3 scripts/gpu_profile.py --scenario prefill --prompt-len 512 --windows 0:1  # one request's prefill (TTFT)
         # the kernels of the first two (prefill) steps and of 20 steps after step 300
 """
 from __future__ import annotations
@@ -58,30 +59,45 @@ def kernel_table(engine, num_steps: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_CONFIGS))
-    ap.add_argument("--scenario", choices=["workload", "bs1"], default="workload")
+    ap.add_argument("--scenario", choices=["workload", "bs1", "prefill"], default="workload",
+                    help="prefill: one request at a time, --prompt-len tokens, one output token (what a lone request's TTFT holds)")
+    ap.add_argument("--prompt-len", type=int, default=512, help="prefill scenario: prompt tokens")
+    ap.add_argument("--repeats", type=int, default=20, help="prefill scenario: requests in the summary")
     ap.add_argument("--windows", default="300:20",
                     help="profiled windows as first_step:steps, comma-separated (steps before a window run unprofiled)")
     ap.add_argument("--level", type=int, default=0, help="compilation level (0-3)")
+    ap.add_argument("--graph-mode", default=None, help="cudagraph_mode (default: the level's)")
     ap.add_argument("--no-summary", dest="summary", action="store_false",
                     help="skip the whole-workload run that gives the per-kind step totals (a short warm-up instead)")
     args = ap.parse_args()
     windows = sorted((int(a), int(b)) for a, b in (w.split(":") for w in args.windows.split(",")))
     path = write_model_config(args.model)
+    cc = {"level": args.level, **({"cudagraph_mode": args.graph_mode} if args.graph_mode else {})}
     vocab = MODEL_CONFIGS[args.model]["vocab_size"]
     if args.scenario == "workload":
         llm = LLM(path, load_dummy="xavier", max_model_len=4096, enable_log_stats=False,
                   max_num_seqs=512, max_num_batched_tokens=16384,
-                  compilation_config={"level": args.level})
+                  compilation_config=cc)
         reqs = nano_vllm_workload(256)
         sps = [SamplingParams(temperature=0.6, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    elif args.scenario == "prefill":
+        llm = LLM(path, load_dummy="xavier", max_model_len=4096, enable_log_stats=False,
+                  compilation_config=cc)
+        reqs = mixed_workload(args.repeats + 1, (args.prompt_len, args.prompt_len), (1, 1), vocab, seed=1)
+        sps = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)] * len(reqs)
     else:
         llm = LLM(path, load_dummy="xavier", max_model_len=2048, enable_log_stats=False, max_num_seqs=8,
-                  compilation_config={"cudagraph_capture_sizes": [1], "level": args.level})
+                  compilation_config={"cudagraph_capture_sizes": [1], **cc})
         reqs = mixed_workload(1, (128, 128), (512, 512), vocab, seed=1)
         sps = [SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)]
         windows = [(min(first, 100), n) for first, n in windows]
     prompts = [r.prompt_token_ids for r in reqs]
-    if args.summary:
+    if args.summary and args.scenario == "prefill":  # one at a time: each step holds one prefill
+        for p, sp in zip(prompts[:-1], sps):
+            llm.generate([p], sp, use_tqdm=False)
+        print(step_summary(llm.stats.steps().iloc[2:]), flush=True)  # past the first (warm-up) steps
+        prompts, sps = prompts[-1:], sps[-1:]  # a prompt not in the prefix cache for the window
+    elif args.summary:
         llm.generate(prompts, sps, use_tqdm=False)  # warm-up and the step records
         print(step_summary(llm.stats.steps()), flush=True)
     else:  # kernels compiled, graphs captured

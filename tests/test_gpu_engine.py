@@ -105,13 +105,18 @@ def test_levels_and_graph_modes_match_transformers(model_path, hf_ref, level, mo
     if level > 0 and "qwen3" not in model_path:
         pytest.skip("compiled levels are checked on the Qwen3 model (compile time)")
     ps, ref = hf_ref
+    # 256-token steps: the 600-token prompt is chunked, chunks run beside decodes
     llm = LLM(model_path, enable_log_stats=False, max_model_len=2048, num_kvcache_blocks=256,
-              max_num_seqs=16, compilation_config={"level": level, "cudagraph_mode": mode,
+              max_num_seqs=16, max_num_batched_tokens=256, compilation_config={"level": level, "cudagraph_mode": mode,
                                                    "cudagraph_capture_sizes": [1, 2, 4, 8]})
     outs = llm.generate(ps, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == ref, f"level {level} mode {mode}"
-    graphs = llm.engine.runner.graphs
+    graphs, mixed = llm.engine.runner.graphs, llm.engine.runner.mixed_graphs
     assert (graphs is None) == (mode == "NONE")
+    # steps with prefill tokens replay a token-bucket graph where the mode's mixed half records graphs
+    assert (mixed is not None) == (mode in ("TR_HYBRID", "FULL", "FULL_AND_TR_HYBRID")), mode
+    if mixed is not None:
+        assert sum(mixed.replays.values()) > 0, mixed
 
 
 def bf16_agreement(model_path, lens=(5, 40, 300, 800), new_tokens=64) -> dict:

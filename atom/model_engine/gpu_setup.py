@@ -7,8 +7,11 @@ Compilation (`CompilationConfig.level`, skipped under `enforce_eager`):
   `aiter.unified_attention_with_output` splitting op) left opaque so the graph is split
   there and Inductor fuses what lies between.
 CUDA graphs (`cudagraph_mode`, `use_cudagraph`, capture sizes): decode batches replay a
-full-forward graph per capture size in every mode but NONE; batches with prefill tokens
-run without a graph. An unset mode below level 3 means FULL_DECODE_ONLY.
+full-forward graph per capture size in every mode but NONE. Steps with prefill tokens replay
+a graph per token bucket (`mixed_graphs`, up to 512 tokens) where the mode's mixed half is
+FULL or TR_HYBRID (FULL, TR_HYBRID, FULL_AND_TR_HYBRID: the default at level 3), on the
+Triton attention backend of one rank; otherwise, and past the largest bucket, they run
+without a graph. An unset mode below level 3 means FULL_DECODE_ONLY.
 At level 3 the decode graphs are captured from the model with the kernel plan's fusions
 (one-row GEMVs with the norm / SiLU / rotary folded in, the rotary folded into decode
 attention, the chosen cuBLASLt algorithms), which one-token steps run faster than the
@@ -37,7 +40,11 @@ def effective_graph_mode(config) -> CUDAGraphMode:
     cc = config.compilation_config
     if config.enforce_eager or not cc.use_cudagraph or not config.capture_sizes:
         return CUDAGraphMode.NONE
-    return cc.cudagraph_mode if cc.cudagraph_mode is not None else CUDAGraphMode.FULL_DECODE_ONLY
+    if cc.cudagraph_mode is not None:
+        return cc.cudagraph_mode
+    # unset: level 0 records decode graphs and token graphs for steps with prefill tokens
+    # (host-bound below a few thousand tokens); levels 1-2 decode graphs only
+    return CUDAGraphMode.FULL_AND_TR_HYBRID if cc.level == 0 else CUDAGraphMode.FULL_DECODE_ONLY
 
 
 def compile_model(runner) -> None:
@@ -80,6 +87,7 @@ def host_syncing_layers(runner) -> list[tuple[str, str]]:
 
 def setup(runner) -> None:
     from atom.model_engine.cuda_graphs import CUDAGraphRunner
+    from atom.model_engine.mixed_graphs import MixedGraphRunner, token_buckets
     from atom.tuning import gemm_choice, gemv_choice
     from atom.utils import envs
     config = runner.config
@@ -117,3 +125,21 @@ def setup(runner) -> None:
     max_blocks = -(-config.max_model_len // runner.block_size)
     runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)
     runner.graphs.capture()
+    if mode.mixed_mode() in (CUDAGraphMode.FULL, CUDAGraphMode.TR_HYBRID):
+        why_not = mixed_graphs_refusal(runner)
+        if why_not:
+            logger.info("steps with prefill tokens run without CUDA graphs (%s mode): %s", mode.name, why_not)
+            return
+        runner.mixed_graphs = MixedGraphRunner(runner, token_buckets(config.max_num_batched_tokens),
+                                               config.max_num_seqs, max_blocks)
+        runner.mixed_graphs.capture()
+
+
+def mixed_graphs_refusal(runner) -> str:
+    """Why steps with prefill tokens cannot replay graphs on this engine ('' when they can)."""
+    if runner.attn_backend.name != "triton":
+        return (f"the {runner.attn_backend.name} attention backend reads host data for them "
+                "(only the Triton unified kernel takes padded steps)")
+    if runner.parallel.world_size > 1 or runner.parallel.moe_group is not None:
+        return "tensor parallel / DP attention (collectives in a padded step: not checked on several GPUs yet)"
+    return ""

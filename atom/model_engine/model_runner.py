@@ -87,7 +87,7 @@ class StepHandle:
     sample_counts: list[int] | None = None  # positions per sample row; None: one each
     host_tokens: torch.Tensor | None = None
     event: "torch.cuda.Event | None" = None
-    graph_size: int | None = None       # the CUDA graph replayed, None: no graph
+    graph_size: int | None = None       # the CUDA graph replayed (its batch size, or its token bucket for a step with prefill tokens), None: no graph
     timing: dict = field(default_factory=dict)  # prepare_s, launch_s, sample_s (host seconds)
     logprobs: StepLogprobs | None = None  # rows that ask (step_extras); on the host after collect
     expert_counts: "torch.Tensor | np.ndarray | None" = None  # [MoE layers, experts] pairs (routing stats)
@@ -172,7 +172,8 @@ class ModelRunner:
         self.num_blocks = self.allocate_kv_cache()
         self._pinned: list[torch.Tensor | None] = [None, None]  # sampled-token copies, alternating
         self._pinned_turn = 0
-        self.graphs = None
+        self.graphs = None        # decode steps' CUDA graphs (cuda_graphs.CUDAGraphRunner)
+        self.mixed_graphs = None  # steps with prefill tokens (mixed_graphs.MixedGraphRunner)
         if self.device.type == "cuda":
             self.setup_gpu()
         self.arm_kv_scale_calibration()
@@ -191,6 +192,12 @@ class ModelRunner:
         if armed:
             logger.info("FP8 KV cache: %d layer(s) compute their scales from the first prefill", len(armed))
         return len(armed)
+
+    @property
+    def kv_scales_pending(self) -> bool:
+        """Whether an FP8 KV-cache layer still computes its scales at its next cache write
+        (host code a CUDA graph would skip: such a step runs eagerly)."""
+        return any(getattr(a, "kv_scale_pending", False) for a in self.attn_layers)
 
     # --- DP attention ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -438,10 +445,14 @@ class ModelRunner:
                 fed = prev.tokens  # the same rows in the same order (always at batch 1): no gather
             else:
                 fed = prev.tokens[self._to_device(np.asarray(src, np.int64))]
-        graphs = self.graphs
+        graphs, mixed = self.graphs, self.mixed_graphs
         if graphs is not None and self.expert_recorder is None and graphs.can_run(host):
             hidden = graphs.replay(host, fed)
             graph_size = graphs.last_size
+        elif (mixed is not None and fed is None and self.expert_recorder is None and mixed.can_run(host)
+              and not self.kv_scales_pending):
+            hidden = mixed.replay(host)
+            graph_size = mixed.last_size
         else:
             input_ids, positions, meta = self.to_device(host)
             hidden = self.forward(fed if fed is not None else input_ids, positions, meta)

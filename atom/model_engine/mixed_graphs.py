@@ -1,0 +1,167 @@
+"""CUDA graphs for steps with prefill tokens: one captured forward per token bucket.
+
+A step of T tokens over B sequences (prefill chunks, with or without decodes beside them)
+replays the graph of the smallest bucket (Tp >= T, Bp >= B). Every launch in the forward
+depends only on shapes: the token count is Tp, the sequence count Bp, and the attention
+kernel's grid is an upper bound over both (its spare programs return at once), its tile
+picked for a query of Tp tokens. Sequence buckets (1, 4, 16, 64, 256, then the largest a
+bucket can hold, min(Tp, max_num_seqs)) keep the spare programs few: a grid sized for 512
+sequences costs a 512-token prefill's attention ~40% more. So the graph of a bucket holds the whole forward and never breaks:
+the guide's TR_HYBRID token graph, whole because no launch reads host data, and the mixed
+half of FULL. Padding: tokens T..Tp have cache slot -1 (nothing written, nothing read by
+a real token) and belong to no sequence; rows B.. are sequences of no tokens and no
+context. Their rows of the output are garbage nobody reads.
+
+Why: below a few hundred tokens a prefill step is bound by the host, not the GPU (a
+512-token Qwen3-0.6B prefill launches for ~28 ms and keeps the H200 busy ~2 ms, see
+docs/perf), which is what a lone request's time to first token is made of.
+
+    mixed = MixedGraphRunner(runner, token_sizes=[16, 32, 64], max_seqs=16, max_blocks_per_seq=128)
+    mixed.keys                           # [(16, 1), (16, 4), (16, 16), (32, 1), ...]
+    mixed.capture()                      # on a GPU; replay(host) where can_run(host)
+    mixed.fill(host, key)                # the padded inputs alone (what a CPU test checks)
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import numpy as np
+import torch
+
+from atom.model_ops.attention import AttentionMetadata, forward_context
+
+logger = logging.getLogger(__name__)
+
+#: token buckets of the mixed graphs, before capping at max_num_batched_tokens
+DEFAULT_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+#: sequence buckets below a token bucket's own largest row count
+SEQ_SIZES = (1, 4, 16, 64, 256)
+
+
+def token_buckets(max_num_batched_tokens: int, sizes=DEFAULT_TOKEN_SIZES) -> list[int]:
+    """The buckets an engine captures: those a step can fill (a step holds at most
+    `max_num_batched_tokens`; the smallest bucket above it still serves the last ones)."""
+    out = [s for s in sorted(sizes) if s <= max_num_batched_tokens]
+    if not out or out[-1] < max_num_batched_tokens:
+        out += [s for s in sorted(sizes) if s > max_num_batched_tokens][:1]
+    return out
+
+
+class MixedGraphRunner:
+    def __init__(self, runner, token_sizes: list[int], max_seqs: int, max_blocks_per_seq: int):
+        if not token_sizes:
+            raise ValueError("MixedGraphRunner needs at least one token size")
+        self.runner = runner
+        self.sizes = sorted(set(int(s) for s in token_sizes))
+        self.max_tokens = self.sizes[-1]
+        self.max_seqs = int(max_seqs)
+        self.rows_by_size = {t: self._rows(t) for t in self.sizes}
+        dev = runner.device
+        t, b = self.max_tokens, self.rows_by_size[self.max_tokens][-1]
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        self.cu_seqlens_q = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (tokens, sequence rows)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.replays: dict[tuple[int, int], int] = {k: 0 for k in self.keys}
+        self.padded_tokens = 0  # padding tokens replayed
+        self.last_size: int | None = None
+
+    def __repr__(self) -> str:
+        used = {k: n for k, n in self.replays.items() if n}
+        return (f"MixedGraphRunner(token_sizes={self.sizes}, max_seqs={self.max_seqs}, "
+                f"captured={len(self.graphs)}, replays={used})")
+
+    def _rows(self, size: int) -> list[int]:
+        """Sequence-row buckets of token bucket `size` (a sequence has at least one token)."""
+        cap = min(size, self.max_seqs)
+        return [r for r in SEQ_SIZES if r < cap] + [cap]
+
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        return [(t, r) for t in self.sizes for r in self.rows_by_size[t]]
+
+    def bucket(self, host) -> tuple[int, int] | None:
+        """The (tokens, rows) bucket a step fits (None: too many tokens or sequences)."""
+        t, n = int(host.cu_seqlens_q[-1]), len(host.query_lens)
+        i = bisect.bisect_left(self.sizes, t)
+        if i == len(self.sizes):
+            return None
+        size = self.sizes[i]
+        rows = self.rows_by_size[size]
+        j = bisect.bisect_left(rows, n)
+        return (size, rows[j]) if j < len(rows) else None
+
+    def can_run(self, host) -> bool:
+        return self.bucket(host) is not None and host.block_tables.shape[1] <= self.block_tables.shape[1]
+
+    def meta(self, key: tuple[int, int]) -> AttentionMetadata:
+        size, b = key
+        return self.runner.bind(AttentionMetadata(
+            self.cu_seqlens_q[:b + 1], self.seq_lens[:b], self.block_tables[:b], self.slot_mapping[:size],
+            max_query_len=size, max_seq_len=self.runner.config.max_model_len))
+
+    def fill(self, host, key: tuple[int, int]) -> None:
+        """The step's inputs into the persistent buffers, padded to bucket `key`."""
+        size, b = key
+        n, t = len(host.query_lens), int(host.cu_seqlens_q[-1])
+        w = host.block_tables.shape[1]
+        ids = np.zeros(size, np.int64)
+        ids[:t] = host.input_ids
+        pos = np.zeros(size, np.int64)
+        pos[:t] = host.positions
+        slots = np.full(size, -1, np.int64)
+        slots[:t] = host.slot_mapping
+        cu = np.full(b + 1, t, np.int32)
+        cu[:n + 1] = host.cu_seqlens_q
+        lens = np.zeros(b, np.int32)
+        lens[:n] = host.seq_lens
+        for buf, arr in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots),
+                         (self.cu_seqlens_q, cu), (self.seq_lens, lens)):
+            buf[:len(arr)].copy_(torch.from_numpy(arr), non_blocking=True)
+        self.block_tables[:n, :w].copy_(torch.from_numpy(host.block_tables.astype(np.int32)), non_blocking=True)
+
+    def forward(self, key: tuple[int, int]) -> torch.Tensor:
+        """The engine's forward over the buffers of bucket `key` (what a graph captures)."""
+        size = key[0]
+        with forward_context(self.meta(key)):
+            return self.runner.model_forward(self.input_ids[:size], self.positions[:size])
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:
+        """Capture every bucket, largest first, into one memory pool (graphs replay one at a
+        time). Capture inputs: one token per row, no cache writes."""
+        from tqdm.auto import tqdm
+        t0 = time.perf_counter()
+        for key in tqdm(sorted(self.keys, reverse=True), desc="Capturing mixed-step CUDA graphs", unit="graph"):
+            size, b = key
+            self.cu_seqlens_q.copy_(torch.clamp(torch.arange(self.cu_seqlens_q.numel(), dtype=torch.int32), max=b))
+            self.seq_lens[:b].fill_(1)
+            self.slot_mapping.fill_(-1)
+            self.forward(key)  # warm-up: kernels compiled and tuned outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self.forward(key)
+            pool = g.pool()
+            self.graphs[key], self.outputs[key] = g, out
+        torch.cuda.synchronize()
+        self.seq_lens.zero_()
+        logger.info("captured %d mixed-step CUDA graphs (tokens %s, up to %d sequences) in %.1f s",
+                    len(self.graphs), self.sizes, self.max_seqs, time.perf_counter() - t0)
+
+    def replay(self, host) -> torch.Tensor:
+        """Run a step that `can_run`: its hidden states, one row per real token."""
+        key = self.bucket(host)
+        t = int(host.cu_seqlens_q[-1])
+        self.fill(host, key)
+        self.graphs[key].replay()
+        self.replays[key] += 1
+        self.padded_tokens += key[0] - t
+        self.last_size = key[0]
+        return self.outputs[key][:t]

@@ -1,0 +1,140 @@
+"""Steps with prefill tokens padded to a token bucket (what a mixed-step CUDA graph runs):
+the real tokens' hidden states equal the unpadded step's, padding writes no cache slot, and
+an engine whose prefill steps go through the padded buffers gives transformers' tokens.
+On the CPU the padded forward runs eagerly under Triton's interpreter (a graph replays the
+same launches); tests/test_gpu_engine.py replays the captured graphs on a GPU."""
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from atom import LLM, SamplingParams
+from atom.model_engine.mixed_graphs import MixedGraphRunner, token_buckets
+from conftest import hf_greedy
+from test_triton_engine import _on_triton
+
+pytest.importorskip("triton")
+
+
+class EagerReplay:
+    """Stands in for a captured graph: replay() runs the bucket's forward on the buffers."""
+
+    def __init__(self, mixed: MixedGraphRunner, key: tuple[int, int]):
+        self.mixed, self.key = mixed, key
+
+    def replay(self) -> None:
+        self.mixed.outputs[self.key] = self.mixed.forward(self.key)
+
+
+def _mixed(runner, sizes, max_seqs) -> MixedGraphRunner:
+    blocks = -(-runner.config.max_model_len // runner.block_size)
+    mixed = MixedGraphRunner(runner, sizes, max_seqs, blocks)
+    mixed.graphs = {k: EagerReplay(mixed, k) for k in mixed.keys}
+    return mixed
+
+
+def test_token_buckets():
+    assert token_buckets(8192) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert token_buckets(100) == [16, 32, 64, 128]  # the last bucket covers 65..100
+    assert token_buckets(16) == [16]
+    with pytest.raises(ValueError, match="at least one token size"):
+        MixedGraphRunner(None, [], 4, 8)
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_llama"])
+def test_padded_step_equals_the_step(model, request):
+    """Two prefills and a decode, padded to 32 tokens and 4 or 8 sequence rows: the same hidden
+    states on the real tokens, the same KV cache (padding's slot -1 writes nothing)."""
+    llm = LLM(request.getfixturevalue(model), enable_log_stats=False, num_kvcache_blocks=32,
+              max_num_batched_tokens=64, enforce_eager=True)
+    runner = llm.engine.runner
+    _on_triton(runner, fused=True)
+    seqs, _ = runner.dummy_prefills([5, 11, 3])
+    seqs[2].num_computed_tokens, seqs[2].num_new_tokens = 2, 1  # a decode of its third token
+    host = runner.prepare_host(seqs)
+    t = int(host.cu_seqlens_q[-1])
+    assert t == 17
+    layers = runner.attn_layers
+    with torch.inference_mode():
+        ids, pos, meta = runner.to_device(host)
+        ref = runner.forward(ids, pos, meta).clone()
+        cache_ref = [(a.k_cache.clone(), a.v_cache.clone()) for a in layers]
+        for a in layers:
+            a.k_cache.zero_()
+            a.v_cache.zero_()
+        mixed = _mixed(runner, [16, 32], max_seqs=8)
+        assert mixed.keys == [(16, 1), (16, 4), (16, 8), (32, 1), (32, 4), (32, 8)]
+        assert mixed.bucket(host) == (32, 4)
+        outs = []
+        for key in ((32, 4), (32, 8)):  # the step's bucket, and one with more spare rows
+            mixed.fill(host, key)
+            assert mixed.slot_mapping[t:32].eq(-1).all()
+            assert mixed.cu_seqlens_q[4:key[1] + 1].eq(t).all() and mixed.seq_lens[3:key[1]].eq(0).all()
+            outs.append(mixed.forward(key)[:t].clone())
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    written = torch.from_numpy(host.slot_mapping)
+    rest = torch.ones(layers[0].k_cache.shape[0] * layers[0].k_cache.shape[1], dtype=torch.bool)
+    rest[written] = False
+    for a, (k_ref, v_ref) in zip(layers, cache_ref):
+        for got, want in ((a.k_cache.flatten(0, 1), k_ref.flatten(0, 1)), (a.v_cache.flatten(0, 1), v_ref.flatten(0, 1))):
+            assert torch.equal(got[written], want[written]), "the step's k / v differ"
+            assert not got[rest].any(), "a padding token wrote the KV cache"
+
+
+def test_bucket_refuses_what_it_cannot_hold(tiny_qwen3):
+    llm = LLM(tiny_qwen3, enable_log_stats=False, num_kvcache_blocks=32, enforce_eager=True)
+    runner = llm.engine.runner
+    mixed = MixedGraphRunner(runner, [16, 32], max_seqs=4, max_blocks_per_seq=8)
+    seqs, _ = runner.dummy_prefills([40])
+    assert mixed.bucket(runner.prepare_host(seqs)) is None  # 40 tokens > 32
+    seqs, _ = runner.dummy_prefills([2, 2, 2, 2, 2])
+    assert mixed.bucket(runner.prepare_host(seqs)) is None  # 5 sequences > 4 rows
+    seqs, _ = runner.dummy_prefills([2, 2, 2, 2])
+    assert mixed.bucket(runner.prepare_host(seqs)) == (16, 4)
+    seqs, _ = runner.dummy_prefills([20])
+    assert mixed.bucket(runner.prepare_host(seqs)) == (32, 1)
+    assert "MixedGraphRunner(token_sizes=[16, 32], max_seqs=4" in repr(mixed)
+
+
+def test_engine_with_padded_prefill_steps_gives_transformers_tokens(tiny_qwen3):
+    """Prefill and mixed steps (chunked, beside decodes, from the prefix cache) through the
+    padded buffers; decodes unpadded; greedy tokens as transformers'."""
+    llm = LLM(tiny_qwen3, enable_log_stats=False, num_kvcache_blocks=64, max_num_batched_tokens=32,
+              enable_prefix_caching=True, kv_cache_block_size=16)
+    runner = llm.engine.runner
+    _on_triton(runner, fused=True)
+    mixed = runner.mixed_graphs = _mixed(runner, [16, 32], max_seqs=8)
+    shared = list(range(100, 120))
+    ps = [[5, 6, 7, 8, 9], list(range(10, 50)), shared + [1, 2, 3], shared + [4, 5]]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(ps[:2], sp, use_tqdm=False) + llm.generate(ps[2:], sp, use_tqdm=False)
+    assert sum(mixed.replays.values()) >= 3 and mixed.padded_tokens > 0
+    steps = llm.stats.steps()
+    assert set(steps.graph_size.dropna().astype(int)) <= {16, 32}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in ps]
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_which_modes_record_mixed_step_graphs(tiny_qwen3):
+    """The unset mode: decode and token graphs at level 0, decode graphs only at levels 1-2
+    (TR_HYBRID is set at level 3 by the config); on the torch backend there are none."""
+    from types import SimpleNamespace
+
+    from atom.compilation_config import CompilationConfig, CUDAGraphMode
+    from atom.model_engine.gpu_setup import effective_graph_mode, mixed_graphs_refusal
+
+    def mode(level, eager=False, **kw):
+        cc = CompilationConfig(level=level, **kw)
+        return effective_graph_mode(SimpleNamespace(enforce_eager=eager, compilation_config=cc, capture_sizes=[1, 2]))
+    assert mode(0) is CUDAGraphMode.FULL_AND_TR_HYBRID
+    assert mode(0).mixed_mode() is CUDAGraphMode.TR_HYBRID
+    assert mode(2) is CUDAGraphMode.FULL_DECODE_ONLY and mode(3) is CUDAGraphMode.TR_HYBRID
+    assert mode(0, cudagraph_mode="FULL_DECODE_ONLY").mixed_mode() is CUDAGraphMode.NONE
+    assert mode(0, eager=True) is CUDAGraphMode.NONE
+    llm = LLM(tiny_qwen3, enable_log_stats=False, num_kvcache_blocks=16)
+    assert "torch attention backend" in mixed_graphs_refusal(llm.engine.runner)
+    _on_triton(llm.engine.runner)
+    assert mixed_graphs_refusal(llm.engine.runner) == ""
