@@ -165,10 +165,30 @@ plot_graph_capture_sizes(trace, plans["powers of two"])
 """),
     ("code", "plot_graph_capture_sizes(trace, default.capture_sizes)"),
     ("md", """
+## Steps with prefill tokens: token buckets
+A prefill step of a few hundred tokens is bound by the host (Python and kernel launches), not
+the GPU, so steps with prefill tokens replay graphs too (graph modes FULL / TR_HYBRID, and the
+unset mode at level 0): one per (tokens, sequence rows) bucket, the step padded up to it. The
+buckets for an engine's limits, and the padding a trace of prefill lengths would cost:
+"""),
+    ("code", """
+from atom.model_engine.mixed_graphs import bucket_keys, token_buckets
+keys = bucket_keys(max_num_batched_tokens=8192, max_num_seqs=256)
+buckets = pd.DataFrame(keys, columns=["tokens", "sequence rows"]).groupby("tokens")["sequence rows"].apply(list)
+prompts = [40, 200, 300, 513, 700, 1500, 2100]
+sizes = token_buckets(8192)
+padded = {n: next((t for t in sizes if t >= n), None) for n in prompts}
+assert padded[513] == 768 and padded[2100] is None  # past the largest bucket: eager
+display(buckets.to_frame())
+pd.DataFrame({"prompt tokens": prompts, "bucket": [padded[n] for n in prompts],
+              "padding": [(padded[n] - n) if padded[n] else 0 for n in prompts]})
+"""),
+    ("md", """
 ## On a GPU: the real replays
 With CUDA, the engine records the graph size each step replayed (`graph_size` in the steps
-frame), and `llm.engine.runner.graphs` counts replays and padded rows. Without a GPU this
-section shows what it would run.
+frame; `mixed_graph_tokens` for steps with prefill tokens), and `llm.engine.runner.graphs`
+(`.mixed_graphs`) counts replays and padded rows. Without a GPU this section shows what it
+would run.
 """),
     ("code", """
 if torch.cuda.is_available():
@@ -183,6 +203,7 @@ if torch.cuda.is_available():
     print(g)
     assert {s: n for s, n in g.replays.items() if n} == {int(r.graph_size): int(r.replays) for r in real.by_size.itertuples() if r.replays}
     assert g.padded_tokens == real.totals["padded_tokens"]
+    print(llm.engine.runner.mixed_graphs)  # the prefill steps' graphs (level 0's unset mode records them)
     display(plot_graph_capture_sizes(llm, sizes))
 else:
     print("no GPU: the plan above is all there is to see here (torch.cuda.is_available() is False)")

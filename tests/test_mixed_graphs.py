@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from atom import LLM, SamplingParams
-from atom.model_engine.mixed_graphs import MixedGraphRunner, token_buckets
+from atom.model_engine.mixed_graphs import MixedGraphRunner, bucket_keys, token_buckets
 from conftest import hf_greedy
 from test_triton_engine import _on_triton
 
@@ -37,6 +37,8 @@ def test_token_buckets():
     assert token_buckets(8192) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
     assert token_buckets(100) == [16, 32, 64, 128]  # the last bucket covers 65..100
     assert token_buckets(16) == [16]
+    assert bucket_keys(64, 8) == [(t, r) for t in (16, 32, 64) for r in (1, 4, 8)]
+    assert bucket_keys(300, 512)[-6:] == [(384, 1), (384, 4), (384, 16), (384, 64), (384, 256), (384, 384)]
     with pytest.raises(ValueError, match="at least one token size"):
         MixedGraphRunner(None, [], 4, 8)
 
@@ -111,7 +113,8 @@ def test_engine_with_padded_prefill_steps_gives_transformers_tokens(tiny_qwen3):
     outs = llm.generate(ps[:2], sp, use_tqdm=False) + llm.generate(ps[2:], sp, use_tqdm=False)
     assert sum(mixed.replays.values()) >= 3 and mixed.padded_tokens > 0
     steps = llm.stats.steps()
-    assert set(steps.graph_size.dropna().astype(int)) <= {16, 32}
+    assert set(steps.mixed_graph_tokens.dropna().astype(int)) <= {16, 32}
+    assert (steps.mixed_graph_tokens.notna() == (steps.prefill_tokens > 0)).all()  # every prefill step, no decode
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in ps]
     bm = llm.engine.block_manager

@@ -242,6 +242,7 @@ class LLMEngine:
             "kv_usage": bm.usage, "prefix_hit_tokens": bm.num_hit_tokens - hits0,
             "prefix_query_tokens": bm.num_query_tokens - queries0,
             "preemptions": batch.num_preempted, "graph_size": handle.graph_size,
+            "mixed_graph_tokens": handle.mixed_graph,
         })
         if handle.expert_counts is not None:
             self.stats.record_expert_load(self.stats.num_steps, handle.expert_layers, handle.expert_counts)

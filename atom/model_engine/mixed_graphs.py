@@ -49,6 +49,17 @@ def token_buckets(max_num_batched_tokens: int, sizes=DEFAULT_TOKEN_SIZES) -> lis
     return out
 
 
+def seq_buckets(size: int, max_seqs: int) -> list[int]:
+    """Sequence-row buckets of token bucket `size` (a sequence has at least one token)."""
+    cap = min(size, max_seqs)
+    return [r for r in SEQ_SIZES if r < cap] + [cap]
+
+
+def bucket_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """The (tokens, sequence rows) graphs an engine with these limits captures."""
+    return [(t, r) for t in token_buckets(max_num_batched_tokens) for r in seq_buckets(t, max_num_seqs)]
+
+
 class MixedGraphRunner:
     def __init__(self, runner, token_sizes: list[int], max_seqs: int, max_blocks_per_seq: int):
         if not token_sizes:
@@ -57,7 +68,7 @@ class MixedGraphRunner:
         self.sizes = sorted(set(int(s) for s in token_sizes))
         self.max_tokens = self.sizes[-1]
         self.max_seqs = int(max_seqs)
-        self.rows_by_size = {t: self._rows(t) for t in self.sizes}
+        self.rows_by_size = {t: seq_buckets(t, self.max_seqs) for t in self.sizes}
         dev = runner.device
         t, b = self.max_tokens, self.rows_by_size[self.max_tokens][-1]
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
@@ -76,11 +87,6 @@ class MixedGraphRunner:
         used = {k: n for k, n in self.replays.items() if n}
         return (f"MixedGraphRunner(token_sizes={self.sizes}, max_seqs={self.max_seqs}, "
                 f"captured={len(self.graphs)}, replays={used})")
-
-    def _rows(self, size: int) -> list[int]:
-        """Sequence-row buckets of token bucket `size` (a sequence has at least one token)."""
-        cap = min(size, self.max_seqs)
-        return [r for r in SEQ_SIZES if r < cap] + [cap]
 
     @property
     def keys(self) -> list[tuple[int, int]]:

@@ -87,7 +87,8 @@ class StepHandle:
     sample_counts: list[int] | None = None  # positions per sample row; None: one each
     host_tokens: torch.Tensor | None = None
     event: "torch.cuda.Event | None" = None
-    graph_size: int | None = None       # the CUDA graph replayed (its batch size, or its token bucket for a step with prefill tokens), None: no graph
+    graph_size: int | None = None       # the decode CUDA graph replayed (its batch size), None: none
+    mixed_graph: int | None = None      # the token bucket of the mixed-step graph replayed, None: none
     timing: dict = field(default_factory=dict)  # prepare_s, launch_s, sample_s (host seconds)
     logprobs: StepLogprobs | None = None  # rows that ask (step_extras); on the host after collect
     expert_counts: "torch.Tensor | np.ndarray | None" = None  # [MoE layers, experts] pairs (routing stats)
@@ -446,19 +447,19 @@ class ModelRunner:
             else:
                 fed = prev.tokens[self._to_device(np.asarray(src, np.int64))]
         graphs, mixed = self.graphs, self.mixed_graphs
+        graph_size = mixed_size = None
         if graphs is not None and self.expert_recorder is None and graphs.can_run(host):
             hidden = graphs.replay(host, fed)
             graph_size = graphs.last_size
-        elif (mixed is not None and fed is None and self.expert_recorder is None and mixed.can_run(host)
-              and not self.kv_scales_pending):
+        elif (mixed is not None and fed is None and self.expert_recorder is None and not host.is_decode
+              and mixed.can_run(host) and not self.kv_scales_pending):
             hidden = mixed.replay(host)
-            graph_size = mixed.last_size
+            mixed_size = mixed.last_size
         else:
             input_ids, positions, meta = self.to_device(host)
             hidden = self.forward(fed if fed is not None else input_ids, positions, meta)
-            graph_size = None
         handle = StepHandle(len(seqs), host.sample_rows, {seqs[r].seq_id: i for i, r in enumerate(host.sample_rows)},
-                            graph_size=graph_size)
+                            graph_size=graph_size, mixed_graph=mixed_size)
         if self.expert_recorder is not None:
             handle.expert_counts = self.expert_recorder.take()
             handle.expert_layers = self.expert_recorder.layer_ids

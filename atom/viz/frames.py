@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 STEP_COLUMNS = ["step", "time", "latency", "schedule_s", "run_s", "num_seqs", "prefill_tokens",
                 "decode_tokens", "num_sampled", "chunk_sizes", "kv_usage", "prefix_hit_tokens",
-                "prefix_query_tokens", "preemptions", "graph_size"]
+                "prefix_query_tokens", "preemptions", "graph_size", "mixed_graph_tokens"]
 REQUEST_COLUMNS = ["request_id", "prompt_tokens", "output_tokens", "cached_tokens", "preemptions",
                    "ttft", "tpot", "e2e", "finish_reason"]
 
@@ -63,7 +63,7 @@ def _raw_frame(src: Any, kind: str, columns: list[str]) -> pd.DataFrame:
         df = pd.DataFrame(stats.step_rows if kind == "steps" else stats.request_rows)
     for c in columns:
         if c not in df.columns:
-            df[c] = pd.Series(dtype="object" if c in ("chunk_sizes", "graph_size", "request_id",
+            df[c] = pd.Series(dtype="object" if c in ("chunk_sizes", "graph_size", "mixed_graph_tokens", "request_id",
                                                        "finish_reason") else "float64")
     return df
 
@@ -90,7 +90,8 @@ def steps_frame(src: Any) -> pd.DataFrame:
         df["is_decode"] = pd.Series(dtype="bool")
         return df
     df["chunk_sizes"] = df["chunk_sizes"].map(_as_list)
-    df["graph_size"] = df["graph_size"].map(lambda g: None if g is None or pd.isna(g) else int(g))
+    for c in ("graph_size", "mixed_graph_tokens"):  # decode graph's batch size / mixed graph's token bucket
+        df[c] = df[c].map(lambda g: None if g is None or pd.isna(g) else int(g))
     df = df.sort_values("step").reset_index(drop=True) if df["step"].notna().all() else df
     df["tokens"] = df["prefill_tokens"] + df["decode_tokens"]
     df["max_chunk"] = df["chunk_sizes"].map(lambda c: max(c) if c else 0)
