@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 
+from pandas import isna as pd_isna
+
 from atom import LLM, SamplingParams
 from atom.model_engine.mixed_graphs import MixedGraphRunner, bucket_keys, token_buckets
 from conftest import hf_greedy
@@ -109,14 +111,14 @@ def test_engine_with_padded_prefill_steps_gives_transformers_tokens(tiny_qwen3):
     mixed = runner.mixed_graphs = _mixed(runner, [16, 32], max_seqs=8)
     shared = list(range(100, 120))
     ps = [[5, 6, 7, 8, 9], list(range(10, 50)), shared + [1, 2, 3], shared + [4, 5]]
-    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     outs = llm.generate(ps[:2], sp, use_tqdm=False) + llm.generate(ps[2:], sp, use_tqdm=False)
     assert sum(mixed.replays.values()) >= 3 and mixed.padded_tokens > 0
     steps = llm.stats.steps()
     assert set(steps.mixed_graph_tokens.dropna().astype(int)) <= {16, 32}
     assert (steps.mixed_graph_tokens.notna() == (steps.prefill_tokens > 0)).all()  # every prefill step, no decode
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
-    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in ps]
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 3) for p in ps]
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -141,3 +143,64 @@ def test_which_modes_record_mixed_step_graphs(tiny_qwen3):
     assert "torch attention backend" in mixed_graphs_refusal(llm.engine.runner)
     _on_triton(llm.engine.runner)
     assert mixed_graphs_refusal(llm.engine.runner) == ""
+
+
+def _run(path, padded: bool, prompts, sp, proposer=None, **kw):
+    """(outputs, LLM, its MixedGraphRunner or None) of an engine on the Triton backend, its
+    prefill steps through padded buckets (`padded`) or as they are."""
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=64, max_num_batched_tokens=32,
+              async_scheduling=False, **kw)
+    runner = llm.engine.runner
+    _on_triton(runner)  # the attention op and its cache write (the plan's other kernels: above)
+    mixed = None
+    if padded:
+        mixed = runner.mixed_graphs = _mixed(runner, [16, 32], max_seqs=4)
+    if proposer is not None:
+        llm.engine.proposer = proposer(llm)
+    return llm.generate(prompts, sp, use_tqdm=False), llm, mixed
+
+
+def _gpt_oss(tmp_path):
+    from tiny_gpt_oss import make_tiny_gpt_oss
+    return make_tiny_gpt_oss(tmp_path / "gpt_oss", num_hidden_layers=2)  # a sliding-window and a full layer
+
+
+@pytest.mark.parametrize("setting", ["gpt_oss", "fp8_kv", "prompt_logprobs", "drafts"])
+def test_padded_steps_change_no_output(setting, tiny_llama, tiny_qwen3, tmp_path):
+    """Padded prefill steps give the unpadded engine's outputs with attention sinks, sliding
+    windows and MoE experts (GPT-OSS), an FP8 KV cache (the first prefill computes the scales
+    eagerly: a graph would skip that host code), prompt logprobs, and draft-verification
+    steps (1 + k query tokens a sequence)."""
+    from conftest import random_prompts
+    prompts = random_prompts((5, 20, 37), seed=4)  # the last one chunked: 32 tokens a step
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    path, kw, proposer = tiny_qwen3, {}, None
+    if setting == "gpt_oss":
+        path = _gpt_oss(tmp_path)
+    elif setting == "fp8_kv":
+        path, kw = tiny_llama, {"kv_cache_dtype": "fp8"}
+    elif setting == "prompt_logprobs":
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+    else:
+        from test_multi_token_steps import ScriptedProposer, reference
+        path = tiny_llama
+        ref = reference(LLM(path, enable_log_stats=False, num_kvcache_blocks=64), prompts, 3)
+        proposer = lambda llm: ScriptedProposer(ref, llm.engine.vocab_size)  # noqa: E731
+    want, _, _ = _run(path, False, prompts, sp, proposer, **kw)
+    got, llm, mixed = _run(path, True, prompts, sp, proposer, **kw)
+    assert sum(mixed.replays.values()) > 0, mixed
+    steps = llm.stats.steps()
+    if setting == "drafts":  # steps of decodes with drafts (no prefill tokens) replayed buckets too
+        assert (steps.mixed_graph_tokens.notna() & (steps.prefill_tokens == 0)).any()
+    if setting == "fp8_kv":  # the first prefill ran eagerly: it computed the scales
+        assert pd_isna(steps.mixed_graph_tokens.iloc[0])
+        assert all(a.kv_scale_source == "computed" for a in llm.engine.runner.attn_layers), \
+            {a.kv_scale_source for a in llm.engine.runner.attn_layers}
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    if setting == "prompt_logprobs":
+        for g, w in zip(got, want):
+            assert len(g.prompt_logprobs) == len(w.prompt_logprobs)
+            for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+                assert a.keys() == b.keys()
+                for t in a:
+                    assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
