@@ -8,10 +8,11 @@ Compilation (`CompilationConfig.level`, skipped under `enforce_eager`):
   there and Inductor fuses what lies between.
 CUDA graphs (`cudagraph_mode`, `use_cudagraph`, capture sizes): decode batches replay a
 full-forward graph per capture size in every mode but NONE. Steps with prefill tokens replay
-a graph per token bucket (`mixed_graphs`, up to 512 tokens) where the mode's mixed half is
-FULL or TR_HYBRID (FULL, TR_HYBRID, FULL_AND_TR_HYBRID: the default at level 3), on the
-Triton attention backend of one rank; otherwise, and past the largest bucket, they run
-without a graph. An unset mode below level 3 means FULL_DECODE_ONLY.
+a graph per (tokens, sequences) bucket (`mixed_graphs`, up to 2048 tokens) where the mode's
+mixed half is FULL or TR_HYBRID (FULL, TR_HYBRID: the default at level 3, FULL_AND_TR_HYBRID),
+on the Triton attention backend of one rank; otherwise, and past the largest bucket, they
+run without a graph. An unset mode means FULL_AND_TR_HYBRID at level 0 and FULL_DECODE_ONLY
+at levels 1-2.
 At level 3 the decode graphs are captured from the model with the kernel plan's fusions
 (one-row GEMVs with the norm / SiLU / rotary folded in, the rotary folded into decode
 attention, the chosen cuBLASLt algorithms), which one-token steps run faster than the

@@ -4,15 +4,16 @@ A step of T tokens over B sequences (prefill chunks, with or without decodes bes
 replays the graph of the smallest bucket (Tp >= T, Bp >= B). Every launch in the forward
 depends only on shapes: the token count is Tp, the sequence count Bp, and the attention
 kernel's grid is an upper bound over both (its spare programs return at once), its tile
-picked for a query of Tp tokens. Sequence buckets (1, 4, 16, 64, 256, then the largest a
+picked for a query of Tp tokens. So the graph of a bucket holds the whole forward and
+never breaks: the guide's TR_HYBRID token graph, whole because no launch reads host data,
+and the mixed half of FULL. Sequence buckets (1, 4, 16, 64, 256, then the largest a token
 bucket can hold, min(Tp, max_num_seqs)) keep the spare programs few: a grid sized for 512
-sequences costs a 512-token prefill's attention ~40% more. So the graph of a bucket holds the whole forward and never breaks:
-the guide's TR_HYBRID token graph, whole because no launch reads host data, and the mixed
-half of FULL. Padding: tokens T..Tp have cache slot -1 (nothing written, nothing read by
-a real token) and belong to no sequence; rows B.. are sequences of no tokens and no
-context. Their rows of the output are garbage nobody reads.
+sequences made a lone 512-token prefill's attention take ~1.7x as long (docs/perf).
+Padding: tokens T..Tp have cache slot -1 (nothing written, nothing read by a real token)
+and belong to no sequence; rows B.. are sequences of no tokens and no context. Their rows
+of the output are garbage nobody reads.
 
-Why: below a few hundred tokens a prefill step is bound by the host, not the GPU (a
+Why: below a few thousand tokens a prefill step is bound by the host, not the GPU (a
 512-token Qwen3-0.6B prefill launches for ~28 ms and keeps the H200 busy ~2 ms, see
 docs/perf), which is what a lone request's time to first token is made of.
 
