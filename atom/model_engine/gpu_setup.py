@@ -131,9 +131,15 @@ def setup(runner) -> None:
         if why_not:
             logger.info("steps with prefill tokens run without CUDA graphs (%s mode): %s", mode.name, why_not)
             return
-        runner.mixed_graphs = MixedGraphRunner(runner, token_buckets(config.max_num_batched_tokens),
-                                               config.max_num_seqs, max_blocks)
-        runner.mixed_graphs.capture()
+        mixed = MixedGraphRunner(runner, token_buckets(config.max_num_batched_tokens), config.max_num_seqs, max_blocks)
+        try:
+            mixed.capture()
+        except torch.cuda.OutOfMemoryError as e:  # the decode graphs and the KV cache stay: start without these
+            logger.warning("steps with prefill tokens run without CUDA graphs: capturing them ran out of "
+                           "memory (%s); lower max_num_batched_tokens or gpu_memory_utilization", e)
+            torch.cuda.empty_cache()
+            return
+        runner.mixed_graphs = mixed
 
 
 def mixed_graphs_refusal(runner) -> str:
