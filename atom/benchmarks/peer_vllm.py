@@ -1,4 +1,4 @@
-"""vLLM as the same-machine peer of `throughput.py` and `latency.py` (`--peer vllm`).
+"""vLLM as the same-machine peer of `throughput.py`, `latency.py` and `prefill.py` (`--peer vllm`).
 
 vLLM runs in a child process (`run_in_child`), before ATOM builds its engine, so that
 each engine finds the GPU memory free: the same requests (token ids, per-request
@@ -22,6 +22,7 @@ at load (MLA's absorbed projections) keep the values derived from its own dummie
 
     python -m atom.benchmarks.peer_vllm throughput --model-path DIR --num-seqs 256 [--workload long]
     python -m atom.benchmarks.peer_vllm latency --model-path DIR --batches 1 8 64 [--quantization fp8_dynamic]
+    python -m atom.benchmarks.peer_vllm prefill --model-path DIR --prompt-lens 128 512 2048
 """
 from __future__ import annotations
 
@@ -138,6 +139,24 @@ def latency(args) -> dict:
     return {"ms_per_step": out, "vllm_version": __import__("vllm").__version__}
 
 
+def prefill(args) -> dict:
+    """ms of one request with one output token, alone, per prompt length (median of
+    `--repeat` fresh prompts after two warm-ups of that length)."""
+    import statistics
+    llm = _engine(args)
+    out = {}
+    for n in args.prompt_lens:
+        reqs = prefill_requests(n, args.repeat + 2, args.vocab_size)
+        times = [_run(llm, [r], 0.0)[1] for r in reqs]
+        out[str(n)] = statistics.median(times[2:]) * 1e3
+    return {"ms": out, "vllm_version": __import__("vllm").__version__}
+
+
+def prefill_requests(prompt_len: int, count: int, vocab: int) -> list:
+    """`count` prompts of `prompt_len` distinct random tokens (no shared prefix), 1 output token each."""
+    return mixed_workload(count, (prompt_len, prompt_len), (1, 1), vocab, seed=prompt_len)
+
+
 def add_engine_limit_args(ap: argparse.ArgumentParser) -> None:
     """The engine limits `throughput.py` gives both engines, and this child's copy of them."""
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -209,7 +228,7 @@ def peer_result(kind: str, model_path: str, vocab_size: int, args, extra: list[s
 def build_parser() -> argparse.ArgumentParser:
     """The child's command line (what `child_command` writes)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=["throughput", "latency"])
+    ap.add_argument("kind", choices=["throughput", "latency", "prefill"])
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--vocab-size", type=int, required=True)
     ap.add_argument("--num-seqs", type=int, default=None, help="default: the workload's")
@@ -221,13 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512, 2048])
     return ap
 
 
 def main(argv=None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
-    res = throughput(args) if args.kind == "throughput" else latency(args)
+    res = {"throughput": throughput, "latency": latency, "prefill": prefill}[args.kind](args)
     print(MARK + json.dumps(res), flush=True)
 
 

@@ -175,6 +175,16 @@ def workload_floor(cfg: dict, prompt_lens: list[int], output_lens: list[int], dt
     return Floor(total, decode_s, prefill_s, out, out / total)
 
 
+def prefill_floor_ms(cfg: dict, tokens: int, dtype_bytes: int = 2, bandwidth: float = H200_BANDWIDTH,
+                     flops: float = H200_BF16_FLOPS, weight_format: str | None = None) -> float:
+    """Lower bound of one request's prefill of `tokens` tokens (a step of its own): its
+    FLOPs at the peak, or the weights it activates read once, whichever takes longer."""
+    c = model_cost(cfg, dtype_bytes, weight_format)
+    compute = (2 * c.token_matmul_params() * tokens / (flops * c.matmul_peak)
+               + 2 * c.layers * c.q_heads * c.head_dim * tokens * tokens / flops)
+    return max(compute, c.step_weight_bytes(tokens, dtype_bytes) / bandwidth) * 1e3
+
+
 def decode_floor_ms(cfg: dict, batch: int, context: int, dtype_bytes: int = 2,
                     bandwidth: float = H200_BANDWIDTH, weight_format: str | None = None,
                     kv_cache_dtype: str | None = None) -> float:
