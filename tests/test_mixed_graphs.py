@@ -3,11 +3,9 @@ the real tokens' hidden states equal the unpadded step's, padding writes no cach
 an engine whose prefill steps go through the padded buffers gives transformers' tokens.
 On the CPU the padded forward runs eagerly under Triton's interpreter (a graph replays the
 same launches); tests/test_gpu_engine.py replays the captured graphs on a GPU."""
-import numpy as np
 import pytest
 import torch
 import transformers
-
 from pandas import isna as pd_isna
 
 from atom import LLM, SamplingParams
