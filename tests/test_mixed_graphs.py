@@ -23,7 +23,7 @@ class EagerReplay:
         self.mixed, self.key = mixed, key
 
     def replay(self) -> None:
-        self.mixed.outputs[self.key] = self.mixed.forward(self.key)
+        self.mixed.run(self.key)
 
 
 def _mixed(runner, sizes, max_seqs) -> MixedGraphRunner:
@@ -202,3 +202,22 @@ def test_padded_steps_change_no_output(setting, tiny_llama, tiny_qwen3, tmp_path
                 assert a.keys() == b.keys()
                 for t in a:
                     assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+
+
+def test_per_tensor_activation_scale_leaves_padding_rows_out():
+    """Dynamic per-tensor FP8 / INT8 activation scales take one amax over the rows: in a padded
+    graph step the padding rows (whatever memory held: here 1e38 and NaN) are left out."""
+    from atom.model_ops.attention import AttentionMetadata, forward_context
+    from atom.model_ops.quant.common import tensor_scale
+    x = torch.tensor([[1.0, -3.0], [2.0, 0.5], [0.25, 2.5], [-1.0, 1.0], [1e38, 0.0], [float("nan"), 1.0]])
+    z = torch.zeros(3, dtype=torch.int32)
+
+    def meta(padded):
+        return AttentionMetadata(torch.tensor([0, 2, 4, 4], dtype=torch.int32), z, z.reshape(3, 1),
+                                 torch.tensor([5, 6, 7, 8, -1, -1]), 4, 8, padded=padded)
+    assert tensor_scale(x, 448.0) != tensor_scale(x, 448.0)  # no context: every row, the NaN too
+    with forward_context(meta(padded=True)):
+        assert tensor_scale(x, 448.0).item() == pytest.approx(3.0 / 448.0)
+        assert tensor_scale(x[:5], 448.0).item() == pytest.approx(1e38 / 448.0, rel=1e-3)  # not token rows: all
+    with forward_context(meta(padded=False)):  # an eager step has no padding: every row
+        assert torch.isnan(tensor_scale(x, 448.0))

@@ -15,9 +15,15 @@ def test_prefill_floor_is_compute_or_weights():
     cfg = workloads.MODEL_CONFIGS["qwen3-0.6b"]
     short, long = roofline.prefill_floor_ms(cfg, 1), roofline.prefill_floor_ms(cfg, 8192)
     c = roofline.model_cost(cfg)
+    head = cfg["vocab_size"] * cfg["hidden_size"]
+    assert cfg["tie_word_embeddings"]  # the table is read once, by the LM head
     assert short == pytest.approx(c.step_weight_bytes(1) / roofline.H200_BANDWIDTH * 1e3)  # one token: the bytes
-    assert long > 8192 * 2 * c.token_matmul_params() / roofline.H200_BF16_FLOPS * 1e3  # many: the FLOPs (+ attention)
+    linear = 2 * ((c.token_matmul_params() - head) * 8192 + head)  # the LM head on the one sampled row only
+    attention = 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * 8192 ** 2
+    assert long == pytest.approx((linear + attention) / roofline.H200_BF16_FLOPS * 1e3)  # many tokens: the FLOPs
     assert roofline.prefill_floor_ms(cfg, 512) < long
+    untied = dict(cfg, tie_word_embeddings=False)  # the untied embedding table: a lookup, not read whole
+    assert roofline.prefill_floor_ms(untied, 1) == pytest.approx(short)
 
 
 def test_prefill_run_reports_each_length_beside_the_peer(tmp_path, monkeypatch, capsys):

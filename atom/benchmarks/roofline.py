@@ -178,11 +178,17 @@ def workload_floor(cfg: dict, prompt_lens: list[int], output_lens: list[int], dt
 def prefill_floor_ms(cfg: dict, tokens: int, dtype_bytes: int = 2, bandwidth: float = H200_BANDWIDTH,
                      flops: float = H200_BF16_FLOPS, weight_format: str | None = None) -> float:
     """Lower bound of one request's prefill of `tokens` tokens (a step of its own): its
-    FLOPs at the peak, or the weights it activates read once, whichever takes longer."""
+    FLOPs at the peak, or the weights it activates read once, whichever takes longer. The
+    LM head runs on the one row that samples; an untied embedding table is not read whole
+    (a lookup of `tokens` rows)."""
     c = model_cost(cfg, dtype_bytes, weight_format)
-    compute = (2 * c.token_matmul_params() * tokens / (flops * c.matmul_peak)
+    head = cfg["vocab_size"] * cfg["hidden_size"]
+    compute = (2 * ((c.token_matmul_params() - head) * tokens + head) / (flops * c.matmul_peak)
                + 2 * c.layers * c.q_heads * c.head_dim * tokens * tokens / flops)
-    return max(compute, c.step_weight_bytes(tokens, dtype_bytes) / bandwidth) * 1e3
+    read = c.step_weight_bytes(tokens, dtype_bytes)
+    if not cfg.get("tie_word_embeddings", False):
+        read -= head * dtype_bytes
+    return max(compute, read / bandwidth) * 1e3
 
 
 def decode_floor_ms(cfg: dict, batch: int, context: int, dtype_bytes: int = 2,

@@ -47,6 +47,7 @@ class CUDAGraphRunner:
         self.padded_tokens = 0  # padding rows replayed
         self.last_size: int | None = None
         self.last_q: int | None = None
+        self.pool = None
 
     def __repr__(self) -> str:
         return (f"CUDAGraphRunner(sizes={self.sizes}, q={list(self.query_lens)}, captured={len(self.graphs)}, "
@@ -55,7 +56,7 @@ class CUDAGraphRunner:
     def _meta(self, bs: int, q: int = 1) -> AttentionMetadata:
         return self.runner.bind(AttentionMetadata(  # with the engine's plan and attention backend
             self.cu_seqlens_q[q][:bs + 1], self.seq_lens[:bs], self.block_tables[:bs], self.slot_mapping[:bs * q],
-            max_query_len=q, max_seq_len=self.runner.config.max_model_len))
+            max_query_len=q, max_seq_len=self.runner.config.max_model_len, padded=True))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -76,6 +77,7 @@ class CUDAGraphRunner:
             self.graphs[bs, q], self.outputs[bs, q] = g, out
             self.replays_by_key[bs, q] = 0
         torch.cuda.synchronize()
+        self.pool = pool  # the memory pool of these graphs (the mixed-step graphs share it)
         self.seq_lens.zero_()
         logger.info("captured %d CUDA graphs (batch %d..%d, q %s) in %.1f s", len(self.graphs),
                     self.sizes[0], self.max_bs, list(self.query_lens), time.perf_counter() - t0)

@@ -133,10 +133,11 @@ def setup(runner) -> None:
             return
         mixed = MixedGraphRunner(runner, token_buckets(config.max_num_batched_tokens), config.max_num_seqs, max_blocks)
         try:
-            mixed.capture()
+            mixed.capture(pool=runner.graphs.pool)
         except torch.cuda.OutOfMemoryError as e:  # the decode graphs and the KV cache stay: start without these
             logger.warning("steps with prefill tokens run without CUDA graphs: capturing them ran out of "
                            "memory (%s); lower max_num_batched_tokens or gpu_memory_utilization", e)
+            del mixed
             torch.cuda.empty_cache()
             return
         runner.mixed_graphs = mixed

@@ -10,8 +10,10 @@ and the mixed half of FULL. Sequence buckets (1, 4, 16, 64, 256, then the larges
 bucket can hold, min(Tp, max_num_seqs)) keep the spare programs few: a grid sized for 512
 sequences made a lone 512-token prefill's attention take ~1.7x as long (docs/perf).
 Padding: tokens T..Tp have cache slot -1 (nothing written, nothing read by a real token)
-and belong to no sequence; rows B.. are sequences of no tokens and no context. Their rows
-of the output are garbage nobody reads.
+and belong to no sequence; rows B.. are sequences of no tokens and no context. The padding
+tokens' rows hold garbage (the attention leaves them unwritten): row-wise layers never mix
+it into the real rows, and the one statistic over rows, a dynamic per-tensor activation
+scale, leaves them out (`AttentionMetadata.padded`, `quant.common.tensor_scale`).
 
 Why: below a few thousand tokens a prefill step is bound by the host, not the GPU (a
 512-token Qwen3-0.6B prefill launches for ~28 ms and keeps the H200 busy ~2 ms, see
@@ -78,8 +80,10 @@ class MixedGraphRunner:
         self.cu_seqlens_q = torch.zeros(b + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # every graph copies its hidden states here: the graphs' own outputs need not outlive
+        # their capture, so the memory pool holds one forward's activations, not one per bucket
+        self.hidden = torch.empty(t, runner.config.hf_config.hidden_size, dtype=runner.dtype, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (tokens, sequence rows)
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.replays: dict[tuple[int, int], int] = {k: 0 for k in self.keys}
         self.padded_tokens = 0  # padding tokens replayed
         self.last_size: int | None = None
@@ -111,7 +115,7 @@ class MixedGraphRunner:
         size, b = key
         return self.runner.bind(AttentionMetadata(
             self.cu_seqlens_q[:b + 1], self.seq_lens[:b], self.block_tables[:b], self.slot_mapping[:size],
-            max_query_len=size, max_seq_len=self.runner.config.max_model_len))
+            max_query_len=size, max_seq_len=self.runner.config.max_model_len, padded=True))
 
     def fill(self, host, key: tuple[int, int]) -> None:
         """The step's inputs into the persistent buffers, padded to bucket `key`."""
@@ -139,10 +143,15 @@ class MixedGraphRunner:
         with forward_context(self.meta(key)):
             return self.runner.model_forward(self.input_ids[:size], self.positions[:size])
 
+    def run(self, key: tuple[int, int]) -> None:
+        """`forward` with its hidden states copied into `hidden` (what a graph holds)."""
+        self.hidden[:key[0]].copy_(self.forward(key))
+
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
-        """Capture every bucket, largest first, into one memory pool (graphs replay one at a
-        time). Capture inputs: one token per row, no cache writes."""
+        """Capture every bucket, largest first, into one memory pool (`pool`: the decode
+        graphs'; graphs replay one at a time, so they may share it). Capture inputs: one token
+        per row, no cache writes."""
         from tqdm.auto import tqdm
         t0 = time.perf_counter()
         for key in tqdm(sorted(self.keys, reverse=True), desc="Capturing mixed-step CUDA graphs", unit="graph"):
@@ -150,13 +159,13 @@ class MixedGraphRunner:
             self.cu_seqlens_q.copy_(torch.clamp(torch.arange(self.cu_seqlens_q.numel(), dtype=torch.int32), max=b))
             self.seq_lens[:b].fill_(1)
             self.slot_mapping.fill_(-1)
-            self.forward(key)  # warm-up: kernels compiled and tuned outside the capture
+            self.run(key)  # warm-up: kernels compiled and tuned outside the capture
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                out = self.forward(key)
+                self.run(key)
             pool = g.pool()
-            self.graphs[key], self.outputs[key] = g, out
+            self.graphs[key] = g
         torch.cuda.synchronize()
         self.seq_lens.zero_()
         logger.info("captured %d mixed-step CUDA graphs (tokens %s, up to %d sequences) in %.1f s",
@@ -171,4 +180,4 @@ class MixedGraphRunner:
         self.replays[key] += 1
         self.padded_tokens += key[0] - t
         self.last_size = key[0]
-        return self.outputs[key][:t]
+        return self.hidden[:t]

@@ -32,6 +32,9 @@ class AttentionMetadata:
     # the engine running this forward: its `KernelPlan` and attention backend (None: defaults)
     plan: object = None
     attn_backend: object = None
+    # a CUDA graph's padded step: rows past cu_seqlens_q[-1] are padding whose activations
+    # hold whatever memory was there (what a statistic over all rows must leave out)
+    padded: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.model_ops.attention.metadata import current_forward_context
 from atom.model_ops.quant.base import LinearMethod
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -155,6 +156,19 @@ def per_row_from_shards(layer: nn.Module, values: torch.Tensor) -> torch.Tensor:
 
 def _amax_scale(x: torch.Tensor, qmax: float, dim=None) -> torch.Tensor:
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    return amax.clamp(min=_AMAX_MIN) / qmax
+
+
+def tensor_scale(x2: torch.Tensor, qmax: float) -> torch.Tensor:
+    """The dynamic per-tensor scale of activations x2 [M, K]: their amax over the step's real
+    tokens. In a CUDA graph's padded step (`AttentionMetadata.padded`) the rows past
+    cu_seqlens_q[-1] hold whatever memory was there (even inf / NaN) and are left out, on the
+    device (a graph cannot read the count on the host)."""
+    meta = current_forward_context()
+    if meta is None or not meta.padded or x2.shape[0] != meta.slot_mapping.shape[0]:
+        return _amax_scale(x2.float(), qmax)
+    real = torch.arange(x2.shape[0], device=x2.device) < meta.cu_seqlens_q[-1]
+    amax = torch.where(real, x2.float().abs().amax(-1), 0.0).amax()
     return amax.clamp(min=_AMAX_MIN) / qmax
 
 
@@ -341,7 +355,7 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
     M = x2.shape[0]
     block_k = group if act == "group" else 0
     if act == "tensor" and static_scale is None:
-        static_scale = _amax_scale(x2.float(), qmax)
+        static_scale = tensor_scale(x2, qmax)
     one_scale = act == "tensor" and w_scalar is not None  # both scales single: cuBLASLt's tensor-wise
     route = product_route(kind, M, x2, N, block_k, rowwise=not one_scale, bias=bias, act=act)
     if route == "dot_fused":  # one launch: the activations are quantized inside the product
