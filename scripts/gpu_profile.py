@@ -17,7 +17,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from atom import LLM, SamplingParams
-from atom.benchmarks.workloads import MODEL_CONFIGS, mixed_workload, nano_vllm_workload, write_model_config
+from atom.benchmarks.workloads import (MODEL_CONFIGS, mixed_workload, nano_vllm_workload, prefill_requests,
+                                      write_model_config)
 
 
 def step_summary(steps) -> str:
@@ -83,7 +84,7 @@ def main() -> None:
     elif args.scenario == "prefill":
         llm = LLM(path, load_dummy="xavier", max_model_len=4096, enable_log_stats=False,
                   compilation_config=cc)
-        reqs = mixed_workload(args.repeats + 1, (args.prompt_len, args.prompt_len), (1, 1), vocab, seed=1)
+        reqs = prefill_requests(args.prompt_len, args.repeats + 1, vocab)
         sps = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)] * len(reqs)
     else:
         llm = LLM(path, load_dummy="xavier", max_model_len=2048, enable_log_stats=False, max_num_seqs=8,

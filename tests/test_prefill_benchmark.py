@@ -60,6 +60,6 @@ def test_prefill_peer_times_each_length(fake_vllm):  # noqa: F811
     res = run_in_child("prefill", workloads.write_model_config("qwen3-0.6b"), 151936, args,
                        ["--prompt-lens", "8", "32"])
     assert set(res["ms"]) == {"8", "32"} and all(v > 0 for v in res["ms"].values())
-    reqs = peer_vllm.prefill_requests(32, 3, 1000)
+    reqs = workloads.prefill_requests(32, 3, 1000)
     assert [len(r.prompt_token_ids) for r in reqs] == [32] * 3 and {r.max_tokens for r in reqs} == {1}
     assert len({tuple(r.prompt_token_ids[:4]) for r in reqs}) == 3  # no shared prefix

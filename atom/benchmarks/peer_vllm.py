@@ -35,7 +35,7 @@ import sys
 import time
 
 from atom.benchmarks.quant_formats import FORMATS, get_format
-from atom.benchmarks.workloads import WORKLOADS, make_workload, mixed_workload, warmup_workload
+from atom.benchmarks.workloads import WORKLOADS, make_workload, mixed_workload, prefill_requests, warmup_workload
 
 MARK = "VLLM_PEER_RESULT "
 
@@ -150,11 +150,6 @@ def prefill(args) -> dict:
         times = [_run(llm, [r], 0.0)[1] for r in reqs]
         out[str(n)] = statistics.median(times[2:]) * 1e3
     return {"ms": out, "vllm_version": __import__("vllm").__version__}
-
-
-def prefill_requests(prompt_len: int, count: int, vocab: int) -> list:
-    """`count` prompts of `prompt_len` distinct random tokens (no shared prefix), 1 output token each."""
-    return mixed_workload(count, (prompt_len, prompt_len), (1, 1), vocab, seed=prompt_len)
 
 
 def add_engine_limit_args(ap: argparse.ArgumentParser) -> None:

@@ -17,10 +17,9 @@ import time
 
 import torch
 
-from atom.benchmarks.peer_vllm import prefill_requests
 from atom.benchmarks.provenance import provenance
 from atom.benchmarks.roofline import prefill_floor_ms
-from atom.benchmarks.workloads import DEFAULT_CACHE_DIR, MODEL_CONFIGS, write_model_config
+from atom.benchmarks.workloads import DEFAULT_CACHE_DIR, MODEL_CONFIGS, prefill_requests, write_model_config
 
 
 def measure(llm, prompt_len: int, repeats: int, vocab: int) -> dict:

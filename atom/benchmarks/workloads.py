@@ -163,6 +163,12 @@ def mixed_workload(num_seqs: int, input_range: tuple[int, int], output_range: tu
                     rng.randint(*output_range)) for _ in range(num_seqs)]
 
 
+def prefill_requests(prompt_len: int, count: int, vocab: int) -> list[Request]:
+    """`count` prompts of `prompt_len` random tokens (no shared prefix), one output token each:
+    a lone request's prefill (`benchmarks.prefill`, its vLLM peer, `scripts/gpu_profile.py`)."""
+    return mixed_workload(count, (prompt_len, prompt_len), (1, 1), vocab, seed=prompt_len)
+
+
 def warmup_workload(requests: list[Request], max_tokens: int = 8) -> list[Request]:
     """A warm-up with the timed run's shapes: the same prompt lengths (so the same prefill
     chunks and the same kernel and GEMM variants, which a fresh machine otherwise compiles

@@ -7,21 +7,21 @@ kernel's grid is an upper bound over both (its spare programs return at once), i
 picked for a query of Tp tokens. So the graph of a bucket holds the whole forward and
 never breaks: the guide's TR_HYBRID token graph, whole because no launch reads host data,
 and the mixed half of FULL. Sequence buckets (1, 4, 16, 64, 256, then the largest a token
-bucket can hold, min(Tp, max_num_seqs)) keep the spare programs few: a grid sized for 512
-sequences made a lone 512-token prefill's attention take ~1.7x as long (docs/perf).
+bucket can hold, min(Tp, max_num_seqs)) keep the spare programs few: a grid sized for
+hundreds of spare sequences slows a lone prefill's attention (docs/perf has the profile).
 Padding: tokens T..Tp have cache slot -1 (nothing written, nothing read by a real token)
 and belong to no sequence; rows B.. are sequences of no tokens and no context. The padding
 tokens' rows hold garbage (the attention leaves them unwritten): row-wise layers never mix
 it into the real rows, and the one statistic over rows, a dynamic per-tensor activation
 scale, leaves them out (`AttentionMetadata.padded`, `quant.common.tensor_scale`).
 
-Why: below a few thousand tokens a prefill step is bound by the host, not the GPU (a
-512-token Qwen3-0.6B prefill launches for ~28 ms and keeps the H200 busy ~2 ms, see
-docs/perf), which is what a lone request's time to first token is made of.
+Why: below a few thousand tokens an eager prefill step is bound by the host (Python and
+kernel launches), not the GPU, and that is what a lone request's time to first token is
+made of (docs/perf: where a lone request's TTFT went).
 
     mixed = MixedGraphRunner(runner, token_sizes=[16, 32, 64], max_seqs=16, max_blocks_per_seq=128)
     mixed.keys                           # [(16, 1), (16, 4), (16, 16), (32, 1), ...]
-    mixed.capture()                      # on a GPU; replay(host) where can_run(host)
+    mixed.capture()                      # on a GPU; replay(host, key) where key = bucket(host)
     mixed.fill(host, key)                # the padded inputs alone (what a CPU test checks)
 """
 from __future__ import annotations
@@ -108,9 +108,6 @@ class MixedGraphRunner:
         j = bisect.bisect_left(rows, n)
         return (size, rows[j]) if j < len(rows) else None
 
-    def can_run(self, host) -> bool:
-        return self.bucket(host) is not None and host.block_tables.shape[1] <= self.block_tables.shape[1]
-
     def meta(self, key: tuple[int, int]) -> AttentionMetadata:
         size, b = key
         return self.runner.bind(AttentionMetadata(
@@ -171,9 +168,8 @@ class MixedGraphRunner:
         logger.info("captured %d mixed-step CUDA graphs (tokens %s, up to %d sequences) in %.1f s",
                     len(self.graphs), self.sizes, self.max_seqs, time.perf_counter() - t0)
 
-    def replay(self, host) -> torch.Tensor:
-        """Run a step that `can_run`: its hidden states, one row per real token."""
-        key = self.bucket(host)
+    def replay(self, host, key: tuple[int, int]) -> torch.Tensor:
+        """Run a step in its bucket `key` (`bucket(host)`): its hidden states, one row per real token."""
         t = int(host.cu_seqlens_q[-1])
         self.fill(host, key)
         self.graphs[key].replay()

@@ -452,8 +452,8 @@ class ModelRunner:
             hidden = graphs.replay(host, fed)
             graph_size = graphs.last_size
         elif (mixed is not None and fed is None and self.expert_recorder is None and not host.is_decode
-              and mixed.can_run(host) and not self.kv_scales_pending):
-            hidden = mixed.replay(host)
+              and (key := mixed.bucket(host)) is not None and not self.kv_scales_pending):
+            hidden = mixed.replay(host, key)
             mixed_size = mixed.last_size
         else:
             input_ids, positions, meta = self.to_device(host)
