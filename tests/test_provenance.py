@@ -35,3 +35,10 @@ def test_provenance_keys():
     assert info["torch"] == torch.__version__
     assert "commit" in info
     assert ("gpu_uuid" in info) == torch.cuda.is_available()
+
+
+def test_the_commit_named_by_the_environment_wins(tmp_path, monkeypatch):
+    """A tree copied to another machine with a stale .git names its commit by ATOM_BENCH_COMMIT."""
+    monkeypatch.setenv("ATOM_BENCH_COMMIT", "abc1234")
+    assert git_commit(tmp_path) == "abc1234"
+    assert provenance()["commit"] == "abc1234"

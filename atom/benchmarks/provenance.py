@@ -7,6 +7,7 @@ eleventh session), so figures compare only within one machine.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -18,7 +19,11 @@ _REPO = Path(__file__).resolve().parents[2]
 
 def git_commit(root: Path = _REPO) -> Optional[str]:
     """Short commit of the checkout at `root`, with ``+dirty`` when tracked files differ from
-    it; None outside a git checkout (or without git)."""
+    it; None outside a git checkout (or without git). ``ATOM_BENCH_COMMIT`` overrides it, for
+    copies of a tree whose ``.git`` is not the tree's own (a working tree sent to a lent
+    machine carries the ``.git`` of an older state)."""
+    if os.environ.get("ATOM_BENCH_COMMIT"):
+        return os.environ["ATOM_BENCH_COMMIT"]
     def git(*args: str) -> Optional[str]:
         try:
             r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
