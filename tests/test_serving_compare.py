@@ -91,3 +91,17 @@ def test_server_histograms_split_a_run_by_the_difference_of_two_readings():
     assert means["server_ttft_ms_mean"] == pytest.approx(50.0)  # 0.4 s over 8 requests
     assert means["server_queue_ms_mean"] is None  # no new observation between the readings
     assert server_means({}, {}) == {"server_ttft_ms_mean": None, "server_queue_ms_mean": None}
+
+
+def test_preflight_names_the_server_whose_module_does_not_import(monkeypatch):
+    """A server whose entry module fails to import stops the comparison before any server
+    starts, with the import's error; one that imports passes."""
+    monkeypatch.setitem(sc.SERVER_MODULES, "vllm", "a_module_that_is_not_installed_here")
+    with pytest.raises(SystemExit, match=r"(?s)--servers vllm: .*a_module_that_is_not_installed_here.*No module named"):
+        sc.preflight(["vllm"])
+    monkeypatch.setitem(sc.SERVER_MODULES, "vllm", "json")
+    sc.preflight(["vllm"])
+    monkeypatch.setattr(sc, "run_server", lambda *a, **k: pytest.fail("a server was started"))
+    monkeypatch.setitem(sc.SERVER_MODULES, "atom", "a_module_that_is_not_installed_here")
+    with pytest.raises(SystemExit, match="--servers atom"):
+        sc.main(["--servers", "atom"])

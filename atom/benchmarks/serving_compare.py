@@ -27,18 +27,36 @@ import time
 logger = logging.getLogger(__name__)
 
 
+# the module each server's command runs: importing it first finds a missing dependency (vLLM's
+# server imports `watchfiles`, which its offline engine does not) before any server is started
+SERVER_MODULES = {"atom": "atom.entrypoints.openai_server", "vllm": "vllm.entrypoints.openai.api_server"}
+
+
 def server_command(kind: str, model_dir: str, port: int, max_model_len: int, extra: list[str]) -> list[str]:
     """The command line that starts `kind` ("atom" or "vllm") on `port`."""
     if kind == "atom":
-        return [sys.executable, "-m", "atom.entrypoints.openai_server", "--model", model_dir,
+        return [sys.executable, "-m", SERVER_MODULES["atom"], "--model", model_dir,
                 "--load_dummy", "xavier", "--server-port", str(port), "--max-model-len", str(max_model_len),
                 "--no-enable-log-stats", "--served-model-name", "model", *extra]
     if kind == "vllm":
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        return [sys.executable, "-m", SERVER_MODULES["vllm"], "--model", model_dir,
                 "--load-format", "dummy", "--port", str(port), "--host", "127.0.0.1",
                 "--max-model-len", str(max_model_len), "--skip-tokenizer-init", "--no-enable-prefix-caching",
                 "--served-model-name", "model", *extra]
-    raise ValueError(f"server {kind!r} is unknown: choose atom or vllm")
+    raise ValueError(f"server {kind!r} is unknown: choose {' or '.join(SERVER_MODULES)}")
+
+
+def preflight(kinds: list[str], timeout: float = 300.0) -> None:
+    """Imports each server's entry module in a child process of this Python; SystemExit naming
+    the server and the import's last error lines where one fails, so that a comparison does
+    not spend minutes on the first server to find the second cannot start."""
+    for kind in kinds:
+        proc = subprocess.run([sys.executable, "-c", f"import {SERVER_MODULES[kind]}"],
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+            raise SystemExit(f"--servers {kind}: `import {SERVER_MODULES[kind]}` failed here, so the "
+                             f"server cannot start (install what it names, or leave {kind} out):\n{tail}")
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
@@ -178,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     args = make_parser().parse_args(argv)
+    preflight(args.servers)
     from atom.benchmarks.provenance import provenance
     from atom.benchmarks.workloads import write_model_config
     model_dir = args.model_dir or write_model_config(args.model)
