@@ -207,7 +207,7 @@ class MLAWorkspace:
 
 # The launch choice, from shapes only (a CUDA graph replays it for any context lengths).
 # `scripts/mla_decode_sweep.py --quick` timed the alternatives on the H200 at DeepSeek-V2-Lite's
-# shape (batches 1, 32, 128; contexts 1024 and mixed 100-4096; figures in docs/perf/README.md);
+# shape (batches 1, 32, 128; contexts 1024 and mixed 100-4096; figures in docs/perf/raw/history.md);
 # batches above 264 sequences were not timed.
 #
 # Splits: the first row whose bound the programs before splitting (sequences x head blocks)

@@ -134,7 +134,7 @@ if HAS_TRITON:
 def gemv_config(M: int, block_k: int = 0) -> dict:
     """GEMV tiles: eight weight rows and 512 / M columns per step (4096 fp32 partial sums a
     program, 32 registers a thread at 4 warps), the tiling `scripts/quant_gemv_sweep.py`
-    picked at M = 1 on the Llama-3.1-8B shapes (figures in docs/perf/README.md; loading the
+    picked at M = 1 on the Llama-3.1-8B shapes (figures in docs/perf/raw/history.md; loading the
     next tile ahead, AHEAD, did not pay there, so it is off); with
     blocks the chunk is the block (128) and 16 rows share a program, so that a step's
     [16, 128] weight tile is one 16-byte load per thread (the block's partial sums are

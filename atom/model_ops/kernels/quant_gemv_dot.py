@@ -2,7 +2,7 @@
 
 Why: at decode sizes the CUDA-core GEMV (`quant_gemm._qgemv_kernel`) converts every weight
 byte to fp32 and multiply-adds it (~3 instructions a byte), which keeps it instruction-bound,
-below the HBM rate the bf16 GEMV reaches (docs/perf/README.md). Here the weight tile is the first
+below the HBM rate the bf16 GEMV reaches (docs/perf/raw/history.md). Here the weight tile is the first
 operand of tl.dot: a program owns BLOCK_N weight rows, reads them [BLOCK_N, BLOCK_K] straight
 from the row-major (K-major) weight, and multiplies them by the activation rows transposed,
 xq^T [BLOCK_K, M_PAD] (M_PAD >= 16, tl.dot's smallest size; the padding rows are masked to
@@ -171,7 +171,7 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
     """The swap-AB kernel's tiles for one product, or None where the older kernels run.
 
     From the H200 sweep (`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot
-    --quick`, Llama-3.1-8B shapes; figures in docs/perf/README.md), where these tiles were
+    --quick`, Llama-3.1-8B shapes; figures in docs/perf/raw/history.md), where these tiles were
     the best of the grid at every shape and M in 1-64:
     - M <= DOT_MAX_M (64) for every 8-bit format; M_PAD = max(16, next power of two of M);
       faster there than the CUDA-core GEMV, the tl.dot GEMM and torch._scaled_mm (which from

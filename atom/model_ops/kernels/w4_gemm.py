@@ -74,7 +74,7 @@ GEMV_MAX_M = 4
 GEMV_TILES = dict(BLOCK_N=4, BLOCK_W=128, num_warps=4, num_stages=3)
 # layers of at most 4096 outputs (few programs of 4 rows): 256 words a step with 8 warps and
 # the next words loaded ahead, so each program keeps more bytes in flight (the sweep behind
-# both GEMV tables: scripts/quant_gemv_sweep.py, figures in docs/perf/README.md)
+# both GEMV tables: scripts/quant_gemv_sweep.py, figures in docs/perf/raw/history.md)
 GEMV_TILES_NARROW = dict(BLOCK_N=4, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True)
 NARROW_N = 4096
 GEMM_TILES = (
@@ -87,7 +87,7 @@ GEMM_TILES = (
 # The tensor-core kernel (`w4_dot._w4_dot_kernel`, swap-AB: the weight is tl.dot's first
 # operand, scales after the dot) for 16-bit activations and groups with a power-of-two factor
 # >= 16 (fp32 activations and other groups keep the tables above). The regimes follow the
-# H200 sweep (`scripts/w4_sweep.py --quick`, Llama-3.1-8B shapes; figures in docs/perf/README.md):
+# H200 sweep (`scripts/w4_sweep.py --quick`, Llama-3.1-8B shapes; figures in docs/perf/raw/history.md):
 # - M <= GEMV_MAX_M: the FMA GEMV above stays faster (a single row leaves the tensor cores'
 #   padding rows idle while w4_dot's per-chunk unpack and scale work remain);
 # - 5 <= M <= 64: w4_dot, well ahead of the FMA kernels; up to M = 32 one 16 / 32-row tile,

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The H200 benchmarks of docs/perf in stages, for a lent machine that keeps /tmp between the
+# calls of one lease. vLLM 0.26.0 (the peer) is too large for one call's transfer, so its
+# pieces travel one per call and are gathered in /tmp/peer there.
+#
+# Here, once (the pieces plus the repository must stay under a call's 64 MiB):
+#   bash ../shared/peer/fetch_vllm.sh && bash scripts/h200_lease.sh pack
+#   (pack: .peer/q1..q4, ~55 MiB each; .srv: the wheels `vllm serve` and our server need beyond
+#    vLLM's own list; .before: the tree of the commit to compare with, BEFORE=<commit>)
+# There, one call per piece, stages in order, e.g.
+#   call 1 (carry .peer/q1):                 bash scripts/h200_lease.sh stash1 q_l0 q_l3
+#   call 2 (carry .peer/q2):                 bash scripts/h200_lease.sh stash2 q_lat_l3 q_l0 q_l3
+#   call 3 (carry .peer/q3 .srv .before):    bash scripts/h200_lease.sh stash3 srv before q_before
+#   call 4 (carry .peer/q4):                 bash scripts/h200_lease.sh stash4 vllm serve
+#   call 5:                                  bash scripts/h200_lease.sh q_vllm l_vllm
+# Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
+# ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
+set -u
+if [ "${1:-}" = pack ]; then
+  set -e
+  mkdir -p .peer/q1 .peer/q2 .peer/q3 .peer/q4 .srv .before
+  (cd .peer/full && rm -f piece.* && split -b 58000000 -d slim.whl piece.)
+  mv .peer/full/piece.00 .peer/q1/; mv .peer/full/piece.01 .peer/q2/; mv .peer/full/piece.02 .peer/q3/
+  cp .peer/p3/*.whl .peer/q3/; cp .peer/p4/*.whl .peer/q4/
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .srv \
+    fastapi==0.135.0 starlette==1.0.1 watchfiles==1.3.0 model_hosting_container_standards==0.1.16 \
+    jmespath==1.1.0 supervisor==4.3.0
+  rm -rf .before/atom; git archive "${BEFORE:-3e2fd90}" atom | tar -x -C .before
+  printf '/.srv/\n/.before/\n' >> .git/info/exclude
+  du -sb .peer/q1 .peer/q2 .peer/q3 .peer/q4 .srv .before
+  exit 0
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0
+export ATOM_BENCH_COMMIT=${ATOM_BENCH_COMMIT:-unknown}
+export PYTHONPATH=$PWD:/tmp/site
+R=/tmp/res; B=/tmp/before; mkdir -p $R /tmp/peer
+T0=$(date +%s)
+log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+run() {  # name timeout_s command...: the command's output into $R/name.log, its end printed
+  local name=$1 to=$2; shift 2
+  log "start $name"
+  timeout "$to" "$@" > "$R/$name.log" 2>&1; local rc=$?
+  log "end $name rc=$rc"; tail -n 25 "$R/$name.log" | cut -c1-220
+}
+# the commit compared with runs from its own tree: `python -m` puts the working directory first
+# on sys.path, so it must be the before tree's, not this checkout's
+before=(env -C $B PYTHONPATH=$B:/tmp/site ATOM_BENCH_COMMIT="${BEFORE:-3e2fd90}")
+Q="--model qwen3-0.6b"; L="--model llama-3.1-8b"; LAT="--modes graphs --new-tokens 256"
+for st in "$@"; do ts=$(date +%s); case $st in
+  stash[1-4]) cp .peer/q${st#stash}/* /tmp/peer/; log "stashed ${st#stash}: $(ls /tmp/peer | wc -l) files";;
+  before) rm -rf $B; mkdir -p $B; cp -r .before/atom $B/; log "before tree at $B";;
+  srv) (cd /tmp/peer && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+         $(ls *.whl | grep -v -E '^(fastapi|starlette|xgrammar)-')) &&
+       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .srv/*.whl
+       log "srv rc=$?";;
+  vllm) (cd /tmp/peer && cat piece.0* > vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl && rm -f piece.0* &&
+         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+           vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl xgrammar-*.whl)
+        log "vllm rc=$? $(python3 -c 'import vllm.entrypoints.openai.api_server, vllm; print(vllm.__version__)' 2>&1 | tail -1)";;
+  tests) G=tests/test_gpu_engine.py; LV=$G::test_levels_and_graph_modes_match_transformers; F=$G::test_fp32_greedy_equals_transformers
+         run gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA "$F[qwen3-graphs]" "$F[qwen3-preemption_graphs]" \
+           "$LV[qwen3-0-FULL]" "$LV[qwen3-3-TR_HYBRID]" "$LV[qwen3-3-FULL]" "$F[llama-graphs]" "$LV[llama-0-TR_HYBRID]";;
+  q_l0) run q-thr-l0-$ts 200 python3 -m atom.benchmarks.throughput $Q --peer none --repeat 1 --level 0 --out $R/q-thr-l0-$ts.json;;
+  q_l3) run q-thr-l3-$ts 400 python3 -m atom.benchmarks.throughput $Q --peer none --repeat 1 --level 3 --out $R/q-thr-l3-$ts.json;;
+  q_lat_l3) run q-lat-l3 300 python3 -m atom.benchmarks.latency $Q $LAT --level 3 --out $R/q-lat-l3.json;;
+  q_before) run q-thr-before 200 "${before[@]}" python3 -m atom.benchmarks.throughput $Q --peer none --repeat 1 --cache-dir /tmp/bc --out $R/q-thr-before.json
+            run q-lat-before 200 "${before[@]}" python3 -m atom.benchmarks.latency $Q $LAT --cache-dir /tmp/bc --out $R/q-lat-before.json;;
+  l_before) run l-thr-before 300 "${before[@]}" python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --cache-dir /tmp/lc --out $R/l-thr-before.json
+            run l-lat-before 200 "${before[@]}" python3 -m atom.benchmarks.latency $L $LAT --cache-dir /tmp/lc --out $R/l-lat-before.json;;
+  serve) run serve-$ts 560 python3 -m atom.benchmarks.serving_compare $Q --servers atom vllm --request-rate 4 16 64 inf \
+           --num-prompts 200 --input-len 512 --output-len 128 --log-dir $R/serve-logs-$ts --out $R/serve-$ts.json;;
+  q_vllm) run q-thr-vllm 300 python3 -m atom.benchmarks.throughput $Q --peer vllm --repeat 1 --out $R/q-thr-vllm.json
+          run q-lat-vllm 240 python3 -m atom.benchmarks.latency $Q $LAT --peer vllm --repeat 1 --out $R/q-lat-vllm.json;;
+  l_vllm) run l-thr-vllm 300 python3 -m atom.benchmarks.throughput $L --peer vllm --repeat 1 --cache-dir /tmp/gc --out $R/l-thr-vllm.json
+          run l-lat-vllm 240 python3 -m atom.benchmarks.latency $L $LAT --peer vllm --repeat 1 --cache-dir /tmp/gc --out $R/l-lat-vllm.json;;
+  *) log "unknown stage $st";;
+esac
+tar -czf "$OUT/res.tgz" -C /tmp res 2>/dev/null  # after every stage: a call cut off keeps what ran
+done
+nvidia-smi --query-gpu=uuid,clocks.sm,temperature.gpu --format=csv,noheader > $R/gpu.txt 2>&1
+tar -czf "$OUT/res.tgz" -C /tmp res 2>/dev/null; log "done"
