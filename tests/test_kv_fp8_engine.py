@@ -211,10 +211,46 @@ def test_fp8_kv_on_the_triton_backend_matches_the_torch_backend(tiny_qwen3, comp
         torch._dynamo.reset()
 
 
-def test_fp8_latent_cache_is_refused_before_weights_load(tmp_path):
-    from tiny_deepseek import make_tiny_deepseek
-    from atom.model_engine.supported import unsupported_settings
-    from atom import Config
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_latent_cache_greedy_tokens_match_transformers_with_fp8_latents(tmp_path, monkeypatch, backend):
+    """DeepSeek-V2 (MLA) over an FP8 latent cache, prefix caching and chunked prefill on, the
+    scales computed from the first prefill: transformers' greedy tokens when its latents are
+    rounded to e4m3 the same way, on the torch reference backend and on the Triton one
+    (interpreter); the cache is e4m3 and holds twice the blocks of a bf16 one in a budget."""
+    from tiny_deepseek import hf_v2_with_fp8_latent, make_tiny_deepseek
     path = make_tiny_deepseek(tmp_path / "ds", "v2")
-    found = unsupported_settings(Config(model=path, kv_cache_dtype="fp8"))
-    assert len(found) == 1 and "kv_cache_dtype='fp8'" in found[0] and "MLA" in found[0]
+    ps = _prompts()
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=64, kv_cache_dtype="fp8",
+              enable_prefix_caching=True, max_num_batched_tokens=32)
+    runner = llm.engine.runner
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from atom.model_ops.attention.mla_triton import TritonMLABackend
+        runner.set_attention_backend(TritonMLABackend(runner.attn_layers, 64, runner.device))
+    assert {a.kv_cache.dtype for a in runner.attn_layers} == {torch.float8_e4m3fn}
+    assert runner.kv_cache_manager.bytes_per_block * 2 == KVCacheManager(
+        {i: (a, a.kv_cache_spec(torch.bfloat16)) for i, a in enumerate(runner.attn_layers)},
+        runner.block_size).bytes_per_block
+    got = [o.token_ids for o in llm.generate(ps + ps[1:], GREEDY, use_tqdm=False)]
+    scales = {a.layer_idx: float(a.k_scale) for a in runner.attn_layers}
+    assert all(a.kv_scale_source == "computed" for a in runner.attn_layers) and len(set(scales.values())) > 1
+    hf8 = hf_v2_with_fp8_latent(path, scales, monkeypatch)
+    ref = [hf_greedy(hf8, p, GREEDY.max_tokens) for p in ps]
+    assert got == ref + ref[1:]
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():  # the rounding is real: transformers' own logits move
+        seq = torch.tensor([ps[2] + ref[2]])
+        assert (hf8(seq).logits - plain(seq).logits).abs().max() > 1e-2
+
+
+def test_checkpoint_latent_scale_is_loaded_and_a_value_scale_refused(tmp_path):
+    from safetensors.torch import save_file
+    from tiny_deepseek import make_tiny_deepseek
+    path = make_tiny_deepseek(tmp_path / "ds", "v2")
+    save_file({"model.layers.1.self_attn.k_scale": torch.tensor(0.05)}, f"{path}/kv_scales.safetensors")
+    runner = LLM(path, enable_log_stats=False, num_kvcache_blocks=16, kv_cache_dtype="fp8").engine.runner
+    layer = runner.attn_layers[1]
+    assert float(layer.k_scale) == pytest.approx(0.05) and layer.kv_scale_source == "checkpoint"
+    save_file({"model.layers.1.self_attn.v_scale": torch.tensor(0.05)}, f"{path}/kv_scales.safetensors")
+    with pytest.raises(ValueError, match=r"self_attn.v_scale.*one scale for its latent"):
+        LLM(path, enable_log_stats=False, num_kvcache_blocks=16, kv_cache_dtype="fp8")

@@ -249,10 +249,67 @@ def test_quantized_kv_b_proj_is_refused_at_build():
         MLAAttention(H, R, NOPE, ROPE, V, scale=0.3, layer_idx=0, kv_b_proj=kv_b)
 
 
-def test_fp8_latent_cache_is_refused():
+FP8 = torch.float8_e4m3fn
+
+
+def test_fp8_latent_spec_and_refused_dtypes():
+    """An e4m3 latent costs a byte a value (twice the blocks of bf16 in one budget); other
+    one-byte dtypes have no kernels here."""
     layer, _ = _layer()
-    with pytest.raises(ValueError, match="kv_cache_dtype=float8_e4m3fn is not implemented for MLA"):
-        layer.kv_cache_spec(torch.float8_e4m3fn)
+    spec = layer.kv_cache_spec(FP8)
+    assert spec == LatentAttentionSpec(R + ROPE, FP8)
+    m8 = KVCacheManager({0: (layer, spec)}, block_size=BS)
+    m16 = KVCacheManager({0: (layer, layer.kv_cache_spec(torch.bfloat16))}, block_size=BS)
+    assert 2 * m8.bytes_per_block == m16.bytes_per_block
+    assert m8.num_blocks_for(1 << 20) == (1 << 20) // m8.bytes_per_block >= 2 * m16.num_blocks_for(1 << 20)
+    with pytest.raises(ValueError, match="kv_cache_dtype=int8 is not supported for MLA"):
+        layer.kv_cache_spec(torch.int8)
+
+
+def _fp8_step(seed, qlens, slens, scale):
+    """The same mixed step over an FP8 latent cache (k_scale `scale`) and over an fp32 cache
+    holding exactly the latents the FP8 one dequantizes to (the numerics reference)."""
+    layer, _ = _layer(seed=seed)
+    meta, latents, new, q_nope, q_pe = _mixed_step(layer, torch.Generator().manual_seed(seed), qlens, slens)
+    plain = layer.kv_cache.clone()
+    layer.k_scale.fill_(scale)
+    deq = lambda x: (x.float() / scale).clamp(-448, 448).to(FP8).float() * scale  # noqa: E731
+    layer.kv_cache = deq(plain)
+    fp8 = (plain / scale).clamp(-448, 448).to(FP8)
+    return layer, meta, new, q_nope, q_pe, plain, fp8, deq
+
+
+@pytest.mark.parametrize("qlens,slens", [([1, 1, 1], [5, 1, 13]), ([6, 1, 3, 1], [6, 9, 11, 2])])
+def test_fp8_latent_cache_reads_back_fp8_times_its_scale(qlens, slens):
+    """A mixed step (absorbed decodes, a prefill over a cached prefix) over an FP8 latent cache
+    gives what the same step gives over an fp32 cache of the dequantized latents (the step's own
+    latents written as e4m3 of latent / k_scale), and not what the unquantized cache gives."""
+    scale = 0.013
+    layer, meta, new, q_nope, q_pe, plain, fp8, deq = _fp8_step(4, qlens, slens, scale)
+    new_deq = deq(new)
+    with forward_context(meta):  # reference: fp32 cache, the step's latents pre-rounded
+        ref = layer(q_nope, q_pe, new_deq[:, :R], new_deq[:, R:])
+    layer.kv_cache = fp8.clone()
+    with forward_context(meta):
+        out = layer(q_nope, q_pe, new[:, :R], new[:, R:])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    written = layer.kv_cache.view(-1, R + ROPE)[meta.slot_mapping]
+    assert written.dtype == FP8 and torch.equal(written.float() * scale, new_deq)
+    layer.kv_cache = plain.clone()
+    with forward_context(meta):
+        exact = layer(q_nope, q_pe, new[:, :R], new[:, R:])
+    assert (exact - out).abs().max() > 1e-3, "the FP8 cache changed nothing: is it quantizing?"
+
+
+def test_fp8_latent_scale_is_computed_once_from_the_first_write():
+    layer, _ = _layer()
+    layer.kv_scale_pending = True
+    c, pe = torch.randn(4, R), torch.randn(4, ROPE)
+    pe[2, 1] = 9.0  # the amax is over the whole latent
+    layer.calibrate_kv_scales(c, pe)
+    assert float(layer.k_scale) == pytest.approx(9.0 / 200) and layer.kv_scale_source == "computed"
+    layer.calibrate_kv_scales(c * 100, pe)  # not armed any more: unchanged
+    assert float(layer.k_scale) == pytest.approx(9.0 / 200)
 
 
 @needs_triton
@@ -282,3 +339,31 @@ def test_triton_backend_on_a_padded_graph_batch():
     assert torch.equal(layer.kv_cache.view(-1, R + ROPE)[meta.slot_mapping], new)
     written = (layer.kv_cache != ref_cache).any(-1).sum()
     assert int(written) == 2  # only the two real rows' slots
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_fp8_latent_write_and_decode_match_the_reference(splits):
+    """The Triton write of an FP8 latent cache stores the torch reference's bytes (e4m3 of
+    latent / k_scale, saturated), and the split-KV decode over it gives the reference's output."""
+    from atom.model_ops.kernels.mla_decode import mla_decode, write_latent
+    g = torch.Generator().manual_seed(5)
+    scale = torch.tensor(0.02)
+    c, pe = torch.randn(6, R, generator=g), torch.randn(6, ROPE, generator=g)
+    c[0, 0] = 50.0  # past 448 * scale: saturates
+    slots = torch.tensor([3, -1, 17, 40, 8, 21])
+    a, b = torch.zeros(12, BS, R + ROPE, dtype=FP8), torch.zeros(12, BS, R + ROPE, dtype=FP8)
+    write_latent(c, pe, a, slots, scale)
+    write_latent_cache(c, pe, b, slots, kv_scale=scale)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and a.float().abs().sum() > 0
+    assert float(a.view(-1, R + ROPE)[3, 0]) == 448.0
+    Hq, Rk, P, nb = 4, 32, 8, 16
+    cache = (torch.randn(nb, BS, Rk + P, generator=g) * 3).to(FP8)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:5] for _ in range(2)]).int()
+    lens = [17, 6]
+    ql, qp = torch.randn(2, Hq, Rk, generator=g), torch.randn(2, Hq, P, generator=g)
+    ref = latent_decode_ref(ql, qp, cache, tables, lens, 0.3, kv_scale=scale)
+    assert not torch.allclose(ref, latent_decode_ref(ql, qp, cache, tables, lens, 0.3))  # the scale matters
+    out = mla_decode(ql, qp, cache, tables, torch.tensor(lens, dtype=torch.int32), Rk, 0.3, num_kv_splits=splits,
+                     config=dict(min_split_tokens=1, TILE_N=16), kv_scale=scale)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)

@@ -49,3 +49,29 @@ def make_tiny_deepseek(path, variant: str = "v3", **overrides) -> str:
                 buf.copy_(torch.randn(buf.shape) * 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)
+
+
+def hf_v2_with_fp8_latent(path, scales: dict, monkeypatch):
+    """transformers' DeepSeek-V2 whose attention sees its latents (the normalised compressed KV
+    and the rotated shared rope key) stored as e4m3 of latent / k_scale, times k_scale: the
+    numerics of the engine's FP8 latent cache, as its reference. `scales`: {layer: k_scale}.
+    The rope function of the modeling module is patched through `monkeypatch` (undone after the test)."""
+    import transformers
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as modeling
+
+    def rnd(x, s):
+        return ((x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    current = {}
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        attn.register_forward_pre_hook(lambda mod, args, i=i: current.update(scale=scales[i]))
+        attn.kv_a_layernorm.register_forward_hook(lambda mod, args, out, i=i: rnd(out, scales[i]))
+    rope = modeling.apply_rotary_emb
+
+    def rope_then_round_k(xq, xk, freqs):
+        q, k = rope(xq, xk, freqs)
+        return q, rnd(k, current["scale"])
+    monkeypatch.setattr(modeling, "apply_rotary_emb", rope_then_round_k)
+    return model

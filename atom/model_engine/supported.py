@@ -4,7 +4,7 @@
 anywhere); an engine that would silently ignore one of them is worse than none. So
 `LLMEngine` calls `check_supported(config)` first: one `ValueError` lists every setting
 that is not implemented here (DP attention with tensor_parallel_size > 1, speculative
-decoding, online quantization with tensor parallel, an FP8 latent cache), each with its
+decoding, online quantization with tensor parallel), each with its
 field and value. DP attention runs with TP=1 replicas (`atom.distributed.data_parallel`; it
 needs data_parallel_size >= 2). Tensor parallel (`atom.distributed.executor`), data parallel
 (`atom.distributed.data_parallel`) and expert parallel (`enable_expert_parallel`: the MoE
@@ -15,7 +15,7 @@ Online quantization runs (`atom.model_loader.online_quant`). `asyncio_mode` runs
 which steps the engine itself, refuses it. It also checks the kernel backend
 (`ATOM_KERNEL_BACKEND`, `atom.platform`) and warns, once, that a compilation level above 0
 does nothing on a CPU. (`kv_cache_dtype="fp8"` runs: e4m3 keys and values with per-layer
-scales, `kv_cache.py`.)
+scales, `kv_cache.py`; e4m3 latents with one scale per layer for MLA, `attention/mla.py`.)
 """
 from __future__ import annotations
 
@@ -62,9 +62,6 @@ def unsupported_settings(config: Any) -> list[str]:
         refuse("online_quant_config", _get(config, "online_quant_config"),
                f"online quantization with tensor_parallel_size={tp} (gathering each weight before "
                "quantizing) is not built; quantize a checkpoint offline, or run one rank")
-    hf = _get(config, "hf_config")
-    if _get(config, "kv_cache_dtype", "bf16") == "fp8" and getattr(hf, "kv_lora_rank", None):
-        refuse("kv_cache_dtype", "fp8", "an FP8 latent (MLA) cache has no kernels yet: use 'bf16' for this model")
     spec = _get(config, "speculative_config")
     if spec is not None:
         method = _get(spec, "method")

@@ -4,9 +4,10 @@ Producers store one scale per layer for keys and one for values (dequantized = f
 llm-compressor / compressed-tensors (`kv_cache_scheme`) and vLLM-style checkpoints as
 `<layer>.self_attn.k_scale` / `v_scale`, AutoFP8 / Quark as `<layer>.self_attn.k_proj.output_scale`
 / `v_proj.output_scale`. The model's `Attention` sits one module below the projection's
-parent (`self_attn.attn`) and holds `k_scale` / `v_scale` buffers; they matter only when the
+parent (`self_attn.attn`) and holds `k_scale` / `v_scale` buffers; an MLA layer
+(`MLAAttention`, `self_attn.attn`) holds one `k_scale` for its latent. They matter only when the
 engine runs `kv_cache_dtype="fp8"`, where layers the checkpoint gives none compute theirs from
-the first prefill (`Attention.calibrate_kv_scales`).
+the first prefill (`calibrate_kv_scales`).
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ def attention_index(model: nn.Module) -> dict[str, nn.Module]:
     """Each attention layer under its own name and its parent's (`...self_attn.attn` and
     `...self_attn`), where checkpoints put its scales."""
     from atom.model_ops.attention import Attention
+    from atom.model_ops.attention.mla import MLAAttention
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, Attention):
+        if isinstance(m, (Attention, MLAAttention)):
             out[name] = m
             out.setdefault(name.rpartition(".")[0], m)
     return out
@@ -41,6 +43,9 @@ def load_kv_scale(index: dict[str, nn.Module], name: str, tensor_fn) -> bool:
             layer = index.get(name[:-len(suffix) - 1])
             if layer is None:
                 return False
+            if not hasattr(layer, buffer):
+                raise ValueError(f"checkpoint tensor {name!r}: an MLA layer keeps one scale for its latent "
+                                 "cache (k_scale); a separate value scale has no place")
             t = tensor_fn()
             if t.numel() != 1:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}: the FP8 KV cache "

@@ -16,12 +16,19 @@ latent to every head's non-rope key and value:
 
 The layer's backend (one per engine, `attention.selector`) writes the latent cache (the one
 place) and attends: `TorchMLABackend` (reference, CPU), `TritonMLABackend` (split-KV decode kernel).
+
+An FP8 latent cache (`kv_cache_dtype="fp8"`) stores e4m3 of latent / `k_scale` (one scale per
+layer for the whole latent, kv_c and k_pe alike, as vLLM's MLA keeps it): the checkpoint's
+`k_scale` where it has one, else computed from the first real prefill's latents
+(`calibrate_kv_scales`: amax / K_SCALE_RANGE, the headroom the dense layers leave). Every read
+(the absorbed decode, the prefill's gathered context) takes fp8 * k_scale.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from atom.model_ops.attention import K_SCALE_RANGE
 from atom.model_ops.attention.mla_torch import TorchMLABackend
 
 
@@ -41,6 +48,10 @@ class MLAAttention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.kv_cache = torch.empty(0)  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        # FP8 latent cache: one scale for the latent (see the module docstring); 1.0 until set
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.kv_scale_source = "default 1.0"  # "checkpoint" once the loader copied it, or "computed"
+        self.kv_scale_pending = False          # set by the runner: compute it at the next cache write
         # the attention module owns kv_b_proj; a tuple keeps it out of this module's parameters
         self._kv_b = (kv_b_proj,)
         self.backend = TorchMLABackend()
@@ -66,6 +77,18 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k_pe = latent[:, None, R:].expand(L, self.num_heads, self.qk_rope_head_dim)
         return torch.cat((k_nope, k_pe.to(k_nope.dtype)), dim=-1), v
+
+    def calibrate_kv_scales(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Once armed (`kv_scale_pending`), at the next cache write: `k_scale` from this step's
+        latents (amax over kv_c and k_pe / K_SCALE_RANGE; 1.0 where all are zero), on the
+        device, no host sync. The backends call it where they write the cache."""
+        if not self.kv_scale_pending:
+            return
+        self.kv_scale_pending = False
+        with torch.no_grad():
+            amax = torch.maximum(kv_c.detach().abs().amax().float(), k_pe.detach().abs().amax().float())
+            self.k_scale.copy_(torch.where(amax > 0, amax / K_SCALE_RANGE, torch.ones_like(amax)))
+        self.kv_scale_source = "computed"
 
     def kv_cache_spec(self, dtype: torch.dtype):
         """What this layer stores per token (its backend decides the layout)."""

@@ -20,13 +20,16 @@ import torch.nn.functional as F
 
 from atom.model_engine.kv_cache import LatentAttentionSpec
 from atom.model_ops.attention.metadata import get_forward_context
-from atom.model_ops.attention.torch_native import gather_blocks
+from atom.model_ops.attention.torch_native import dequantize, gather_blocks
+from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES, quantize_fp8
 
 
 def write_latent_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, step_cache: dict | None = None) -> None:
+                       slot_mapping: torch.Tensor, step_cache: dict | None = None,
+                       kv_scale: torch.Tensor | None = None) -> None:
     """[kv_c | k_pe] ([T, R], [T, P]) into cache [num_blocks, block_size, R + P] at `slot_mapping`
-    (slots < 0 are padding and skipped; the check runs once per step where `step_cache` is given)."""
+    (slots < 0 are padding and skipped; the check runs once per step where `step_cache` is given).
+    An FP8 cache stores latent / kv_scale, saturated (`quantize_fp8`)."""
     T = kv_c.shape[0]
     if step_cache is not None and "latent_valid" in step_cache:
         valid = step_cache["latent_valid"]
@@ -39,7 +42,11 @@ def write_latent_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tens
     slots = slot_mapping[:T]
     if valid is not None:
         latent, slots = latent[valid], slots[valid]
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slots, latent.to(cache.dtype))
+    rows = cache.view(-1, cache.shape[-1])
+    if cache.dtype in FP8_CACHE_DTYPES:  # (CPU index_copy_ has no fp8 kernel: copy the bytes)
+        rows.view(torch.uint8).index_copy_(0, slots, quantize_fp8(latent, kv_scale, cache.dtype).view(torch.uint8))
+        return
+    rows.index_copy_(0, slots, latent.to(cache.dtype))
 
 
 def absorb_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -53,13 +60,15 @@ def unabsorb_output(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 
 
 def latent_decode_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: list[int], scale: float) -> torch.Tensor:
+                      seq_lens: list[int], scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q_lat [B, H, R], q_pe [B, H, P] over each sequence's
-    `seq_lens[b]` cached latents -> out_lat [B, H, R] (fp32 softmax, q's dtype out)."""
+    `seq_lens[b]` cached latents -> out_lat [B, H, R] (fp32 softmax, q's dtype out). An FP8
+    cache is read as fp8 * kv_scale."""
     B, H, R = q_lat.shape
     width = max(seq_lens)
     nb = -(-width // cache.shape[1])
-    lat = gather_blocks(cache, block_tables[:, :nb].clamp_min(0))[:, :width].to(q_lat.dtype)  # [B, W, R+P]
+    lat = gather_blocks(cache, block_tables[:, :nb].clamp_min(0))[:, :width]
+    lat = dequantize(lat, kv_scale, q_lat.dtype)  # [B, W, R+P]
     q = torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1)  # [B, H, R+P]
     lens = torch.tensor(seq_lens, device=q.device)
     mask = (torch.arange(width, device=q.device)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, W]
@@ -86,9 +95,9 @@ class MLABackend:
     name = "mla"
 
     def kv_cache_spec(self, layer, dtype: torch.dtype) -> LatentAttentionSpec:
-        if dtype.itemsize < 2:  # an FP8 latent cache needs scales in the write and the decode
-            raise ValueError(f"kv_cache_dtype={str(dtype).removeprefix('torch.')} is not implemented for MLA "
-                             "(latent) layers yet: use the model's dtype (bf16)")
+        if dtype.itemsize < 2 and dtype not in FP8_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={str(dtype).removeprefix('torch.')} is not supported for MLA "
+                             f"(latent) layers: the model's dtype or {FP8_CACHE_DTYPES[0]}")
         return LatentAttentionSpec(layer.latent_dim, dtype)
 
     def write_kv(self, layer, kv_c: torch.Tensor, k_pe: torch.Tensor, meta) -> None:
@@ -131,10 +140,18 @@ class MLABackend:
         slots, spans = self._prefill_plan(meta, qlens, slens, starts, layer.kv_cache.shape[1])
         if spans:  # one gather and one kv_b_proj product for every prefill's context
             q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)
-            k, v = layer.expand_kv(layer.kv_cache.view(-1, layer.latent_dim).index_select(0, slots))
+            k, v = layer.expand_kv(self._gather_latents(layer, slots, q_nope.dtype))
             for s, n, c, L in spans:
                 out[s:s + n] = expanded_prefill_ref(q[s:s + n], k[c:c + L], v[c:c + L], layer.scale)
         return out
+
+    @staticmethod
+    def _gather_latents(layer, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The cached latents at `slots` [L] -> [L, R + P] in `dtype` (fp8 * k_scale for an FP8 cache)."""
+        rows = layer.kv_cache.view(-1, layer.latent_dim)
+        if rows.dtype in FP8_CACHE_DTYPES:  # (no fp8 index_select on CPU: gather the bytes)
+            return dequantize(rows.view(torch.uint8).index_select(0, slots).view(rows.dtype), layer.k_scale, dtype)
+        return rows.index_select(0, slots)
 
     @staticmethod
     def _prefill_plan(meta, qlens, slens, starts, block_size: int):
@@ -162,11 +179,13 @@ class TorchMLABackend(MLABackend):
     name = "torch-mla"
 
     def write_kv(self, layer, kv_c, k_pe, meta) -> None:
-        write_latent_cache(kv_c, k_pe, layer.kv_cache, meta.slot_mapping, meta.step_cache)
+        if layer.kv_cache.dtype in FP8_CACHE_DTYPES:
+            layer.calibrate_kv_scales(kv_c, k_pe)
+        write_latent_cache(kv_c, k_pe, layer.kv_cache, meta.slot_mapping, meta.step_cache, layer.k_scale)
 
     def decode_latent(self, layer, q_lat, q_pe, block_tables, seq_lens, seq_lens_host, meta) -> torch.Tensor:
         lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
-        return latent_decode_ref(q_lat, q_pe, layer.kv_cache, block_tables, lens, layer.scale)
+        return latent_decode_ref(q_lat, q_pe, layer.kv_cache, block_tables, lens, layer.scale, layer.k_scale)
 
     def __repr__(self) -> str:
         return "TorchMLABackend()"

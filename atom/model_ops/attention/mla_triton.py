@@ -15,6 +15,7 @@ import torch
 
 from atom.model_ops.attention.metadata import get_forward_context
 from atom.model_ops.attention.mla_torch import MLABackend
+from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES
 from atom.model_ops.kernels.mla_decode import MLAWorkspace, mla_decode, num_sms, workspace_slots, write_latent
 
 OP_NAME = "atom::mla_attention"
@@ -36,11 +37,13 @@ class TritonMLABackend(MLABackend):
                                       device=device, slots=slots)
 
     def write_kv(self, layer, kv_c, k_pe, meta) -> None:
-        write_latent(kv_c, k_pe, layer.kv_cache, meta.slot_mapping)
+        if layer.kv_cache.dtype in FP8_CACHE_DTYPES:
+            layer.calibrate_kv_scales(kv_c, k_pe)
+        write_latent(kv_c, k_pe, layer.kv_cache, meta.slot_mapping, layer.k_scale)
 
     def decode_latent(self, layer, q_lat, q_pe, block_tables, seq_lens, seq_lens_host, meta) -> torch.Tensor:
         return mla_decode(q_lat.contiguous(), q_pe.contiguous(), layer.kv_cache, block_tables, seq_lens,
-                          layer.kv_lora_rank, layer.scale, workspace=self.workspace)
+                          layer.kv_lora_rank, layer.scale, workspace=self.workspace, kv_scale=layer.k_scale)
 
     def forward(self, layer, q_nope, q_pe, kv_c, k_pe) -> torch.Tensor:
         """Opaque to torch.compile: the op reads the forward context, this method does not."""

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from atom.model_ops.kernels.kv_cache import slot_offset
+from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES, fp8_saturate, interpreted, slot_offset
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 _LOG2E = 1.4426950408889634
@@ -38,7 +38,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_decode_kernel(
-        ql_ptr, qp_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, po_ptr, plse_ptr,
+        ql_ptr, qp_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, po_ptr, plse_ptr, kvs_ptr,
         scale_log2, min_split_tokens,
         stride_qlb, stride_qlh, stride_qpb, stride_qph,
         stride_cb, stride_cs, stride_btb,
@@ -47,6 +47,7 @@ if HAS_TRITON:
         NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
         BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, PAGE_MODE: tl.constexpr, SPLITS_FIRST: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         if SPLITS_FIRST:  # a sequence's segments are neighbours in launch order
             split = tl.program_id(0)
@@ -78,6 +79,9 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+        if KV_FP8:  # fp8 * kv_scale: the scale folds into the scores' scale and the output
+            kv_scale = tl.load(kvs_ptr)
+            scale_log2 = scale_log2 * kv_scale
         bt_row = bt_ptr + b64 * stride_btb
         for n0 in range(start, end, TILE_N):
             offs_n = n0 + tl.arange(0, TILE_N)
@@ -98,6 +102,9 @@ if HAS_TRITON:
             c = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
             pe = tl.load(cache_ptr + row[:, None] + R + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :],
                          other=0.0)
+            if KV_FP8:
+                c = c.to(ql.dtype)
+                pe = pe.to(qp.dtype)
             s = tl.dot(ql.to(c.dtype), tl.trans(c), input_precision=DOT_PREC)
             s += tl.dot(qp.to(pe.dtype), tl.trans(pe), input_precision=DOT_PREC)
             s = tl.where(n_ok[None, :], s * scale_log2, float("-inf"))
@@ -110,6 +117,8 @@ if HAS_TRITON:
         st_mask = h_ok[:, None] & r_ok[None, :]
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
+        if KV_FP8:
+            o = o * kv_scale
         if NUM_SPLITS == 1:
             tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=st_mask)
@@ -144,8 +153,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _write_latent_kernel(
-        c_ptr, pe_ptr, cache_ptr, slot_ptr, stride_ct, stride_pt, stride_cb, stride_cs,
+        c_ptr, pe_ptr, cache_ptr, slot_ptr, kvs_ptr, stride_ct, stride_pt, stride_cb, stride_cs,
         R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        KV_FP8: tl.constexpr, EXACT_ROUND: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -156,6 +166,9 @@ if HAS_TRITON:
         offs_p = tl.arange(0, P_PAD)
         c = tl.load(c_ptr + t * stride_ct + offs_r, mask=offs_r < R)
         pe = tl.load(pe_ptr + t * stride_pt + offs_p, mask=offs_p < P)
+        if KV_FP8:
+            c = fp8_saturate(c, kvs_ptr, EXACT_ROUND)
+            pe = fp8_saturate(pe, kvs_ptr, EXACT_ROUND)
         tl.store(cache_ptr + row + offs_r, c.to(cache_ptr.dtype.element_ty), mask=offs_r < R)
         tl.store(cache_ptr + row + R + offs_p, pe.to(cache_ptr.dtype.element_ty), mask=offs_p < P)
 
@@ -309,11 +322,12 @@ def _page_mode(tile_n: int, block_size: int, page_loads: bool) -> int:
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, kv_lora_rank: int, scale: float, out: Optional[torch.Tensor] = None,
                workspace: Optional[MLAWorkspace] = None, *, num_kv_splits: Optional[int] = None,
-               config: Optional[dict] = None) -> torch.Tensor:
+               config: Optional[dict] = None, kv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Absorbed MLA decode: q_lat [B, H, R], q_pe [B, H, P], kv_cache [blocks, bs, R + P] ->
     out [B, H, R]. `num_kv_splits` None picks by shape (then lowered to what the workspace
     holds), a power of two forces it; `config` overrides any of `CONFIG_KEYS` (see
-    `pick_mla_config`), e.g. dict(TILE_N=64, num_warps=8, num_stages=3, num_splits=4)."""
+    `pick_mla_config`), e.g. dict(TILE_N=64, num_warps=8, num_stages=3, num_splits=4). An FP8
+    cache is read as fp8 * `kv_scale` (a one-element fp32 tensor on the device; 1.0 if None)."""
     if not HAS_TRITON:
         raise RuntimeError("mla_decode needs triton; use mla_torch.latent_decode_ref without it")
     B, H, R = q_lat.shape
@@ -354,12 +368,15 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
                 splits //= 2
             bufs = workspace.buffers(B, H, R, splits) if splits > 1 else None
     po, plse = bufs if splits > 1 else (out, out)
+    fp8 = kv_cache.dtype in FP8_CACHE_DTYPES
+    if fp8 and kv_scale is None:
+        kv_scale = torch.ones((), dtype=torch.float32, device=q_lat.device)
     r_pad, p_pad = max(16, _next_pow2(R)), max(16, _next_pow2(P))
     dot_prec = "ieee" if q_lat.dtype == torch.float32 else "tf32"
     nhb = triton.cdiv(H, cfg["BLOCK_H"])
     grid = (splits, nhb, B) if cfg["splits_first"] else (B, nhb, splits)
     _mla_decode_kernel[grid](
-        q_lat, q_pe, kv_cache, block_tables, seq_lens, out, po, plse,
+        q_lat, q_pe, kv_cache, block_tables, seq_lens, out, po, plse, kv_scale if fp8 else out,
         float(scale) * _LOG2E, cfg["min_split_tokens"],
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
@@ -368,7 +385,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         NUM_HEADS=H, R=R, P=P, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=cfg["BLOCK_H"], TILE_N=cfg["TILE_N"],
         BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_PREC=dot_prec,
         PAGE_MODE=_page_mode(cfg["TILE_N"], block_size, bool(cfg["page_loads"])),
-        SPLITS_FIRST=bool(cfg["splits_first"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPLITS_FIRST=bool(cfg["splits_first"]), KV_FP8=fp8, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _mla_merge_kernel[(B, H)](
@@ -378,9 +396,11 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     return out
 
 
-def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: Optional[torch.Tensor] = None) -> None:
     """[kv_c | k_pe] ([T, R], [T, P], contiguous last dims) into kv_cache [blocks, bs, R + P];
-    slots < 0 (padding) are skipped."""
+    slots < 0 (padding) are skipped. An FP8 cache stores latent / `kv_scale` (a one-element
+    fp32 tensor; 1.0 if None), saturated at +-448."""
     if not HAS_TRITON:
         raise RuntimeError("write_latent needs triton; use mla_torch.write_latent_cache without it")
     T, R = kv_c.shape
@@ -395,6 +415,10 @@ def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             raise ValueError(f"{name} must have a contiguous last dimension")
     if T == 0:
         return
+    fp8 = kv_cache.dtype in FP8_CACHE_DTYPES
+    if fp8 and kv_scale is None:
+        kv_scale = torch.ones((), dtype=torch.float32, device=kv_c.device)
     _write_latent_kernel[(T,)](
-        kv_c, k_pe, kv_cache, slot_mapping, kv_c.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        R=R, P=P, R_PAD=_next_pow2(R), P_PAD=_next_pow2(P), BLOCK_SIZE=kv_cache.shape[1], num_warps=1)
+        kv_c, k_pe, kv_cache, slot_mapping, kv_scale if fp8 else kv_c, kv_c.stride(0), k_pe.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), R=R, P=P, R_PAD=_next_pow2(R), P_PAD=_next_pow2(P),
+        BLOCK_SIZE=kv_cache.shape[1], KV_FP8=fp8, EXACT_ROUND=fp8 and interpreted(), num_warps=1)
