@@ -43,6 +43,22 @@ def _target(name: str, packed: dict, experts=()) -> tuple[str, object]:
     return name, None
 
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_stored_dtype(name: str, target: str, param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """A parameter that holds codes (fp8, int8, packed int4 words, e8m0 / fp4 bytes) takes only
+    codes: a checkpoint tensor in a 16/32-bit float there would be rounded or truncated by the
+    copy into wrong weights without an error (an uncompressed or fake-quantized export of a
+    quantized model, or a config naming the wrong layers). ValueError naming both."""
+    if param.dtype not in _FLOATS and tensor.dtype in _FLOATS:
+        raise ValueError(
+            f"checkpoint tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, but {target} "
+            f"stores {str(param.dtype).removeprefix('torch.')} codes for its quantization method: the "
+            "checkpoint is not stored in the format its quantization_config declares for this layer (an "
+            "uncompressed / 'dense' export loads through online quantization of an unquantized config)")
+
+
 def load_weights(model: nn.Module, path: str) -> None:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -71,6 +87,7 @@ def load_weights(model: nn.Module, path: str) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} in {f} has no place in "
                                      f"{type(model).__name__}")
                 tensor = st.get_tensor(name)
+                check_stored_dtype(name, target, param, tensor)
                 loader = getattr(param, "weight_loader", None)
                 if loader is not None:
                     loader(param, tensor, shard)
