@@ -141,6 +141,17 @@ def test_bad_routing_config_fails_at_load(tmp_path):
         LLM(path, enable_log_stats=False, num_kvcache_blocks=8)
 
 
+def test_mlp_bias_is_refused_at_load(tmp_path):
+    """transformers gives DeepSeek-V2's MLPs biases when mlp_bias is set; this file has none, so
+    such a config is refused by name instead of loading without them."""
+    path = make_tiny_deepseek(tmp_path / "m", "v2")
+    cfg = json.load(open(f"{path}/config.json"))
+    cfg["mlp_bias"] = True
+    json.dump(cfg, open(f"{path}/config.json", "w"))
+    with pytest.raises(ValueError, match="mlp_bias=True is not supported"):
+        LLM(path, enable_log_stats=False, num_kvcache_blocks=8)
+
+
 def test_mtp_layers_in_the_checkpoint_are_skipped(tmp_path):
     """A V3 checkpoint's multi-token-prediction layer (after the last decoder layer) loads past."""
     from safetensors.torch import save_file

@@ -164,6 +164,9 @@ def check_config(cfg) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported: only 'silu'")
+    if getattr(cfg, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported: the dense and shared-expert MLPs here have no "
+                         "biases (every released DeepSeek-V2 config has mlp_bias=False)")
 
 
 class DeepseekV2Model(nn.Module):
