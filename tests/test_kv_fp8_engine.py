@@ -234,6 +234,8 @@ def test_fp8_latent_cache_greedy_tokens_match_transformers_with_fp8_latents(tmp_
     got = [o.token_ids for o in llm.generate(ps + ps[1:], GREEDY, use_tqdm=False)]
     scales = {a.layer_idx: float(a.k_scale) for a in runner.attn_layers}
     assert all(a.kv_scale_source == "computed" for a in runner.attn_layers) and len(set(scales.values())) > 1
+    frame = kv_cache_frame(llm)  # the notebook view: one latent scale per layer, no value scale
+    assert list(frame["k_scale"]) == list(scales.values()) and frame["v_scale"].isna().all()
     hf8 = hf_v2_with_fp8_latent(path, scales, monkeypatch)
     ref = [hf_greedy(hf8, p, GREEDY.max_tokens) for p in ps]
     assert got == ref + ref[1:]

@@ -98,10 +98,12 @@ class LatentAttentionSpec:
 
 
 def _scales(layer, spec) -> dict:
-    """An FP8 cache's per-layer scales and where they came from (checkpoint or the default)."""
+    """An FP8 cache's per-layer scales and where they came from (checkpoint, computed or the
+    default); an MLA layer has one (k_scale, its latent's), so its v_scale is left empty."""
     if spec.dtype.itemsize != 1 or not hasattr(layer, "k_scale"):
         return {}
-    return {"k_scale": float(layer.k_scale), "v_scale": float(layer.v_scale),
+    v_scale = getattr(layer, "v_scale", None)
+    return {"k_scale": float(layer.k_scale), "v_scale": None if v_scale is None else float(v_scale),
             "scale_source": getattr(layer, "kv_scale_source", "default 1.0")}
 
 
