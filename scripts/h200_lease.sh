@@ -6,7 +6,8 @@
 # Here, once (the pieces plus the repository must stay under a call's 64 MiB):
 #   bash ../shared/peer/fetch_vllm.sh && bash scripts/h200_lease.sh pack
 #   (pack: .peer/q1..q4, ~55 MiB each; .srv: the wheels `vllm serve` and our server need beyond
-#    vLLM's own list; .before: the tree of the commit to compare with, BEFORE=<commit>)
+#    vLLM's own list. For a before/after comparison put the `atom/` package of the engine to
+#    compare with in .before/atom yourself, and name its commit in BEFORE)
 # There, one call per piece, stages in order, e.g.
 #   call 1 (carry .peer/q1):                 bash scripts/h200_lease.sh stash1 q_l0 q_l3
 #   call 2 (carry .peer/q2):                 bash scripts/h200_lease.sh stash2 q_lat_l3 q_l0 q_l3
@@ -26,7 +27,6 @@ if [ "${1:-}" = pack ]; then
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .srv \
     fastapi==0.135.0 starlette==1.0.1 watchfiles==1.3.0 model_hosting_container_standards==0.1.16 \
     jmespath==1.1.0 supervisor==4.3.0
-  rm -rf .before/atom; git archive "${BEFORE:-3e2fd90}" atom | tar -x -C .before
   printf '/.srv/\n/.before/\n' >> .git/info/exclude
   du -sb .peer/q1 .peer/q2 .peer/q3 .peer/q4 .srv .before
   exit 0
@@ -45,7 +45,7 @@ run() {  # name timeout_s command...: the command's output into $R/name.log, its
 }
 # the commit compared with runs from its own tree: `python -m` puts the working directory first
 # on sys.path, so it must be the before tree's, not this checkout's
-before=(env -C $B PYTHONPATH=$B:/tmp/site ATOM_BENCH_COMMIT="${BEFORE:-3e2fd90}")
+before=(env -C $B PYTHONPATH=$B:/tmp/site ATOM_BENCH_COMMIT="${BEFORE:-before}")
 Q="--model qwen3-0.6b"; L="--model llama-3.1-8b"; LAT="--modes graphs --new-tokens 256"
 for st in "$@"; do ts=$(date +%s); case $st in
   stash[1-4]) cp .peer/q${st#stash}/* /tmp/peer/; log "stashed ${st#stash}: $(ls /tmp/peer | wc -l) files";;
