@@ -1,7 +1,9 @@
 """The server on the embedded SmolLM2, driven by the official `openai` client and by lm-eval's
 OpenAI-compatible completions client: completions and chat equal `LLM.generate` / `LLM.chat`
-greedy, streamed text equals non-streamed (UTF-8 safe), echo + logprobs scores the prompt
-as transformers does, and lm-eval's loglikelihood / generate_until run on a local task."""
+greedy (with `stop_token_ids`, chat `logprobs` / `top_logprobs` and `max_completion_tokens`
+too), streamed text and logprobs equal non-streamed (UTF-8 safe), echo + logprobs scores the
+prompt as transformers does, OpenAI's chat fields the server cannot use are accepted at their
+neutral values, and lm-eval's loglikelihood / generate_until run on a local task."""
 from __future__ import annotations
 
 import json
@@ -129,6 +131,89 @@ def test_echo_with_zero_max_tokens_scores_the_prompt_like_transformers(client, h
     assert "".join(lp.tokens) == prompt
     for top, tok, got in zip(lp.top_logprobs[1:], lp.tokens[1:], lp.token_logprobs[1:]):
         assert top[tok] == got and max(top.values()) >= got
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_completion_logprobs_equal_non_streamed(client, llm, echo):
+    """Streamed chunks' logprobs, concatenated, are the whole response's: `text_offset` counts
+    on across chunks (from the echoed prompt's start), it does not restart in each."""
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=5, temperature=0, logprobs=2, echo=echo)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    chunks = [c.logprobs for ch in client.completions.create(stream=True, **kw) for c in ch.choices
+              if c.logprobs is not None]
+    assert len(chunks) > 2  # several chunks carry logprobs, so an offset restarting would show
+    tokens = [t for lp in chunks for t in lp.tokens]
+    offsets = [o for lp in chunks for o in lp.text_offset]
+    lps = [x for lp in chunks for x in lp.token_logprobs]
+    assert tokens == whole.tokens and offsets == whole.text_offset
+    assert len(tokens) == 5 + (len(llm.tokenizer.encode(PROMPTS[1])) if echo else 0)
+    assert offsets[0] == 0
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    assert (lps[0] is None) == echo and (whole.token_logprobs[0] is None) == echo
+    assert [x for x in lps if x is not None] == pytest.approx(
+        [x for x in whole.token_logprobs if x is not None], abs=1e-4)
+    tops = [t for lp in chunks for t in lp.top_logprobs]
+    assert [sorted(t) if t else t for t in tops] == [sorted(t) if t else t for t in whole.top_logprobs]
+
+
+def test_stop_token_ids_end_the_output_as_llm_generate(client, llm):
+    from atom import SamplingParams
+    kw = dict(model=NAME, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+              extra_body={"return_token_ids": True})
+    free = client.completions.create(**kw).choices[0].token_ids
+    stop = free[4]
+    at = free.index(stop)
+    assert stop != llm.tokenizer.eos_token_id and at < len(free) - 1
+    ref = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]),
+                       use_tqdm=False)[0]
+    kw["extra_body"]["stop_token_ids"] = [stop]
+    c = client.completions.create(**kw).choices[0]
+    assert c.finish_reason == "stop" == ref.finish_reason and c.stop_reason == stop
+    assert c.token_ids == ref.token_ids and c.text == ref.text
+    assert c.token_ids == free[:len(c.token_ids)] and len(c.token_ids) <= at + 1
+
+
+def test_chat_logprobs_and_max_completion_tokens_equal_llm_chat(client, llm):
+    from atom import SamplingParams
+    messages = [{"role": "user", "content": CHATS[0]}]
+    k, limit = 3, 4
+    ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=limit, logprobs=k),
+                   use_tqdm=False)[0]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=limit,
+                                       temperature=0, logprobs=True, top_logprobs=k)
+    c = r.choices[0]
+    assert c.finish_reason == "length" == ref.finish_reason   # the answer is longer than that
+    assert r.usage.completion_tokens == limit == len(ref.token_ids)
+    assert c.message.content == ref.text
+    content = c.logprobs.content
+    assert len(content) == limit
+    for got, tid, want in zip(content, ref.token_ids, ref.outputs[0].logprobs):
+        assert got.token == want[tid].decoded_token and got.bytes == list(got.token.encode())
+        assert got.logprob == pytest.approx(want[tid].logprob, abs=1e-4)
+        tops = sorted((v for v in want.values() if v.rank <= k), key=lambda v: v.rank)
+        assert [t.token for t in got.top_logprobs] == [v.decoded_token for v in tops]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([v.logprob for v in tops], abs=1e-4)
+        assert len(got.top_logprobs) == k and got.top_logprobs[0].token == got.token   # greedy
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, stream=True,
+                                                 max_completion_tokens=limit, temperature=0,
+                                                 logprobs=True, top_logprobs=k))
+    streamed = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    assert [len(e.top_logprobs) for e in streamed] == [k] * limit
+
+
+def test_chat_accepts_openai_fields_it_cannot_use_at_their_neutral_values(client):
+    messages = [{"role": "user", "content": "What is 2+2?"},
+                {"role": "tool", "content": "4", "tool_call_id": "call_1"}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, temperature=0,
+                                       parallel_tool_calls=False, store=False, metadata={"run": "x"},
+                                       service_tier="auto")
+    assert r.usage.completion_tokens == 2
+    for kw, param in [({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, **kw)
+        assert e.value.body.get("error", e.value.body)["param"] == param
 
 
 def test_bad_requests_raise_the_clients_errors(client):

@@ -1,5 +1,6 @@
 """The server under load (tiny random Llama, token-id prompts, a real server process):
-200 concurrent streams all complete once, with exactly the tokens `LLM.generate` gives;
+200 streams from a client bounded to 64 connections (the rest queue at the client) all
+complete once, with exactly the tokens `LLM.generate` gives;
 bad requests in the middle fail alone; clients that leave mid-stream free their KV blocks;
 `/metrics` counters move by what was served; a full queue is a 503 and SIGTERM drains."""
 from __future__ import annotations
@@ -72,6 +73,8 @@ BAD = [  # (body or raw bytes, status, param named)
     ({"model": MODEL, "prompt": [5], "max_tokens": "8"}, 422, "max_tokens"),
     ({"model": MODEL, "prompt": [5], "frobnicate": 1}, 422, "frobnicate"),
     ({"model": MODEL}, 422, "prompt"),
+    ({"model": MODEL, "prompt": [5, "x"]}, 422, "prompt"),        # not pydantic's "prompt.str"
+    ({"model": MODEL, "prompt": [5], "stop": 5}, 422, "stop"),
     ({"model": MODEL, "prompt": [5], "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": [5], "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": [5], "n": 0}, 400, "n"),
@@ -116,7 +119,9 @@ def test_200_concurrent_streams_complete_once_with_the_offline_tokens(server, re
     url = server.url + "/v1/completions"
 
     async def run():
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        # fewer connections than requests: the rest wait in the client's pool, as a real
+        # client's would, and each connection carries several streams one after the other
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
             good = [sse_chunks(client, url, _body(p, m), server.headers)
                     for p, m in zip(prompts, max_tokens)]

@@ -89,7 +89,7 @@ def build_app(engine, options: ServerOptions) -> FastAPI:
         try:
             return model.model_validate_json(body or b"")
         except ValidationError as e:
-            raise from_validation(e) from None
+            raise from_validation(e, model) from None
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):

@@ -6,7 +6,11 @@ vLLM's sampling extensions are accepted (`top_k`, `min_tokens`, `repetition_pena
 `stop_token_ids`, `ignore_eos`), and `return_token_ids` (ATOM's: each choice, and each
 streamed chunk, carries its token ids). A few OpenAI fields this server cannot honour are
 accepted only at their neutral value (`logit_bias` empty, `best_of` equal to `n`, `suffix`
-unset, `tools` / `response_format` unset), else refused by `serving` with a 400 naming them.
+unset, `tools` / `response_format` unset, `store` unset or false, `service_tier` unset,
+"auto" or "default"), else refused by `serving` with a 400 naming them. Chat fields that
+change nothing here are accepted as OpenAI types them: `parallel_tool_calls` (any bool:
+`tools` are refused anyway), `metadata` (string values; stored nowhere, as nothing is) and a
+message's `tool_call_id` (handed to the chat template, as `name` is).
 """
 from __future__ import annotations
 
@@ -66,6 +70,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[_TextPart], None] = None
     name: Optional[str] = None
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -82,6 +87,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None

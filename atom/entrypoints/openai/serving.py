@@ -5,7 +5,9 @@ tokenized here, `SamplingParams` built and validated here (a 400 naming the fiel
 engine sees anything), then the engine's DELTA outputs are either collected (one JSON body)
 or written as server-sent events as they come: per choice, text chunks (the engine's UTF-8
 safe `new_text`, stop strings held back), exactly one chunk carrying `finish_reason`, then a
-usage chunk when `stream_options.include_usage`, then `data: [DONE]`.
+usage chunk when `stream_options.include_usage`, then `data: [DONE]`. A choice's streamed
+completions `logprobs`, concatenated, are the non-streamed ones: `text_offset` counts on
+across its chunks (from the echoed prompt's start when `echo`).
 
 Choice `i * n + j` is completion j of prompt i. Scoring (`echo` with `max_tokens` 0, or
 lm-eval's `max_tokens` 1): the prompt comes back with its logprobs (`prompt_logprobs`);
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20
 MIN_LOGPROB = -9999.0                # JSON has no -inf
+SERVICE_TIERS = (None, "auto", "default")   # the chat service_tier values that change nothing
 
 
 @dataclass
@@ -184,10 +187,19 @@ class OpenAIServing:
         for name in ("tools", "response_format"):
             if getattr(req, name):
                 raise APIError(400, f"{name} is not supported by this server", param=name)
+        if req.store:
+            raise APIError(400, "store=true is not supported: this server stores no completions "
+                                "(leave store unset or false)", param="store")
+        if req.service_tier not in SERVICE_TIERS:
+            raise APIError(400, f"service_tier={req.service_tier!r} is not supported: this server "
+                                "has one tier (leave it unset, or give 'auto' or 'default')",
+                           param="service_tier")
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template: use "
                                 "/v1/completions with token ids", param="messages")
-        conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        conversation = [{"role": m.role, "content": m.text(),
+                         **({"name": m.name} if m.name else {}),
+                         **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})}
                         for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
@@ -399,6 +411,7 @@ class OpenAIServing:
         obj = "chat.completion.chunk" if chat else "text_completion"
         started: set[int] = set()
         done: set[int] = set()
+        text_offset: dict[int, int] = {}   # per choice: where its next chunk's logprobs start
         prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
         completion_tokens = 0
 
@@ -443,7 +456,10 @@ class OpenAIServing:
                         choice = {"index": index, "text": text, "logprobs": None,
                                   "finish_reason": c.finish_reason}
                         if job.logprobs is not None:
-                            choice["logprobs"] = self.completion_logprobs(pids + ids, pent + lps)
+                            start = text_offset.get(index, 0)
+                            lp = self.completion_logprobs(pids + ids, pent + lps, start)
+                            text_offset[index] = start + sum(map(len, lp["tokens"]))
+                            choice["logprobs"] = lp
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
                     if return_token_ids:
