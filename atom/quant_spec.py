@@ -12,6 +12,11 @@ specs:
 * :class:`GenericParser` for everything else (FP8 block checkpoints,
   compressed-tensors, GPTQ/AWQ-style ``bits`` + ``group_size``).
 
+A compressed-tensors config may hold several ``config_groups``, each quantizing the
+modules its ``targets`` name: :meth:`GenericParser.parse_groups` reads one
+:class:`ConfigGroup` per group and :class:`GroupMatcher` says which group a module
+belongs to, by compressed-tensors' own matching rules.
+
 Dtype keys follow AITER's names (``fp8``, ``fp4x2``, ``i8``, ``i4x2``). Their
 torch dtypes here:
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -44,7 +50,11 @@ __all__ = [
     "dtype_from_key",
     "key_from_dtype",
     "QuarkParser",
+    "QUARK_LAYER_TYPES",
     "GenericParser",
+    "ConfigGroup",
+    "GroupMatcher",
+    "LINEAR_CLASS_TARGETS",
     "ONLINE_QUANT_FORMATS",
     "online_quant_spec",
 ]
@@ -230,6 +240,11 @@ _QUARK_QSCHEME = {
 }
 
 
+#: The module types Quark's ``layer_type_quant_config`` is keyed by (Quark's own
+#: ``QUARK_LAYER_TYPES``; it refuses any other key when it reloads a config).
+QUARK_LAYER_TYPES = ("Linear", "Conv2d", "ConvTranspose2d")
+
+
 class QuarkParser:
     """Parses AMD Quark config dicts (``global_quant_config`` and each
     ``layer_quant_config`` entry) into :class:`LayerQuantConfig`.
@@ -315,6 +330,35 @@ def _walk(obj: Any) -> Iterator[tuple[str, Any]]:
             yield from _walk(item)
 
 
+#: The class names a layer here answers to as a compressed-tensors target. Each linear layer
+#: (and each expert of a MoE layer) is a ``torch.nn.Linear`` in the model the checkpoint was
+#: made from, and compressed-tensors matches a class target against every class of the
+#: module's MRO: ``Linear``, then ``Module``.
+LINEAR_CLASS_TARGETS = ("Linear", "Module")
+
+
+@dataclass(frozen=True)
+class ConfigGroup:
+    """One compressed-tensors config group: its name, its ``targets`` and the spec of the
+    modules they match. ``spec`` is None for a group that quantizes no weights; ``problem``
+    then says why no linear layer can take it (raised for the layers the group matches only,
+    so that a group aimed at other modules, e.g. attention-only activation schemes, does not
+    refuse the checkpoint)."""
+
+    name: str
+    targets: tuple[str, ...]
+    spec: Optional[LayerQuantConfig]
+    problem: Optional[str] = None
+
+
+def _config_groups(cfg: dict) -> dict[str, dict]:
+    """The dict-valued entries of ``cfg["config_groups"]`` (``{}`` when there are none)."""
+    groups = cfg.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        return {}
+    return {str(name): group for name, group in groups.items() if isinstance(group, dict)}
+
+
 class GenericParser:
     """Parses non-Quark ``quantization_config`` dicts (FP8 block checkpoints,
     compressed-tensors, ``bits``/``group_size`` formats).
@@ -329,12 +373,23 @@ class GenericParser:
     3. ``activation_scheme == "static"`` (or ``input_activations.dynamic ==
        False``) makes ``is_dynamic`` False.
     4. excluded layers come from ``ignore`` (see :meth:`exclude_layers`).
+
+    :meth:`parse` reads one spec, so it refuses a compressed-tensors config of several
+    config groups (one spec for all of them would give every layer one group's format);
+    :meth:`parse_groups` reads each group with its targets.
     """
 
     _DTYPE_FIELDS = ("dtype", "weight_dtype", "fmt", "quant_method")
 
     def parse(self, cfg: dict) -> LayerQuantConfig:
         method = str(cfg.get("quant_method", "") or "")
+        if method == "compressed-tensors" and len(_config_groups(cfg)) > 1:
+            raise ValueError(
+                f"quantization_config.config_groups={sorted(_config_groups(cfg))!r} is invalid here: "
+                "GenericParser.parse reads one spec, which would give every layer one group's format; "
+                "read several groups with GenericParser.parse_groups, each applying to the modules its "
+                "targets match"
+            )
         pairs = list(_walk(cfg))
 
         quant_type = QuantType.per_Tensor
@@ -380,19 +435,65 @@ class GenericParser:
             details.update(group_size=cfg["group_size"], act_scheme="none")
         return _spec(quant_type, key, is_dynamic, method, **details)
 
+    def parse_groups(self, cfg: dict) -> list[ConfigGroup]:
+        """One :class:`ConfigGroup` per entry of a compressed-tensors ``config_groups``, in the
+        config's order (``[]`` when it has none).
+
+        Each group's spec is :meth:`parse` of the config with that group alone, so a one-group
+        config gives the spec it always did and no group's fields leak into another's. A group
+        without ``weights`` (activations only) gets no spec but a ``problem``; ``targets`` must
+        be a non-empty list of strings (compressed-tensors requires them too).
+        """
+        raw = cfg.get("config_groups")
+        if raw is None or raw == {}:
+            return []
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"config_groups={raw!r} is invalid: must be a dict of group name -> "
+                "{targets, weights, input_activations}"
+            )
+        out: list[ConfigGroup] = []
+        for name, group in raw.items():
+            where = f"config_groups.{name}"
+            if not isinstance(group, dict):
+                raise ValueError(
+                    f"{where}={group!r} is invalid: must be a dict with targets, weights and "
+                    "input_activations"
+                )
+            targets = group.get("targets")
+            targets = [targets] if isinstance(targets, str) else targets
+            if (
+                not isinstance(targets, (list, tuple))
+                or not targets
+                or not all(isinstance(t, str) and t for t in targets)
+            ):
+                raise ValueError(
+                    f"{where}.targets={group.get('targets')!r} is invalid: must be a non-empty list "
+                    "of module class names (\"Linear\"), \"re:<regex>\" patterns or module names"
+                )
+            if not isinstance(group.get("weights"), dict):
+                out.append(ConfigGroup(
+                    str(name), tuple(targets), None,
+                    f"{where}.weights={group.get('weights')!r}: the group quantizes no weights "
+                    "(activations only), which no linear method here runs",
+                ))
+                continue
+            try:
+                spec = self.parse({**cfg, "config_groups": {name: group}})
+            except ValueError as exc:
+                raise ValueError(f"{where} (targets {list(targets)}) cannot be read: {exc}") from None
+            out.append(ConfigGroup(str(name), tuple(targets), spec))
+        return out
+
     @staticmethod
     def _compressed_tensors_details(cfg: dict, quant_type: QuantType, details: dict) -> QuantType:
-        """Fill `details` from the first config group of a compressed-tensors config (the
-        one targeting ``Linear`` when there are several); the weight strategy "tensor"
-        makes the quant type per_Tensor."""
-        groups = cfg.get("config_groups") or {}
-        groups = [g for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+        """Fill `details` from the config group of a one-group compressed-tensors config (several
+        groups are read one by one, :meth:`parse_groups`); the weight strategy "tensor" makes the
+        quant type per_Tensor."""
+        groups = list(_config_groups(cfg).values())
         if not groups:
             return quant_type
-        if len(groups) > 1:
-            logger.warning("compressed-tensors config has %d config groups; using the one for Linear",
-                           len(groups))
-        group = next((g for g in groups if "Linear" in (g.get("targets") or [])), groups[0])
+        group = groups[0]
         weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
         inputs = group.get("input_activations")
         strategy = str(weights.get("strategy") or "").lower()
@@ -445,6 +546,62 @@ class GenericParser:
     def exclude_layers(cfg: dict) -> list[str]:
         ignore = cfg.get("ignore") or []
         return [ignore] if isinstance(ignore, str) else list(ignore)
+
+
+class GroupMatcher:
+    """Which compressed-tensors config group quantizes a module, by compressed-tensors' rules
+    (``apply_quantization_config`` with ``utils.match.match_targets``, compressed-tensors 0.19):
+
+    * every target of every group names its group; a target two groups list belongs to the
+      later one (compressed-tensors keys one dict by target);
+    * a target ``"re:<regex>"`` matches a module whose full name ``re.match``-es the regex
+      (anchored at the start of the name, not at its end: ``re:.*mlp.*`` matches
+      ``model.layers.0.mlp.down_proj``); a class name in :data:`LINEAR_CLASS_TARGETS`
+      matches every layer; any other target matches the module of exactly that name;
+    * of the targets a module matches, exact names win over regexes, which win over class
+      names; within a kind the target that sorts first wins (compressed-tensors sorts the
+      targets). So ``re:.*self_attn.*`` overrides ``"Linear"`` for the attention layers.
+    * a module no target matches is not quantized (``match`` gives None).
+
+    ``ignore`` is not applied here: the dispatcher checks it first.
+    """
+
+    def __init__(self, groups: list[ConfigGroup]):
+        self.groups = list(groups)
+        self._group_of: dict[str, ConfigGroup] = {}
+        self._regex: dict[str, re.Pattern] = {}
+        for group in self.groups:
+            for target in group.targets:
+                previous = self._group_of.get(target)
+                if previous is not None and previous is not group:
+                    logger.warning(
+                        "compressed-tensors target %r is in config groups %r and %r: the later (%r) "
+                        "applies, as in compressed-tensors", target, previous.name, group.name, group.name)
+                self._group_of[target] = group
+                if target.startswith("re:"):
+                    try:
+                        self._regex[target] = re.compile(target[3:])
+                    except re.error as exc:
+                        raise ValueError(
+                            f"config_groups.{group.name}.targets entry {target!r} is invalid: bad regex ({exc})"
+                        ) from None
+        self._targets = sorted(self._group_of, key=lambda t: ("re:" in t, t))
+
+    def match(self, name: str) -> Optional[tuple[str, ConfigGroup]]:
+        """(target, group) that quantizes the module ``name``; None when no target matches."""
+        for target in self._targets:
+            regex = self._regex.get(target)
+            if (regex.match(name) is not None) if regex is not None else target == name:
+                return target, self._group_of[target]
+        return self.class_match()
+
+    def class_match(self) -> Optional[tuple[str, ConfigGroup]]:
+        """(target, group) a layer gets from class targets alone: what applies to a layer that no
+        name or regex target names (None when no group targets ``Linear``)."""
+        for target in self._targets:
+            if target in LINEAR_CLASS_TARGETS:
+                return target, self._group_of[target]
+        return None
 
 
 # ---------------------------------------------------------------------------
