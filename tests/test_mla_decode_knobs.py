@@ -190,27 +190,32 @@ def test_sweep_says_it_needs_a_gpu(tmp_path, capsys):
 
 def _compile_variants() -> dict:
     """Child process (no interpreter): the decode kernel at DeepSeek-V2-Lite's shape for sm90,
-    per (page mode, stages, TILE_N, warps): cp.async copies in its PTX (pipelined loads)."""
+    per (page mode, stages, TILE_N, warps): cp.async copies in its PTX (pipelined loads); the
+    last variant over an FP8 latent cache (e4m3 rows, the scale folded in)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from atom.model_ops.kernels import mla_decode as m
     k = m._mla_decode_kernel
-    types = dict(scale_log2="fp32", po_ptr="*fp32", plse_ptr="*fp32", seq_lens_ptr="*i32", bt_ptr="*i32")
+    types = dict(scale_log2="fp32", po_ptr="*fp32", plse_ptr="*fp32", seq_lens_ptr="*i32", bt_ptr="*i32",
+                 kvs_ptr="*fp32")
     # as the launcher specialises them: pointers and the strides of 576-wide rows divisible by 16
     div16 = {a for a in k.arg_names if a.endswith("_ptr") or (a.startswith("stride_") and a != "stride_plh")}
     out = {}
-    for mode, stages, tile, warps in ((0, 1, 32, 4), (0, 3, 32, 8), (1, 3, 16, 4), (2, 3, 32, 4), (2, 2, 64, 4)):
+    for mode, stages, tile, warps, fp8 in ((0, 1, 32, 4, False), (0, 3, 32, 8, False), (1, 3, 16, 4, False),
+                                           (2, 3, 32, 4, False), (2, 2, 64, 4, False), (2, 3, 32, 4, True)):
         cx = dict(NUM_HEADS=16, R=512, P=64, R_PAD=512, P_PAD=64, BLOCK_H=16, TILE_N=tile, BLOCK_SIZE=16,
-                  NUM_SPLITS=4, DOT_PREC="tf32", PAGE_MODE=mode, SPLITS_FIRST=True)
+                  NUM_SPLITS=4, DOT_PREC="tf32", PAGE_MODE=mode, SPLITS_FIRST=True, KV_FP8=fp8)
         sig = {a: "constexpr" if a in cx else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
                for a in k.arg_names}
+        if fp8:
+            sig["cache_ptr"] = "*fp8e4nv"
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names) if a in div16}
         c = triton.compile(ASTSource(fn=k, signature=sig, constexprs=cx, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
         ptx = c.asm["ptx"]
-        out[f"{mode}/{stages}/{tile}/{warps}"] = dict(cp_async="cp.async" in ptx, mma="mma.sync" in ptx)
+        out[f"{mode}/{stages}/{tile}/{warps}" + ("/fp8" if fp8 else "")] = dict(cp_async="cp.async" in ptx, mma="mma.sync" in ptx)
     return out
 
 
@@ -234,7 +239,7 @@ def test_decode_kernel_compiles_for_sm90_and_stages_pipeline_the_loads():
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(v["mma"] for v in got.values()), got  # the dots on tensor cores in every variant
     assert not got["0/1/32/4"]["cp_async"]  # one stage: plain loads
-    for key in ("0/3/32/8", "1/3/16/4", "2/3/32/4", "2/2/64/4"):
+    for key in ("0/3/32/8", "1/3/16/4", "2/3/32/4", "2/2/64/4", "2/3/32/4/fp8"):
         assert got[key]["cp_async"], (key, got)  # more: copies issued ahead
 
 
