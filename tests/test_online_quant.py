@@ -276,17 +276,55 @@ def test_compile_cache_key_includes_the_online_config(tiny_llama):
     assert Config(tiny_llama, online_quant_config=PTPC).compute_hash() != plain
 
 
-def test_moe_experts_and_mla_kv_b_proj_are_refused_by_name(tmp_path, in_tmp):
+def test_moe_experts_are_quantized_online_and_formats_without_a_moe_method_refused(tmp_path, in_tmp):
+    """A global ptpc_fp8 re-quantizes the experts too (FP8 MoE method, in the info summary);
+    experts a format cannot hold are refused by name before weights load; MLA's kv_b_proj too."""
     from tiny_deepseek import make_tiny_deepseek
     from tiny_moe import make_tiny_moe
     moe = make_tiny_moe(tmp_path / "moe")
-    with pytest.raises(NotImplementedError, match=r"targets the MoE experts 'model\.layers\.\d+\.mlp\.experts'"):
-        _llm(moe, online_quant_config=PTPC)
-    ok = _llm(moe, online_quant_config={**PTPC, "exclude_layer": "re:.*experts"})  # then it runs
-    assert "fp8" in set(_formats(ok).values())
+    llm = _llm(moe, online_quant_config=PTPC)
+    experts = [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "FusedMoE"]
+    assert experts and {m.method.name for m in experts} == {"fp8"}
+    rows = {r["layer"]: r for r in llm.engine.runner.online_quant_info["layers"]}
+    assert rows["model.layers.0.mlp.experts"]["target"] == "ptpc_fp8"
+    assert rows["model.layers.0.mlp.experts"]["source"] == "float32"  # the model's dtype, as loaded
+    assert "fp8" in rows["model.layers.0.mlp.experts"]["format"]
+    assert llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].token_ids
+    odd = make_tiny_moe(tmp_path / "odd", moe_intermediate_size=48)  # MXFP4 packs groups of 32
+    with pytest.raises(NotImplementedError, match=r"mxfp4.*targets the MoE experts 'model\.layers\.\d+\.mlp\.experts'"
+                                                  r".*intermediate_size=48 is not a multiple of 32"):
+        _llm(odd, online_quant_config={"layer_quant_config": {"*experts": "mxfp4"}})
+    ok = _llm(moe, online_quant_config={**PTPC, "exclude_layer": "re:.*experts"})  # excluded: as loaded
+    assert {m.method.name for m in ok.engine.runner.model.modules() if type(m).__name__ == "FusedMoE"} == \
+        {"unquantized"}
     ds = make_tiny_deepseek(tmp_path / "ds", "v3")
     with pytest.raises(ValueError, match=r"kv_b_proj', whose weight MLA's absorbed decode reads"):
         _llm(ds, online_quant_config={**PTPC, "exclude_layer": "re:.*experts"})
+
+
+def test_mxfp4_experts_online_give_transformers_tokens_with_those_experts(tmp_path, in_tmp):
+    """The guide's `{"*expert*": "mxfp4"}`: only the experts become MXFP4 (weight-only); the
+    engine's greedy tokens equal transformers' with every expert matrix replaced by its MXFP4
+    round trip (the exact reference of weight-only quantization), and differ from the plain model's."""
+    from atom.model_ops.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from tiny_moe import make_tiny_moe
+    path = make_tiny_moe(tmp_path / "moe", fused=True)
+    llm = _llm(path, online_quant_config={"layer_quant_config": {"*expert*": "mxfp4"}})
+    experts = [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "FusedMoE"]
+    assert experts and {m.method.name for m in experts} == {"mxfp4"}
+    assert set(_formats(llm).values()) == {"unquantized"}  # the linear layers as loaded
+    got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    plain = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            ex = getattr(layer.mlp, "experts", None)
+            for name in ("gate_up_proj", "down_proj"):
+                if ex is not None and hasattr(ex, name):
+                    w = getattr(ex, name)
+                    w.copy_(dequantize_mxfp4(*quantize_mxfp4(w.float())))
+    assert got == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert got != plain, "MXFP4 experts changed no token: is the reference quantizing?"
 
 
 def test_online_quant_with_tensor_parallel_is_refused(tiny_llama):

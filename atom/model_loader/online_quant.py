@@ -17,7 +17,10 @@ The LM head is not a linear layer here and is never quantized.
 Weights load in the model dtype (or as FP8 blocks); `apply` then re-quantizes each targeted
 layer into its format's checkpoint layout and method (`atom.model_ops.quant.online`).
 
-MoE experts (FusedMoE) and MLA's `kv_b_proj` are refused by name when targeted: exclude them.
+A MoE layer (FusedMoE, e.g. `model.layers.0.mlp.experts`) answers to its own name: targeted
+as ptpc_fp8 or mxfp4 its unquantized experts are re-quantized into that format's MoE method
+(`atom.model_ops.moe.online`); a format with no MoE method (int8, int4, fp8 blocks) is refused
+by name, as is MLA's `kv_b_proj` (the absorbed decode reads its weight as it is): exclude them.
 
 Tensor parallelism: the plan records, for every targeted layer, whether the rule
 (`needs_gather`) asks ranks to gather the full weight before quantizing. Online
@@ -41,6 +44,8 @@ import torch
 from torch import nn
 
 from atom.model_ops.linear import Linear
+from atom.model_ops.moe.layer import FusedMoE
+from atom.model_ops.moe.online import expert_refusal, requantize_experts
 from atom.model_ops.quant.online import (FORMATS, check_source, needs_gather, refusal, requantize_layer,
                                          source_weight, split_size, target_for, tp_split)
 
@@ -64,6 +69,11 @@ def exclude_matches(name: str, entry: str) -> bool:
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
     """Every linear layer (`atom.model_ops.linear.Linear`: not the LM head), by name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every MoE layer (`atom.model_ops.moe.layer.FusedMoE`: its stacked experts), by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)}
 
 
 def layer_aliases(name: str, model: nn.Module) -> list[str]:
@@ -144,11 +154,13 @@ class OnlineQuantPlan:
         both name the layer and the config field."""
         layers = linear_layers(model)
         kept = {id(m._kv_b[0]) for m in model.modules() if hasattr(m, "_kv_b")}  # MLA's kv_b_proj
-        for name, m in model.named_modules():
-            fmt, field = self.field_for([name]) if hasattr(m, "missing_shards") else (None, None)
-            if fmt is not None:  # a FusedMoE layer: its experts have no online path yet
-                raise NotImplementedError(f"{FIELD}.{field}={fmt!r} targets the MoE experts '{name}': "
-                                          "online quantization of MoE experts is not in this build; "
+        for name, m in moe_layers(model).items():
+            fmt, field = self.field_for([name])
+            if fmt is None:
+                continue
+            why = expert_refusal(target_for(fmt, name, f"{FIELD}.{field}"), m)
+            if why is not None:
+                raise NotImplementedError(f"{FIELD}.{field}={fmt!r} targets the MoE experts '{name}': {why}; "
                                           "exclude them (exclude_layer, e.g. 're:.*experts')")
         for name, (fmt, field) in self.targets(model).items():
             if fmt is None:
@@ -180,6 +192,13 @@ class OnlineQuantPlan:
                 row["tp_split"] = split
                 row["tp_gather"] = needs_gather(target, split, split_size(layer, split), tp_size)
                 requantize_layer(layer, target, source_weight(layer))
+            row["format"] = layer.method.format(layer)
+            rows.append(row)
+        for name, layer in moe_layers(model).items():
+            fmt, field = self.field_for([name])
+            row = {"layer": name, "source": layer.method.format(layer), "target": fmt, "chosen_by": field}
+            if fmt is not None:  # experts are not split by tensor parallel here (refused above one rank)
+                requantize_experts(layer, target_for(fmt, name, f"{FIELD}.{field}"))
             row["format"] = layer.method.format(layer)
             rows.append(row)
         elapsed = time.perf_counter() - t0
