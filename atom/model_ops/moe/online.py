@@ -3,7 +3,7 @@
 
 The experts load unquantized (stacked `w13_weight` [E, 2I, H] gate rows then up rows,
 `w2_weight` [E, H, I]); `requantize_experts` then rebuilds the layer with the target format's
-MoE method (`moe_method_for`: `Fp8MoEMethod` for ptpc_fp8, per output channel x per-token
+MoE method (`Target.moe_method`: `Fp8MoEMethod` for ptpc_fp8, per output channel x per-token
 activations; `Mxfp4MoEMethod` for mxfp4, weight-only) and fills it through the layer's own
 expert loader with the tensors the format's producer makes for each expert's gate, up and
 down matrices (`Target.produce`, the same numbers as an online linear layer's), so an
@@ -19,17 +19,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from atom.model_ops.moe.method import moe_method_for
-
-
-class _OneSpec:
-    """A quantization config answering one spec for every layer."""
-
-    def __init__(self, spec):
-        self.spec = spec
-
-    def get_layer_quant_config(self, prefix: str):
-        return self.spec
 
 
 class _Probe(nn.Module):
@@ -47,29 +36,34 @@ def _bias(layer: nn.Module) -> bool:
     return "w13_bias" in layer.expert_parts
 
 
-def expert_refusal(target, layer: nn.Module) -> Optional[str]:
-    """Why `target` cannot re-quantize MoE `layer` (None: it can)."""
+def _method_or_refusal(target, layer: nn.Module):
+    """(the target's MoE method for `layer`, None), or (None, why it cannot hold the layer)."""
     if layer.method.name != "unquantized":
-        return f"its experts are already {layer.method.format(layer)} (online quantization starts from unquantized experts)"
+        return None, (f"its experts are already {layer.method.format(layer)} (online quantization starts "
+                      "from unquantized experts)")
     try:
-        method = moe_method_for(_OneSpec(target.spec), layer.prefix)
+        method = target.moe_method(layer.prefix)
         with torch.device("meta"):
             method.create_weights(_Probe(layer), layer.num_local_experts, layer.hidden_size,
                                   layer.intermediate_size, _bias(layer))
     except (NotImplementedError, ValueError) as e:
-        return str(e)
-    return None
+        return None, str(e)
+    return method, None
+
+
+def expert_refusal(target, layer: nn.Module) -> Optional[str]:
+    """Why `target` cannot re-quantize MoE `layer` (None: it can)."""
+    return _method_or_refusal(target, layer)[1]
 
 
 def requantize_experts(layer: nn.Module, target) -> None:
     """Rebuild MoE `layer`'s experts in `target`'s format (module docstring)."""
-    why = expert_refusal(target, layer)
+    method, why = _method_or_refusal(target, layer)
     if why is not None:
         raise ValueError(f"the experts of '{layer.prefix}' cannot be quantized online as {target.name}: {why}")
     I = layer.intermediate_size
     w13, w2 = layer.w13_weight.data.float(), layer.w2_weight.data.float()
     biases = {n: getattr(layer, n) for n in ("w13_bias", "w2_bias") if n in layer.expert_parts}
-    method = moe_method_for(_OneSpec(target.spec), layer.prefix)
     for name in list(layer.expert_parts):
         delattr(layer, name)
     layer.expert_parts.clear()
@@ -78,16 +72,14 @@ def requantize_experts(layer: nn.Module, target) -> None:
         method.create_weights(layer, layer.num_local_experts, layer.hidden_size, I, bool(biases))
     for name, p in biases.items():  # as loaded, in the new method's parameter
         getattr(layer, name).data.copy_(p.data)
-        layer._filled[name] = set(layer._filled[name]) | {(e, w) for e in range(layer.num_local_experts)
-                                                           for w in layer.expert_parts[name]}
+        layer._filled[name] = {(e, w) for e in range(layer.num_local_experts) for w in layer.expert_parts[name]}
     start = getattr(layer, "expert_start", 0)
     for e in range(layer.num_local_experts):
         for prefix, part, w in (("w13", "w1", w13[e, :I]), ("w13", "w3", w13[e, I:]), ("w2", "w2", w2[e])):
             for key, t in target.produce(w).items():
                 p = getattr(layer, f"{prefix}_{key}")
                 layer.weight_loader(p, t.to(p.device), (start + e, part))
-    if hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(layer)
+    method.process_weights_after_loading(layer)
     layer.method = method
     missing = layer.missing_shards()
     if missing:

@@ -120,6 +120,11 @@ class Target:
         from atom.model_ops.quant import linear_method_for
         return linear_method_for(_OneSpec(self.spec), prefix)
 
+    def moe_method(self, prefix: str):
+        """A new MoE method for the experts at `prefix` (its refusals name the layer)."""
+        from atom.model_ops.moe.method import moe_method_for
+        return moe_method_for(_OneSpec(self.spec), prefix)
+
     def __repr__(self) -> str:
         return f"Target({self.name})"
 
