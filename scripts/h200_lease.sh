@@ -14,6 +14,9 @@
 #   call 3 (carry .peer/q3 .srv .before):    bash scripts/h200_lease.sh stash3 srv before q_before
 #   call 4 (carry .peer/q4):                 bash scripts/h200_lease.sh stash4 vllm serve
 #   call 5:                                  bash scripts/h200_lease.sh q_vllm l_vllm
+# Other stages: moe_k (the experts kernel at 1 / 64 / 2048 tokens), l_kv (Llama long-context
+# workload, bf16 against FP8 KV), l_fp8 (Llama workload, bf16 against ptpc FP8), g_vllm
+# (GPT-OSS-20B beside vLLM), w4_vllm (Llama W4A16 batch-1 decode beside vLLM).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -74,6 +77,14 @@ for st in "$@"; do ts=$(date +%s); case $st in
           run q-lat-vllm 240 python3 -m atom.benchmarks.latency $Q $LAT --peer vllm --repeat 1 --out $R/q-lat-vllm.json;;
   l_vllm) run l-thr-vllm 300 python3 -m atom.benchmarks.throughput $L --peer vllm --repeat 1 --cache-dir /tmp/gc --out $R/l-thr-vllm.json
           run l-lat-vllm 240 python3 -m atom.benchmarks.latency $L $LAT --peer vllm --repeat 1 --cache-dir /tmp/gc --out $R/l-lat-vllm.json;;
+  moe_k) run moe-q3 150 python3 -m atom.benchmarks.moe_experts --model qwen3-30b-a3b --out $R/moe-q3.json
+         run moe-dsv2 150 python3 -m atom.benchmarks.moe_experts --model deepseek-v2-lite --out $R/moe-dsv2.json;;
+  l_kv) run l-long-bf16 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --workload long --cache-dir /tmp/lc --out $R/l-long-bf16.json
+        run l-long-fp8 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --workload long --kv-cache-dtype fp8 --cache-dir /tmp/lc --out $R/l-long-fp8.json;;
+  l_fp8) run l-thr-bf16 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --cache-dir /tmp/lc --out $R/l-thr-bf16.json
+         run l-thr-fp8 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --quantization fp8_dynamic --cache-dir /tmp/lc --out $R/l-thr-fp8.json;;
+  g_vllm) run g-thr-vllm 420 python3 -m atom.benchmarks.throughput --model gpt-oss-20b --peer vllm --peer-dummy xavier --repeat 1 --out $R/g-thr-vllm.json;;
+  w4_vllm) run l-lat-w4-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization w4a16 --cache-dir /tmp/lc --out $R/l-lat-w4-vllm.json;;
   *) log "unknown stage $st";;
 esac
 tar -czf "$OUT/res.tgz" -C /tmp res 2>/dev/null  # after every stage: a call cut off keeps what ran
