@@ -87,6 +87,83 @@ def host_syncing_layers(runner) -> list[tuple[str, str]]:
 
 
 def setup(runner) -> None:
+    """Compilation, GEMM / GEMV choices and CUDA graphs for this engine, then the eager
+    steps' kernels warmed (`warm_up_eager_steps`)."""
+    _setup_graphs(runner)
+    warm_up_eager_steps(runner)
+
+
+def eager_step_shapes(max_tokens: int, max_model_len: int, past_graphs: int) -> list[list[tuple[int, int]]]:
+    """The warm-up batches of `warm_up_eager_steps`: per batch, (context, new tokens) per
+    sequence. Each holds more than `past_graphs` tokens (so that no mixed-step graph takes
+    it) and at most `max_tokens`; none has a sequence past `max_model_len`. One batch has
+    odd counts everywhere (decode rows, a chunk after an odd context, a fresh prompt; an odd
+    total), one has counts that are multiples of 16, and one is a single fresh prompt: the
+    integer arguments a Triton kernel specializes on (== 1, divisible by 16, neither) take
+    each kind at least once. Empty when such a step cannot exist."""
+    total = min(max_tokens, max(past_graphs + 17, 257))
+    if total <= past_graphs or total < 64:
+        return []
+    odd = [(37, 1), (101, 1), (9, 1), (53, 211)]
+    odd_total = total if total % 2 else total - 1
+    aligned_total = total - total % 16
+    out = []
+    rest = odd_total - sum(n for _, n in odd)
+    if odd_total > past_graphs and 0 < rest <= max_model_len and all(c + n <= max_model_len for c, n in odd):
+        out.append(odd + [(0, rest)])
+    rest = aligned_total - 128
+    if aligned_total > past_graphs and 0 < rest <= max_model_len and 64 + 128 <= max_model_len:
+        out.append([(64, 128), (0, rest)])
+    if total <= max_model_len:
+        out.append([(0, total)])
+    return out
+
+
+def warm_up_eager_steps(runner) -> list[list[tuple[int, int]]]:
+    """Run a few steps that neither the decode nor the mixed-step CUDA graphs take, eagerly,
+    at start-up (`eager_step_shapes`: decode rows, a chunk after its context and fresh
+    prompts together, past the largest mixed-step graph), sampling included, on blocks no
+    request holds yet.
+
+    Why: a Triton kernel is compiled per specialization of its integer arguments (== 1,
+    divisible by 16, other) and per constexpr path, so the first step of an unseen kind
+    (a prefill chunk after its context, an odd token count past the graphs' buckets)
+    compiled kernels while requests waited, more than a second with a cold cache: a server
+    hit by a burst of requests showed it in their time to first token. Returns the batches
+    it ran (none under tensor / data parallel, where every rank would have to step)."""
+    from atom.model_engine.sequence import Sequence
+    from atom.sampling_params import SamplingParams
+    if runner.parallel.world_size > 1 or runner.parallel.moe_group is not None:
+        return []
+    config = runner.config
+    mixed = runner.mixed_graphs
+    past = mixed.max_tokens if mixed is not None else 0
+    batches = eager_step_shapes(config.max_num_batched_tokens, config.max_model_len, past)
+    bs = runner.block_size
+    t0 = time.perf_counter()
+    ran = []
+    for i, batch in enumerate(batches):
+        seqs, next_block = [], 0
+        for c, n in batch:
+            params = SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=1)
+            s = Sequence([0] * (c + n), params)  # token 0: in every vocabulary
+            s.num_computed_tokens = c
+            s.num_new_tokens = n
+            s.block_table = list(range(next_block, next_block + -(-(c + n) // bs)))
+            next_block += len(s.block_table)
+            seqs.append(s)
+        if next_block > runner.num_blocks:
+            continue
+        runner.run(seqs)
+        ran.append(batch)
+    if ran:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        logger.info("warmed %d eager step kind(s) past the CUDA graphs in %.1f s", len(ran), time.perf_counter() - t0)
+    return ran
+
+
+def _setup_graphs(runner) -> None:
     from atom.model_engine.cuda_graphs import CUDAGraphRunner
     from atom.model_engine.mixed_graphs import MixedGraphRunner, token_buckets
     from atom.tuning import gemm_choice, gemv_choice
