@@ -237,6 +237,7 @@ def test_fused_experts_bf16_on_gpu(T, shape):
 def test_experts_benchmark_floor_and_shapes(capsys):
     from atom.benchmarks.moe_experts import experts_floor_s, main, moe_shape
     assert moe_shape("qwen3-30b-a3b") == (128, 768, 2048, 8) and moe_shape("mixtral-8x7b") == (8, 14336, 4096, 2)
+    assert moe_shape("deepseek-v2-lite") == (64, 1408, 2048, 6)  # n_routed_experts
     with pytest.raises(ValueError, match="has no experts"):
         moe_shape("qwen3-0.6b")
     ids = torch.tensor([[0, 5], [5, 7]])  # 3 experts activated

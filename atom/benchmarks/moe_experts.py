@@ -22,13 +22,19 @@ from atom.benchmarks.roofline import H200_BANDWIDTH, H200_BF16_FLOPS
 from atom.benchmarks.workloads import MODEL_CONFIGS
 
 
+def _num_experts(cfg: dict) -> int | None:
+    """Routed experts of a config: Qwen3-MoE's num_experts, Mixtral / GPT-OSS's
+    num_local_experts, DeepSeek's n_routed_experts."""
+    return cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+
+
 def moe_shape(name: str) -> tuple[int, int, int, int]:
     """(experts, width, hidden, top_k) of a MoE entry of MODEL_CONFIGS."""
     c = MODEL_CONFIGS[name]
-    E = c.get("num_experts") or c.get("num_local_experts")
+    E = _num_experts(c)
     if not E:
         raise ValueError(f"model={name!r} has no experts: choose a MoE model "
-                         f"({', '.join(n for n, v in MODEL_CONFIGS.items() if v.get('num_experts') or v.get('num_local_experts'))})")
+                         f"({', '.join(n for n, v in MODEL_CONFIGS.items() if _num_experts(v))})")
     return E, c.get("moe_intermediate_size") or c["intermediate_size"], c["hidden_size"], c["num_experts_per_tok"]
 
 
