@@ -125,13 +125,6 @@ def test_moe_method_for_picks_fp8_from_a_compressed_tensors_config():
     assert "fp8 per-channel" in repr(layer.method)
 
 
-def test_block_fp8_experts_are_refused_naming_the_layer():
-    spec = LayerQuantConfig(QuantType.per_1x128, FP8, True, "fp8", block_size=(128, 128), act_scheme="group",
-                            act_group_size=128)
-    with pytest.raises(NotImplementedError, match=r"layer 't.experts'.*block-scaled fp8 experts"):
-        FusedMoE(E, H, I, TopK(E, K), quant_config=OneSpec(spec), prefix="t.experts")
-
-
 def test_misfit_scale_is_refused():
     layer, *_ = build_layer("channel_token", torch.float32)
     p = layer.w13_weight_scale

@@ -87,7 +87,12 @@ def test_method_seam_and_description():
 def test_quantized_experts_are_refused_naming_the_layer():
     import transformers
     from atom.quant_config import QuantizationConfig
+    # compressed-tensors W8A8 int8 (per channel x per token): no MoE method stores int8 experts
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None}
     qc = QuantizationConfig(transformers.PretrainedConfig(quantization_config={
-        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}))
+        "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**int8, "strategy": "channel", "dynamic": False},
+                                      "input_activations": {**int8, "strategy": "token", "dynamic": True}}}}))
     with pytest.raises(NotImplementedError, match="layer 'model.layers.0.mlp.experts'.*no MoE method"):
         layer(quant_config=qc)

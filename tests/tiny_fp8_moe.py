@@ -86,9 +86,39 @@ def write_fp8_dynamic_checkpoint(src: str, dst: str) -> dict[str, torch.Tensor]:
     return deq
 
 
-def fake_quant_transformers(src: str, deq: dict[str, torch.Tensor]):
+def quant_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> dict:
+    """DeepSeek's native fp8: one scale per bn x bk block (amax / 448, partial blocks at the
+    edges), stored as `weight_scale_inv` fp32 [ceil(out/bn), ceil(in/bk)]."""
+    bn, bk = block
+    rows, cols = w.shape
+    padded = torch.zeros(-(-rows // bn) * bn, -(-cols // bk) * bk)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    s = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448
+    q = (blocks / s[:, None, :, None]).clamp(-448, 448).reshape(padded.shape)[:rows, :cols].to(FP8)
+    return {"weight": q, "weight_scale_inv": s}
+
+
+def dequant_block(t: dict, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    bn, bk = block
+    w = t["weight"].float()
+    s = t["weight_scale_inv"].repeat_interleave(bn, 0)[:w.shape[0]].repeat_interleave(bk, 1)[:, :w.shape[1]]
+    return w * s
+
+
+def fq_group(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """Dynamic fp8 fake quant per 1 x `group` slice of each row (DeepSeek's activations)."""
+    x = x.float()
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    s = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+    return ((g / s).clamp(-448, 448).to(FP8).float() * s).reshape(x.shape)
+
+
+def fake_quant_transformers(src: str, deq: dict[str, torch.Tensor], fq=fq_token, weight_only: tuple[str, ...] = ()):
     """transformers fp32 from `src`, every quantized weight replaced by its dequantized value,
-    every quantized linear's input fake-quantized per token (experts: per expert, on its rows)."""
+    every quantized linear's input fake-quantized by `fq` (per token unless given; experts:
+    per expert, on its rows), except modules whose name ends with one of `weight_only`
+    (dequantized weight, input as it is)."""
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     mods = dict(model.named_modules())
@@ -102,23 +132,24 @@ def fake_quant_transformers(src: str, deq: dict[str, torch.Tensor]):
             continue
         m = mods[mod]
         m.weight.data.copy_(w)
-        m.forward = lambda x, m=m: F.linear(fq_token(x), m.weight).to(x.dtype)
+        if not mod.endswith(weight_only or ("\0",)):
+            m.forward = lambda x, m=m: F.linear(fq(x), m.weight).to(x.dtype)
     for name, ws in experts.items():
         m = mods[name]
         for e in range(m.num_experts):
             m.gate_up_proj.data[e] = torch.cat([ws[(e, "gate_proj")], ws[(e, "up_proj")]])
             m.down_proj.data[e] = ws[(e, "down_proj")]
-        m.forward = lambda h, ids, w, m=m: _experts_fake_quant(m, h, ids, w)
+        m.forward = lambda h, ids, w, m=m: _experts_fake_quant(m, h, ids, w, fq)
     return model
 
 
-def _experts_fake_quant(m, hidden, top_k_index, top_k_weights):
+def _experts_fake_quant(m, hidden, top_k_index, top_k_weights, fq=fq_token):
     out = torch.zeros_like(hidden)
     for e in range(m.num_experts):
         tok, slot = torch.where(top_k_index == e)
         if len(tok) == 0:
             continue
-        gate, up = F.linear(fq_token(hidden[tok]), m.gate_up_proj[e]).chunk(2, dim=-1)
-        y = F.linear(fq_token(m.act_fn(gate) * up), m.down_proj[e])
+        gate, up = F.linear(fq(hidden[tok]), m.gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(fq(m.act_fn(gate) * up), m.down_proj[e])
         out.index_add_(0, tok, (y * top_k_weights[tok, slot, None]).to(out.dtype))
     return out

@@ -148,6 +148,9 @@ class ModelRunner:
                 m.method.process_weights_after_loading(m)
         # online_quant_config: each targeted layer re-quantized in place; the summary it wrote
         self.online_quant_info = apply_online_quant(self.model, config, online) if online is not None else None
+        for m in self.model.modules():  # layers that derive tensors from their final weights (MLA's kv_b)
+            if hasattr(m, "finish_loading"):
+                m.finish_loading(self.dtype)
         self.model.eval()
         self.model_forward = self.model  # replaced by a compiled callable at levels 1-3
         self.decode_forward = self.model  # what decode CUDA graphs capture (gpu_setup decides)

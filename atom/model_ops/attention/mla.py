@@ -38,11 +38,13 @@ class MLAAttention(nn.Module):
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, scale: float, layer_idx: int, kv_b_proj: nn.Module):
         super().__init__()
-        method = getattr(getattr(kv_b_proj, "method", None), "name", "unquantized")
-        if method != "unquantized":  # the absorbed decode multiplies by its weight directly
-            raise ValueError(f"{getattr(kv_b_proj, 'prefix', 'kv_b_proj')} is quantized ({method}): MLA needs "
-                             "kv_b_proj unquantized; exclude it from quantization (quantization_config "
-                             "ignore / exclude_layers)")
+        method = getattr(kv_b_proj, "method", None)
+        name = getattr(method, "name", "unquantized")
+        if name != "unquantized" and not hasattr(method, "dequantized_weight"):
+            # the absorbed decode multiplies by the weight itself: a format must dequantize
+            raise ValueError(f"{getattr(kv_b_proj, 'prefix', 'kv_b_proj')} is quantized ({name}), a format "
+                             "this build cannot dequantize for MLA's absorbed decode; exclude it from "
+                             "quantization (quantization_config ignore / exclude_layers)")
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.scale = scale
@@ -64,16 +66,39 @@ class MLAAttention(nn.Module):
     def kv_b_proj(self) -> nn.Module:
         return self._kv_b[0]
 
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        """After the weights are in (and any online quantization ran): a quantized `kv_b_proj`
+        (DeepSeek-V3's fp8 blocks) is dequantized once into `kv_b_weight` ([H (nope + v), R]
+        in `dtype`) for the absorbed decode, which multiplies queries and outputs by it
+        directly. The expansion at prefill multiplies by the same copy (not the quantized layer,
+        whose activation quantization the absorbed form cannot apply), so that both forms of
+        attention compute the same keys and values."""
+        method = getattr(self.kv_b_proj, "method", None)
+        if getattr(method, "name", "unquantized") == "unquantized":
+            self.register_buffer("kv_b_weight", None, persistent=False)
+            return
+        self.register_buffer("kv_b_weight", method.dequantized_weight(self.kv_b_proj).to(dtype).contiguous(),
+                             persistent=False)
+
     def absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, R], W_UV [H, v, R]): views of `kv_b_proj`'s weight for the absorbed decode."""
+        """(W_UK [H, nope, R], W_UV [H, v, R]): views of `kv_b_proj`'s weight (its dequantized
+        copy when it is quantized, `finish_loading`) for the absorbed decode."""
         proj = self.kv_b_proj
-        w = proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        weight = getattr(self, "kv_b_weight", None)
+        if weight is None:
+            if getattr(getattr(proj, "method", None), "name", "unquantized") != "unquantized":
+                raise RuntimeError(f"{getattr(proj, 'prefix', 'kv_b_proj')} is quantized and was not dequantized: "
+                                   "call finish_loading(dtype) after loading the weights")
+            weight = proj.weight
+        w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
     def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached latents [L, R + P] -> keys [L, H, nope + rope], values [L, H, v]."""
         L, R = latent.shape[0], self.kv_lora_rank
-        kv = self.kv_b_proj(latent[:, :R]).view(L, self.num_heads, -1)
+        weight = getattr(self, "kv_b_weight", None)
+        kv = (self.kv_b_proj(latent[:, :R]) if weight is None else
+              torch.nn.functional.linear(latent[:, :R].to(weight.dtype), weight)).view(L, self.num_heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k_pe = latent[:, None, R:].expand(L, self.num_heads, self.qk_rope_head_dim)
         return torch.cat((k_nope, k_pe.to(k_nope.dtype)), dim=-1), v

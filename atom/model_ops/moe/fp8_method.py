@@ -7,12 +7,21 @@ Formats (the same as the fp8 linear method's, `atom.model_ops.quant.fp8`, per ex
 - per-tensor weights: `weight_scale` one value per expert and projection, x static
   (`input_scale`, one per expert and projection; gate and up run the larger of their two, as
   a packed linear does) or dynamic per-tensor activations.
-Block-scaled fp8 experts are refused at build (no MoE method for them in this build yet).
+- bn x bk block weights (DeepSeek-V3's native fp8, `weight_block_size` [128, 128]; compressed-
+  tensors FP8_BLOCK): one scale per block, named `weight_scale_inv` (DeepSeek / HF fine-grained
+  fp8) or `weight_scale` (compressed-tensors), x dynamic 1 x bk activation groups.
 
 Stored stacked (`layer.add_expert_param`, filled from per-expert checkpoint tensors by the
 layer's loader): `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] in e4m3; `w13_weight_scale`
 [E, 2I, 1] / `w2_weight_scale` [E, H, 1] (per channel) or [E, 2] / [E, 1] (per tensor, one
-column per part); with static activations `w13_input_scale` [E, 2] / `w2_input_scale` [E, 1].
+column per part); with static activations `w13_input_scale` [E, 2] / `w2_input_scale` [E, 1];
+blocks: `w13_<scale>` [E, 2 ceil(I/bn), ceil(H/bk)] (the gate's block rows, then the up's)
+and `w2_<scale>` [E, ceil(H/bn), ceil(I/bk)], kept as blocks (a per-row expansion of
+DeepSeek-V3's would take ~13 GB) and expanded per expert when it runs.
+
+Tensor parallel splits each expert's width I: w13's rows (and its per-row or block-row
+scales) and w2's columns (and its block columns); a split inside a block is refused by the
+loader. Per-tensor scales, w2's per-row scales and input scales are the same on every rank.
 
 `apply` is the torch reference on every device: for each expert that got tokens, its weights
 dequantized to fp32 (w = e4m3 x scale), its inputs fake-quantized as the format defines
@@ -39,32 +48,47 @@ class Fp8MoEMethod(MoEMethod):
     def __init__(self, spec, prefix: str):
         self.spec, self.prefix = spec, prefix
         self.scheme = Fp8LinearMethod(spec, prefix)  # parses granularity + activations once, as for linears
-        if self.scheme.weight_scheme == "block":
-            raise refuse(prefix, spec, "block-scaled fp8 experts have no MoE method in this build yet: use a "
-                         "per-channel (FP8_DYNAMIC) or per-tensor fp8 checkpoint, or exclude the experts")
         self.per_channel = self.scheme.weight_scheme == "channel"
+        self.block = self.scheme.block if self.scheme.weight_scheme == "block" else None
+        self.scale_name = self.scheme.scale_name  # weight_scale_inv for DeepSeek's blocks, else weight_scale
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, bias):
         if bias:
             raise refuse(self.prefix, self.spec, "fp8 experts with biases are not in this build")
         E, H, I = num_experts, hidden_size, intermediate_size
-        layer.add_expert_param("w13_weight", torch.empty(E, 2 * I, H, dtype=FP8), ("w1", "w3"))
-        layer.add_expert_param("w2_weight", torch.empty(E, H, I, dtype=FP8), ("w2",))
-        if self.per_channel:
-            layer.add_expert_param("w13_weight_scale", torch.ones(E, 2 * I, 1), ("w1", "w3"))
-            layer.add_expert_param("w2_weight_scale", torch.ones(E, H, 1), ("w2",))
+        group = self.scheme.act_group if self.scheme.act == "group" else None
+        for name, k in (("hidden_size", H), ("intermediate_size", I)):
+            if group and k % group:
+                raise refuse(self.prefix, self.spec, f"{name}={k} is not a multiple of the {group}-wide "
+                             "activation group (producers refuse it too)")
+        layer.add_expert_param("w13_weight", torch.empty(E, 2 * I, H, dtype=FP8), ("w1", "w3"), output_dim=1)
+        layer.add_expert_param("w2_weight", torch.empty(E, H, I, dtype=FP8), ("w2",), input_dim=2)
+        s13, s2 = f"w13_{self.scale_name}", f"w2_{self.scale_name}"
+        if self.block is not None:
+            bn, bk = self.block
+            layer.add_expert_param(s13, torch.ones(E, 2 * -(-I // bn), -(-H // bk)), ("w1", "w3"),
+                                   output_dim=1, rows_per_entry=bn)
+            layer.add_expert_param(s2, torch.ones(E, -(-H // bn), -(-I // bk)), ("w2",), input_dim=2, input_pack=bk)
+        elif self.per_channel:
+            layer.add_expert_param(s13, torch.ones(E, 2 * I, 1), ("w1", "w3"), output_dim=1)
+            layer.add_expert_param(s2, torch.ones(E, H, 1), ("w2",), output_dim=None)
         else:
-            layer.add_expert_param("w13_weight_scale", torch.ones(E, 2), ("w1", "w3"))
-            layer.add_expert_param("w2_weight_scale", torch.ones(E, 1), ("w2",))
+            layer.add_expert_param(s13, torch.ones(E, 2), ("w1", "w3"), output_dim=None)
+            layer.add_expert_param(s2, torch.ones(E, 1), ("w2",), output_dim=None)
         if self.scheme.static:
-            layer.add_expert_param("w13_input_scale", torch.ones(E, 2), ("w1", "w3"))
-            layer.add_expert_param("w2_input_scale", torch.ones(E, 1), ("w2",))
+            layer.add_expert_param("w13_input_scale", torch.ones(E, 2), ("w1", "w3"), output_dim=None)
+            layer.add_expert_param("w2_input_scale", torch.ones(E, 1), ("w2",), output_dim=None)
 
     def process_weights_after_loading(self, layer):
         """Per-row scales [E, rows, 1] for both products; per expert the static input scale
         (gate and up: the larger of the two)."""
         I = layer.intermediate_size
-        s13, s2 = layer.w13_weight_scale.data.float(), layer.w2_weight_scale.data.float()
+        s13 = getattr(layer, f"w13_{self.scale_name}").data.float()
+        s2 = getattr(layer, f"w2_{self.scale_name}").data.float()
+        if self.block is not None:  # kept as blocks; `dequantized` expands one expert's at a time
+            layer.register_buffer("w13_block_scale", s13.contiguous(), persistent=False)
+            layer.register_buffer("w2_block_scale", s2.contiguous(), persistent=False)
+            return
         if not self.per_channel:
             s13 = s13.repeat_interleave(I, dim=1).unsqueeze(-1)
             s2 = s2.expand(-1, layer.hidden_size).unsqueeze(-1)
@@ -75,18 +99,28 @@ class Fp8MoEMethod(MoEMethod):
             layer.register_buffer("w2_act_scale", layer.w2_input_scale.data.float().amax(1), persistent=False)
 
     def dequantized(self, layer, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (w13 [2I, H], w2 [H, I]) in fp32."""
+        """Expert e's (w13 [2I, H], w2 [H, I]) in fp32 (w = e4m3 x its row's, or block's, scale)."""
+        if self.block is not None:
+            w13, w2 = layer.w13_weight[e].float(), layer.w2_weight[e].float()
+            half = layer.w13_block_scale.shape[1] // 2  # the gate's block rows, then the up's
+            s13 = layer.w13_block_scale[e]
+            gate = _expand_blocks(s13[:half], self.block, (w13.shape[0] // 2, w13.shape[1]))
+            up = _expand_blocks(s13[half:], self.block, (w13.shape[0] // 2, w13.shape[1]))
+            return w13 * torch.cat((gate, up)), w2 * _expand_blocks(layer.w2_block_scale[e], self.block, w2.shape)
         return layer.w13_weight[e].float() * layer.w13_row_scale[e], layer.w2_weight[e].float() * layer.w2_row_scale[e]
 
     def apply(self, layer, x, topk_weights, topk_ids):
         act = self.scheme.act
         static = self.scheme.static
+        group = self.scheme.act_group if act == "group" else None
 
         def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
             w13, w2 = self.dequantized(layer, e)
-            h = product(xe, fake_quant_act(xe, "fp8", act, None, layer.w13_act_scale[e] if static else None), w13, None)
+            h = product(xe, fake_quant_act(xe, "fp8", act, group, layer.w13_act_scale[e] if static else None),
+                        w13, None)
             a = layer.activation(h)
-            return product(a, fake_quant_act(a, "fp8", act, None, layer.w2_act_scale[e] if static else None), w2, None)
+            return product(a, fake_quant_act(a, "fp8", act, group, layer.w2_act_scale[e] if static else None),
+                           w2, None)
 
         return routed_sum(x, topk_weights, topk_ids, layer.num_experts, expert)
 
@@ -104,6 +138,12 @@ class Fp8MoEMethod(MoEMethod):
 
     def __repr__(self):
         return f"Fp8MoEMethod({self.scheme.format_spec()})"
+
+
+def _expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
+    """Block scales [ceil(rows/bn), ceil(cols/bk)] -> one per weight [rows, cols]."""
+    bn, bk = block
+    return scale.repeat_interleave(bn, 0)[:shape[0]].repeat_interleave(bk, 1)[:, :shape[1]]
 
 
 MOE_METHODS["fp8"] = Fp8MoEMethod

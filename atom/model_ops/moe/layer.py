@@ -246,7 +246,7 @@ class FusedMoE(nn.Module):
         return out
 
     #: per-expert tensor suffixes the loader maps (values and biases; quantized methods' scales)
-    CHECKPOINT_SUFFIXES = ("weight", "bias", "weight_scale", "input_scale")
+    CHECKPOINT_SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_inv", "input_scale")
 
     @staticmethod
     def checkpoint_mapping(gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
