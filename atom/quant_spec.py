@@ -406,7 +406,12 @@ class GenericParser:
         elif group == 32:
             quant_type = QuantType.per_1x32
 
-        key = self._dtype_key(pairs)
+        # compressed-tensors: the weights' own num_bits / type (an activation scheme of another
+        # width or type, W4A8 say, must not decide the weight format)
+        groups = list(_config_groups(cfg).values()) if method == "compressed-tensors" else []
+        weights = groups[0].get("weights") if len(groups) == 1 else None
+        key = self._dtype_key(list(_walk(weights))) if isinstance(weights, dict) else None
+        key = key or self._dtype_key(pairs)
         if key is None:
             raise ValueError(
                 f"quantization_config={cfg!r} is invalid: cannot tell the weight dtype; "

@@ -425,3 +425,18 @@ def test_online_quant_formats():
 def test_non_string_exclusion_errors():
     with pytest.raises(ValueError, match="exclude_layers=3 is invalid"):
         QuantizationConfig(hf_with({**DEEPSEEK_FP8, "ignore": [3]}))
+
+
+@pytest.mark.parametrize("act_bits,act_type,act_key", [(8, "int", "i8"), (8, "float", "fp8")])
+def test_compressed_tensors_weight_dtype_comes_from_the_weights(act_bits, act_type, act_key):
+    """W4A8: the activations' num_bits / type (listed first, as llm-compressor writes the group)
+    must not decide the weight format."""
+    group = {"input_activations": {"num_bits": act_bits, "type": act_type, "strategy": "token", "dynamic": True,
+                                   "symmetric": True},
+             "targets": ["Linear"],
+             "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True,
+                         "dynamic": False}}
+    spec = GenericParser().parse({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "config_groups": {"group_0": group}})
+    assert key_from_dtype(spec.quant_dtype) == "i4x2"
+    assert spec.group_size == 128 and spec.act_scheme == "token" and spec.act_dtype == act_key
