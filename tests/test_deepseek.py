@@ -74,6 +74,21 @@ def test_triton_mla_backend_in_the_engine(tmp_path):
     assert "TritonMLABackend" in repr(runner.attn_backend)
 
 
+def test_triton_mla_backend_under_preemption(model_and_ref):
+    """The Triton MLA backend (interpreter) when sequences are preempted and recomputed."""
+    pytest.importorskip("triton")
+    from atom.model_ops.attention.mla_triton import TritonMLABackend
+    variant, path, ps, ref = model_and_ref
+    if variant != "v3":
+        pytest.skip("one variant is enough for the backend")
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=12, kv_cache_block_size=16)
+    runner = llm.engine.runner
+    runner.set_attention_backend(TritonMLABackend(runner.attn_layers, 64, runner.device))
+    assert [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == ref
+    assert llm.stats.steps()["preemptions"].sum() > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 def test_checkpoint_tensors_land_in_place(tmp_path):
     """q_a_proj + kv_a_proj_with_mqa -> rows of fused_qkv_a_proj; per-expert gate / up -> each
     expert's gate_up_proj; the V3 correction bias and the fp32 gate."""

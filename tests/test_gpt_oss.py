@@ -133,6 +133,13 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(tiny_mxfp4, mxfp4_ref
     assert {r["format"] for r in rows} == {"mxfp4 1x32 e8m0, weight only"}
 
 
+def test_mxfp4_checkpoint_under_preemption(tiny_mxfp4):
+    """The packed MXFP4 experts with preemption (recomputed prompts), all five prompt lengths."""
+    ps = prompts()
+    check_greedy_in_setting(tiny_mxfp4, ps, hf_reference(tiny_mxfp4, ps), "preemption", SETTINGS["preemption"],
+                            GREEDY, num_kvcache_blocks=64)
+
+
 def test_mxfp4_quant_config_quantizes_experts_only():
     cfg = QuantizationConfig(transformers.GptOssConfig(quantization_config={
         "quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED + ["model.layers.3.mlp.experts"]}))
