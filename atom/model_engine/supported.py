@@ -4,15 +4,16 @@
 anywhere); an engine that would silently ignore one of them is worse than none. So
 `LLMEngine` calls `check_supported(config)` first: one `ValueError` lists every setting
 that is not implemented here (DP attention with tensor_parallel_size > 1, speculative
-decoding, online quantization with tensor parallel), each with its
-field and value. DP attention runs with TP=1 replicas (`atom.distributed.data_parallel`; it
-needs data_parallel_size >= 2). Tensor parallel (`atom.distributed.executor`), data parallel
-(`atom.distributed.data_parallel`) and expert parallel (`enable_expert_parallel`: the MoE
-layers' experts split over the tensor-parallel ranks, `atom.model_ops.moe.layer`; a model
-without MoE layers runs as without it, with a warning) run.
-Online quantization runs (`atom.model_loader.online_quant`). `asyncio_mode` runs in
-`atom.model_engine.async_engine.AsyncLLMEngine` (the server's engine loop); the offline `LLM`,
-which steps the engine itself, refuses it. It also checks the kernel backend
+decoding), each with its field and value. DP attention runs with TP=1 replicas
+(`atom.distributed.data_parallel`; it needs data_parallel_size >= 2). Tensor parallel
+(`atom.distributed.executor`), data parallel (`atom.distributed.data_parallel`) and expert
+parallel (`enable_expert_parallel`: the MoE layers' experts split over the tensor-parallel
+ranks, `atom.model_ops.moe.layer`; a model without MoE layers runs as without it, with a
+warning) run. Online quantization runs (`atom.model_loader.online_quant`), also under tensor
+parallel: a rank gathers a weight before quantizing it where its own slice would give other
+scales than the full weight (`atom.model_ops.quant.online.needs_gather`). `asyncio_mode`
+runs in `atom.model_engine.async_engine.AsyncLLMEngine` (the server's engine loop); the
+offline `LLM`, which steps the engine itself, refuses it. It also checks the kernel backend
 (`ATOM_KERNEL_BACKEND`, `atom.platform`) and warns, once, that a compilation level above 0
 does nothing on a CPU. (`kv_cache_dtype="fp8"` runs: e4m3 keys and values with per-layer
 scales, `kv_cache.py`; e4m3 latents with one scale per layer for MLA, `attention/mla.py`.)
@@ -57,11 +58,6 @@ def unsupported_settings(config: Any) -> list[str]:
         if isinstance(tp, int) and tp > 1:
             refuse("enable_dp_attention", True, f"only with tensor_parallel_size=1 (got {tp}): each replica one "
                    "rank, the MoE layers over the replicas; leave it False to run tensor parallel")
-    tp = _get(config, "tensor_parallel_size", 1)
-    if tp > 1 and _get(config, "online_quant_config"):
-        refuse("online_quant_config", _get(config, "online_quant_config"),
-               f"online quantization with tensor_parallel_size={tp} (gathering each weight before "
-               "quantizing) is not built; quantize a checkpoint offline, or run one rank")
     spec = _get(config, "speculative_config")
     if spec is not None:
         method = _get(spec, "method")

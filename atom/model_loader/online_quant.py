@@ -22,13 +22,23 @@ as ptpc_fp8 or mxfp4 its unquantized experts are re-quantized into that format's
 (`atom.model_ops.moe.online`); a format with no MoE method (int8, int4, fp8 blocks) is refused
 by name, as is MLA's `kv_b_proj` (the absorbed decode reads its weight as it is): exclude them.
 
-Tensor parallelism: the plan records, for every targeted layer, whether the rule
-(`needs_gather`) asks ranks to gather the full weight before quantizing. Online
-quantization with tensor_parallel_size > 1 is refused in `supported.py`, so nothing is
-gathered and the decisions are only reported; a TP build gathers the slices along the split
-dimension where the rule says so, quantizes the full weight, and keeps its slice of the
-quantized weight (and of the scales along the split dimension; per-row scales of a
-row-parallel layer are kept whole).
+Tensor parallelism (`tensor_parallel_size` > 1): every rank runs the same pass on its own
+slices, layer by layer in the same order. For each targeted layer the rule
+(`needs_gather`, on the layer's own group `layer.tp`) says whether quantizing the rank's
+slice would give other scales than quantizing the full unpartitioned weight: if so, the ranks
+all-gather the slices, quantize the full weight and each keeps its slice of the quantized
+weight and scales (per-row scales of a row-parallel layer whole); if not, each quantizes its
+slice alone, with no communication (`atom.model_ops.quant.online.requantize_layer`). With
+ptpc_fp8 that is a gather for the row-parallel layers (o_proj, down_proj: a row's scale spans
+every rank's columns) and none for the column-parallel ones (qkv, gate_up); MXFP4 gathers
+nothing when a rank's columns are whole groups of 32 (a slice that cuts a group is refused
+by name before loading: the rank's method cannot hold it). MoE experts split by width follow
+the same rule per matrix (w2 gathers for ptpc_fp8); a MoE method that does not declare how
+its tensors split (MXFP4's) is refused by name for them before loading; experts split whole
+(expert parallel) need nothing (`atom.model_ops.moe.online`). The summary's `tp_split` /
+`tp_gather` columns record each layer's split and decision (`tp_gather_parts` names a MoE
+layer's gathered matrices); rank 0 alone (of the tensor-parallel group, in data-parallel
+replica 0) writes the file.
 """
 from __future__ import annotations
 
@@ -46,8 +56,8 @@ from torch import nn
 from atom.model_ops.linear import Linear
 from atom.model_ops.moe.layer import FusedMoE
 from atom.model_ops.moe.online import expert_refusal, requantize_experts
-from atom.model_ops.quant.online import (FORMATS, check_source, needs_gather, refusal, requantize_layer,
-                                         source_weight, split_size, target_for, tp_split)
+from atom.model_ops.quant.online import (FORMATS, check_source, gather_needed, refusal, requantize_layer,
+                                         source_weight, target_for, tp_split)
 
 logger = logging.getLogger(__name__)
 
@@ -179,26 +189,33 @@ class OnlineQuantPlan:
                                           "exclude it (exclude_layer)")
 
     # -- the pass ---------------------------------------------------------------------------
-    def apply(self, model: nn.Module, tp_size: int = 1, model_name: str = "") -> dict:
-        """Re-quantize every targeted layer of the loaded `model`; the info summary (dict)."""
+    def apply(self, model: nn.Module, tp_size: Optional[int] = None, model_name: str = "") -> dict:
+        """Re-quantize every targeted layer of the loaded `model` (this rank's slices, gathering
+        where the rule says so: module docstring); the info summary (dict). Under tensor
+        parallel every rank of the model's group runs it. `tp_size` (default: the linear
+        layers' group size) is reported; each layer's decision follows its own group."""
         t0 = time.perf_counter()
         rows = []
-        for name, layer in linear_layers(model).items():
+        layers = linear_layers(model)
+        if tp_size is None:
+            tp_size = max((m.tp.world_size for m in layers.values()), default=1)
+        for name, layer in layers.items():
             fmt, field = self.field_for(layer_aliases(name, model))
             row = {"layer": name, "source": layer.method.format(layer), "target": fmt, "chosen_by": field}
             if fmt is not None:
                 target = target_for(fmt, name, f"{FIELD}.{field}")
-                split = tp_split(layer)
-                row["tp_split"] = split
-                row["tp_gather"] = needs_gather(target, split, split_size(layer, split), tp_size)
-                requantize_layer(layer, target, source_weight(layer))
+                gather = gather_needed(target, layer)
+                row["tp_split"], row["tp_gather"] = tp_split(layer), gather
+                requantize_layer(layer, target, source_weight(layer), gather=gather)
             row["format"] = layer.method.format(layer)
             rows.append(row)
         for name, layer in moe_layers(model).items():
             fmt, field = self.field_for([name])
             row = {"layer": name, "source": layer.method.format(layer), "target": fmt, "chosen_by": field}
-            if fmt is not None:  # experts are not split by tensor parallel here (refused above one rank)
-                requantize_experts(layer, target_for(fmt, name, f"{FIELD}.{field}"))
+            if fmt is not None:
+                gathered = requantize_experts(layer, target_for(fmt, name, f"{FIELD}.{field}"))
+                row["tp_split"] = {"tensor": "width", "expert": "experts"}.get(layer.parallel_mode)
+                row["tp_gather"], row["tp_gather_parts"] = bool(gathered), gathered
             row["format"] = layer.method.format(layer)
             rows.append(row)
         elapsed = time.perf_counter() - t0
@@ -226,14 +243,28 @@ class OnlineQuantPlan:
                 f"exclude={self.exclude!r})")
 
 
+def summary_rank(model: nn.Module, config=None) -> int:
+    """This process's rank for the summary file: its tensor-parallel rank (the linear layers'
+    group) within its data-parallel replica (`parallel_config.data_parallel_rank`); 0 on
+    the first rank of the first replica only."""
+    tp = next((m.tp for m in linear_layers(model).values()), None)
+    tp_rank, tp_world = (tp.rank, tp.world_size) if tp is not None else (0, 1)
+    pc = getattr(config, "parallel_config", None)
+    dp_rank = getattr(pc, "data_parallel_rank", 0) or 0
+    return dp_rank * tp_world + tp_rank
+
+
 def apply_online_quant(model: nn.Module, config, plan: OnlineQuantPlan) -> dict:
-    """What the model runner does after loading: apply `plan`, write the info file."""
+    """What the model runner does after loading (on every rank): apply `plan`; rank 0
+    writes the info file (`info_path`: None on the other ranks)."""
     info = plan.apply(model, tp_size=getattr(config, "tensor_parallel_size", 1) or 1,
                       model_name=str(getattr(config, "model", "")))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the replaced weights' memory, before the KV cache is sized
-    info["info_path"] = plan.write_info(info, getattr(config, "torch_profiler_dir", None))
+    info["info_path"] = plan.write_info(info, getattr(config, "torch_profiler_dir", None),
+                                        rank=summary_rank(model, config))
     return info
 
 
-__all__ = ["OnlineQuantPlan", "apply_online_quant", "exclude_matches", "layer_aliases", "linear_layers"]
+__all__ = ["OnlineQuantPlan", "apply_online_quant", "exclude_matches", "layer_aliases", "linear_layers",
+           "summary_rank"]

@@ -22,10 +22,20 @@ Sources: a layer holding its weight in the model dtype (the unquantized method) 
 128x128 blocks (`weight_scale_inv`, QuantType.per_1x128), which is dequantized first
 (`source_weight`). Anything else is refused by name (`check_source`).
 
-Tensor parallelism (`needs_gather`): a rank holds a slice of each weight (column-parallel
-layers split the output rows, row-parallel ones the input columns). Quantizing the slice
-gives the same scales as quantizing the full weight exactly when every scale group lies
-inside one slice; otherwise the full weight must be gathered first.
+Tensor parallelism (`needs_gather`, `gather_needed`): a rank holds a slice of each weight
+(column-parallel layers split the output rows of every shard, row-parallel ones the input
+columns). Quantizing the slice gives the same scales as quantizing the full weight exactly
+when every scale group lies inside one slice (ptpc / int8 per-row scales of a
+column-parallel layer, MXFP4's 32 inputs when the local width is a multiple of 32): then
+each rank quantizes its slice and nothing is sent. Otherwise (a per-row scale spanning a
+row-parallel layer's columns, a block or group cut by the split) `requantize_layer` first
+all-gathers the slices over the layer's tensor-parallel group (`layer.tp`; for a packed
+layer shard by shard, a KV head replicated over several ranks taken once), the producer
+quantizes the full unpartitioned weight, and the layer's own `rank_slice` (what its loaders
+do with a full checkpoint tensor) keeps this rank's part of every tensor it made: its columns
+of the weight and of group scales, its rows of per-row scales, per-row scales of a
+row-parallel layer whole. Either way a rank's tensors equal the matching slice of the
+one-rank layer's, bit for bit.
 """
 from __future__ import annotations
 
@@ -196,7 +206,15 @@ def refusal(target: Target, layer: nn.Module) -> Optional[str]:
         with torch.device("meta"):
             target.method(layer.prefix).create_weights(probe, layer.in_features, layer.out_features, False)
     except NotImplementedError as exc:
+        if _tp_size(layer) > 1 and tp_split(layer) is not None:  # the shape it refused is a rank's slice
+            return f"{exc} (one {tp_split(layer)}-parallel slice of tensor_parallel_size={_tp_size(layer)})"
         return str(exc)
+    if _tp_size(layer) > 1 and tp_split(layer) is not None:  # its tensors are narrowed per rank
+        loose = [n for n, p in probe.named_parameters()  # the rule of Linear's own rank loaders
+                 if not hasattr(p, "output_dim") and not hasattr(p, "input_dim")]
+        if loose:
+            return (f"the {target.name} method does not declare how {loose} split across tensor-parallel "
+                    f"ranks (output_dim / input_dim), so it cannot run with tensor_parallel_size={_tp_size(layer)}")
     return None
 
 
@@ -212,11 +230,27 @@ class _Probe(nn.Module):
 
 
 # --- the swap ---------------------------------------------------------------------------------
-def requantize_layer(layer: nn.Module, target: Target, weight: torch.Tensor | None = None) -> Callable[[], None]:
+def requantize_layer(layer: nn.Module, target: Target, weight: torch.Tensor | None = None,
+                     gather: Optional[bool] = None) -> Callable[[], None]:
     """Rebuild `layer` with `target`'s method, filled with its producer's tensors for
-    `weight` (default: `source_weight(layer)`); the bias is kept as it is. Returns a
-    function that puts the previous method, parameters and buffers back."""
+    `weight` (default: `source_weight(layer)`: this rank's slice under tensor parallel); the
+    bias is kept as it is. `gather`: True gathers the full weight over `layer.tp` first,
+    quantizes it and keeps this rank's slice of the tensors (module docstring), a collective
+    every rank of the group must reach (`OnlineQuantPlan.apply` runs on every rank); False
+    quantizes the slice as it is; None (a caller on one rank, e.g. the sensitivity explorer)
+    quantizes the slice where that gives the full weight's scales (`gather_needed`) and refuses
+    a layer that would need its other ranks (a gather from one rank would wait for them).
+    Returns a function that puts the previous method, parameters and buffers back."""
     w32 = source_weight(layer) if weight is None else weight.float()
+    if gather is None and gather_needed(target, layer):
+        raise ValueError(f"layer '{layer.prefix}' ({tp_split(layer)}-parallel over tensor_parallel_size="
+                         f"{_tp_size(layer)}): {target.name} needs the full weight gathered from every rank "
+                         "(its slice alone gives other scales); quantize it in a pass every rank runs "
+                         "(gather=True, as OnlineQuantPlan.apply does)")
+    gather = bool(gather)
+    # communication first, before the layer is touched: a rank that fails later fails alone
+    pieces = full_shards(layer, w32) if gather else [(sid, w32[start:start + size])
+                                                     for sid, start, size in shards(layer)]
     method = target.method(layer.prefix)
     saved = (layer.method, dict(layer._parameters), dict(layer._buffers))
     bias = layer.bias
@@ -227,9 +261,11 @@ def requantize_layer(layer: nn.Module, target: Target, weight: torch.Tensor | No
             method.create_weights(layer, layer.in_features, layer.out_features, False)
         if bias is not None:
             layer.bias = bias
-        for sid, start, size in shards(layer):
-            for name, t in target.produce(w32[start:start + size]).items():
+        for sid, w in pieces:
+            for name, t in target.produce(w).items():
                 p = getattr(layer, name)
+                if gather:  # a full checkpoint tensor: this rank's part, as the layer's loaders narrow it
+                    t = layer.rank_slice(name, p, t, sid)
                 p.weight_loader(p, t.to(p.device), sid)
         method.process_weights_after_loading(layer)
     except Exception:
@@ -254,10 +290,14 @@ def _restore(layer: nn.Module, saved) -> None:
 # --- tensor parallelism -----------------------------------------------------------------------
 def tp_split(layer: nn.Module) -> Optional[str]:
     """How a tensor-parallel build splits `layer`: "column" (output rows: q/k/v, gate/up
-    and other packed layers), "row" (input columns: o_proj, down_proj), None (not split)."""
+    and other packed layers), "row" (input columns: o_proj, down_proj), None (not split: a
+    replicated `Linear`). A linear layer says it (`tp_mode`); a stand-in without one is
+    judged by its name."""
     declared = getattr(layer, "tp_split", None)
     if declared is not None:
         return declared
+    if hasattr(layer, "tp_mode"):
+        return layer.tp_mode
     name = layer.prefix.rsplit(".", 1)[-1]
     if name in ("o_proj", "down_proj", "out_proj", "dense_4h_to_h"):
         return "row"
@@ -279,8 +319,50 @@ def needs_gather(target: Target, split: Optional[str], full_size: int, tp_size: 
     return group is None or (full_size // tp_size) % group != 0
 
 
+def _tp_size(layer: nn.Module) -> int:
+    tp = getattr(layer, "tp", None)
+    return tp.world_size if tp is not None else 1
+
+
 def split_size(layer: nn.Module, split: Optional[str]) -> int:
-    return layer.out_features if split == "column" else layer.in_features
+    """The full (unpartitioned) size of `layer`'s split dimension: its ranks' output rows
+    ("column") or input columns ("row") together."""
+    return (layer.out_features if split == "column" else layer.in_features) * _tp_size(layer)
+
+
+def gather_needed(target: Target, layer: nn.Module) -> bool:
+    """`needs_gather` for `layer` on its own tensor-parallel group (`layer.tp`): a packed
+    column-parallel layer asks it of every shard (each is split per rank, a 128-row block
+    may be cut in one and not in another)."""
+    split, world = tp_split(layer), _tp_size(layer)
+    if split == "column":
+        return any(needs_gather(target, split, size * world, world) for _, _, size in shards(layer))
+    return needs_gather(target, split, split_size(layer, split), world)
+
+
+def full_shards(layer: nn.Module, w32: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
+    """(shard_id, the shard's full unpartitioned weight) for each shard of `layer`, from this
+    rank's fp32 slice `w32` and the other ranks' (all-gathers over `layer.tp`, every rank of
+    the group must call it): a row-parallel layer's columns in rank order; a column-parallel
+    layer's rows shard by shard, a slice held by several consecutive ranks (KV heads
+    replicated where ranks outnumber them) taken once."""
+    split, tp = tp_split(layer), layer.tp
+    if split == "row":
+        full = tp.all_gather(w32.contiguous(), dim=1)
+        return [(sid, full[start:start + size]) for sid, start, size in shards(layer)]
+    if split != "column":
+        raise ValueError(f"layer '{layer.prefix}' is not split across tensor-parallel ranks (tp_split={split!r}): "
+                         "it has nothing to gather")
+    out = []
+    for sid, start, size in shards(layer):
+        every = tp.all_gather(w32[start:start + size].contiguous(), dim=0)  # [size * world, in], rank order
+        rows = layer.checkpoint_shape(sid)[0]
+        if size == 0 or rows % size or tp.world_size % (rows // size):
+            raise ValueError(f"layer '{layer.prefix}' shard {sid!r}: {tp.world_size} ranks of {size} rows do not "
+                             f"make its {rows} checkpoint rows")
+        holders = tp.world_size // (rows // size)  # consecutive ranks holding the same rows
+        out.append((sid, torch.cat(every.split(size)[::holders])))
+    return out
 
 
 def scales_of(target: Target, w: torch.Tensor) -> torch.Tensor:
@@ -290,5 +372,5 @@ def scales_of(target: Target, w: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["TARGETS", "FORMATS", "Target", "target_for", "refusal", "check_source", "source_weight", "requantize_layer",
-           "tp_split", "needs_gather", "split_size", "scales_of", "pack_int4", "produce_ptpc_fp8",
-           "produce_fp8_block", "produce_w8a8_int8", "produce_w4a16"]
+           "tp_split", "needs_gather", "gather_needed", "full_shards", "split_size", "scales_of", "pack_int4",
+           "produce_ptpc_fp8", "produce_fp8_block", "produce_w8a8_int8", "produce_w4a16"]
