@@ -173,3 +173,19 @@ def test_native_fp8_v3_on_the_triton_mla_backend(fp8_v3):
     outs = llm.generate(ps[:3], GREEDY, use_tqdm=False)  # the third is chunked: 32 + 8 tokens
     assert [o.token_ids for o in outs] == ref[:3]
     assert "TritonMLABackend" in repr(runner.attn_backend)
+
+
+def test_native_fp8_v3_with_the_triton_fp8_experts(fp8_v3):
+    """The plan's Triton experts kernel on the fp8 block experts (interpreted): the tokens of
+    the fake-quantized reference, and no host sync left in the MoE layers."""
+    pytest.importorskip("triton")
+    from atom.model_engine.gpu_setup import host_syncing_layers
+    from atom.tuning.plan import KernelPlan
+    _, path, ps, ref, _ = fp8_v3
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32)
+    runner = llm.engine.runner
+    assert host_syncing_layers(runner)  # the reference's loop
+    runner.install_plan(KernelPlan(moe_kernel="triton"))
+    assert host_syncing_layers(runner) == []
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(ps[1:3], sp, use_tqdm=False)] == [r[:4] for r in ref[1:3]]

@@ -1,4 +1,5 @@
-"""`atom::moe_experts`: the Triton experts path as a torch custom op, for torch.compile.
+"""`atom::moe_experts` (and `atom::moe_experts_fp8`): the Triton experts paths as torch custom
+ops, for torch.compile.
 
 Compiled models (levels 1-3, level 3 with `fullgraph`) cannot trace the align step's
 data-dependent launch or the reference's host sync; the op is opaque to Dynamo and Inductor,
@@ -33,4 +34,20 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
 
 @moe_experts.register_fake
 def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, tiles):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("atom::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                    w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                    act_group: int, block_n: int, block_k: int, tiles: str) -> torch.Tensor:
+    """`experts_fp8_triton.fused_experts_fp8` as an op (`block_n` 0: per-row weight scales)."""
+    from atom.model_ops.moe.experts_fp8_triton import fused_experts_fp8
+    from atom.model_ops.moe.layer import activation_of
+    return fused_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation_of(activation),
+                             act_group, (block_n, block_k) if block_n else None, tiles=_table(tiles))
+
+
+@moe_experts_fp8.register_fake
+def _(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation, act_group, block_n, block_k, tiles):
     return torch.empty_like(x)

@@ -23,11 +23,16 @@ Tensor parallel splits each expert's width I: w13's rows (and its per-row or blo
 scales) and w2's columns (and its block columns); a split inside a block is refused by the
 loader. Per-tensor scales, w2's per-row scales and input scales are the same on every rank.
 
-`apply` is the torch reference on every device: for each expert that got tokens, its weights
-dequantized to fp32 (w = e4m3 x scale), its inputs fake-quantized as the format defines
-(`fake_quant_act`: the activations an expert's linear sees are the rows routed to it, as in
-the producers' per-expert Linears), the two products in fp32 (`product`), the activation
-between them in the model's dtype. Nothing stays dequantized in the layer.
+`apply` runs the plan's experts kernel (`KernelPlan.experts_kernel`). Triton
+(`experts_fp8_triton.fused_experts_fp8`, through the `atom::moe_experts_fp8` op under
+torch.compile) takes dynamic per-token and 1 x bk group activations, e4m3 x e4m3 products
+with the scales applied per tile: no host sync, so CUDA graphs capture the layer. The torch
+reference runs everywhere else (and for per-tensor activations, whose scale depends on the
+rows an expert got): for each expert that got tokens, its weights dequantized to fp32 (w =
+e4m3 x scale), its inputs fake-quantized as the format defines (`fake_quant_act`: the
+activations an expert's linear sees are the rows routed to it, as in the producers'
+per-expert Linears), the two products in fp32 (`product`), the activation between them in
+the model's dtype. Nothing stays dequantized in the layer.
 """
 from __future__ import annotations
 
@@ -109,7 +114,46 @@ class Fp8MoEMethod(MoEMethod):
             return w13 * torch.cat((gate, up)), w2 * _expand_blocks(layer.w2_block_scale[e], self.block, w2.shape)
         return layer.w13_weight[e].float() * layer.w13_row_scale[e], layer.w2_weight[e].float() * layer.w2_row_scale[e]
 
+    @property
+    def row_local_acts(self) -> bool:
+        """Dynamic per-token or per-group activations: a row quantizes alike for every expert
+        (what the Triton path needs)."""
+        return self.scheme.act in ("token", "group") and not self.scheme.static
+
+    def _kernel(self, layer, x: torch.Tensor) -> str:
+        plan = layer.plan
+        if plan is None or not self.row_local_acts:
+            return "reference"
+        return plan.experts_kernel(x)
+
+    def syncs_host(self, layer, device):
+        return self._kernel(layer, torch.empty(0, device=device)) != "triton"
+
     def apply(self, layer, x, topk_weights, topk_ids):
+        if self._kernel(layer, x) == "triton":
+            return self._apply_triton(layer, x, topk_weights, topk_ids)
+        return self._apply_reference(layer, x, topk_weights, topk_ids)
+
+    def _apply_triton(self, layer, x, topk_weights, topk_ids):
+        group = self.scheme.act_group if self.scheme.act == "group" else 0
+        if self.block is not None:
+            s13, s2 = layer.w13_block_scale, layer.w2_block_scale
+        else:
+            s13, s2 = layer.w13_row_scale, layer.w2_row_scale
+        tiles = layer.tiles if layer.tiles is not None else layer.plan_installed(layer.plan)
+        if torch.compiler.is_compiling():
+            if not layer.activation_has_name:
+                raise NotImplementedError(f"{layer.prefix}: activation {layer.activation_name!r} is a callable; "
+                                          "under torch.compile the experts op needs one of ACTIVATIONS by name")
+            from atom.model_ops.moe import experts_op  # noqa: F401  (registers the op)
+            bn, bk = self.block or (0, 0)
+            return torch.ops.atom.moe_experts_fp8(x, layer.w13_weight, s13, layer.w2_weight, s2, topk_weights,
+                                                  topk_ids, layer.activation_name, group, bn, bk, layer.tiles_json)
+        from atom.model_ops.moe.experts_fp8_triton import fused_experts_fp8
+        return fused_experts_fp8(x, layer.w13_weight, s13, layer.w2_weight, s2, topk_weights, topk_ids,
+                                 layer.activation, group, self.block, tiles=tiles)
+
+    def _apply_reference(self, layer, x, topk_weights, topk_ids):
         act = self.scheme.act
         static = self.scheme.static
         group = self.scheme.act_group if act == "group" else None

@@ -1,0 +1,130 @@
+"""The FP8 experts' Triton path (`experts_fp8_triton`, interpreter on CPU) against the method's
+torch reference: per-channel weights x per-token activations and block weights x 1 x bk groups
+(DeepSeek's 128 x 128, and blocks that end in a partial block row), fp32 and bf16; the method
+dispatches to it by the plan and then no longer syncs the host; per-tensor activations stay on
+the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.model_ops.kernels.triton_import import HAS_TRITON
+from atom.model_ops.moe import FusedMoE, Fp8MoEMethod, TopK
+from atom.quant_spec import LayerQuantConfig, QuantType
+from atom.tuning.plan import KernelPlan
+from tiny_fp8_moe import FP8, quant_fp8_block, quant_fp8_channel, quant_fp8_tensor
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (interpreter on CPU)")
+
+
+class OneSpec:
+    def __init__(self, s):
+        self.s = s
+
+    def get_layer_quant_config(self, prefix):
+        return self.s
+
+
+def spec(kind, block=None):
+    if kind == "channel_token":
+        return LayerQuantConfig(QuantType.per_Token, FP8, True, "compressed-tensors", act_scheme="token")
+    if kind == "tensor_static":
+        return LayerQuantConfig(QuantType.per_Tensor, FP8, False, "compressed-tensors", act_scheme="tensor")
+    return LayerQuantConfig(QuantType.per_1x128, FP8, True, "fp8", block_size=block, act_scheme="group",
+                            act_group_size=block[1])
+
+
+def build(kind, E, H, I, block=None, seed=0):
+    layer = FusedMoE(E, H, I, TopK(E, 2, renormalize=True), quant_config=OneSpec(spec(kind, block)), prefix="t.experts")
+    g = torch.Generator().manual_seed(seed)
+    for e in range(E):
+        for part, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            w = torch.randn(shape, generator=g) * 0.3
+            q = (quant_fp8_block(w, block) if kind == "block" else
+                 quant_fp8_channel(w) if kind == "channel_token" else quant_fp8_tensor(w))
+            target = "w2" if part == "w2" else "w13"
+            for suffix, t in q.items():
+                p = getattr(layer, f"{target}_{suffix}")
+                p.weight_loader(p, t, (e, part))
+            if kind == "tensor_static":
+                p = getattr(layer, f"{target}_input_scale")
+                p.weight_loader(p, torch.tensor([0.02]), (e, part))
+    assert layer.missing_shards() == []
+    layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+CASES = [("channel_token", 6, 64, 32, None), ("block", 4, 256, 128, (128, 128)), ("block", 6, 64, 32, (64, 32))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,E,H,I,block", CASES)
+@pytest.mark.parametrize("T", [1, 21])
+def test_triton_path_equals_the_reference(kind, E, H, I, block, dtype, T):
+    layer = build(kind, E, H, I, block)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g) * 2
+    ref = layer(x, logits)  # no plan: the reference
+    assert layer.method._kernel(layer, x) == "reference"
+    layer.plan = KernelPlan(moe_kernel="triton")
+    assert layer.method._kernel(layer, x) == "triton"
+    got = layer(x, logits)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    else:
+        # bf16: the first product is stored as bf16 before the activation and the second
+        # product's fp8 quantization, and Triton's interpreter converts fp32 to bf16 without
+        # rounding to nearest (about half the values end one ulp off; a GPU rounds to
+        # nearest), which moves some fp8 roundings of the second product's input. So both
+        # paths are held against the fp32 reference, to within that fp8 noise.
+        layer.plan = None
+        exact = layer(x.float(), logits)
+
+        def err(y):
+            return float((y.float() - exact).norm() / exact.norm())
+        assert err(ref) < 0.02 and err(got) < 0.06, (err(got), err(ref))
+    assert got.abs().max() > 0.1  # not a degenerate output
+
+
+def test_host_syncs_follow_the_path():
+    layer = build("channel_token", 4, 64, 32)
+    cpu = torch.device("cpu")
+    assert layer.method.syncs_host(layer, cpu)  # no plan: the reference's loop
+    layer.plan = KernelPlan(moe_kernel="triton")
+    assert not layer.method.syncs_host(layer, cpu)
+    layer.plan = KernelPlan(moe_kernel="reference")
+    assert layer.method.syncs_host(layer, cpu)
+    static = build("tensor_static", 4, 64, 32)
+    static.plan = KernelPlan(moe_kernel="triton")  # per-tensor activations: the reference only
+    assert static.method._kernel(static, torch.empty(0)) == "reference" and static.method.syncs_host(static, cpu)
+
+
+def test_block_path_refuses_mismatched_groups():
+    from atom.model_ops.moe.experts_fp8_triton import fused_experts_fp8
+    layer = build("block", 4, 256, 128, (128, 128))
+    x, ids = torch.randn(3, 256), torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="act_group=0 is invalid with 128x128 weight blocks"):
+        fused_experts_fp8(x, layer.w13_weight, layer.w13_block_scale, layer.w2_weight, layer.w2_block_scale,
+                          torch.ones(3, 2), ids, layer.activation, 0, (128, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,E,H,I,block,T", [("channel_token", 128, 2048, 768, None, 1),
+                                                ("channel_token", 128, 2048, 768, None, 512),
+                                                ("block", 64, 2048, 1408, (128, 128), 1),
+                                                ("block", 64, 2048, 1408, (128, 128), 512)])
+def test_triton_path_at_model_shapes_on_the_gpu(kind, E, H, I, block, T):
+    """Qwen3-30B-A3B's experts (ptpc) and DeepSeek-V2-Lite's (128 x 128 blocks) in bf16 on the GPU
+    (rounding to nearest there): within the fp8 noise of the fp32 reference."""
+    layer = build(kind, E, H, I, block).cuda()
+    layer.method.process_weights_after_loading(layer)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=g).cuda()
+    logits = (torch.randn(T, E, generator=g) * 2).cuda()
+    exact = layer(x, logits)
+    layer.plan = KernelPlan(moe_kernel="triton")
+    got = layer(x.bfloat16(), logits)
+    err = float((got.float() - exact).norm() / exact.norm())
+    assert err < 0.03, err
