@@ -133,6 +133,22 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(tiny_mxfp4, mxfp4_ref
     assert {r["format"] for r in rows} == {"mxfp4 1x32 e8m0, weight only"}
 
 
+def test_mxfp4_triton_experts_in_the_engine(tiny_mxfp4, mxfp4_ref):
+    """The plan's Triton MXFP4 experts kernel (interpreted; weights dequantized in registers,
+    biases, the clamped activation): transformers' tokens, and no host sync left."""
+    from atom.model_engine.gpu_setup import host_syncing_layers
+    ps, ref = mxfp4_ref
+    llm = LLM(tiny_mxfp4, enable_log_stats=False, num_kvcache_blocks=32)
+    runner = llm.engine.runner
+    assert host_syncing_layers(runner)
+    runner.install_plan(KernelPlan(moe_kernel="triton"))
+    assert host_syncing_layers(runner) == []
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(ps[1:3], sp, use_tqdm=False)] == [r[:4] for r in ref[1:3]]
+    assert {r["kernel"] for r in describe_moe_layers(runner.model)} == {
+        "triton grouped GEMM (mxfp4 dequantized in registers)"}
+
+
 def test_mxfp4_checkpoint_under_preemption(tiny_mxfp4):
     """The packed MXFP4 experts with preemption (recomputed prompts), all five prompt lengths."""
     ps = prompts()

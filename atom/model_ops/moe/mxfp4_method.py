@@ -15,15 +15,16 @@ dequantizes these bytes into `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H]);
 checkpoint mapping hands them to the layer's loader with the "blocks" and "interleaved"
 layout tags (`FusedMoE.LAYOUTS`), which flatten the blocks and de-interleave the rows.
 
-`apply` loops over the experts that got tokens (`experts_ref.routed_sum`). On CPU each
-expert's two matrices are dequantized to fp32 and the products run in fp32 with the biases
-(the torch reference); on CUDA (with Triton) each product is the 4-bit kernel
-`atom::w4_linear` (`kernels.w4_gemm`) on that expert's packed bytes and scales, dequantized
-in registers, fp32 accumulation, the bias added in fp32: the same numbers without an fp32
-copy of the expert. The activation between them runs in the model's dtype. Nothing stays
-dequantized in the layer. (A fused, graph-capturable experts kernel over all experts, as
-`experts_triton` is for bf16 / FP8, is not written for MXFP4 yet: the loop still syncs the
-host once per call.) Activations are not quantized (GPT-OSS runs MXFP4 weights x bf16 activations).
+`apply` runs the plan's experts kernel (`KernelPlan.experts_kernel`). Triton: the grouped
+GEMM over all experts with the packed weights dequantized in registers
+(`experts_mxfp4_triton.fused_experts_mxfp4`, through the `atom::moe_experts_mxfp4` op under
+torch.compile): no host sync, so CUDA graphs capture the layer. The reference loops over the
+experts that got tokens (`experts_ref.routed_sum`): on CPU each expert's two matrices are
+dequantized to fp32 and the products run in fp32 with the biases; on CUDA each product is
+the 4-bit kernel `atom::w4_linear` (`kernels.w4_gemm`) on that expert's packed bytes and
+scales (the same numbers without an fp32 copy of the expert). The activation between the
+products runs in the model's dtype. Nothing stays dequantized in the layer. Activations are
+not quantized (GPT-OSS runs MXFP4 weights x bf16 activations).
 """
 from __future__ import annotations
 
@@ -68,8 +69,28 @@ class Mxfp4MoEMethod(MoEMethod):
         return (dequantize_mxfp4(layer.w13_weight[e], layer.w13_weight_scale[e]),
                 dequantize_mxfp4(layer.w2_weight[e], layer.w2_weight_scale[e]))
 
+    def _kernel(self, layer, x: torch.Tensor) -> str:
+        return "reference" if layer.plan is None else layer.plan.experts_kernel(x)
+
+    def syncs_host(self, layer, device):
+        return self._kernel(layer, torch.empty(0, device=device)) != "triton"
+
     def apply(self, layer, x, topk_weights, topk_ids):
         b13, b2 = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
+        if self._kernel(layer, x) == "triton":
+            tiles = layer.tiles if layer.tiles is not None else layer.plan_installed(layer.plan)
+            if torch.compiler.is_compiling():
+                if not layer.activation_has_name:
+                    raise NotImplementedError(f"{layer.prefix}: activation {layer.activation_name!r} is a callable; "
+                                              "under torch.compile the experts op needs one of ACTIVATIONS by name")
+                from atom.model_ops.moe import experts_op  # noqa: F401  (registers the op)
+                return torch.ops.atom.moe_experts_mxfp4(x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
+                                                        layer.w2_weight_scale, topk_weights, topk_ids, b13, b2,
+                                                        layer.activation_name, layer.tiles_json)
+            from atom.model_ops.moe.experts_mxfp4_triton import fused_experts_mxfp4
+            return fused_experts_mxfp4(x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
+                                       layer.w2_weight_scale, topk_weights, topk_ids, layer.activation, b13, b2,
+                                       tiles=tiles)
 
         if use_w4_kernel(x):
             H, I = layer.w2_weight.shape[1], layer.w2_weight.shape[2] * 2
@@ -98,6 +119,8 @@ class Mxfp4MoEMethod(MoEMethod):
 
     def kernel_for(self, layer) -> str:
         """What runs the experts' products (the MoE table's `kernel` column)."""
+        if layer.plan is not None and self._kernel(layer, layer.w13_weight) == "triton":
+            return "triton grouped GEMM (mxfp4 dequantized in registers)"
         return kernel_for_weight(layer.w13_weight)
 
     def __repr__(self):
