@@ -16,7 +16,10 @@
 #   call 5:                                  bash scripts/h200_lease.sh q_vllm l_vllm
 # Other stages: moe_k (the experts kernel at 1 / 64 / 2048 tokens), l_kv (Llama long-context
 # workload, bf16 against FP8 KV), l_fp8 (Llama workload, bf16 against ptpc FP8), g_vllm
-# (GPT-OSS-20B beside vLLM), w4_vllm (Llama W4A16 batch-1 decode beside vLLM).
+# (GPT-OSS-20B beside vLLM), w4_vllm (Llama W4A16 batch-1 decode beside vLLM), moe_tests (the
+# FP8 / MXFP4 / bf16 experts kernels' GPU tests), moe_k2 (the experts kernel at DeepSeek-V2-Lite's
+# and GPT-OSS-20B's shapes), g_mx (GPT-OSS-20B with MXFP4 experts), moe_vllm (Qwen3-30B-A3B and
+# DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -85,6 +88,13 @@ for st in "$@"; do ts=$(date +%s); case $st in
          run l-thr-fp8 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --quantization fp8_dynamic --cache-dir /tmp/lc --out $R/l-thr-fp8.json;;
   g_vllm) run g-thr-vllm 420 python3 -m atom.benchmarks.throughput --model gpt-oss-20b --peer vllm --peer-dummy xavier --repeat 1 --out $R/g-thr-vllm.json;;
   w4_vllm) run l-lat-w4-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization w4a16 --cache-dir /tmp/lc --out $R/l-lat-w4-vllm.json;;
+  moe_tests) run moe-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_fp8_triton.py \
+               tests/test_moe_mxfp4_triton.py tests/test_moe_kernels.py;;
+  moe_k2) run moe-dsv2 150 python3 -m atom.benchmarks.moe_experts --model deepseek-v2-lite --out $R/moe-dsv2.json
+          run moe-gptoss 150 python3 -m atom.benchmarks.moe_experts --model gpt-oss-20b --out $R/moe-gptoss.json;;
+  g_mx) run g-mx-thr 400 python3 -m atom.benchmarks.throughput --model gpt-oss-20b-mxfp4 --peer none --repeat 1 --out $R/g-mx-thr.json;;
+  moe_vllm) run q3moe-thr-vllm 420 python3 -m atom.benchmarks.throughput --model qwen3-30b-a3b --peer vllm --peer-dummy xavier --repeat 1 --out $R/q3moe-thr-vllm.json
+            run dsv2-thr-vllm 420 python3 -m atom.benchmarks.throughput --model deepseek-v2-lite --peer vllm --peer-dummy xavier --repeat 1 --out $R/dsv2-thr-vllm.json;;
   *) log "unknown stage $st";;
 esac
 tar -czf "$OUT/res.tgz" -C /tmp res 2>/dev/null  # after every stage: a call cut off keeps what ran
