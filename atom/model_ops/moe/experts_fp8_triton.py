@@ -28,12 +28,12 @@ from typing import Callable
 import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
-from atom.model_ops.moe.tile_configs import TileTable, default_config
+from atom.model_ops.moe.tile_configs import TileTable
 
 FP8_MAX = 448.0
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.triton_import import grouped_tile
+    from atom.model_ops.moe.experts_triton import sorted_tile, store_tile
 
     @triton.jit
     def _moe_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, rw_ptr,
@@ -44,17 +44,11 @@ if HAS_TRITON:
                              MUL_WEIGHT: tl.constexpr):
         """out[p] = (a[p // a_div] * a_scale) @ (w[e] * w_scale)^T (* rw[p]) for the BLOCK_M
         pairs p of one expert e in the sorted order (the module docstring's two scale layouts)."""
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        pid_m, pid_n = grouped_tile(pid, num_m_blocks, num_n, GROUP_M)
-        e = tl.load(block_expert_ptr + pid_m)
+        e, pairs, valid, a_rows, rn = sorted_tile(block_expert_ptr, sorted_ptr, num_pairs, num_m_blocks, N, a_div,
+                                                  BLOCK_M, BLOCK_N, GROUP_M)
         if e < 0:
             return
         e64 = e.to(tl.int64)
-        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = pairs < num_pairs
-        a_rows = (pairs // a_div).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         rk = tl.arange(0, BLOCK_K)
         ap = a_ptr + a_rows[:, None] * stride_am + rk[None, :]
@@ -79,10 +73,7 @@ if HAS_TRITON:
             sa = tl.load(as_ptr + a_rows * stride_as, mask=valid, other=0.0)
             sw = tl.load(ws_ptr + e64 * stride_wse + rn.to(tl.int64) * stride_wsn, mask=n_ok, other=0.0)
             acc = acc * sa[:, None] * sw[None, :]
-        if MUL_WEIGHT:
-            acc *= tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=valid[:, None] & n_ok[None, :])
+        store_tile(acc, rw_ptr, rw_ptr, out_ptr, e, pairs, valid, rn, N, 0, stride_om, False, MUL_WEIGHT)
 
 
 def _quantize(x: torch.Tensor, act_group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +124,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     slices (equal to bk with blocks)."""
     if not HAS_TRITON:
         raise RuntimeError("fused_experts_fp8 needs triton; the torch reference is Fp8MoEMethod's apply")
-    from atom.model_ops.moe.experts_triton import moe_align
+    from atom.model_ops.moe.experts_triton import pair_layout
     T, H = x.shape
     E, two_i, _ = w13.shape
     k = topk_ids.shape[1]
@@ -144,8 +135,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
                          f"the activations' groups must be the blocks' width ({block[1]})")
     if T == 0:
         return torch.zeros_like(x)
-    cfg = dict(config or (tiles.config_for(T, k) if tiles is not None else default_config(T, k, E)))
-    layout = moe_align(topk_ids, E, cfg["BLOCK_M"])
+    cfg, layout = pair_layout(topk_ids, E, tiles, config)
     xq, xs = _quantize(x, act_group)
     h = fp8_expert_product(xq, xs, w13, w13_scale, topk_ids, k, None, cfg, layout, x.dtype, block, 2)
     aq, a_s = _quantize(activation(h), act_group)

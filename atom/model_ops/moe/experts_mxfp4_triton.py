@@ -27,12 +27,12 @@ from typing import Callable
 import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
-from atom.model_ops.moe.tile_configs import TileTable, default_config
+from atom.model_ops.moe.tile_configs import TileTable
 
 MX_GROUP = 32
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.triton_import import grouped_tile
+    from atom.model_ops.moe.experts_triton import sorted_tile, store_tile
     from atom.model_ops.kernels.w4_gemm import _e2m1, _e8m0
 
     @triton.jit
@@ -44,17 +44,11 @@ if HAS_TRITON:
                                DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
         """out[p] = a[p // a_div] @ dequant(w[e])^T (+ b[e]) (* rw[p]) for the BLOCK_M pairs p
         of one expert e in the sorted order."""
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        pid_m, pid_n = grouped_tile(pid, num_m_blocks, num_n, GROUP_M)
-        e = tl.load(block_expert_ptr + pid_m)
+        e, pairs, valid, a_rows, rn = sorted_tile(block_expert_ptr, sorted_ptr, num_pairs, num_m_blocks, N, a_div,
+                                                  BLOCK_M, BLOCK_N, GROUP_M)
         if e < 0:
             return
         e64 = e.to(tl.int64)
-        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = pairs < num_pairs
-        a_rows = (pairs // a_div).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         rk = tl.arange(0, BLOCK_K)
         rb = tl.arange(0, BLOCK_K // 2)
@@ -77,12 +71,7 @@ if HAS_TRITON:
             ap += BLOCK_K
             wp += BLOCK_K // 2
             sp += BLOCK_K // 32
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + e64 * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if MUL_WEIGHT:
-            acc *= tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=valid[:, None] & n_ok[None, :])
+        store_tile(acc, b_ptr, rw_ptr, out_ptr, e, pairs, valid, rn, N, stride_be, stride_om, HAS_BIAS, MUL_WEIGHT)
 
 
 def mxfp4_expert_product(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -125,7 +114,7 @@ def fused_experts_mxfp4(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Ten
     """The routed sum of MXFP4 experts, [T, H] (module docstring)."""
     if not HAS_TRITON:
         raise RuntimeError("fused_experts_mxfp4 needs triton; the torch reference is Mxfp4MoEMethod's apply")
-    from atom.model_ops.moe.experts_triton import moe_align
+    from atom.model_ops.moe.experts_triton import pair_layout
     T, H = x.shape
     E, two_i, half_h = w13.shape
     k = topk_ids.shape[1]
@@ -135,8 +124,7 @@ def fused_experts_mxfp4(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Ten
                          f"(packed two a byte, widths multiples of {MX_GROUP})")
     if T == 0:
         return torch.zeros_like(x)
-    cfg = dict(config or (tiles.config_for(T, k) if tiles is not None else default_config(T, k, E)))
-    layout = moe_align(topk_ids, E, cfg["BLOCK_M"])
+    cfg, layout = pair_layout(topk_ids, E, tiles, config)
     h = mxfp4_expert_product(x, w13, w13_scale, w13_bias, topk_ids, k, None, cfg, layout)
     y = mxfp4_expert_product(activation(h), w2, w2_scale, w2_bias, topk_ids, 1, topk_weights, cfg, layout)
     return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)

@@ -39,22 +39,39 @@ if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import grouped_tile
 
     @triton.jit
+    def sorted_tile(block_expert_ptr, sorted_ptr, num_pairs, num_m_blocks, N, a_div,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """What program `program_id(0)` of a sorted-path grouped GEMM computes: (expert e, -1
+        for a block past the end; its BLOCK_M pairs, which of them are real, the rows of the
+        input they read, and the BLOCK_N output columns)."""
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+        e = tl.load(block_expert_ptr + pid_m)
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pairs < num_pairs
+        return e, pairs, valid, (pairs // a_div).to(tl.int64), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    @triton.jit
+    def store_tile(acc, b_ptr, rw_ptr, out_ptr, e, pairs, valid, rn, N, stride_be, stride_om,
+                   HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+        """acc (+ expert e's bias) (* each pair's routing weight) into the pairs' output rows."""
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if MUL_WEIGHT:
+            acc *= tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (rn[None, :] < N))
+
+    @triton.jit
     def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, rw_ptr,
                          N, K, num_pairs, num_m_blocks, a_div, stride_am, stride_we, stride_wn, stride_be, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                          HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
         """out[p] = a[p // a_div] @ w[e]^T (+ b[e]) (* rw[p]) for the BLOCK_M pairs p of one
         expert e in the sorted order."""
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        pid_m, pid_n = grouped_tile(pid, num_m_blocks, num_n, GROUP_M)
-        e = tl.load(block_expert_ptr + pid_m)
+        e, pairs, valid, a_rows, rn = sorted_tile(block_expert_ptr, sorted_ptr, num_pairs, num_m_blocks, N, a_div,
+                                                  BLOCK_M, BLOCK_N, GROUP_M)
         if e < 0:
             return
-        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = pairs < num_pairs
-        a_rows = (pairs // a_div).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         ap = a_ptr + a_rows[:, None] * stride_am + rk[None, :]
         wp = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
@@ -65,12 +82,7 @@ if HAS_TRITON:
             acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
             ap += BLOCK_K
             wp += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if MUL_WEIGHT:
-            acc *= tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (rn[None, :] < N))
+        store_tile(acc, b_ptr, rw_ptr, out_ptr, e, pairs, valid, rn, N, stride_be, stride_om, HAS_BIAS, MUL_WEIGHT)
 
     @triton.jit
     def _moe_gemv_kernel(a_ptr, w_ptr, b_ptr, out_ptr, ids_ptr, rw_ptr, N, K, a_div,
@@ -226,6 +238,15 @@ def expert_product(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     return out
 
 
+def pair_layout(topk_ids: torch.Tensor, num_experts: int, tiles: TileTable | None, config: dict | None,
+                sort: bool = True) -> tuple[dict, tuple | None]:
+    """(tile config, `moe_align` layout or None) for one call over these routed pairs:
+    `config` if given, else the tile table's choice for this batch, else `default_config`."""
+    T, k = topk_ids.shape
+    cfg = dict(config or (tiles.config_for(T, k) if tiles is not None else default_config(T, k, num_experts)))
+    return cfg, (moe_align(topk_ids, num_experts, cfg["BLOCK_M"]) if sort else None)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
@@ -241,10 +262,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         raise ValueError(f"experts weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {H}")
     if T == 0:
         return torch.zeros_like(x)
-    cfg = config or (tiles.config_for(T, k) if tiles is not None else default_config(T, k, E))
     if sort is None:
         sort = not skips_sorting(T, k, E, tiles)
-    layout = moe_align(topk_ids, E, cfg["BLOCK_M"]) if sort else None
+    cfg, layout = pair_layout(topk_ids, E, tiles, config, sort)
     h = expert_product(x, w13, w13_bias, topk_ids, k, None, cfg, layout)
     y = expert_product(activation(h), w2, w2_bias, topk_ids, 1, topk_weights, cfg, layout)
     return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
