@@ -89,11 +89,14 @@ def test_triton_path_equals_the_reference(kind, E, H, I, block, dtype, T):
 
 
 def test_host_syncs_follow_the_path():
+    from atom.model_ops.moe import describe_moe_layers
     layer = build("channel_token", 4, 64, 32)
     cpu = torch.device("cpu")
     assert layer.method.syncs_host(layer, cpu)  # no plan: the reference's loop
+    assert describe_moe_layers(torch.nn.ModuleDict({"m": layer}))[0]["kernel"].startswith("torch reference")
     layer.plan = KernelPlan(moe_kernel="triton")
     assert not layer.method.syncs_host(layer, cpu)
+    assert describe_moe_layers(torch.nn.ModuleDict({"m": layer}))[0]["kernel"] == "triton grouped GEMM (e4m3 x e4m3)"
     layer.plan = KernelPlan(moe_kernel="reference")
     assert layer.method.syncs_host(layer, cpu)
     static = build("tensor_static", 4, 64, 32)

@@ -171,6 +171,12 @@ class Fp8MoEMethod(MoEMethod):
     def format(self, layer):
         return self.scheme.format_spec()
 
+    def kernel_for(self, layer) -> str:
+        """What runs the experts' products (the MoE table's `kernel` column)."""
+        if self._kernel(layer, layer.w13_weight) == "triton":
+            return "triton grouped GEMM (e4m3 x e4m3)"
+        return "torch reference (per expert, dequantized)"
+
     def weight_bytes(self, layer):
         """The stored e4m3 values and scales (the derived row scales included)."""
         seen, total = set(), 0
