@@ -7,14 +7,17 @@
 - `router.py`: `TopK` (softmax / sigmoid scoring, renormalisation, grouped choice, scaling;
   or a `select_fn` of a family's own), `check_routing` (errors at build).
 - `method.py`: `MoEMethod` (the quantization seam) and `UnquantizedMoEMethod`; `moe_method_for`.
-- `fp8_method.py`: `Fp8MoEMethod` (e4m3 experts, per-channel or per-tensor scales per expert),
-  registered in `MOE_METHODS["fp8"]`.
+- `fp8_method.py`: `Fp8MoEMethod` (e4m3 experts, per-channel, per-tensor or block scales per
+  expert), registered in `MOE_METHODS["fp8"]`.
 - `mxfp4_method.py`: `Mxfp4MoEMethod` (MXFP4 experts, weight only, as GPT-OSS stores them),
   registered in `MOE_METHODS["fp4x2"]`.
 - `layer.py`: `FusedMoE` (stacked w13 [E, 2I, H] / w2 [E, H, I], loaders, shared experts).
 - `experts_ref.py`: the torch reference (a loop over the experts that got tokens, `routed_sum`).
 - `experts_triton.py`: the grouped GEMM over pairs sorted by expert, and the unsorted
   small-batch path; `tile_configs.py` + `configs/`: tuned tiles per shape and GPU.
+  `experts_fp8_triton.py` / `experts_mxfp4_triton.py`: the same grouped GEMM for FP8 experts
+  (e4m3 x e4m3 with their scales) and MXFP4 experts (dequantized in registers);
+  `experts_op.py`: the three as torch custom ops for torch.compile.
 - `routing_stats.py`: `ExpertLoadRecorder` (tokens per expert per layer per step).
 """
 from atom.model_ops.moe.experts_ref import experts_reference, routed_sum
