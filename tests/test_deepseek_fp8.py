@@ -189,3 +189,21 @@ def test_native_fp8_v3_with_the_triton_fp8_experts(fp8_v3):
     assert host_syncing_layers(runner) == []
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(ps[1:3], sp, use_tqdm=False)] == [r[:4] for r in ref[1:3]]
+
+
+def test_kv_b_copy_follows_a_swapped_method(fp8_v3):
+    """The sensitivity explorer swaps a layer's method (and undoes it): MLA's copy of kv_b_proj
+    follows, so the absorbed decode never multiplies by a stale weight."""
+    from atom.model_ops.quant.online import requantize_layer, target_for
+    _, path, *_ = fp8_v3
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=16)
+    attn = next(m for m in llm.engine.runner.model.modules() if hasattr(m, "kv_b_weight"))
+    before = attn.kv_b_weight.clone()
+    undo = requantize_layer(attn.kv_b_proj, target_for("ptpc_fp8"))
+    w_uk, _ = attn.absorb_weights()
+    now = attn.kv_b_proj.method.dequantized_weight(attn.kv_b_proj).to(before.dtype)
+    assert not torch.equal(now, before)
+    torch.testing.assert_close(w_uk, now.view(w_uk.shape[0], -1, w_uk.shape[-1])[:, :w_uk.shape[1]])
+    undo()
+    w_uk, _ = attn.absorb_weights()
+    torch.testing.assert_close(w_uk, before.view(w_uk.shape[0], -1, w_uk.shape[-1])[:, :w_uk.shape[1]])

@@ -131,3 +131,26 @@ def test_triton_path_at_model_shapes_on_the_gpu(kind, E, H, I, block, T):
     got = layer(x.bfloat16(), logits)
     err = float((got.float() - exact).norm() / exact.norm())
     assert err < 0.03, err
+
+
+@pytest.mark.parametrize("weights,act,group,block", [("channel", "group", 32, None), ("block", "token", None, (32, 32)),
+                                                     ("block", "group", 64, (32, 32)), ("block", "group", 16, (16, 16))])
+def test_formats_the_kernel_does_not_compute_stay_on_the_reference(weights, act, group, block):
+    """Per-row weights with group activations, block weights with per-token activations or
+    groups of another width, blocks narrower than 32: the reference runs (and syncs the host)
+    even where the plan asks for Triton, and the kernel refuses them if called."""
+    from atom.model_ops.moe.experts_fp8_triton import fused_experts_fp8
+    if weights == "channel":
+        s = LayerQuantConfig(QuantType.per_Token, FP8, True, "compressed-tensors", act_scheme=act, act_group_size=group)
+    else:
+        s = LayerQuantConfig(QuantType.per_1x128, FP8, True, "fp8", block_size=block, act_scheme=act,
+                             act_group_size=group)
+    layer = FusedMoE(4, 64, 64, TopK(4, 2), quant_config=OneSpec(s), prefix="t.experts")
+    layer.plan = KernelPlan(moe_kernel="triton")
+    assert not layer.method.triton_fits and layer.method.syncs_host(layer, torch.device("cpu"))
+    assert layer.method._kernel(layer, torch.empty(0)) == "reference"
+    scale = torch.ones(4, 128, 1)
+    with pytest.raises(ValueError, match="is invalid"):
+        fused_experts_fp8(torch.randn(2, 64), layer.w13_weight, scale, layer.w2_weight, torch.ones(4, 64, 1),
+                          torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int64), layer.activation,
+                          group or 0, block)

@@ -287,3 +287,20 @@ def test_requantizing_one_rank_alone_refuses_a_layer_that_needs_the_others():
                                          r"ptpc_fp8 needs the full weight gathered from every rank"):
         requantize_layer(row, target_for("ptpc_fp8"))
     assert row.method.name == "unquantized"
+
+
+def test_a_split_that_cuts_a_block_is_refused_before_any_gather():
+    """fp8 128x128 blocks over a column-parallel layer of 192 rows at tensor_parallel_size=2:
+    each rank would hold 96 rows, half of a block, so no rank could keep its part of that
+    block's scale after a gather; refused by name up front (a rank failing after the gather
+    would leave the other waiting in the next collective). 256 rows (128 a rank) are fine."""
+    from atom.model_ops.linear import ColumnParallelLinear
+    from atom.model_ops.quant.online import refusal, target_for
+    for rank in (0, 1):
+        cut = ColumnParallelLinear(128, 192, prefix="mlp.up_proj", tp=ParallelState(rank=rank, world_size=2))
+        why = refusal(target_for("fp8_block"), cut)
+        assert why is not None and "one scale per 128 rows" in why and "96 rows per rank" in why
+        whole = ColumnParallelLinear(128, 256, prefix="mlp.up_proj", tp=ParallelState(rank=rank, world_size=2))
+        assert refusal(target_for("fp8_block"), whole) is None
+        row = RowParallelLinear(192, 128, prefix="mlp.down_proj", tp=ParallelState(rank=rank, world_size=2))
+        assert "in_features=96 is not a multiple of the 128-wide" in refusal(target_for("fp8_block"), row)

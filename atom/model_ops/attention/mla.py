@@ -74,29 +74,36 @@ class MLAAttention(nn.Module):
         whose activation quantization the absorbed form cannot apply), so that both forms of
         attention compute the same keys and values."""
         method = getattr(self.kv_b_proj, "method", None)
+        self._kv_b_source = (method, dtype)  # what the copy was made from (`_kv_b_copy`)
         if getattr(method, "name", "unquantized") == "unquantized":
             self.register_buffer("kv_b_weight", None, persistent=False)
             return
         self.register_buffer("kv_b_weight", method.dequantized_weight(self.kv_b_proj).to(dtype).contiguous(),
                              persistent=False)
 
+    def _kv_b_copy(self) -> torch.Tensor | None:
+        """The dequantized copy of `kv_b_proj` (None: it is unquantized, use its weight), made
+        again if the layer's method changed since (the sensitivity explorer swaps methods)."""
+        method = getattr(self.kv_b_proj, "method", None)
+        made = getattr(self, "_kv_b_source", None)
+        if made is None or made[0] is not method:
+            dtype = made[1] if made is not None else getattr(self.kv_b_proj, "weight", torch.empty(0)).dtype
+            self.finish_loading(dtype if dtype.is_floating_point and dtype.itemsize >= 2 else torch.get_default_dtype())
+        return self.kv_b_weight
+
     def absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, R], W_UV [H, v, R]): views of `kv_b_proj`'s weight (its dequantized
         copy when it is quantized, `finish_loading`) for the absorbed decode."""
-        proj = self.kv_b_proj
-        weight = getattr(self, "kv_b_weight", None)
+        weight = self._kv_b_copy()
         if weight is None:
-            if getattr(getattr(proj, "method", None), "name", "unquantized") != "unquantized":
-                raise RuntimeError(f"{getattr(proj, 'prefix', 'kv_b_proj')} is quantized and was not dequantized: "
-                                   "call finish_loading(dtype) after loading the weights")
-            weight = proj.weight
+            weight = self.kv_b_proj.weight
         w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
     def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached latents [L, R + P] -> keys [L, H, nope + rope], values [L, H, v]."""
         L, R = latent.shape[0], self.kv_lora_rank
-        weight = getattr(self, "kv_b_weight", None)
+        weight = self._kv_b_copy()
         kv = (self.kv_b_proj(latent[:, :R]) if weight is None else
               torch.nn.functional.linear(latent[:, :R].to(weight.dtype), weight)).view(L, self.num_heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)

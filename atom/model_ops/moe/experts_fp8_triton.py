@@ -133,6 +133,12 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     if block is not None and act_group != block[1]:
         raise ValueError(f"act_group={act_group} is invalid with {block[0]}x{block[1]} weight blocks: "
                          f"the activations' groups must be the blocks' width ({block[1]})")
+    if block is None and act_group:
+        raise ValueError(f"act_group={act_group} is invalid with per-row weight scales: the kernel applies "
+                         "one activation scale per row (per-token, act_group=0)")
+    if block is not None and (block[1] < 32 or block[1] & (block[1] - 1)):
+        raise ValueError(f"block={block} is invalid: the blocks' width is the K step of the e4m3 dots, "
+                         "a power of two >= 32")
     if T == 0:
         return torch.zeros_like(x)
     cfg, layout = pair_layout(topk_ids, E, tiles, config)

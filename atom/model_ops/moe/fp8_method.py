@@ -115,14 +115,22 @@ class Fp8MoEMethod(MoEMethod):
         return layer.w13_weight[e].float() * layer.w13_row_scale[e], layer.w2_weight[e].float() * layer.w2_row_scale[e]
 
     @property
-    def row_local_acts(self) -> bool:
-        """Dynamic per-token or per-group activations: a row quantizes alike for every expert
-        (what the Triton path needs)."""
-        return self.scheme.act in ("token", "group") and not self.scheme.static
+    def triton_fits(self) -> bool:
+        """Whether the Triton path computes this format: dynamic activations a row quantizes
+        alike for every expert, with the weights' layout the kernel takes: per-row weight
+        scales x per-token activations, or bn x bk blocks x 1 x bk groups (bk a power of two
+        >= 32, the e4m3 dots' K step). Anything else runs the reference."""
+        act, sc = self.scheme.act, self.scheme
+        if sc.static:
+            return False
+        if self.block is None:
+            return act == "token"
+        bk = self.block[1]
+        return act == "group" and sc.act_group == bk and bk >= 32 and not bk & (bk - 1)
 
     def _kernel(self, layer, x: torch.Tensor) -> str:
         plan = layer.plan
-        if plan is None or not self.row_local_acts:
+        if plan is None or not self.triton_fits:
             return "reference"
         return plan.experts_kernel(x)
 

@@ -215,7 +215,30 @@ def refusal(target: Target, layer: nn.Module) -> Optional[str]:
         if loose:
             return (f"the {target.name} method does not declare how {loose} split across tensor-parallel "
                     f"ranks (output_dim / input_dim), so it cannot run with tensor_parallel_size={_tp_size(layer)}")
+        cut = _cut_group(target, layer)
+        if cut is not None:
+            return cut
     return None
+
+
+def _cut_group(target: Target, layer: nn.Module) -> Optional[str]:
+    """Why this rank's slice cannot hold its part of the full weight's `target` tensors: a
+    scale group (a block's rows, a group's columns) that the tensor-parallel split cuts would
+    belong to two ranks, so no rank could keep its own part of that scale (None: it can).
+    Refused before any weight loads: a rank that found it out after the gather would leave
+    the others waiting in the next layer's collective."""
+    split, world = tp_split(layer), _tp_size(layer)
+    group = target.granularity[0 if split == "column" else 1]
+    if group is None:  # one scale along the whole split dimension: each rank keeps it whole
+        return None
+    sizes = [size for _, _, size in shards(layer)] if split == "column" else [layer.in_features]
+    bad = [n for n in sizes if n % group]
+    if not bad:
+        return None
+    what = "rows" if split == "column" else "input columns"
+    return (f"{target.name} keeps one scale per {group} {what}, and tensor_parallel_size={world} gives this "
+            f"{split}-parallel layer {bad[0]} {what} per rank, which cuts a group between two ranks; choose "
+            f"a size that keeps whole groups per rank, or exclude the layer (exclude_layer)")
 
 
 class _Probe(nn.Module):
