@@ -70,7 +70,8 @@ class Mxfp4MoEMethod(MoEMethod):
                 dequantize_mxfp4(layer.w2_weight[e], layer.w2_weight_scale[e]))
 
     def _kernel(self, layer, x: torch.Tensor) -> str:
-        return "reference" if layer.plan is None else layer.plan.experts_kernel(x)
+        plan = getattr(layer, "plan", None)  # a stand-in layer may have none
+        return "reference" if plan is None else plan.experts_kernel(x)
 
     def syncs_host(self, layer, device):
         return self._kernel(layer, torch.empty(0, device=device)) != "triton"
@@ -119,7 +120,7 @@ class Mxfp4MoEMethod(MoEMethod):
 
     def kernel_for(self, layer) -> str:
         """What runs the experts' products (the MoE table's `kernel` column)."""
-        if layer.plan is not None and self._kernel(layer, layer.w13_weight) == "triton":
+        if self._kernel(layer, layer.w13_weight) == "triton":
             return "triton grouped GEMM (mxfp4 dequantized in registers)"
         return kernel_for_weight(layer.w13_weight)
 
