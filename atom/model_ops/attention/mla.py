@@ -87,8 +87,7 @@ class MLAAttention(nn.Module):
         method = getattr(self.kv_b_proj, "method", None)
         made = getattr(self, "_kv_b_source", None)
         if made is None or made[0] is not method:
-            dtype = made[1] if made is not None else getattr(self.kv_b_proj, "weight", torch.empty(0)).dtype
-            self.finish_loading(dtype if dtype.is_floating_point and dtype.itemsize >= 2 else torch.get_default_dtype())
+            self.finish_loading(made[1] if made is not None else torch.get_default_dtype())
         return self.kv_b_weight
 
     def absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,8 +29,7 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 from atom.model_ops.moe.tile_configs import TileTable
-
-FP8_MAX = 448.0
+from atom.model_ops.quant.common import FP8_MAX
 
 if HAS_TRITON:
     from atom.model_ops.moe.experts_triton import sorted_tile, store_tile
@@ -124,12 +123,10 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     slices (equal to bk with blocks)."""
     if not HAS_TRITON:
         raise RuntimeError("fused_experts_fp8 needs triton; the torch reference is Fp8MoEMethod's apply")
-    from atom.model_ops.moe.experts_triton import pair_layout
+    from atom.model_ops.moe.experts_triton import check_shapes, pair_layout
     T, H = x.shape
-    E, two_i, _ = w13.shape
+    E = check_shapes(x, w13, w2)
     k = topk_ids.shape[1]
-    if w13.shape[2] != H or w2.shape != (E, H, two_i // 2):
-        raise ValueError(f"experts weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {H}")
     if block is not None and act_group != block[1]:
         raise ValueError(f"act_group={act_group} is invalid with {block[0]}x{block[1]} weight blocks: "
                          f"the activations' groups must be the blocks' width ({block[1]})")

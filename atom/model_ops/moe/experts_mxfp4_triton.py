@@ -28,8 +28,7 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 from atom.model_ops.moe.tile_configs import TileTable
-
-MX_GROUP = 32
+from atom.model_ops.quant.mxfp4 import MX_GROUP
 
 if HAS_TRITON:
     from atom.model_ops.moe.experts_triton import sorted_tile, store_tile

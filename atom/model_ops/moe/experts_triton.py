@@ -238,6 +238,15 @@ def expert_product(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     return out
 
 
+def check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> int:
+    """The expert count of unpacked w13 [E, 2I, H] / w2 [E, H, I] that fit x [T, H]; else ValueError."""
+    H = x.shape[1]
+    E, two_i, _ = w13.shape
+    if w13.shape[2] != H or w2.shape != (E, H, two_i // 2):
+        raise ValueError(f"experts weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {H}")
+    return E
+
+
 def pair_layout(topk_ids: torch.Tensor, num_experts: int, tiles: TileTable | None, config: dict | None,
                 sort: bool = True) -> tuple[dict, tuple | None]:
     """(tile config, `moe_align` layout or None) for one call over these routed pairs:
@@ -256,10 +265,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if not HAS_TRITON:
         raise RuntimeError("fused_experts needs triton; the torch reference is experts_reference")
     T, H = x.shape
-    E, two_i, _ = w13.shape
+    E = check_shapes(x, w13, w2)
     k = topk_ids.shape[1]
-    if w13.shape[2] != H or w2.shape != (E, H, two_i // 2):
-        raise ValueError(f"experts weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {H}")
     if T == 0:
         return torch.zeros_like(x)
     if sort is None:

@@ -148,15 +148,12 @@ class Fp8MoEMethod(MoEMethod):
             s13, s2 = layer.w13_block_scale, layer.w2_block_scale
         else:
             s13, s2 = layer.w13_row_scale, layer.w2_row_scale
-        tiles = layer.tiles if layer.tiles is not None else layer.plan_installed(layer.plan)
+        tiles = layer.tile_table()
         if torch.compiler.is_compiling():
-            if not layer.activation_has_name:
-                raise NotImplementedError(f"{layer.prefix}: activation {layer.activation_name!r} is a callable; "
-                                          "under torch.compile the experts op needs one of ACTIVATIONS by name")
-            from atom.model_ops.moe import experts_op  # noqa: F401  (registers the op)
+            activation = layer.op_activation()  # registers the ops
             bn, bk = self.block or (0, 0)
             return torch.ops.atom.moe_experts_fp8(x, layer.w13_weight, s13, layer.w2_weight, s2, topk_weights,
-                                                  topk_ids, layer.activation_name, group, bn, bk, layer.tiles_json)
+                                                  topk_ids, activation, group, bn, bk, layer.tiles_json)
         from atom.model_ops.moe.experts_fp8_triton import fused_experts_fp8
         return fused_experts_fp8(x, layer.w13_weight, s13, layer.w2_weight, s2, topk_weights, topk_ids,
                                  layer.activation, group, self.block, tiles=tiles)

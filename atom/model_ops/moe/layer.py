@@ -273,6 +273,19 @@ class FusedMoE(nn.Module):
         self.tiles_json = self.tiles.to_json()
         return self.tiles
 
+    def tile_table(self):
+        """This layer's tile table (read from its plan the first time)."""
+        return self.tiles if self.tiles is not None else self.plan_installed(self.plan)
+
+    def op_activation(self) -> str:
+        """The activation's name, as the experts ops (`experts_op`, what torch.compile traces)
+        take it; registers the ops. A callable activation has no name to pass: refused."""
+        if not self.activation_has_name:
+            raise NotImplementedError(f"{self.prefix}: activation {self.activation_name!r} is a callable; "
+                                      "under torch.compile the experts op needs one of ACTIVATIONS by name")
+        from atom.model_ops.moe import experts_op  # noqa: F401  (registers the ops)
+        return self.activation_name
+
     # --- forward ---------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -89,14 +89,11 @@ class UnquantizedMoEMethod(MoEMethod):
         w13_bias, w2_bias = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
         plan = layer.plan
         if plan is not None and plan.experts_kernel(x) == "triton":
-            tiles = layer.tiles if layer.tiles is not None else layer.plan_installed(plan)
+            tiles = layer.tile_table()
             if torch.compiler.is_compiling():
-                if not layer.activation_has_name:
-                    raise NotImplementedError(f"{layer.prefix}: activation {layer.activation_name!r} is a callable; "
-                                              "under torch.compile the experts op needs one of ACTIVATIONS by name")
-                from atom.model_ops.moe import experts_op  # noqa: F401  (registers the op)
+                activation = layer.op_activation()  # registers the ops
                 return torch.ops.atom.moe_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                                  w13_bias, w2_bias, layer.activation_name, layer.tiles_json)
+                                                  w13_bias, w2_bias, activation, layer.tiles_json)
             from atom.model_ops.moe.experts_triton import fused_experts
             return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation,
                                  w13_bias, w2_bias, tiles=tiles)

@@ -79,15 +79,12 @@ class Mxfp4MoEMethod(MoEMethod):
     def apply(self, layer, x, topk_weights, topk_ids):
         b13, b2 = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
         if self._kernel(layer, x) == "triton":
-            tiles = layer.tiles if layer.tiles is not None else layer.plan_installed(layer.plan)
+            tiles = layer.tile_table()
             if torch.compiler.is_compiling():
-                if not layer.activation_has_name:
-                    raise NotImplementedError(f"{layer.prefix}: activation {layer.activation_name!r} is a callable; "
-                                              "under torch.compile the experts op needs one of ACTIVATIONS by name")
-                from atom.model_ops.moe import experts_op  # noqa: F401  (registers the op)
+                activation = layer.op_activation()  # registers the ops
                 return torch.ops.atom.moe_experts_mxfp4(x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
                                                         layer.w2_weight_scale, topk_weights, topk_ids, b13, b2,
-                                                        layer.activation_name, layer.tiles_json)
+                                                        activation, layer.tiles_json)
             from atom.model_ops.moe.experts_mxfp4_triton import fused_experts_mxfp4
             return fused_experts_mxfp4(x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
                                        layer.w2_weight_scale, topk_weights, topk_ids, layer.activation, b13, b2,
