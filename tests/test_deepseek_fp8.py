@@ -19,8 +19,9 @@ from atom import LLM, SamplingParams
 from atom.model_ops.moe import FusedMoE, Fp8MoEMethod, TopK
 from atom.quant_spec import LayerQuantConfig, QuantType
 from conftest import check_greedy_in_setting, hf_greedy
+from test_deepseek import SETTINGS  # the same three settings as the unquantized models
 from tiny_deepseek import make_tiny_deepseek
-from tiny_fp8_moe import FP8, dequant_block, fake_quant_transformers, fq_group, quant_fp8_block
+from tiny_fp8_moe import FP8, copy_all_but_weights, dequant_block, fake_quant_transformers, fq_group, quant_fp8_block
 
 NATIVE_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 # every quantized linear's in_features a multiple of the 1 x 128 activation group
@@ -94,11 +95,7 @@ def write_native_fp8(src: str, dst: str) -> dict[str, torch.Tensor]:
     routed experts) float8_e4m3fn
     with `weight_scale_inv` per 128 x 128 block; the router, norms, embeddings and LM head
     as they were. Returns {weight name: dequantized fp32 weight}."""
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if not f.endswith(".safetensors"):
-            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
-                b.write(a.read())
+    copy_all_but_weights(src, dst)
     out, deq = {}, {}
     for name, t in load_file(os.path.join(src, "model.safetensors")).items():
         if ".layers." in name and name.endswith(("_proj.weight", "_mqa.weight")):
@@ -146,13 +143,6 @@ def test_checkpoint_layout_and_the_loaded_methods(fp8_v3):
     kv_b = attn[0].kv_b_proj
     assert kv_b.weight.dtype == FP8 and kv_b.method.name != "unquantized"
     torch.testing.assert_close(attn[0].kv_b_weight.float(), kv_b.method.dequantized_weight(kv_b).float())
-
-
-SETTINGS = {
-    "plain": dict(),
-    "chunked_prefix_caching": dict(max_num_batched_tokens=32, enable_prefix_caching=True),
-    "preemption": dict(num_kvcache_blocks=12, kv_cache_block_size=16),
-}
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -154,3 +154,18 @@ def test_formats_the_kernel_does_not_compute_stay_on_the_reference(weights, act,
         fused_experts_fp8(torch.randn(2, 64), layer.w13_weight, scale, layer.w2_weight, torch.ones(4, 64, 1),
                           torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int64), layer.activation,
                           group or 0, block)
+
+
+@pytest.mark.parametrize("kind,E,H,I,block", [CASES[0], CASES[2]])
+def test_a_fullgraph_compile_calls_the_fp8_op(kind, E, H, I, block):
+    """Under torch.compile (fullgraph, as level 3 compiles) the layer goes through the opaque
+    `atom::moe_experts_fp8` op and gives the eager Triton path's output."""
+    layer = build(kind, E, H, I, block)
+    layer.plan = KernelPlan(moe_kernel="triton")
+    layer.plan_installed(layer.plan)
+    g = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(7, H, generator=g), torch.randn(7, E, generator=g)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, logits), layer(x, logits), rtol=0, atol=0)

@@ -92,3 +92,17 @@ def test_triton_path_at_gpt_oss_shape_on_the_gpu(T):
     layer.plan = KernelPlan(moe_kernel="triton")
     got = layer(x, logits)
     assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 0.01
+
+
+def test_a_fullgraph_compile_calls_the_mxfp4_op():
+    """Under torch.compile (fullgraph, as level 3 compiles) the layer goes through the opaque
+    `atom::moe_experts_mxfp4` op (biases, the activation by name) and gives the eager output."""
+    layer = build(4, 64, 96, True, "gpt_oss_swiglu(alpha=1.702,limit=7.0)")
+    layer.plan = KernelPlan(moe_kernel="triton")
+    layer.plan_installed(layer.plan)
+    g = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(7, 64, generator=g), torch.randn(7, 4, generator=g)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, logits), layer(x, logits), rtol=0, atol=0)

@@ -57,14 +57,19 @@ def fq_token(x: torch.Tensor) -> torch.Tensor:
     return (x / s).clamp(-448, 448).to(FP8).float() * s
 
 
-def write_fp8_dynamic_checkpoint(src: str, dst: str) -> dict[str, torch.Tensor]:
-    """`src` (an fp32 HF Qwen3-MoE folder, per-expert tensors) -> `dst` in FP8_DYNAMIC layout.
-    Returns {checkpoint weight name: dequantized fp32 weight}."""
+def copy_all_but_weights(src: str, dst: str) -> None:
+    """Every file of the model folder `src` but its safetensors, into `dst` (made if missing)."""
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
         if not f.endswith(".safetensors"):
             with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
                 b.write(a.read())
+
+
+def write_fp8_dynamic_checkpoint(src: str, dst: str) -> dict[str, torch.Tensor]:
+    """`src` (an fp32 HF Qwen3-MoE folder, per-expert tensors) -> `dst` in FP8_DYNAMIC layout.
+    Returns {checkpoint weight name: dequantized fp32 weight}."""
+    copy_all_but_weights(src, dst)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     out, deq, ignore = {}, {}, []
     for name, t in tensors.items():
