@@ -6,6 +6,7 @@ top CUDA kernels of a window of steps (torch profiler). A diagnosis tool, not a 
     python3 scripts/gpu_profile.py --model deepseek-v2-lite --windows 0:2,300:20 --no-summary
     python3 scripts/gpu_profile.py --model qwen3-0.6b --level 3 --windows 0:3   # the compiled prefill steps
     python3 scripts/gpu_profile.py --scenario prefill --prompt-len 512 --windows 0:1  # one request's prefill (TTFT)
+    python3 scripts/gpu_profile.py --model llama-3.1-8b --scenario bs1 --quantization w4a16 --no-summary
         # the kernels of the first two (prefill) steps and of 20 steps after step 300
 """
 from __future__ import annotations
@@ -68,11 +69,13 @@ def main() -> None:
                     help="profiled windows as first_step:steps, comma-separated (steps before a window run unprofiled)")
     ap.add_argument("--level", type=int, default=0, help="compilation level (0-3)")
     ap.add_argument("--graph-mode", default=None, help="cudagraph_mode (default: the level's)")
+    ap.add_argument("--quantization", default="bf16",
+                    help="a format of atom.benchmarks.quant_formats (the model folder's quantization_config)")
     ap.add_argument("--no-summary", dest="summary", action="store_false",
                     help="skip the whole-workload run that gives the per-kind step totals (a short warm-up instead)")
     args = ap.parse_args()
     windows = sorted((int(a), int(b)) for a, b in (w.split(":") for w in args.windows.split(",")))
-    path = write_model_config(args.model)
+    path = write_model_config(args.model, quantization=args.quantization)
     cc = {"level": args.level, **({"cudagraph_mode": args.graph_mode} if args.graph_mode else {})}
     vocab = MODEL_CONFIGS[args.model]["vocab_size"]
     if args.scenario == "workload":

@@ -19,7 +19,8 @@
 # (GPT-OSS-20B beside vLLM), w4_vllm (Llama W4A16 batch-1 decode beside vLLM), moe_tests (the
 # FP8 / MXFP4 / bf16 experts kernels' GPU tests), moe_k2 (the experts kernel at DeepSeek-V2-Lite's
 # and GPT-OSS-20B's shapes), g_mx (GPT-OSS-20B with MXFP4 experts), moe_vllm (Qwen3-30B-A3B and
-# DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule).
+# DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule), prof_q (the kernels of 20
+# Llama-3.1-8B batch-1 decode steps, bf16 and each quantized format).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -95,6 +96,9 @@ for st in "$@"; do ts=$(date +%s); case $st in
   g_mx) run g-mx-thr 400 python3 -m atom.benchmarks.throughput --model gpt-oss-20b-mxfp4 --peer none --repeat 1 --out $R/g-mx-thr.json;;
   moe_vllm) run q3moe-thr-vllm 420 python3 -m atom.benchmarks.throughput --model qwen3-30b-a3b --peer vllm --peer-dummy xavier --repeat 1 --out $R/q3moe-thr-vllm.json
             run dsv2-thr-vllm 420 python3 -m atom.benchmarks.throughput --model deepseek-v2-lite --peer vllm --peer-dummy xavier --repeat 1 --out $R/dsv2-thr-vllm.json;;
+  prof_q) for f in bf16 fp8_dynamic w4a16 mxfp4_w4a16; do
+            run prof-bs1-$f 150 python3 scripts/gpu_profile.py $L --scenario bs1 --quantization $f --no-summary --windows 100:20
+          done;;
   *) log "unknown stage $st";;
 esac
 tar -czf "$OUT/res.tgz" -C /tmp res 2>/dev/null  # after every stage: a call cut off keeps what ran
