@@ -18,8 +18,8 @@
 # workload, bf16 against FP8 KV), l_fp8 (Llama workload, bf16 against ptpc FP8), g_vllm
 # (GPT-OSS-20B beside vLLM), w4_vllm (Llama W4A16 batch-1 decode beside vLLM), moe_tests (the
 # FP8 / MXFP4 / bf16 experts kernels' GPU tests), moe_k2 (the experts kernel at DeepSeek-V2-Lite's
-# and GPT-OSS-20B's shapes), g_mx (GPT-OSS-20B with MXFP4 experts), moe_vllm (Qwen3-30B-A3B and
-# DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule), prof_q (the kernels of 20
+# and GPT-OSS-20B's shapes), g_mx (GPT-OSS-20B with MXFP4 experts), moe_vllm / dsv2_vllm (Qwen3-30B-A3B /
+# DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule), moe_fp8_tests, prof_q (the kernels of 20
 # Llama-3.1-8B batch-1 decode steps, bf16 and each quantized format).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
@@ -94,8 +94,9 @@ for st in "$@"; do ts=$(date +%s); case $st in
   moe_k2) run moe-dsv2 150 python3 -m atom.benchmarks.moe_experts --model deepseek-v2-lite --out $R/moe-dsv2.json
           run moe-gptoss 150 python3 -m atom.benchmarks.moe_experts --model gpt-oss-20b --out $R/moe-gptoss.json;;
   g_mx) run g-mx-thr 400 python3 -m atom.benchmarks.throughput --model gpt-oss-20b-mxfp4 --peer none --repeat 1 --out $R/g-mx-thr.json;;
-  moe_vllm) run q3moe-thr-vllm 420 python3 -m atom.benchmarks.throughput --model qwen3-30b-a3b --peer vllm --peer-dummy xavier --repeat 1 --out $R/q3moe-thr-vllm.json
-            run dsv2-thr-vllm 420 python3 -m atom.benchmarks.throughput --model deepseek-v2-lite --peer vllm --peer-dummy xavier --repeat 1 --out $R/dsv2-thr-vllm.json;;
+  moe_vllm) run q3moe-thr-vllm 420 python3 -m atom.benchmarks.throughput --model qwen3-30b-a3b --peer vllm --peer-dummy xavier --repeat 1 --out $R/q3moe-thr-vllm.json;;
+  dsv2_vllm) run dsv2-thr-vllm 420 python3 -m atom.benchmarks.throughput --model deepseek-v2-lite --peer vllm --peer-dummy xavier --repeat 1 --out $R/dsv2-thr-vllm.json;;
+  moe_fp8_tests) run moe-fp8-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_fp8_triton.py;;
   prof_q) for f in bf16 fp8_dynamic w4a16 mxfp4_w4a16; do
             run prof-bs1-$f 150 python3 scripts/gpu_profile.py $L --scenario bs1 --quantization $f --no-summary --windows 100:20
           done;;

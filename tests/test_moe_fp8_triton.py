@@ -119,18 +119,29 @@ def test_block_path_refuses_mismatched_groups():
                                                 ("block", 64, 2048, 1408, (128, 128), 1),
                                                 ("block", 64, 2048, 1408, (128, 128), 512)])
 def test_triton_path_at_model_shapes_on_the_gpu(kind, E, H, I, block, T):
-    """Qwen3-30B-A3B's experts (ptpc) and DeepSeek-V2-Lite's (128 x 128 blocks) in bf16 on the GPU
-    (rounding to nearest there): within the fp8 noise of the fp32 reference."""
+    """Qwen3-30B-A3B's experts (ptpc) and DeepSeek-V2-Lite's (128 x 128 blocks) on the GPU.
+    fp32 activations: the kernel's e4m3 x e4m3 products are exact and it quantizes the same
+    rows as the reference, so the two agree to the accumulation order. bf16 activations: the
+    first product is stored in bf16 before the activation and the second product's fp8
+    quantization, which moves some fp8 roundings; both paths on that bf16 input are held
+    against the fp32 reference, the kernel to within the reference's own distance plus that
+    fp8 noise (as the interpreter test above)."""
     layer = build(kind, E, H, I, block).cuda()
     layer.method.process_weights_after_loading(layer)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=g).cuda()
     logits = (torch.randn(T, E, generator=g) * 2).cuda()
     exact = layer(x, logits)
+    ref16 = layer(x.bfloat16(), logits)
     layer.plan = KernelPlan(moe_kernel="triton")
-    got = layer(x.bfloat16(), logits)
-    err = float((got.float() - exact).norm() / exact.norm())
-    assert err < 0.03, err
+    got32 = layer(x, logits)
+    got16 = layer(x.bfloat16(), logits)
+
+    def err(y):
+        return float((y.float() - exact).norm() / exact.norm())
+    assert err(got32) < 2e-3, err(got32)
+    assert err(got16) < err(ref16) + 0.03 and err(got16) < 0.06, (err(got16), err(ref16))
+    assert exact.abs().max() > 0.1
 
 
 @pytest.mark.parametrize("weights,act,group,block", [("channel", "group", 32, None), ("block", "token", None, (32, 32)),
