@@ -39,7 +39,7 @@ $(PROD_STAMP): pyproject.toml
 	touch $(PROD_STAMP)
 
 test: setup producers
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests
 
 bench: setup
 	$(PY) -m atom.benchmarks.throughput --device cpu

@@ -6,10 +6,13 @@ Where the producers' Python is: `$ATOM_PRODUCER_PYTHON`, else `.venv-prod/bin/py
 repository root (`make producers` creates it; `make test` depends on it, so CI has it). Where
 the checkpoints go: `$ATOM_QUANT_CKPT_CACHE`, else `~/.cache/atom/quant-producers/<key>`, the
 key a hash of the script and the producers' versions, so a changed script or a new producer
-version makes them anew and an unchanged one reuses them.
+version makes them anew and an unchanged one reuses them. The test suite runs in several
+processes (pytest-xdist), so making them holds a lock file in that folder: a second process
+waits, then finds them made.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -45,9 +48,16 @@ def make_checkpoints(schemes: list[str], env: dict | None = None, timeout: int =
     if exe is None:
         raise FileNotFoundError("no producer venv")
     out = cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        _make_missing(exe, out, schemes, env, timeout)
+    return out
+
+
+def _make_missing(exe: str, out: Path, schemes: list[str], env: dict | None, timeout: int) -> None:
     missing = [s for s in schemes if not (out / s / "reference.json").exists()]
     if missing:
-        out.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         env.pop("PYTHONPATH", None)  # the producers' venv imports nothing of the engine's
         proc = subprocess.run([exe, str(SCRIPT), str(out), *missing], env=env, capture_output=True, text=True,
@@ -55,7 +65,6 @@ def make_checkpoints(schemes: list[str], env: dict | None = None, timeout: int =
         if proc.returncode:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
             raise RuntimeError(f"{SCRIPT.name} failed (exit {proc.returncode}) for {missing}; its output is above")
-    return out
 
 
 def reference(folder: Path) -> dict:

@@ -107,8 +107,12 @@ def write_model_config(name: str, folder: str | None = None, quantization: str |
     suffix = "" if block is None else f"-{fmt.name}"
     folder = folder or os.path.join(tempfile.gettempdir(), f"atom-config-{name}{suffix}")
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
+    # written whole, then renamed: another process reading the folder's config.json (a second
+    # benchmark, a parallel test) sees the old file or the new one, never a half-written one
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".config-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
         json.dump(cfg, f, indent=1)
+    os.replace(tmp, os.path.join(folder, "config.json"))
     return folder
 
 

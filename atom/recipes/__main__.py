@@ -93,17 +93,17 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     # piped output (logs, CI) gets a fixed width instead of rich's 80-column fallback
     width = None if sys.stdout.isatty() else 120
-    out, err = Console(width=width), Console(stderr=True, width=width)
+    out, err = Console(width=width), Console(stderr=True, width=width)  # errors: one line each (soft_wrap)
     try:
         return {"list": cmd_list, "show": cmd_show, "run": cmd_run}[args.cmd](args, out)
     except RecipePending as e:
-        err.print(f"[yellow]pending:[/] {escape(str(e))}", highlight=False)
+        err.print(f"[yellow]pending:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return EXIT_PENDING
     except HardwareMismatch as e:
-        err.print(f"[red]hardware mismatch:[/] {escape(str(e))}", highlight=False)
+        err.print(f"[red]hardware mismatch:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return EXIT_ERROR
     except RecipeError as e:
-        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return EXIT_ERROR
 
 
