@@ -1,0 +1,83 @@
+"""The instruction mix of the 4-bit decode GEMV's inner loop (`w4_gemm._w4_gemv_kernel`),
+compiled for sm90 without a GPU (triton's ptxas and nvdisasm): how many SASS instructions one
+loop step issues per weight, by opcode. The GEMV at batch 1 is bound by the CUDA cores' issue
+rate rather than by bytes (the H200 issues 4 warp-instructions per SM per cycle: ~33 T
+thread-instructions/s over 132 SMs at 1.98 GHz, against ~8.6 T 4-bit weights/s at 4.3 TB/s),
+so fewer instructions per weight is the lever; this prints that count and the rate it allows.
+
+    python scripts/w4_gemv_sass.py            # int4 g128 and MXFP4, the shipped GEMV tiles
+    python scripts/w4_gemv_sass.py --dump d/  # also writes each kernel's SASS into d/
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+
+ISSUE_RATE = 132 * 4 * 32 * 1.98e9  # thread-instructions per second, H200 (sm90)
+
+
+def compile_gemv(fmt: str, group: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom.model_ops.kernels import w4_gemm as w4
+    kernel = w4._w4_gemv_kernel
+    tiles = dict(w4.GEMV_TILES)
+    warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
+    const = dict(FMT=w4.FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_M=1,
+                 AHEAD=False, **tiles)
+    scale = "*bf16" if fmt == "int4" else "*u8"
+    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16")
+    names = kernel.arg_names
+    sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
+    divisible = {"x_ptr", "w_ptr", "s_ptr", "y_ptr", "K", "n_words", "stride_xm", "stride_wn", "stride_sn",
+                 "stride_ym"}  # what the launcher's pointers and strides are at the model shapes
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
+                                                                                    num_stages=stages))
+    weights_per_step = const["BLOCK_N"] * const["BLOCK_W"] * 8  # rows x words x nibbles
+    return compiled, weights_per_step // (32 * warps)  # per thread
+
+
+def loop_mix(sass: str) -> collections.Counter:
+    """Opcodes of the longest backward-branch loop of a SASS listing."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\.?(LBB\S+):", line.strip()))}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?\.?(LBB[0-9_]+)", line)
+        if m and labels.get(m.group(1), i) < i and (best is None or i - labels[m.group(1)] > best[1] - best[0]):
+            best = (labels[m.group(1)], i)
+    if best is None:
+        raise RuntimeError("no loop found in the SASS")
+    body = [line.split("\t", 1)[1] for line in lines[best[0] + 1:best[1] + 1] if "\t" in line]
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dump", help="write each kernel's SASS into this folder")
+    args = ap.parse_args()
+    from triton.tools.disasm import get_sass
+    for fmt, group in (("int4", 128), ("mxfp4", 32)):
+        compiled, per_thread = compile_gemv(fmt, group)
+        sass = get_sass(compiled.asm["cubin"])
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            with open(os.path.join(args.dump, f"w4_gemv_{fmt}.sass"), "w") as f:
+                f.write(sass)
+        mix = loop_mix(sass)
+        total = sum(mix.values())
+        per_weight = total / per_thread
+        tbs = ISSUE_RATE / per_weight * 0.5 / 1e12  # 0.5 byte a weight
+        top = ", ".join(f"{op} {n}" for op, n in mix.most_common(8))
+        print(f"{fmt} g{group}: {total} instructions a loop step for {per_thread} weights a thread = "
+              f"{per_weight:.2f} a weight -> at most {tbs:.2f} TB/s of packed weights at full issue rate ({top})")
+
+
+if __name__ == "__main__":
+    main()
