@@ -458,3 +458,18 @@ def test_quantized_checkpoint_generates_like_fake_quant_transformers(base128, tm
     for layer, row in quantized.iterrows():
         dense = math.prod(row["shape"]) * 4  # the fp32 model's bytes for that layer
         assert row["bytes"] < (0.2 if "w4" in scheme else 0.3) * dense, (layer, row["bytes"], dense)
+
+
+def test_layers_without_a_gpu_kernel_are_listed_and_warned_about(caplog):
+    """Block fp8 weights with per-token activations have a method but no GPU kernel: the
+    engine warns at load on a GPU (`warn_reference_layers`) instead of running them silently
+    through the reference; a format with a kernel is not listed."""
+    from atom.model_ops.quant import reference_only_layers, warn_reference_layers
+    block_token = spec(QuantType.per_1x128, FP8, True, "fp8", block_size=(128, 128), act_scheme="token")
+    model = torch.nn.ModuleDict({"fast": build("linear", FORMATS["fp8_channel"]["spec"]),
+                                 "slow": build("merged", block_token)})
+    assert reference_only_layers(model) == [("slow", model["slow"].method.format(model["slow"]))]
+    with caplog.at_level("WARNING"):
+        warn_reference_layers(model)
+    assert "1 quantized layer(s) have no GPU kernel" in caplog.text and "slow" in caplog.text
+    assert reference_only_layers(torch.nn.ModuleDict({"fast": model["fast"]})) == []

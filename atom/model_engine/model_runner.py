@@ -33,7 +33,7 @@ from atom.model_engine.kv_cache import KVCacheManager, kv_cache_dtype_of
 from atom.model_ops.attention import AttentionMetadata, forward_context
 from atom.model_ops.attention.selector import attention_backend_for, attention_layers
 from atom.model_ops.moe import ExpertLoadRecorder, FusedMoE, MoEMethod
-from atom.model_ops.quant import LinearMethod
+from atom.model_ops.quant import LinearMethod, warn_reference_layers
 from atom.model_ops.sampler import Sampler, SamplingTensors
 from atom.models.registry import resolve_architecture
 from atom.tuning import fusions
@@ -151,6 +151,8 @@ class ModelRunner:
         for m in self.model.modules():  # layers that derive tensors from their final weights (MLA's kv_b)
             if hasattr(m, "finish_loading"):
                 m.finish_loading(self.dtype)
+        if self.device.type == "cuda":
+            warn_reference_layers(self.model)
         self.model.eval()
         self.model_forward = self.model  # replaced by a compiled callable at levels 1-3
         self.decode_forward = self.model  # what decode CUDA graphs capture (gpu_setup decides)

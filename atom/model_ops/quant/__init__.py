@@ -8,16 +8,19 @@ int8 W8A8 (`int8.py`), int4 W4A16 (`int4.py`: compressed-tensors pack-quantized 
 transposed int4), MXFP4 weight-only or with dynamic MXFP4 activations (`mxfp4.py`, which also
 holds the MXFP4 numerics: `quantize_mxfp4`, `dequantize_mxfp4`, `fake_quant_mxfp4`); the
 quantized ones run a torch reference (dequantize, fake-quantize the activations as the format
-defines, F.linear) on every device for now. A layer whose spec asks for a format without a
+defines, F.linear) on the CPU, and their Triton / cuBLASLt kernels on an NVIDIA GPU except
+for formats without one (`reference_only_layers`; the engine warns about those at load). A layer whose spec asks for a format without a
 method (an unknown dtype, a layout or granularity these files do not run) is refused when the
 model is built, before any weight loads, naming the layer and the format.
 """
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
 from atom.model_ops.quant.base import LinearMethod
-from atom.model_ops.quant.common import method_for
+from atom.model_ops.quant.common import REFERENCE_KERNEL, method_for
 from atom.model_ops.quant.fp8 import Fp8LinearMethod
 from atom.model_ops.quant.int4 import Int4LinearMethod
 from atom.model_ops.quant.int8 import Int8LinearMethod
@@ -26,7 +29,7 @@ from atom.model_ops.quant.unquantized import UnquantizedLinearMethod, dense, lib
 
 __all__ = ["LinearMethod", "UnquantizedLinearMethod", "Fp8LinearMethod", "Int8LinearMethod",
            "Int4LinearMethod", "Mxfp4LinearMethod", "linear_method_for", "describe_layers", "is_unquantized",
-           "dense", "library_product"]
+           "dense", "library_product", "reference_only_layers", "warn_reference_layers"]
 
 #: dtype key of the stored weight -> method class
 METHODS = {"fp8": Fp8LinearMethod, "i8": Int8LinearMethod, "i4x2": Int4LinearMethod,
@@ -66,3 +69,21 @@ def describe_layers(model: nn.Module) -> list[dict]:
                          "kernel": method.kernel_for(m) if hasattr(method, "kernel_for")
                          else getattr(method, "kernel", None)})
     return rows
+
+
+def reference_only_layers(model: nn.Module) -> list[tuple[str, str]]:
+    """(layer, format) of the quantized linear layers whose method has no GPU kernel for their
+    format (fp8 weight-only, block weights with per-token activations, W8A16, ...): on a GPU
+    they run the torch reference, dequantizing the weight at every call (correct, slow). The
+    engine warns about them at load (`ModelRunner`)."""
+    return [(r["layer"], r["format"]) for r in describe_layers(model) if r["kernel"] == REFERENCE_KERNEL]
+
+
+def warn_reference_layers(model: nn.Module) -> None:
+    """One warning naming how many layers `reference_only_layers` finds, with the first."""
+    slow = reference_only_layers(model)
+    if slow:
+        logging.getLogger(__name__).warning(
+            "%d quantized layer(s) have no GPU kernel for their format and run the torch reference "
+            "(the weight dequantized at every call: correct, slow), e.g. %s (%s); "
+            "atom.viz.linear_methods_frame(llm) lists each layer's kernel", len(slow), *slow[0])
