@@ -10,9 +10,9 @@ repacked):
 - MXFP4 (`fmt="mxfp4"`): `packed` uint8 [N, K/2], the low nibble the even column, e2m1
   codes (bit 3 the sign); `scales` uint8 E8M0 [N, K/32]; w = e2m1(code) * 2^(s - 127).
   The 16 code values are built as float32 bits (`_e2m1`: the code's exponent and mantissa
-  bits in a float32's, then one multiply by 2^126; bit 3 the sign), the scale by writing s into a float32's exponent
-  field (s = 0, 2^-127, as the subnormal with bit 22 set): exact, and no conversion
-  instruction per weight. In the GEMM int4 nibbles become floats by the magic-number trick
+  bits placed in a float32's, bit 3 its sign, then one multiply by 2^126), the scale by
+  writing s into a float32's exponent field (s = 0, 2^-127, as the subnormal with bit 22
+  set): exact, and no conversion instruction per weight. In the GEMM int4 nibbles become floats by the magic-number trick
   (float(0x4B000000 | u) = 2^23 + u, minus the group's 2^23 + zero point).
 
 For bf16 / fp16 activations and groups with a power-of-two factor >= 16 (every checkpoint
@@ -168,8 +168,8 @@ if HAS_TRITON:
         subnormal m 2^-127 for e = 0, each the e2m1 value times 2^-126; bit 3 goes to the sign
         bit, and one exact multiplication by 2^126 gives the value (GPU float multiplies keep
         subnormal inputs: Triton emits no flush-to-zero). Four integer operations and one
-        multiply a code (the former min(F, 2F - 1) decode took about twice that in the sm90
-        GEMV loop)."""
+        multiply a code, no compare or select (`scripts/w4_gemv_sass.py` counts them in the
+        GEMV's loop)."""
         bits = ((u & 7) << 22) | ((u & 8) << 28)
         return bits.to(tl.float32, bitcast=True) * 8.507059173023462e+37  # 2^126
 

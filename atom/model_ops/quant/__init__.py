@@ -9,9 +9,10 @@ transposed int4), MXFP4 weight-only or with dynamic MXFP4 activations (`mxfp4.py
 holds the MXFP4 numerics: `quantize_mxfp4`, `dequantize_mxfp4`, `fake_quant_mxfp4`); the
 quantized ones run a torch reference (dequantize, fake-quantize the activations as the format
 defines, F.linear) on the CPU, and their Triton / cuBLASLt kernels on an NVIDIA GPU except
-for formats without one (`reference_only_layers`; the engine warns about those at load). A layer whose spec asks for a format without a
-method (an unknown dtype, a layout or granularity these files do not run) is refused when the
-model is built, before any weight loads, naming the layer and the format.
+for formats without one (`reference_only_layers`; the engine warns about those at load). A
+layer whose spec asks for a format without a method (an unknown dtype, a layout or
+granularity these files do not run) is refused when the model is built, before any weight
+loads, naming the layer and the format.
 """
 from __future__ import annotations
 
