@@ -101,6 +101,22 @@ def test_triton_experts_kernel_in_the_engine(tiny):
     assert llm.engine.runner.plan.moe_tile_tables
 
 
+def test_triton_attention_backend_in_the_engine(tiny):
+    """The Triton attention backend (interpreted) runs GPT-OSS's sinks and alternating window
+    / full layers in the engine: transformers' tokens, with prompts longer than the window and
+    decode steps past it."""
+    pytest.importorskip("triton")
+    from atom.model_ops.attention.triton_backend import TritonAttentionBackend
+    path, ps, ref = tiny
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32)
+    runner = llm.engine.runner
+    runner.set_attention_backend(TritonAttentionBackend(runner.attn_layers, 64, runner.device))
+    assert {a.sliding_window for a in runner.attn_layers} == {8, None}
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(ps[1:3], sp, use_tqdm=False)] == [r[:5] for r in ref[1:3]]
+    assert "TritonAttentionBackend" in repr(runner.attn_backend)
+
+
 @pytest.fixture(scope="module")
 def tiny_mxfp4(tmp_path_factory):
     return make_tiny_gpt_oss_mxfp4(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
