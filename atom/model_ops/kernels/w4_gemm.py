@@ -162,24 +162,22 @@ if HAS_TRITON:
 
     @triton.jit
     def _e2m1(u):
-        """fp32 values of e2m1 codes u (int32 0..15), without a conversion instruction: the
-        magnitude bits (exponent e, mantissa m) go to bits 22-24 of a float32, whose exponent
-        field then holds e and its top fraction bit m: 2^(e - 127) (1 + m/2) for e >= 1 and the
-        subnormal m 2^-127 for e = 0, each the e2m1 value times 2^-126; bit 3 goes to the sign
-        bit, and one exact multiplication by 2^126 gives the value (GPU float multiplies keep
-        subnormal inputs: Triton emits no flush-to-zero). Four integer operations and one
-        multiply a code, no compare or select (`scripts/w4_gemv_sass.py` counts them in the
-        GEMV's loop)."""
-        bits = ((u & 7) << 22) | ((u & 8) << 28)
-        return bits.to(tl.float32, bitcast=True) * 8.507059173023462e+37  # 2^126
+        """fp32 values of e2m1 codes u (int32, the code in bits 0-3; higher bits ignored):
+        `_e2m1_at` of the code at bit 0."""
+        return _e2m1_at(u, 0)
 
     @triton.jit
     def _e2m1_at(word, offset):
-        """`_e2m1` of the code at bit `offset` (a multiple of 4, 0..28) of int32 words, taken
-        straight from the word: shifted left to put the code's sign on bit 31, its exponent
-        and mantissa bits (then on 28-30) go to 22-24 by a logical shift of 6, so that a code
-        costs two shifts, two masks and the multiply (no separate nibble extraction)."""
-        y = word.to(tl.uint32, bitcast=True) << (28 - offset).to(tl.uint32)
+        """fp32 values of the e2m1 codes at bit `offset` (a multiple of 4, 0..28) of int32
+        words, without a conversion instruction: shifted left so that the code's sign is on
+        bit 31, its exponent and mantissa bits (then on 28-30) go to bits 22-24 by a logical
+        shift of 6. The float32's exponent field then holds the code's exponent e and its top
+        fraction bit the mantissa m: 2^(e - 127) (1 + m/2) for e >= 1 and the subnormal
+        m 2^-127 for e = 0, each the e2m1 value times 2^-126, and one exact multiplication by
+        2^126 gives the value (GPU float multiplies keep subnormal inputs: Triton emits no
+        flush-to-zero). Two shifts, two masks and the multiply a code, no compare or select
+        (`scripts/w4_gemv_sass.py` counts them in the GEMV's loop)."""
+        y = word.to(tl.uint32, bitcast=True) << (28 - offset)
         bits = (y & 0x80000000) | ((y >> 6) & 0x01C00000)
         return bits.to(tl.float32, bitcast=True) * 8.507059173023462e+37  # 2^126
 
