@@ -112,6 +112,24 @@ def fp8_expert_product(aq: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     return out
 
 
+def layout_problem(act_group: int, block: tuple[int, int] | None) -> str | None:
+    """Why the kernel cannot compute these scale layouts (None: it can): per-row weight scales
+    take per-token activations (act_group 0), bn x bk blocks take 1 x bk activation groups
+    with bk a power of two >= 32 (the e4m3 dots' K step). `Fp8MoEMethod.triton_fits` asks
+    the same question to route a layer."""
+    if block is None:
+        if act_group:
+            return (f"act_group={act_group} is invalid with per-row weight scales: the kernel applies "
+                    "one activation scale per row (per-token, act_group=0)")
+        return None
+    if act_group != block[1]:
+        return (f"act_group={act_group} is invalid with {block[0]}x{block[1]} weight blocks: "
+                f"the activations' groups must be the blocks' width ({block[1]})")
+    if block[1] < 32 or block[1] & (block[1] - 1):
+        return f"block={block} is invalid: the blocks' width is the K step of the e4m3 dots, a power of two >= 32"
+    return None
+
+
 def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       activation: Callable[[torch.Tensor], torch.Tensor], act_group: int = 0,
@@ -127,15 +145,9 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     T, H = x.shape
     E = check_shapes(x, w13, w2)
     k = topk_ids.shape[1]
-    if block is not None and act_group != block[1]:
-        raise ValueError(f"act_group={act_group} is invalid with {block[0]}x{block[1]} weight blocks: "
-                         f"the activations' groups must be the blocks' width ({block[1]})")
-    if block is None and act_group:
-        raise ValueError(f"act_group={act_group} is invalid with per-row weight scales: the kernel applies "
-                         "one activation scale per row (per-token, act_group=0)")
-    if block is not None and (block[1] < 32 or block[1] & (block[1] - 1)):
-        raise ValueError(f"block={block} is invalid: the blocks' width is the K step of the e4m3 dots, "
-                         "a power of two >= 32")
+    problem = layout_problem(act_group, block)
+    if problem is not None:
+        raise ValueError(problem)
     if T == 0:
         return torch.zeros_like(x)
     cfg, layout = pair_layout(topk_ids, E, tiles, config)

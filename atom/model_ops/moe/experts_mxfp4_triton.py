@@ -12,8 +12,9 @@ BLOCK_K / 2 bytes of BLOCK_N rows, splits the nibbles and interleaves them back 
 (`tl.interleave`), decodes them (`w4_gemm._e2m1`: no conversion instruction), multiplies
 each run of 32 by its scale (`_e8m0`, exact), and casts to the activations' dtype: an e2m1
 value times a power of two is exact in bf16 (in fp16 too while the scale keeps it inside
-fp16's exponent range), so the tile holds exactly the reference's dequantized weights and the dot (fp32 accumulation, "ieee" for fp32 inputs)
-differs from the reference's fp32 product only in summation order. (Under Triton's
+fp16's exponent range), so the tile holds exactly the reference's dequantized weights and the
+dot (fp32 accumulation, "ieee" for fp32 inputs) differs from the reference's fp32 product
+only in summation order. (Under Triton's
 interpreter the dot runs on fp32 operands instead: the same exact values.) The biases are added in
 fp32, the routing weight multiplies the second product, the k rows of a token are summed
 in fp32.

@@ -120,13 +120,11 @@ class Fp8MoEMethod(MoEMethod):
         alike for every expert, with the weights' layout the kernel takes: per-row weight
         scales x per-token activations, or bn x bk blocks x 1 x bk groups (bk a power of two
         >= 32, the e4m3 dots' K step). Anything else runs the reference."""
-        act, sc = self.scheme.act, self.scheme
-        if sc.static:
+        from atom.model_ops.moe.experts_fp8_triton import layout_problem
+        sc = self.scheme
+        if sc.static or sc.act not in ("token", "group"):
             return False
-        if self.block is None:
-            return act == "token"
-        bk = self.block[1]
-        return act == "group" and sc.act_group == bk and bk >= 32 and not bk & (bk - 1)
+        return layout_problem(sc.act_group if sc.act == "group" else 0, self.block) is None
 
     def _kernel(self, layer, x: torch.Tensor) -> str:
         plan = getattr(layer, "plan", None)  # a stand-in layer may have none
