@@ -13,7 +13,7 @@ Kinds:
   for that M without it (act_quant + quant_gemv / quant_gemm, or torch._scaled_mm).
 
     python3 scripts/quant_gemv_sweep.py --out sweep.json --kinds fp8dot int8dot fp8blockdot \
-        [--ms 1 2 4 8 16 32 64] [--quick]
+        [--ms 1 2 4 8 16 32 64] [--quick] [--wide] [--shapes 4096x14336]
 
 Each timing replays a CUDA graph over enough weight copies to miss L2
 (`atom.utils.cuda_timing.graph_time`); the 8-bit figures include the activation quantizer
@@ -59,7 +59,24 @@ def fp8_cases(N, K):
 DOT_KINDS = {"fp8dot": ("fp8", 0), "int8dot": ("int8", 0), "fp8blockdot": ("fp8", 128)}
 
 
-def dot_grid(M, N, K, block_k, quick):
+def wide_grid(M, N, K, block_k, m_pad):
+    """`--wide`: BLOCK_N 16-128 x BLOCK_K 128-512 x SPLIT_K 1-16 (>= 2 K steps a split, 132-1056
+    programs: 1-8 a SM), the quantizer in front, as many stages as fit ~128 KiB of weight tiles
+    (2-6), 4 warps (8 on 128-row tiles): ~40 tiles a shape, for the decode rows the quick grid
+    left out."""
+    out = []
+    for bn, bk in itertools.product((16, 32, 64, 128), (block_k,) if block_k else (128, 256, 512)):
+        stages = max(2, min(6, (128 << 10) // (bn * bk)))
+        for split in (1, 2, 4, 8, 16):
+            if (K // bk) // split < 2 or not 132 <= -(-N // bn) * split <= 1056:
+                continue
+            for nw in ((8,) if bn >= 128 else (4,)):
+                out.append(dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=nw,
+                                num_stages=stages, FUSE=False))
+    return out
+
+
+def dot_grid(M, N, K, block_k, quick, wide=False):
     """The candidate tiles of the swap-AB kernel for one (shape, M), ~25 (~5 with `quick`):
     the table's own choice and its fused / unfused twin, then BLOCK_N x BLOCK_K x SPLIT_K
     (SPLIT_K around the value that fills ~2 programs per SM) at 4 warps, then warps / stages
@@ -86,16 +103,18 @@ def dot_grid(M, N, K, block_k, quick):
                             FUSE=M <= 16))
     if table and not quick:
         out += [dict(table, num_warps=nw, num_stages=ns) for nw, ns in ((4, 3), (4, 5), (8, 4))]
+    if wide:
+        out += wide_grid(M, N, K, block_k, m_pad)
     seen, uniq = set(), []
     for c in out:
         key = tuple(sorted(c.items()))
         if key not in seen:
             seen.add(key)
             uniq.append(c)
-    return uniq[:40]
+    return uniq if wide else uniq[:40]
 
 
-def dot_cases(N, K, M, kind, quick):
+def dot_cases(N, K, M, kind, quick, wide=False):
     """(config, calls, weight bytes) of the swap-AB kernel, then the engine's product without it
     (config {"kernel": route}) as the baseline."""
     from atom.model_ops.kernels.act_quant import act_quant_launch
@@ -112,7 +131,7 @@ def dot_cases(N, K, M, kind, quick):
     ws = torch.rand(N, K // bk, device="cuda") * 1e-3 if bk else torch.rand(N, device="cuda") * 1e-3
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     nbytes = N * K + ws.numel() * 4
-    for cfg in dot_grid(M, N, K, bk, quick):
+    for cfg in dot_grid(M, N, K, bk, quick, wide):
         kcfg = {k: v for k, v in cfg.items() if k != "FUSE"}
         if cfg["FUSE"]:
             def call(w, kcfg=kcfg):
@@ -186,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", nargs="*", type=int, default=[1, 2, 4, 8, 16, 32, 64],
                     help="rows for the *dot kinds (the GEMV kinds run M = 1)")
     ap.add_argument("--quick", action="store_true", help="a smaller tile grid for the *dot kinds")
+    ap.add_argument("--wide", action="store_true", help="add BLOCK_N 16-128 x BLOCK_K x SPLIT_K 1-16 (see wide_grid)")
+    ap.add_argument("--shapes", nargs="*", default=None, help="NxK products (default: the Llama-3.1-8B four)")
     args = ap.parse_args(argv)
     if any(m < 1 or m > 64 for m in args.ms):
         ap.error(f"--ms {args.ms}: each M must be in 1..64 (the swap-AB kernel's range)")
@@ -193,7 +214,8 @@ def main(argv=None) -> int:
         print("quant_gemv_sweep: no CUDA GPU here (run it on the H200)", file=sys.stderr)
         return 2
     rows = []
-    for N, K in SHAPES:
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    for N, K in shapes:
         w16 = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies(2 * N * K))]
         ms = sorted({1, *args.ms}) if any(k in DOT_KINDS for k in args.kinds) else [1]
         t16s = {}
@@ -207,7 +229,7 @@ def main(argv=None) -> int:
         for kind in args.kinds:
             if kind in DOT_KINDS:
                 for M in args.ms:
-                    _best(rows, kind, dot_cases(N, K, M, kind, args.quick), N, K, M, t16s[M])
+                    _best(rows, kind, dot_cases(N, K, M, kind, args.quick, args.wide), N, K, M, t16s[M])
                     torch.cuda.empty_cache()
                 continue
             cases = fp8_cases(N, K) if kind == "fp8" else w4_cases(N, K, kind)

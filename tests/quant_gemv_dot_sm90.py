@@ -4,7 +4,7 @@ tests/test_quant_gemv_dot.py, without TRITON_INTERPRET): tensor-core instruction
 at 64+ weight rows a program, mma below), asynchronous copies (the pipelined weight loads),
 PDL's griddepcontrol, the e4m3 conversion of the fused quantizer, its correctly rounded
 division, the folded split K's barrier, GPU-scope acq_rel counter and L2 reads; and the split
-reduction.
+reduction; and that fp8 sums are carried into fp32 every 128 of K.
 
     python tests/quant_gemv_dot_sm90.py
 """
@@ -31,17 +31,18 @@ def compile_all() -> dict:
     # the folded split K: a block barrier, one thread's acq_rel counter at GPU scope, L2 reads
     fold = ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg", "atom.global.gpu.acq_rel.exch")
     mark = ("wgmma", "cp.async", "griddepcontrol.wait")
+    promote = ("ttgir:maxNumImpreciseAcc = 128",)  # fp8 sums carried into fp32 every 128 of K (triton_import)
     cases = {
-        "fp8": (dict(base, HAS_BIAS=True), ops(f8, f8), mark),
+        "fp8": (dict(base, HAS_BIAS=True), ops(f8, f8), mark + promote),
         "fp8_bn32": (dict(base, BLOCK_N=32, SPLIT=False), ops(f8, f8), ("mma.sync", "cp.async")),
-        "fp8_m64": (dict(base, M_PAD=64, BLOCK_N=128, BLOCK_K=128), ops(f8, f8), mark),
+        "fp8_m64": (dict(base, M_PAD=64, BLOCK_N=128, BLOCK_K=128), ops(f8, f8), mark + promote),
         "fp8_fused": (dict(base, QUANT_X=True), ops("*bf16", f8), mark + ("div.rn.f32", "e4m3x2")),
         "fp8_static": (dict(base, QUANT_X=True, STATIC=True), ops("*bf16", f8), mark + ("e4m3x2",)),
         "fp8_block": (dict(base, BLOCK_K=128, BLOCKS=True), ops(f8, f8), mark),
         "fp8_block_fused": (dict(base, BLOCK_K=128, BLOCKS=True, QUANT_X=True), ops("*bf16", f8),
                             mark + ("div.rn.f32", "e4m3x2")),
         "int8": (dict(base, INT=True), ops(i8, i8), mark + (".s8",)),
-        "fp8_fold": (dict(base, HAS_BIAS=True, FOLD=True), ops(f8, f8), mark + fold),
+        "fp8_fold": (dict(base, HAS_BIAS=True, FOLD=True), ops(f8, f8), mark + fold + promote),
         "int8_fold": (dict(base, INT=True, FOLD=True), ops(i8, i8), mark + fold),
         "int8_fused": (dict(base, M_PAD=32, INT=True, QUANT_X=True), ops("*fp16", i8, "*fp16"),
                        mark + ("div.rn.f32",)),
@@ -54,8 +55,8 @@ def compile_all() -> dict:
         sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
         src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm["ptx"]
-        out[name] = {m: m in ptx for m in marks}
+        asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm
+        out[name] = {m: m[6:] in asm["ttgir"] if m.startswith("ttgir:") else m in asm["ptx"] for m in marks}
     from atom.model_ops.kernels import split_k
     kernel = split_k._split_k_sum_kernel
     constexprs = dict(BLOCK=1024, HAS_BIAS=True, PDL=True)

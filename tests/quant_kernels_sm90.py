@@ -30,6 +30,7 @@ def compile_all() -> dict:
         return dict(xq_ptr=x, w_ptr=w, xs_ptr="*fp32", ws_ptr="*fp32", b_ptr=b, y_ptr=y)
 
     f8, i8 = "*fp8e4nv", "*i8"
+    PROMOTE = "ttgir:maxNumImpreciseAcc = 128"  # fp8 sums carried into fp32 every 128 of K (triton_import)
     gemm = dict(GROUP_M=8, HAS_BIAS=False)
     cases = {
         "act_quant_fp8": (aq._act_quant_kernel, dict(STATIC=False, INT8=False, BLOCK=4096, SINGLE=True, PDL=True),
@@ -52,9 +53,9 @@ def compile_all() -> dict:
                                              PDL=False, AHEAD=False),
                       ops(i8, i8, "*fp16", "*fp16"), ("ld.global.v4.b32",)),
         "gemm_fp8_m16": (qg._qgemm_kernel, dict(gemm, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, BLOCKS=False, INT=False),
-                         ops(f8, f8, "*fp16", "*fp16"), ("mma",)),
+                         ops(f8, f8, "*fp16", "*fp16"), ("mma", PROMOTE)),
         "gemm_fp8": (qg._qgemm_kernel, dict(gemm, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, BLOCKS=False, INT=False),
-                     ops(f8, f8), ("wgmma",)),
+                     ops(f8, f8), ("wgmma", PROMOTE)),
         "gemm_fp8_block": (qg._qgemm_kernel, dict(gemm, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, BLOCKS=True, INT=False),
                            ops(f8, f8), ("wgmma",)),
         "gemm_int8": (qg._qgemm_kernel, dict(gemm, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, BLOCKS=False, INT=True),
@@ -77,8 +78,8 @@ def compile_all() -> dict:
         sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
         src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        out[name] = {m: m in ptx for m in marks}
+        asm = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
+        out[name] = {m: m[6:] in asm["ttgir"] if m.startswith("ttgir:") else m in asm["ptx"] for m in marks}
     return out
 
 

@@ -290,6 +290,11 @@ def test_moe_experts_are_quantized_online_and_formats_without_a_moe_method_refus
     assert rows["model.layers.0.mlp.experts"]["source"] == "float32"  # the model's dtype, as loaded
     assert "fp8" in rows["model.layers.0.mlp.experts"]["format"]
     assert llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].token_ids
+    model = llm.engine.runner.model  # what the GPU refusal of kernel-less formats skips
+    assert {"model.layers.0.mlp.experts", "model.layers.0.self_attn.qkv_proj"} <= OnlineQuantPlan(PTPC).targeted(model)
+    targeted = OnlineQuantPlan({**PTPC, "exclude_layer": "model.layers.0.mlp.experts"}).targeted(model)
+    assert "model.layers.0.mlp.experts" not in targeted and "model.layers.0.self_attn.qkv_proj" in targeted
+    assert "lm_head" not in targeted
     odd = make_tiny_moe(tmp_path / "odd", moe_intermediate_size=48)  # MXFP4 packs groups of 32
     with pytest.raises(NotImplementedError, match=r"mxfp4.*targets the MoE experts 'model\.layers\.\d+\.mlp\.experts'"
                                                   r".*intermediate_size=48 is not a multiple of 32"):

@@ -125,6 +125,11 @@ def test_table():
     assert small_m_config(1, 28672, 4096)["SPLIT_K"] == 1  # 448 row tiles already fill the GPU
     assert small_m_config(64, 4096, 4096)["M_PAD"] == 64 and not small_m_config(64, 4096, 4096)["FUSE"]
     assert small_m_config(8, 4096, 4096, block_k=128)["BLOCK_K"] == 128
+    down, qkv = small_m_config(1, 4096, 14336), small_m_config(16, 6144, 4096)  # the decode tiles of the wide sweep
+    assert (down["BLOCK_N"], down["num_warps"], down["SPLIT_K"]) == (128, 8, 4)
+    assert (qkv["BLOCK_K"], qkv["num_stages"], qkv["SPLIT_K"]) == (128, 6, 4)
+    assert small_m_config(17, 4096, 14336)["BLOCK_N"] == 64 and small_m_config(1, 4096, 4096)["BLOCK_K"] == 256
+    assert small_m_config(1, 4096, 14336, block_k=128)["BLOCK_N"] == 64  # block scales keep the measured tiles
     for M in (1, 5, 33, 64):  # every split keeps K steps
         for N, K in LLAMA:
             c = small_m_config(M, N, K)

@@ -460,16 +460,32 @@ def test_quantized_checkpoint_generates_like_fake_quant_transformers(base128, tm
         assert row["bytes"] < (0.2 if "w4" in scheme else 0.3) * dense, (layer, row["bytes"], dense)
 
 
-def test_layers_without_a_gpu_kernel_are_listed_and_warned_about(caplog):
-    """Block fp8 weights with per-token activations have a method but no GPU kernel: the
-    engine warns at load on a GPU (`warn_reference_layers`) instead of running them silently
-    through the reference; a format with a kernel is not listed."""
-    from atom.model_ops.quant import reference_only_layers, warn_reference_layers
+def test_layers_without_a_gpu_kernel_are_refused_on_a_gpu():
+    """Block fp8 weights with per-token activations (a linear) and fp8 experts with static
+    per-tensor activations have a method but no GPU kernel: `refuse_reference_layers` (which a
+    GPU engine calls before loading) raises naming each layer and its format, unless online
+    quantization re-quantizes it; formats with a kernel pass."""
+    from atom.model_ops.moe import FusedMoE, TopK
+    from atom.model_ops.quant import reference_only_layers, refuse_reference_layers
+
+    class OneSpec:
+        def get_layer_quant_config(self, prefix):
+            return LayerQuantConfig(QuantType.per_Tensor, FP8, False, "compressed-tensors", act_scheme="tensor")
+
     block_token = spec(QuantType.per_1x128, FP8, True, "fp8", block_size=(128, 128), act_scheme="token")
     model = torch.nn.ModuleDict({"fast": build("linear", FORMATS["fp8_channel"]["spec"]),
-                                 "slow": build("merged", block_token)})
-    assert reference_only_layers(model) == [("slow", model["slow"].method.format(model["slow"]))]
-    with caplog.at_level("WARNING"):
-        warn_reference_layers(model)
-    assert "1 quantized layer(s) have no GPU kernel" in caplog.text and "slow" in caplog.text
-    assert reference_only_layers(torch.nn.ModuleDict({"fast": model["fast"]})) == []
+                                 "slow": build("merged", block_token),
+                                 "experts": FusedMoE(4, 64, 64, TopK(4, 2), quant_config=OneSpec(), prefix="experts")})
+    slow_fmt, moe_fmt = model["slow"].method.format(model["slow"]), model["experts"].method.format(model["experts"])
+    assert reference_only_layers(model) == [("slow", slow_fmt), ("experts", moe_fmt)]
+    with pytest.raises(NotImplementedError) as err:
+        refuse_reference_layers(model)
+    msg = str(err.value)
+    assert msg.startswith("2 quantized layer(s) have a format without a kernel on this GPU")
+    assert f"slow ({slow_fmt})" in msg and f"experts ({moe_fmt})" in msg and "ignore" in msg
+    with pytest.raises(NotImplementedError, match=r"^1 quantized layer\(s\).*experts"):
+        refuse_reference_layers(model, skip={"slow"})  # online quantization re-quantizes it
+    refuse_reference_layers(model, skip={"slow", "experts"})
+    fast = torch.nn.ModuleDict({"fast": model["fast"]})
+    assert reference_only_layers(fast) == []
+    refuse_reference_layers(fast)

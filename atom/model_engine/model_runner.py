@@ -33,7 +33,7 @@ from atom.model_engine.kv_cache import KVCacheManager, kv_cache_dtype_of
 from atom.model_ops.attention import AttentionMetadata, forward_context
 from atom.model_ops.attention.selector import attention_backend_for, attention_layers
 from atom.model_ops.moe import ExpertLoadRecorder, FusedMoE, MoEMethod
-from atom.model_ops.quant import LinearMethod, warn_reference_layers
+from atom.model_ops.quant import LinearMethod, refuse_reference_layers
 from atom.model_ops.sampler import Sampler, SamplingTensors
 from atom.models.registry import resolve_architecture
 from atom.tuning import fusions
@@ -137,6 +137,8 @@ class ModelRunner:
             logger.warning("enable_expert_parallel=True has no effect on %s: it has no MoE layers "
                            "(its layers are tensor-parallel as without it)", type(self.model).__name__)
         online = OnlineQuantPlan.from_config(config)
+        if self.device.type == "cuda":  # a format without a GPU kernel (unless re-quantized), before loading
+            refuse_reference_layers(self.model, skip=online.targeted(self.model) if online is not None else ())
         if online is not None:  # refusals (a format without a method, a source it cannot read) before loading
             online.check(self.model)
         if config.load_dummy:
@@ -151,8 +153,6 @@ class ModelRunner:
         for m in self.model.modules():  # layers that derive tensors from their final weights (MLA's kv_b)
             if hasattr(m, "finish_loading"):
                 m.finish_loading(self.dtype)
-        if self.device.type == "cuda":
-            warn_reference_layers(self.model)
         self.model.eval()
         self.model_forward = self.model  # replaced by a compiled callable at levels 1-3
         self.decode_forward = self.model  # what decode CUDA graphs capture (gpu_setup decides)

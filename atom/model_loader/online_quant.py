@@ -158,6 +158,11 @@ class OnlineQuantPlan:
         """Layer name -> (format, field) for every linear layer of `model`."""
         return {n: self.field_for(layer_aliases(n, model)) for n in linear_layers(model)}
 
+    def targeted(self, model: nn.Module) -> set[str]:
+        """Names of the linear and MoE layers this plan re-quantizes (a format, not excluded)."""
+        moe = {n for n in moe_layers(model) if self.field_for([n])[0] is not None}
+        return moe | {n for n, (fmt, _) in self.targets(model).items() if fmt is not None}
+
     def check(self, model: nn.Module) -> None:
         """Refuse, before any weight loads, a targeted layer whose format has no method here
         (NotImplementedError) or whose checkpoint format cannot be re-quantized (ValueError);

@@ -35,7 +35,7 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, trito
 GEMV_MAX_M = 4
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.triton_import import grouped_tile, pdl_start
+    from atom.model_ops.kernels.triton_import import FP8_PROMOTE, grouped_tile, pdl_start
 
     @triton.jit
     def _qgemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -115,8 +115,8 @@ if HAS_TRITON:
                 acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
             elif INT:  # int8 x int8 accumulates exactly in int32 (tl.dot's default is fp32)
                 acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-            else:
-                acc = tl.dot(a, b, acc)
+            else:  # partial sums carried into fp32 every FP8_PROMOTE products (triton_import)
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE if BLOCK_K > FP8_PROMOTE else BLOCK_K)
             xp += BLOCK_K
             wp += BLOCK_K
         if BLOCKS:

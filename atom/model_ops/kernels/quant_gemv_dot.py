@@ -65,11 +65,13 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, trito
 DOT_MAX_M = 64  # the largest M this kernel takes
 FUSE_MAX_M = 0  # up to here the table folds the activation quantizer in (0: never; see small_m_config)
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H200 (132 SMs): SPLIT_K grows until reached
+LONG_K = 8192  # rows at least this long take 128-row tiles at decode sizes (small_m_config)
+LONG_K_PROGRAMS = 128  # and split K only to about one program per SM (a power of two of programs)
 _KINDS = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 if HAS_TRITON:
     from atom.model_ops.kernels.act_quant import _quantize
-    from atom.model_ops.kernels.triton_import import pdl_start
+    from atom.model_ops.kernels.triton_import import FP8_PROMOTE, pdl_start
 
     # M and SPLIT_K are run-time values (M = 1 not specialized apart): fewer compiled variants
     # for a sweep over M and SPLIT_K; SPLIT (SPLIT_K > 1) picks the store.
@@ -131,8 +133,9 @@ if HAS_TRITON:
                     x = _quantize(x.to(tl.float32), xsc[:, None], INT).to(qdt)
                 if INT:  # int8 x int8 accumulates exactly in int32 (tl.dot's default is fp32)
                     acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.int32)
-                else:
-                    acc = tl.dot(w, tl.trans(x), acc)
+                else:  # partial sums carried into fp32 every FP8_PROMOTE products (triton_import)
+                    acc = tl.dot(w, tl.trans(x), acc,
+                                 max_num_imprecise_acc=FP8_PROMOTE if BLOCK_K > FP8_PROMOTE else BLOCK_K)
         if BLOCKS:
             out = acc
         else:
@@ -181,20 +184,30 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
     - SPLIT_K: the smallest power of two that gives >= TARGET_PROGRAMS programs, keeping
       >= 4 K steps a split (at BLOCK_K 256: 4096 x 4096 and 6144 x 4096: 4, 28672 x 4096: 1,
       4096 x 14336: 8);
+    - one 16-row tile (M <= 16) with row / column scales, from the wider M = 1 sweep
+      (`--wide`, BLOCK_N 16-128 x BLOCK_K 128-512 x SPLIT_K 1-16): rows of K >= LONG_K
+      (down_proj, 4096 x 14336) take 128-row tiles over 8 warps and split K only to about one
+      program per SM (LONG_K_PROGRAMS: SPLIT_K 4), 23.8 against 26.3 us; 4096 < N <= 8192
+      (6144 x 4096, q/k/v) takes BLOCK_K 128 over 6 stages, 11.1 against 12.8 us (each with
+      the quantizer in front); the other two shapes were within 0.3 us of the tiles above;
     - FUSE (activation quantizer folded in) only up to FUSE_MAX_M, now 0: every program
       re-reading and reducing its rows of x cost more than the separate quantizer launch
       plus the unfused kernel, so the table never fuses (the fused kernel stays callable
       with `FUSE=True` in a config)."""
     if M < 1 or M > DOT_MAX_M:
         return None
-    bn = 64
-    bk = block_k or 256
+    bn, bk, warps, stages, target = 64, block_k or 256, 4, 4, TARGET_PROGRAMS
+    if M <= 16 and not block_k:  # one 16-row tile: the decode rows of the wide sweep
+        if K >= LONG_K:
+            bn, warps, target = 128, 8, LONG_K_PROGRAMS
+        elif 4096 < N <= 8192:
+            bk, stages = 128, 6
     steps = -(-K // bk)
     split = 1
-    while -(-N // bn) * split < TARGET_PROGRAMS and steps // (split * 2) >= 4:
+    while -(-N // bn) * split < target and steps // (split * 2) >= 4:
         split *= 2
     m_pad = max(16, triton.next_power_of_2(M)) if HAS_TRITON else max(16, 1 << (M - 1).bit_length())
-    return dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4,
+    return dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages,
                 FUSE=M <= FUSE_MAX_M and act in ("token", "tensor", "group"))
 
 

@@ -33,6 +33,14 @@ except ImportError:  # pragma: no cover
 # A switch for A/B measurements: False launches every kernel the ordinary way.
 USE_PDL = True
 
+# fp8 x fp8 tensor-core sums on sm90 keep fewer bits than fp32 (Triton's default there never
+# promotes them: `max_num_imprecise_acc` 2**30), which over a 4096-long row moved outputs by
+# up to ~2% of the row's largest. The fp8 kernels pass `max_num_imprecise_acc=` this many
+# products of K (or BLOCK_K, if smaller) so that partial sums are added into the fp32
+# accumulator every FP8_PROMOTE_K, as cuBLAS does without "fast accumulation". Other GPUs and
+# the interpreter ignore it.
+FP8_PROMOTE_K = 128
+
 if HAS_TRITON:
 
     @triton.jit
@@ -44,6 +52,8 @@ if HAS_TRITON:
         first_m = (pid // per_group) * GROUP_M
         group_m = tl.minimum(num_m - first_m, GROUP_M)
         return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+    FP8_PROMOTE = tl.constexpr(FP8_PROMOTE_K)
 
     @triton.jit
     def pdl_start(PDL: tl.constexpr):

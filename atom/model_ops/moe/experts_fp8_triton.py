@@ -32,6 +32,7 @@ from atom.model_ops.moe.tile_configs import TileTable
 from atom.model_ops.quant.common import FP8_MAX
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import FP8_PROMOTE
     from atom.model_ops.moe.experts_triton import sorted_tile, store_tile
 
     @triton.jit
@@ -64,8 +65,8 @@ if HAS_TRITON:
                 sa = tl.load(as_ptr + a_rows * stride_as + kb, mask=valid, other=0.0)
                 sw = tl.load(sp + kb, mask=n_ok, other=0.0)
                 acc += tl.dot(a, w) * sa[:, None] * sw[None, :]
-            else:
-                acc = tl.dot(a, w, acc)
+            else:  # partial sums carried into fp32 every FP8_PROMOTE products (triton_import)
+                acc = tl.dot(a, w, acc, max_num_imprecise_acc=FP8_PROMOTE if BLOCK_K > FP8_PROMOTE else BLOCK_K)
             ap += BLOCK_K
             wp += BLOCK_K
         if not BLOCKS:

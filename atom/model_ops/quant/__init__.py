@@ -9,14 +9,12 @@ transposed int4), MXFP4 weight-only or with dynamic MXFP4 activations (`mxfp4.py
 holds the MXFP4 numerics: `quantize_mxfp4`, `dequantize_mxfp4`, `fake_quant_mxfp4`); the
 quantized ones run a torch reference (dequantize, fake-quantize the activations as the format
 defines, F.linear) on the CPU, and their Triton / cuBLASLt kernels on an NVIDIA GPU except
-for formats without one (`reference_only_layers`; the engine warns about those at load). A
+for formats without one (`reference_only_layers`), which a GPU engine refuses at load. A
 layer whose spec asks for a format without a method (an unknown dtype, a layout or
 granularity these files do not run) is refused when the model is built, before any weight
 loads, naming the layer and the format.
 """
 from __future__ import annotations
-
-import logging
 
 from torch import nn
 
@@ -30,7 +28,7 @@ from atom.model_ops.quant.unquantized import UnquantizedLinearMethod, dense, lib
 
 __all__ = ["LinearMethod", "UnquantizedLinearMethod", "Fp8LinearMethod", "Int8LinearMethod",
            "Int4LinearMethod", "Mxfp4LinearMethod", "linear_method_for", "describe_layers", "is_unquantized",
-           "dense", "library_product", "reference_only_layers", "warn_reference_layers"]
+           "dense", "library_product", "reference_only_layers", "refuse_reference_layers"]
 
 #: dtype key of the stored weight -> method class
 METHODS = {"fp8": Fp8LinearMethod, "i8": Int8LinearMethod, "i4x2": Int4LinearMethod,
@@ -73,18 +71,31 @@ def describe_layers(model: nn.Module) -> list[dict]:
 
 
 def reference_only_layers(model: nn.Module) -> list[tuple[str, str]]:
-    """(layer, format) of the quantized linear layers whose method has no GPU kernel for their
-    format (fp8 weight-only, block weights with per-token activations, W8A16, ...): on a GPU
-    they run the torch reference, dequantizing the weight at every call (correct, slow). The
-    engine warns about them at load (`ModelRunner`)."""
-    return [(r["layer"], r["format"]) for r in describe_layers(model) if r["kernel"] == REFERENCE_KERNEL]
+    """(layer, format) of the quantized layers whose method has no GPU kernel for their format:
+    linear layers with fp8 weight-only, block weights without their own 1 x bk activation
+    groups, W8A16; MoE layers whose experts' format the Triton kernel does not compute (fp8
+    with static or per-tensor activations). On a GPU these would run the torch reference,
+    dequantizing the weight at every call, so the engine refuses them at load
+    (`refuse_reference_layers`); the CPU runs every format through its reference."""
+    slow = [(r["layer"], r["format"]) for r in describe_layers(model) if r["kernel"] == REFERENCE_KERNEL]
+    from atom.model_ops.moe import FusedMoE  # (moe imports this package)
+    slow += [(name, m.method.format(m)) for name, m in model.named_modules()
+             if isinstance(m, FusedMoE) and not getattr(m.method, "triton_fits", True)]
+    return slow
 
 
-def warn_reference_layers(model: nn.Module) -> None:
-    """One warning naming how many layers `reference_only_layers` finds, with the first."""
-    slow = reference_only_layers(model)
+def refuse_reference_layers(model: nn.Module, skip=(), platform: str = "this GPU") -> None:
+    """Raises NotImplementedError naming the layers `reference_only_layers` finds (how many,
+    the first few, each with its format), but those in `skip` (what online quantization
+    re-quantizes): a format without a kernel on the platform fails at load instead of running
+    slowly through the reference. Called before any weight loads."""
+    slow = [(name, fmt) for name, fmt in reference_only_layers(model) if name not in set(skip)]
     if slow:
-        logging.getLogger(__name__).warning(
-            "%d quantized layer(s) have no GPU kernel for their format and run the torch reference "
-            "(the weight dequantized at every call: correct, slow), e.g. %s (%s); "
-            "atom.viz.linear_methods_frame(llm) lists each layer's kernel", len(slow), *slow[0])
+        shown = "; ".join(f"{name} ({fmt})" for name, fmt in slow[:3]) + ("; ..." if len(slow) > 3 else "")
+        raise NotImplementedError(
+            f"{len(slow)} quantized layer(s) have a format without a kernel on {platform}: {shown}. "
+            "On a GPU, fp8 linears need dynamic per-token / per-tensor activations (block weights: "
+            "1 x block-width groups), int8 needs W8A8 per-token activations, fp8 experts need dynamic "
+            "per-token or group activations. Exclude these layers in the quantization config "
+            "('ignore' / 'exclude'), use a format with a kernel, or run on the CPU (CUDA_VISIBLE_DEVICES=''), "
+            "where every format runs its torch reference")
