@@ -12,6 +12,7 @@ table in `pick_mla_config`, not a benchmark. GPU only.
     python3 scripts/mla_decode_sweep.py --out mla_sweep.json            # ~28 configs a case
     python3 scripts/mla_decode_sweep.py --out mla_sweep.json --quick    # fewer cases and configs
     python3 scripts/mla_decode_sweep.py --out mla_sweep.json --batches 128 136 --contexts 900
+    python3 scripts/mla_decode_sweep.py --out mla_sweep.json --token-rows   # page_loads False grid
 
 The summary at the end gives, per batch, the configuration with the least total time over that
 batch's cases: the row of `pick_mla_config`'s tables to edit.
@@ -47,8 +48,16 @@ def latent_batch(ctx: list[int], dev, block_size: int, seed: int = 0):
     return ql, qp, cache, bt, torch.tensor(ctx, dtype=torch.int32, device=dev)
 
 
-def configs(default: dict, quick: bool) -> list[dict]:
-    """Overrides of the default: tilings at its split count, then split choices at its tiling."""
+def configs(default: dict, quick: bool, token_rows: bool = False) -> list[dict]:
+    """Overrides of the default: tilings at its split count, then split choices at its tiling;
+    `token_rows`: instead, tilings (stages up to 4) and split counts with one block-table entry
+    per token (page_loads False) against the default."""
+    if token_rows:
+        out = [dict(page_loads=False, TILE_N=t, num_warps=w, num_stages=s)
+               for t, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
+        out += [dict(page_loads=False, num_splits=n) for n in (1, 2, 8)]
+        out += [dict(page_loads=False, min_split_tokens=n) for n in (128, 512)]
+        return [c for c in out if any(default.get(k) != v for k, v in c.items())]
     tiles = (itertools.product((32, 64), (4, 8), (2, 3)) if quick else
              itertools.product((16, 32, 64), (4, 8), (1, 2, 3)))
     out = [dict(TILE_N=t, num_warps=w, num_stages=s) for t, w, s in tiles]
@@ -56,7 +65,7 @@ def configs(default: dict, quick: bool) -> list[dict]:
     out += [dict(num_splits=n) for n in sorted(set(splits)) if n <= 32]
     if not quick:
         out += [dict(min_split_tokens=n) for n in (64, 1024)]
-        out += [dict(page_loads=False), dict(splits_first=False)]
+        out += [dict(page_loads=not default["page_loads"]), dict(splits_first=False)]
     return [c for c in out if any(default.get(k) != v for k, v in c.items())]
 
 
@@ -95,6 +104,8 @@ def main():
     ap.add_argument("--no-mixed", action="store_true", help="uniform contexts only")
     ap.add_argument("--block-size", type=int, default=16, help="KV-cache block size (the engine's default: 16)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--token-rows", action="store_true",
+                    help="tilings and splits with one block-table entry per token (page_loads False)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("mla_decode_sweep.py times Triton kernels in CUDA graphs: it needs a CUDA GPU (none found)")
@@ -115,7 +126,7 @@ def main():
         if not args.no_mixed:
             cases.append(("mixed 100-4096", sorted((rng.randint(100, 4096) for _ in range(b)), reverse=True)))
         default = pick_mla_config(b, H, R, sms, 32)
-        cfgs = configs(default, args.quick)
+        cfgs = configs(default, args.quick, args.token_rows)
         for name, ctx in cases:
             latent_bytes = sum(ctx) * (R + P) * 2
             r = sweep(latent_batch(ctx, dev, args.block_size), cfgs, ws, latent_bytes, args.iters)

@@ -162,8 +162,10 @@ def test_triton_mla_decode_workspace_and_split_choice():
     from atom.model_ops.kernels.mla_decode import MLAWorkspace, mla_decode, pick_mla_config
     assert pick_mla_config(1, 16, 512)["num_splits"] == 32
     assert pick_mla_config(1, 16, 512, max_splits=8)["num_splits"] == 8
-    assert pick_mla_config(256, 16, 512)["num_splits"] == 4  # the H200 sweep: 4 beat 2 at 128 sequences
-    assert pick_mla_config(300, 16, 512)["num_splits"] == 2 and pick_mla_config(1, 16, 512)["TILE_N"] == 64
+    assert pick_mla_config(128, 16, 512)["num_splits"] == 4  # the H200 sweep: 4 beat 2 at 128 sequences
+    assert pick_mla_config(256, 16, 512)["num_splits"] == 2  # and 2 beat 4 at 256
+    assert pick_mla_config(600, 16, 512)["num_splits"] == 1 and pick_mla_config(1, 16, 512)["TILE_N"] == 64
+    assert not pick_mla_config(128, 16, 512)["page_loads"]  # one block-table entry per token
     assert pick_mla_config(256, 16, 512)["TILE_N"] == 32
     g = torch.Generator().manual_seed(1)
     B, Hq, Rk, P, bs = 2, 4, 16, 8, 8

@@ -165,8 +165,8 @@ def test_sweep_grid_is_small_valid_and_varies_every_knob():
     seen = set()
     for b in (1, 8, 32, 64, 128, 256):
         default = pick_mla_config(b, 16, 512)
-        for quick in (False, True):
-            cfgs = sweep.configs(default, quick)
+        for quick, token_rows in ((False, False), (True, False), (False, True)):
+            cfgs = sweep.configs(default, quick, token_rows)
             assert 0 < len(cfgs) <= 30
             for c in cfgs:
                 _check_config(dict(default, **c))

@@ -16,7 +16,7 @@ a read of the latent cache, and the bandwidth it gets depends on the loads in fl
 programs per SM x tiles each keeps in flight (`num_stages` pipelines them); one long loop per
 SM with a ragged last wave reads at a fraction of the HBM rate. The launch choice
 (`pick_mla_config`, a small table) depends on shapes only. Tiles find their cache rows with one
-block-table load per page (or per tile), not one per token.
+block-table entry per token (one per page is a config option, measured slower).
 
 The torch references: `atom.model_ops.attention.mla_torch.latent_decode_ref` and
 `write_latent_cache`. `scripts/mla_decode_sweep.py` times the configurations on a GPU.
@@ -219,26 +219,27 @@ class MLAWorkspace:
 
 
 # The launch choice, from shapes only (a CUDA graph replays it for any context lengths).
-# `scripts/mla_decode_sweep.py --quick` timed the alternatives on the H200 at DeepSeek-V2-Lite's
-# shape (batches 1, 32, 128; contexts 1024 and mixed 100-4096; figures in docs/perf/raw/history.md);
-# batches above 264 sequences were not timed.
+# `scripts/mla_decode_sweep.py` timed the alternatives on the H200 at DeepSeek-V2-Lite's shape
+# (batches 1-256; contexts 850 / 1024 and mixed 100-4096; figures in docs/perf/raw/history.md).
 #
 # Splits: the first row whose bound the programs before splitting (sequences x head blocks)
 # do not exceed, as a multiple of the SMs. The target is a few programs per SM whatever the
-# batch (about 2x the SMs): the old rule (split only below one program per SM) left a batch of
-# ~130 sequences one long sequential loop per SM with a ragged last wave. Inside the kernel a
-# sequence uses only ceil(length / MIN_SPLIT_TOKENS) segments (at most the split count), so a split count
-# chosen for long contexts costs short ones nothing. Up to 2x the SMs 4 splits beat 2 in the
-# sweep: in a batch of mixed lengths the longest sequences set the step's time.
-_SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 4, 8), (2.0, 4), (4.0, 2), (float("inf"), 1))
-MIN_SPLIT_TOKENS = 256
+# batch: the old rule (split only below one program per SM) left a batch of ~130 sequences one
+# long sequential loop per SM with a ragged last wave. Inside the kernel a sequence uses only
+# ceil(length / MIN_SPLIT_TOKENS) segments (at most the split count), so a split count chosen
+# for long contexts costs short ones little. 4 splits beat 2 at 128 mixed-length sequences (the
+# longest set the step's time), 2 beat 4 at 256 (122 against 134 us at 1024 tokens).
+_SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 4, 8), (1.5, 4), (4.0, 2), (float("inf"), 1))
+MIN_SPLIT_TOKENS = 128  # 128 against 256: 13 against 25 us for one 1024-token sequence, equal from ~128
 # Tiles for a 512-wide latent: a [16, 512] fp32 accumulator is 64 registers a thread at 4 warps
 # (8 warps halve it but spread the 16-row dots thinly). Stages: with num_stages >= 2 Triton turns
-# the tile loads (block-table entries, then latent rows) into cp.async copies issued ahead of the
-# dots (sm90 PTX: none at 1 stage). Small batches (programs before splitting <= SMs / 4: long
-# segments per program) were faster with 64-token tiles over 8 warps and 2 stages; from ~128
+# the tile loads into cp.async copies issued ahead of the dots. Small batches (programs before
+# splitting <= SMs / 4: long segments per program) take 64-token tiles over 8 warps; from ~128
 # sequences 32-token tiles over 4 warps were as fast as any.
-_TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=3)
+# Rows: one block-table entry per token (page_loads False), not one per page / tile: with the
+# per-page addresses (a reshape of [pages, page tokens]) the same tiles ran 1.3-1.9x slower at
+# every batch (e.g. 128 mixed sequences 198 against 130 us), the per-token entries being L1 hits.
+_TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=2)
 _TILES_WIDE_FEW = dict(TILE_N=64, num_warps=8, num_stages=2)
 _TILES_NARROW = dict(TILE_N=64, num_warps=4, num_stages=3)  # R_PAD <= 256
 CONFIG_KEYS = ("BLOCK_H", "TILE_N", "num_warps", "num_stages", "num_splits", "min_split_tokens",
@@ -250,7 +251,7 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
     """The launch configuration for a batch shape (see the tables above):
     BLOCK_H / TILE_N / num_warps / num_stages (tiles), num_splits (segments per sequence, a
     power of two), min_split_tokens (a sequence uses ceil(length / it) segments), page_loads (one
-    block-table entry per page, not per token), splits_first (a sequence's segments launch
+    block-table entry per page instead of per token: off, see above), splits_first (a sequence's segments launch
     next to each other: the longest-first batch order then starts the longest work first)."""
     block_h = max(16, min(64, _next_pow2(num_heads)))
     r_pad = max(16, _next_pow2(kv_lora_rank))
@@ -261,7 +262,7 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
         splits = max(1, min(splits, 1 << (max(1, int(max_splits)).bit_length() - 1)))
     tiles = _TILES_NARROW if r_pad <= 256 else (_TILES_WIDE_FEW if 0 < progs <= num_sms / 4 else _TILES_WIDE)
     return dict(BLOCK_H=block_h, **tiles, num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS,
-                page_loads=True, splits_first=True)
+                page_loads=False, splits_first=True)
 
 
 def workspace_slots(max_num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: int = 132,
