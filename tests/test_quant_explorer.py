@@ -119,3 +119,21 @@ def test_quant_accuracy_engine_within_one_point_of_the_reference(tmp_path):
     assert result["tokens"] == 400 and "commit" in result
     json.dumps(result)
     assert "ptpc_fp8" in table(result)
+
+
+def test_quant_accuracy_command_on_smollm2(smollm2_path, tmp_path, capsys):
+    """`python -m atom.benchmarks.quant_accuracy` on the embedded SmolLM2: the table on stdout,
+    the JSON written, the engine within one point of the RTN reference; bad arguments name
+    the flag and what it takes before any model loads."""
+    from atom.benchmarks.quant_accuracy import main
+    out = tmp_path / "acc.json"
+    main(["--model", smollm2_path, "--formats", "ptpc_fp8", "--tokens", "96", "--out", str(out)])
+    result = json.loads(out.read_text())
+    (row,) = result["formats"]
+    assert row["format"] == "ptpc_fp8" and row["within_1_point"] and result["tokens"] == 96
+    assert 0.5 < row["engine"]["top1"] <= 1 and row["engine"]["kl"] > 0 and row["layers_quantized"] > 100
+    assert "ptpc_fp8" in capsys.readouterr().out
+    for argv, flag in ((["--formats", "int3"], "--formats"), (["--tokens", "1"], "--tokens 1")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert flag in capsys.readouterr().err

@@ -29,6 +29,8 @@ from quant_producers import make_checkpoints, producer_python, reference
 SCHEMES = {
     "ct_fp8_dynamic": "fp8 per-channel, act dynamic per-token",
     "ct_fp8_block32": "fp8 block 32x32, act dynamic 1x32",
+    "ct_fp8_block": "fp8 block 128x128, act dynamic 1x128",  # llm-compressor's FP8_BLOCK preset
+    "ct_w4a16": "int4 g128 sym",  # its W4A16 preset
     "ct_fp8_static": "fp8 per-tensor, act static per-tensor",
     "ct_w8a8": "int8 per-channel, act dynamic per-token",
     "ct_w4a16_g32": "int4 g32 sym",

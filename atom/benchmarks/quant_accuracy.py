@@ -105,11 +105,15 @@ def main(argv=None) -> None:
     from atom import LLM
     from atom.quant.text import TEXT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from atom.model_ops.quant.online import FORMATS
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--formats", nargs="+", default=list(DEFAULT_FORMATS))
-    ap.add_argument("--tokens", type=int, default=256, help="tokens of the text (teacher forced)")
+    ap.add_argument("--formats", nargs="+", default=list(DEFAULT_FORMATS), choices=FORMATS, metavar="FORMAT",
+                    help=f"formats to compare (default: all): {', '.join(FORMATS)}")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens of the text (teacher forced), >= 2")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.tokens < 2:
+        ap.error(f"--tokens {args.tokens}: must be >= 2 (one token predicted from the ones before it)")
     llm = LLM(args.model, enable_log_stats=False, num_kvcache_blocks=-(-args.tokens // 16) + 1)
     ids = llm.tokenizer.encode(TEXT)[:args.tokens]
     result = compare(llm, ids, args.formats)

@@ -10,7 +10,7 @@ engine's:
 engine's embedded SmolLM2 folder.)
 
 For each scheme it builds a tiny random Llama or Qwen3 (bf16, seed 0, initializer_range
-0.4 so greedy tokens are decisive), quantizes it with llm-compressor (`oneshot`) or AMD
+0.4 so greedy tokens are decisive; hidden 256 for the presets with 128-wide groups), quantizes it with llm-compressor (`oneshot`) or AMD
 Quark (`ModelQuantizer` + `export_safetensors`) exactly as QUANT_PRODUCERS.md's snippets
 do, saves the checkpoint in OUT_DIR/SCHEME, and writes OUT_DIR/SCHEME/reference.json:
 - `prompts`: token-id prompts; `greedy`: 8 greedy tokens per prompt from transformers
@@ -46,6 +46,8 @@ def base_config(arch: str):
                   max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=16, rope_theta=1e6, **common)
+    if arch == "llama_wide":  # every product's K a multiple of 128: the presets' 128-wide blocks / groups
+        common.update(hidden_size=256, intermediate_size=512)
     return transformers.LlamaConfig(rope_theta=10000.0, **common)
 
 
@@ -93,7 +95,7 @@ def llmc_recipe(scheme: str):
     scheme = scheme.replace("smollm2_", "")
     ignore = ["lm_head"]
     presets = {"ct_fp8_dynamic": "FP8_DYNAMIC", "ct_w8a8": "W8A8", "ct_mxfp4a16": "MXFP4A16", "ct_mxfp4": "MXFP4",
-               "ct_fp8_static": "FP8"}
+               "ct_fp8_static": "FP8", "ct_fp8_block": "FP8_BLOCK", "ct_w4a16": "W4A16"}
     if scheme in presets:
         return QuantizationModifier(scheme=presets[scheme], targets="Linear", ignore=ignore)
     if scheme == "ct_fp8_block32":
@@ -144,6 +146,8 @@ SCHEMES = {
     "ct_fp8_dynamic": ("llmc", "qwen3"),
     "smollm2_ct_fp8_dynamic": ("llmc", "smollm2"),  # 163 MB; base from $ATOM_SMOLLM2_BASE
     "ct_fp8_block32": ("llmc", "qwen3"),
+    "ct_fp8_block": ("llmc", "llama_wide"),  # the FP8_BLOCK preset: 128x128 weights, 1x128 activations
+    "ct_w4a16": ("llmc", "llama_wide"),  # the W4A16 preset: int4 g128
     "ct_fp8_static": ("llmc", "llama"),
     "ct_w8a8": ("llmc", "qwen3"),
     "ct_w4a16_g32": ("llmc", "llama"),
