@@ -52,6 +52,7 @@ from torch import nn
 from atom.distributed.state import current_parallel_state
 from atom.model_ops.activation import silu_and_mul
 from atom.model_ops.moe.method import MoEMethod, moe_method_for
+from atom.model_ops.moe.route_triton import fused_topk, fused_topk_fits
 from atom.model_ops.moe.router import TopK
 from atom.model_ops.activation import gpt_oss_swiglu
 
@@ -304,7 +305,7 @@ class FusedMoE(nn.Module):
         each replica's rows handed back; the shared experts (replicated) on its own tokens. A
         replica without tokens takes part with none (its dummy step)."""
         if self.recorder is not None:  # this replica's own tokens
-            self.recorder.record(self, self.topk(router_logits, correction_bias)[1])
+            self.recorder.record(self, self.route(router_logits, correction_bias)[1])
         h_all, counts = self.tp.gather_rows(hidden)
         logits_all, _ = self.tp.gather_rows(router_logits)
         if sum(counts) == 0:
@@ -314,12 +315,22 @@ class FusedMoE(nn.Module):
             out = out + self.shared_experts(hidden)
         return out
 
+    def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) of the layer's `topk` rule: in one Triton kernel where the plan runs
+        kernels for these logits outside torch.compile and the kernel computes the rule
+        (`route_triton`), else the torch rule."""
+        if self.plan is not None and self.plan.kernels_for(router_logits) is not None \
+                and fused_topk_fits(self.topk) and router_logits.dim() == 2 and router_logits.stride(-1) == 1:
+            return fused_topk(router_logits, self.topk, correction_bias)  # (it checks the shape)
+        return self.topk(router_logits, correction_bias)
+
     def rank_output(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                     correction_bias: torch.Tensor | None = None, record: bool = True) -> torch.Tensor:
         """This rank's part of the output before the all-reduce: its experts (or its slice of
         every expert) on every token, plus the shared experts' partial sum where they leave
         it to this layer (at one rank: the whole output; under DP attention: none)."""
-        topk_weights, topk_ids = self.topk(router_logits, correction_bias)
+        topk_weights, topk_ids = self.route(router_logits, correction_bias)
         if self.recorder is not None and record:
             self.recorder.record(self, topk_ids)  # global ids: every expert counted, on every rank
         if self.parallel_mode == "expert":

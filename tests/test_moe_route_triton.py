@@ -1,0 +1,95 @@
+"""The routing rule in one Triton kernel (`moe.route_triton.fused_topk`) against the torch rule
+(`router.topk_select`) under TRITON_INTERPRET=1 on the CPU, and on a GPU at model shapes
+(`-m gpu`); which rules it takes, ties, and the layer's choice between the two (`FusedMoE.route`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.model_ops.kernels.triton_import import HAS_TRITON
+from atom.model_ops.moe import FusedMoE, TopK
+from atom.model_ops.moe.route_triton import fused_topk, fused_topk_fits
+from atom.model_ops.moe.router import topk_select
+from atom.tuning.plan import KernelPlan
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (interpreter on CPU)")
+
+RULES = [  # (experts, k, scoring, renormalize, bias, scale): Qwen3-MoE, Mixtral, DeepSeek-V2-Lite, V3-like, GPT-like
+    (128, 8, "softmax", True, False, 1.0), (8, 2, "softmax", True, False, 1.0), (64, 6, "softmax", False, False, 1.0),
+    (160, 6, "sigmoid", True, True, 2.5), (32, 4, "softmax", False, False, 1.0), (60, 1, "sigmoid", False, False, 1.0),
+]
+
+
+def _check(logits, topk, bias=None):
+    w, ids = fused_topk(logits, topk, bias)
+    rw, rids = topk_select(logits, topk.top_k, scoring=topk.scoring, renormalize=topk.renormalize,
+                           correction_bias=bias, routed_scaling_factor=topk.routed_scaling_factor)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == rids.shape
+    assert torch.equal(ids, rids)  # random scores: no ties
+    torch.testing.assert_close(w, rw, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("E,k,scoring,renorm,has_bias,scale", RULES)
+@pytest.mark.parametrize("T,dtype", [(1, torch.float32), (5, torch.bfloat16), (33, torch.float32)])
+def test_fused_topk_is_the_torch_rule(E, k, scoring, renorm, has_bias, scale, T, dtype):
+    g = torch.Generator().manual_seed(E * 100 + T)
+    logits = (torch.randn(T, E, generator=g) * 2).to(dtype)
+    bias = torch.randn(E, generator=g) * 0.1 if has_bias else None
+    _check(logits, TopK(E, k, scoring=scoring, renormalize=renorm, routed_scaling_factor=scale), bias)
+
+
+def test_ties_go_to_the_lower_expert_and_rows_are_independent():
+    topk = TopK(16, 3, renormalize=True)
+    logits = torch.zeros(4, 16)
+    logits[1, 9] = logits[1, 4] = 5.0  # two best tied: 4 first, then 9, then the lowest of the rest
+    logits[2] = torch.arange(16.0)
+    w, ids = fused_topk(logits, topk)
+    assert ids.tolist() == [[0, 1, 2], [4, 9, 0], [15, 14, 13], [0, 1, 2]]
+    torch.testing.assert_close(w.sum(1), torch.ones(4))
+    assert fused_topk(torch.zeros(0, 16), topk)[1].shape == (0, 3)
+
+
+def test_rules_it_does_not_compute_are_left_to_torch():
+    grouped = TopK(16, 2, num_expert_group=4, topk_group=2)
+    custom = TopK(16, 2, select_fn=topk_select)
+    assert fused_topk_fits(TopK(16, 2)) and not fused_topk_fits(grouped) and not fused_topk_fits(custom)
+    assert not fused_topk_fits(TopK(2048, 2))
+    with pytest.raises(ValueError, match="without expert groups"):
+        fused_topk(torch.randn(3, 16), grouped)
+    with pytest.raises(ValueError, match=r"not \[tokens, 16\]"):
+        fused_topk(torch.randn(3, 8), TopK(16, 2))
+
+
+def test_layer_routes_through_the_kernel_where_the_plan_runs_kernels(monkeypatch):
+    import atom.model_ops.moe.layer as layer_mod
+    calls = []
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return fused_topk(*a, **kw)
+
+    monkeypatch.setattr(layer_mod, "fused_topk", counting)
+    layer = FusedMoE(8, 32, 16, TopK(8, 2, renormalize=True), prefix="t.experts")
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    want = layer.topk(logits)
+    layer.plan = KernelPlan()  # the torch backend: the torch rule
+    assert all(torch.equal(a, b) for a, b in zip(layer.route(logits), want)) and not calls
+    layer.plan = KernelPlan(backend="triton", force_kernels=True)
+    got = layer.route(logits)
+    assert calls and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+    layer.topk = TopK(8, 2, num_expert_group=2, topk_group=1)  # grouped: the torch rule again
+    calls.clear()
+    layer.route(logits)
+    assert not calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("E,k,scoring,renorm,has_bias,scale", RULES)
+def test_fused_topk_on_gpu(E, k, scoring, renorm, has_bias, scale):
+    for T in (1, 130, 4096):
+        g = torch.Generator().manual_seed(T)
+        logits = (torch.randn(T, E, generator=g) * 2).to(torch.bfloat16).cuda()
+        bias = (torch.randn(E, generator=g) * 0.1).cuda() if has_bias else None
+        _check(logits, TopK(E, k, scoring=scoring, renormalize=renorm, routed_scaling_factor=scale), bias)
