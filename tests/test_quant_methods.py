@@ -489,3 +489,5 @@ def test_layers_without_a_gpu_kernel_are_refused_on_a_gpu():
     fast = torch.nn.ModuleDict({"fast": model["fast"]})
     assert reference_only_layers(fast) == []
     refuse_reference_layers(fast)
+    with pytest.raises(NotImplementedError, match=r"^1 quantized layer\(s\) have a format without a kernel on ROCm"):
+        refuse_reference_layers(fast, rocm=True)  # every quantized linear runs the reference there

@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from atom.model_ops.quant.base import LinearMethod
-from atom.model_ops.quant.common import REFERENCE_KERNEL, method_for
+from atom.model_ops.quant.common import REFERENCE_KERNEL, QuantLinearMethod, method_for
 from atom.model_ops.quant.fp8 import Fp8LinearMethod
 from atom.model_ops.quant.int4 import Int4LinearMethod
 from atom.model_ops.quant.int8 import Int8LinearMethod
@@ -70,32 +70,39 @@ def describe_layers(model: nn.Module) -> list[dict]:
     return rows
 
 
-def reference_only_layers(model: nn.Module) -> list[tuple[str, str]]:
+def reference_only_layers(model: nn.Module, rocm: bool = False) -> list[tuple[str, str]]:
     """(layer, format) of the quantized layers whose method has no GPU kernel for their format:
     linear layers with fp8 weight-only, block weights without their own 1 x bk activation
     groups, W8A16; MoE layers whose experts' format the Triton kernel does not compute (fp8
     with static or per-tensor activations). On a GPU these would run the torch reference,
     dequantizing the weight at every call, so the engine refuses them at load
-    (`refuse_reference_layers`); the CPU runs every format through its reference."""
-    slow = [(r["layer"], r["format"]) for r in describe_layers(model) if r["kernel"] == REFERENCE_KERNEL]
+    (`refuse_reference_layers`); the CPU runs every format through its reference. `rocm`:
+    every quantized linear layer (`common.use_kernels`: the kernels read NVIDIA's e4m3fn and
+    never ran on ROCm)."""
+    modules = dict(model.named_modules())
+    slow = [(r["layer"], r["format"]) for r in describe_layers(model) if r["kernel"] == REFERENCE_KERNEL
+            or (rocm and isinstance(modules[r["layer"]].method, QuantLinearMethod))]
     from atom.model_ops.moe import FusedMoE  # (moe imports this package)
     slow += [(name, m.method.format(m)) for name, m in model.named_modules()
              if isinstance(m, FusedMoE) and not getattr(m.method, "triton_fits", True)]
     return slow
 
 
-def refuse_reference_layers(model: nn.Module, skip=(), platform: str = "this GPU") -> None:
+def refuse_reference_layers(model: nn.Module, skip=(), rocm: bool = False) -> None:
     """Raises NotImplementedError naming the layers `reference_only_layers` finds (how many,
     the first few, each with its format), but those in `skip` (what online quantization
     re-quantizes): a format without a kernel on the platform fails at load instead of running
     slowly through the reference. Called before any weight loads."""
-    slow = [(name, fmt) for name, fmt in reference_only_layers(model) if name not in set(skip)]
+    slow = [(name, fmt) for name, fmt in reference_only_layers(model, rocm) if name not in set(skip)]
+    platform = "ROCm" if rocm else "this GPU"
     if slow:
         shown = "; ".join(f"{name} ({fmt})" for name, fmt in slow[:3]) + ("; ..." if len(slow) > 3 else "")
         raise NotImplementedError(
             f"{len(slow)} quantized layer(s) have a format without a kernel on {platform}: {shown}. "
-            "On a GPU, fp8 linears need dynamic per-token / per-tensor activations (block weights: "
-            "1 x block-width groups), int8 needs W8A8 per-token activations, fp8 experts need dynamic "
-            "per-token or group activations. Exclude these layers in the quantization config "
+            + ("ROCm runs no quantized linear kernel yet. " if rocm else
+               "On a GPU, fp8 linears need dynamic per-token / per-tensor activations (block weights: "
+               "1 x block-width groups), int8 needs W8A8 per-token activations, fp8 experts need dynamic "
+               "per-token or group activations. ")
+            + "Exclude these layers in the quantization config "
             "('ignore' / 'exclude'), use a format with a kernel, or run on the CPU (CUDA_VISIBLE_DEVICES=''), "
             "where every format runs its torch reference")
