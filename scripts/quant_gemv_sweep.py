@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import sys
 
 import torch
@@ -210,6 +211,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if any(m < 1 or m > 64 for m in args.ms):
         ap.error(f"--ms {args.ms}: each M must be in 1..64 (the swap-AB kernel's range)")
+    bad = [s for s in args.shapes or () if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", s)]
+    if bad:
+        ap.error(f"--shapes {bad}: each must be NxK with positive integers (e.g. 4096x14336)")
     if not torch.cuda.is_available():
         print("quant_gemv_sweep: no CUDA GPU here (run it on the H200)", file=sys.stderr)
         return 2

@@ -251,8 +251,9 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
     """The launch configuration for a batch shape (see the tables above):
     BLOCK_H / TILE_N / num_warps / num_stages (tiles), num_splits (segments per sequence, a
     power of two), min_split_tokens (a sequence uses ceil(length / it) segments), page_loads (one
-    block-table entry per page instead of per token: off, see above), splits_first (a sequence's segments launch
-    next to each other: the longest-first batch order then starts the longest work first)."""
+    block-table entry per page instead of per token: off, see above), splits_first (a
+    sequence's segments launch next to each other: the longest-first batch order then starts
+    the longest work first)."""
     block_h = max(16, min(64, _next_pow2(num_heads)))
     r_pad = max(16, _next_pow2(kv_lora_rank))
     progs = num_seqs * -(-num_heads // block_h)
