@@ -86,7 +86,9 @@ def test_layer_routes_through_the_kernel_where_the_plan_runs_kernels(monkeypatch
     want = layer.topk(logits)
     layer.plan = KernelPlan()  # the torch backend: the torch rule
     assert all(torch.equal(a, b) for a, b in zip(layer.route(logits), want)) and not calls
+    assert layer.route_kernel() == "torch (router.topk_select)"
     layer.plan = KernelPlan(backend="triton", force_kernels=True)
+    assert layer.route_kernel() == "triton (route_triton.fused_topk)"
     got = layer.route(logits)
     assert calls and torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)

@@ -33,7 +33,7 @@ def moe_layers_frame(src: Any) -> pd.DataFrame:
     model = src if isinstance(src, nn.Module) else _runner_of(src).model
     return pd.DataFrame(describe_moe_layers(model), columns=["layer", "experts", "top_k", "width", "routing",
                                                               "activation", "method", "format", "bytes", "kernel",
-                                                              "shared_experts", "parallel", "local_experts",
+                                                              "route_kernel", "shared_experts", "parallel", "local_experts",
                                                               "rank", "ranks"])
 
 

@@ -33,8 +33,9 @@ from atom.model_ops.moe.routing_stats import ExpertLoadRecorder
 def describe_moe_layers(model) -> list[dict]:
     """One dict per `FusedMoE` of `model`: layer, experts, top_k, width (this rank's), routing,
     activation, method, format, bytes, kernel (`method.kernel_for(layer)` where the method
-    says, else None), shared experts, parallel ("single" / "tensor" /
-    "expert"), the rank's global expert ids, rank and ranks (`atom.viz.moe_layers_frame` makes a DataFrame)."""
+    says, else None), route_kernel (`FusedMoE.route_kernel`), shared experts, parallel
+    ("single" / "tensor" / "expert"), the rank's global expert ids, rank and ranks
+    (`atom.viz.moe_layers_frame` makes a DataFrame)."""
     rows = []
     for name, m in model.named_modules():
         if isinstance(m, FusedMoE):
@@ -43,6 +44,7 @@ def describe_moe_layers(model) -> list[dict]:
                          "activation": m.activation_name, "method": m.method.name, "format": m.method.format(m),
                          "bytes": m.method.weight_bytes(m),
                          "kernel": m.method.kernel_for(m) if hasattr(m.method, "kernel_for") else None,
+                         "route_kernel": m.route_kernel(),
                          "shared_experts": m.shared_experts is not None,
                          "parallel": m.parallel_mode, "local_experts": f"[{m.expert_start}, "
                          f"{m.expert_start + m.num_local_experts})", "rank": m.tp.rank, "ranks": m.tp.world_size})

@@ -325,6 +325,13 @@ class FusedMoE(nn.Module):
             return fused_topk(router_logits, self.topk, correction_bias)  # (it checks the shape)
         return self.topk(router_logits, correction_bias)
 
+    def route_kernel(self) -> str:
+        """What `route` runs outside torch.compile, for the MoE table's `route_kernel` column."""
+        p = next(self.parameters(), None)
+        if self.plan is not None and p is not None and self.plan.runs_kernels(p) and fused_topk_fits(self.topk):
+            return "triton (route_triton.fused_topk)"
+        return "torch (router.topk_select)" if self.topk.select_fn is None else "torch (select_fn)"
+
     def rank_output(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                     correction_bias: torch.Tensor | None = None, record: bool = True) -> torch.Tensor:
         """This rank's part of the output before the all-reduce: its experts (or its slice of
