@@ -20,7 +20,7 @@ RULES = [  # (experts, k, scoring, renormalize, bias, scale): Qwen3-MoE, Mixtral
 ]
 
 
-def _check(logits, topk, bias=None):
+def _check(logits, topk, bias=None, rtol=2e-6):
     """The same choice as the torch rule: equal ids in every row whose k + 1 best (biased)
     scores are distinct; elsewhere (equal bf16 logits: which of the tied experts is taken is
     arbitrary, torch.topk's pick is not the lowest id on a GPU) the same chosen scores; and
@@ -34,11 +34,11 @@ def _check(logits, topk, bias=None):
     best = choice.topk(min(topk.top_k + 1, topk.num_experts), dim=-1).values
     distinct = (best[:, 1:] != best[:, :-1]).all(1)
     assert torch.equal(ids[distinct], rids[distinct]) and distinct.float().mean() >= 0.5  # (not vacuous)
-    torch.testing.assert_close(choice.gather(1, ids), choice.gather(1, rids), rtol=2e-6, atol=0)
+    torch.testing.assert_close(choice.gather(1, ids), choice.gather(1, rids), rtol=rtol, atol=0)
     want = scores.gather(1, ids)
     want = want / want.sum(-1, keepdim=True) if topk.renormalize else want
-    torch.testing.assert_close(w, want * topk.routed_scaling_factor, rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(w[distinct], rw[distinct], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(w, want * topk.routed_scaling_factor, rtol=rtol, atol=1e-7)
+    torch.testing.assert_close(w[distinct], rw[distinct], rtol=rtol, atol=1e-7)
 
 
 @pytest.mark.parametrize("E,k,scoring,renorm,has_bias,scale", RULES)
@@ -59,6 +59,28 @@ def test_ties_go_to_the_lower_expert_and_rows_are_independent():
     assert ids.tolist() == [[0, 1, 2], [4, 9, 0], [15, 14, 13], [0, 1, 2]]
     torch.testing.assert_close(w.sum(1), torch.ones(4))
     assert fused_topk(torch.zeros(0, 16), topk)[1].shape == (0, 3)
+
+
+def test_rows_of_nan_or_inf_keep_ids_in_range_and_a_bad_bias_is_refused():
+    """A row whose scores are NaN (a +inf or NaN logit: softmax makes the whole row NaN) still
+    yields k distinct experts in [0, E) (the MoE kernels index buffers with them), a NaN score
+    ranked first as torch.topk ranks it;
+    the other rows are unaffected. A bias of the wrong size is refused, a strided one read
+    as its values."""
+    topk = TopK(8, 2, renormalize=True)
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    logits[0, 5] = float("nan")
+    logits[1, 2] = float("inf")
+    logits[2] = float("-inf")
+    w, ids = fused_topk(logits, topk)
+    assert ((ids >= 0) & (ids < 8)).all() and all(len(set(r)) == 2 for r in ids.tolist())
+    assert torch.equal(ids[3], topk_select(logits[3:], 2, renormalize=True)[1][0])
+    _, sig = fused_topk(logits, TopK(8, 2, scoring="sigmoid"))  # sigmoid: NaN in one lane only
+    assert sig[0, 0] == 5 and sig[1, 0] == 2 and ((sig >= 0) & (sig < 8)).all()
+    with pytest.raises(ValueError, match="correction_bias has 4 values"):
+        fused_topk(logits, TopK(8, 2, scoring="sigmoid"), torch.zeros(4))
+    big = torch.randn(16, generator=torch.Generator().manual_seed(4))
+    _check(torch.randn(6, 8, generator=torch.Generator().manual_seed(5)), TopK(8, 2, scoring="sigmoid"), big[::2])
 
 
 def test_rules_it_does_not_compute_are_left_to_torch():
@@ -106,4 +128,5 @@ def test_fused_topk_on_gpu(E, k, scoring, renorm, has_bias, scale):
         g = torch.Generator().manual_seed(T)
         logits = (torch.randn(T, E, generator=g) * 2).to(torch.bfloat16).cuda()
         bias = (torch.randn(E, generator=g) * 0.1).cuda() if has_bias else None
-        _check(logits, TopK(E, k, scoring=scoring, renormalize=renorm, routed_scaling_factor=scale), bias)
+        # (the GPU's exp is ex2.approx: a few ulps from torch's expf)
+        _check(logits, TopK(E, k, scoring=scoring, renormalize=renorm, routed_scaling_factor=scale), bias, rtol=1e-5)

@@ -130,6 +130,9 @@ def test_table():
     assert (qkv["BLOCK_K"], qkv["num_stages"], qkv["SPLIT_K"]) == (128, 6, 4)
     assert small_m_config(17, 4096, 14336)["BLOCK_N"] == 64 and small_m_config(1, 4096, 4096)["BLOCK_K"] == 256
     assert small_m_config(1, 4096, 14336, block_k=128)["BLOCK_N"] == 64  # block scales keep the measured tiles
+    assert small_m_config(1, 4096, 14336, kind="int8")["BLOCK_N"] == 64  # int8 was not swept so
+    assert small_m_config(1, 4096, 14336, big_smem=False)["num_stages"] == 4  # sm86 / sm89: the older tile
+    assert small_m_config(1, 4096, 14336, big_smem=False)["BLOCK_N"] == 64
     for M in (1, 5, 33, 64):  # every split keeps K steps
         for N, K in LLAMA:
             c = small_m_config(M, N, K)

@@ -138,8 +138,9 @@ class ModelRunner:
                            "(its layers are tensor-parallel as without it)", type(self.model).__name__)
         online = OnlineQuantPlan.from_config(config)
         if self.device.type == "cuda":  # a format without a GPU kernel (unless re-quantized), before loading
-            refuse_reference_layers(self.model, skip=online.targeted(self.model) if online is not None else (),
-                                    rocm=torch.version.hip is not None)
+            rocm = torch.version.hip is not None  # (there re-quantized layers run the reference too)
+            skip = online.targeted(self.model) if online is not None and not rocm else ()
+            refuse_reference_layers(self.model, skip=skip, rocm=rocm)
         if online is not None:  # refusals (a format without a method, a source it cannot read) before loading
             online.check(self.model)
         if config.load_dummy:

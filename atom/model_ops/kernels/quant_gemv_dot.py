@@ -169,8 +169,8 @@ if HAS_TRITON:
                     tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next launch (a graph replay)
 
 
-def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", act: str = "token"
-                   ) -> Optional[dict]:
+def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", act: str = "token",
+                   big_smem: bool = True) -> Optional[dict]:
     """The swap-AB kernel's tiles for one product, or None where the older kernels run.
 
     From the H200 sweep (`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot
@@ -189,7 +189,9 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
       (down_proj, 4096 x 14336) take 128-row tiles over 8 warps and split K only to about one
       program per SM (LONG_K_PROGRAMS: SPLIT_K 4), 23.8 against 26.3 us; 4096 < N <= 8192
       (6144 x 4096, q/k/v) takes BLOCK_K 128 over 6 stages, 11.1 against 12.8 us (each with
-      the quantizer in front); the other two shapes were within 0.3 us of the tiles above;
+      the quantizer in front); the other two shapes were within 0.3 us of the tiles above.
+      fp8 only (int8 was not swept so) and only with `big_smem` (sm90's ~227 KiB a block: the
+      K >= LONG_K tile needs ~144 KiB, over the ~99 KiB of sm86 / sm89; `_big_smem`);
     - FUSE (activation quantizer folded in) only up to FUSE_MAX_M, now 0: every program
       re-reading and reducing its rows of x cost more than the separate quantizer launch
       plus the unfused kernel, so the table never fuses (the fused kernel stays callable
@@ -197,7 +199,7 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
     if M < 1 or M > DOT_MAX_M:
         return None
     bn, bk, warps, stages, target = 64, block_k or 256, 4, 4, TARGET_PROGRAMS
-    if M <= 16 and not block_k:  # one 16-row tile: the decode rows of the wide sweep
+    if M <= 16 and not block_k and kind == "fp8" and big_smem:  # one 16-row tile: the wide sweep's decode rows
         if K >= LONG_K:
             bn, warps, target = 128, 8, LONG_K_PROGRAMS
         elif 4096 < N <= 8192:
@@ -218,8 +220,13 @@ def table_summary() -> str:
     return f"quant_gemv_dot (tensor-core swap-AB, M<={DOT_MAX_M}{fused})"
 
 
-def _cfg(M, N, K, block_k, config, kind):
-    cfg = dict(config or small_m_config(M, N, K, block_k, kind) or {})
+def _big_smem(device: torch.device) -> bool:
+    """Whether `device` gives a block sm90's shared memory (the table's widest decode tiles)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _cfg(M, N, K, block_k, config, kind, device):
+    cfg = dict(config or small_m_config(M, N, K, block_k, kind, big_smem=_big_smem(device)) or {})
     if not cfg:
         raise ValueError(f"quant_gemv_dot takes M <= {DOT_MAX_M} rows, got M={M}")
     cfg.pop("FUSE", None)
@@ -284,7 +291,7 @@ def quant_gemv_dot_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None
     M, N, K = _check(xq, xs, w, ws, bias, block_k)
     if block_k and xq.dtype == torch.int8:
         raise ValueError("block scales are an fp8 format; int8 runs with row / column scales")
-    cfg = _cfg(M, N, K, block_k, config, "int8" if xq.dtype == torch.int8 else "fp8")
+    cfg = _cfg(M, N, K, block_k, config, "int8" if xq.dtype == torch.int8 else "fp8", xq.device)
     return _run(xq, xs, w, ws, bias, out_dtype, block_k, cfg, False, False, 1.0, lock)
 
 
@@ -317,7 +324,7 @@ def quant_gemv_dot_fused_launch(x, w, ws, bias, kind, qmax, block_k=0, static_sc
     `act_quant(x, kind, block_k or K, qmax, static_scale)` would (per token, per 1 x block_k
     group, or with the one static scale) -> [M, N] in x's dtype."""
     M, N, K = _check_fused(x, w, ws, bias, kind, block_k, static_scale)
-    cfg = _cfg(M, N, K, block_k, config, kind)
+    cfg = _cfg(M, N, K, block_k, config, kind, x.device)
     static = static_scale is not None
     xs = static_scale.reshape(1) if static else ws  # unread without a static scale
     return _run(x, xs, w, ws, bias, x.dtype, block_k, cfg, True, static, qmax)

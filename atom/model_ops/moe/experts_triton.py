@@ -161,10 +161,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     if P:
         _moe_count_kernel[(triton.cdiv(P, block),)](ids, counts, rank, P, BLOCK=block, num_warps=4)
     e_pad = triton.next_power_of_2(num_experts)
-    # one program, 128 blocks a step, one warp up to 128 experts: for 64 experts 2.8 us at a decode
-    # batch and 14 us at 16k tokens, against 25 and 173 us with [256, 64] steps over 4 warps
+    # one program, 128 blocks a step (fewer above 256 experts: a [BLOCK_J, E_PAD] tile of at most
+    # 32k), one warp up to 128 experts: for 64 experts 2.8 us at a decode batch and 14 us at 16k
+    # tokens, against 25 and 173 us with [256, 64] steps over 4 warps
     _moe_offsets_kernel[(1,)](counts, starts, block_expert, num_experts, num_blocks, BLOCK_M=block_m,
-                              E_PAD=e_pad, BLOCK_J=128, num_warps=1 if e_pad <= 128 else 4)
+                              E_PAD=e_pad, BLOCK_J=max(16, min(128, 32768 // e_pad)),
+                              num_warps=1 if e_pad <= 128 else 4)
     if P:
         _moe_scatter_kernel[(triton.cdiv(P, block),)](ids, rank, starts, sorted_pairs, P, BLOCK=block, num_warps=4)
     return sorted_pairs, block_expert

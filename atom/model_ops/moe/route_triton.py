@@ -43,14 +43,15 @@ if HAS_TRITON:
         choice = s
         if HAS_BIAS:
             choice = s + tl.load(bias_ptr + ex, mask=e_ok, other=0.0).to(tl.float32)[None, :]
+        choice = tl.where(choice != choice, float("inf"), choice)  # NaN ranks first, as in torch.topk
         choice = tl.where(e_ok[None, :], choice, float("-inf"))
         kk = tl.arange(0, K_PAD)
         w = tl.zeros([ROWS, K_PAD], tl.float32)
         ids = tl.zeros([ROWS, K_PAD], tl.int32)
         for j in tl.static_range(K):
             best = tl.max(choice, 1)
-            # the lowest expert id among the row's best (padding lanes hold E_PAD)
-            pick = tl.min(tl.where(choice == best[:, None], ex[None, :], E_PAD), 1)
+            # the lowest expert id among the row's best (never past the experts, whatever the row holds)
+            pick = tl.minimum(tl.min(tl.where(choice == best[:, None], ex[None, :], E_PAD), 1), E - 1)
             hit = ex[None, :] == pick[:, None]
             wj = tl.sum(tl.where(hit, s, 0.0), 1)
             w = tl.where(kk[None, :] == j, wj[:, None], w)
@@ -83,6 +84,11 @@ def fused_topk(logits: torch.Tensor, topk, correction_bias: torch.Tensor | None 
     if E != topk.num_experts or logits.stride(1) != 1:
         raise ValueError(f"router logits {tuple(logits.shape)} (strides {logits.stride()}) are not "
                          f"[tokens, {topk.num_experts}] with contiguous rows")
+    if correction_bias is not None:
+        if correction_bias.numel() != E or correction_bias.device != logits.device:
+            raise ValueError(f"correction_bias has {correction_bias.numel()} values on {correction_bias.device}: "
+                             f"the router needs {E} on {logits.device}")
+        correction_bias = correction_bias.reshape(E).contiguous()
     k = topk.top_k
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)

@@ -77,14 +77,15 @@ def reference_only_layers(model: nn.Module, rocm: bool = False) -> list[tuple[st
     with static or per-tensor activations). On a GPU these would run the torch reference,
     dequantizing the weight at every call, so the engine refuses them at load
     (`refuse_reference_layers`); the CPU runs every format through its reference. `rocm`:
-    every quantized linear layer (`common.use_kernels`: the kernels read NVIDIA's e4m3fn and
-    never ran on ROCm)."""
+    every quantized linear and MoE layer (`common.use_kernels`: the kernels read NVIDIA's
+    e4m3fn and never ran on ROCm)."""
     modules = dict(model.named_modules())
     slow = [(r["layer"], r["format"]) for r in describe_layers(model) if r["kernel"] == REFERENCE_KERNEL
             or (rocm and isinstance(modules[r["layer"]].method, QuantLinearMethod))]
     from atom.model_ops.moe import FusedMoE  # (moe imports this package)
     slow += [(name, m.method.format(m)) for name, m in model.named_modules()
-             if isinstance(m, FusedMoE) and not getattr(m.method, "triton_fits", True)]
+             if isinstance(m, FusedMoE) and (not getattr(m.method, "triton_fits", True)
+                                             or (rocm and m.method.name != "unquantized"))]
     return slow
 
 
