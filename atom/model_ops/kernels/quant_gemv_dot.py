@@ -60,7 +60,7 @@ import torch
 
 from atom.model_ops.kernels.quant_gemm import _check, check_weight_scales
 from atom.model_ops.kernels.split_k import split_k_sum
-from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
+from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, pdl_args, tl, triton
 
 DOT_MAX_M = 64  # the largest M this kernel takes
 FUSE_MAX_M = 0  # up to here the table folds the activation quantizer in (0: never; see small_m_config)
@@ -221,8 +221,10 @@ def table_summary() -> str:
 
 
 def _big_smem(device: torch.device) -> bool:
-    """Whether `device` gives a block sm90's shared memory (the table's widest decode tiles)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether `device` gives a block sm90's shared memory (the table's widest decode tiles):
+    anything but a CUDA device before sm90 (`compiled_for_sm90`, cached per device)."""
+    return device.type != "cuda" or compiled_for_sm90(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _cfg(M, N, K, block_k, config, kind, device):

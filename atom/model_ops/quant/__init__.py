@@ -83,7 +83,7 @@ def reference_only_layers(model: nn.Module, rocm: bool = False) -> list[tuple[st
     slow = [(r["layer"], r["format"]) for r in describe_layers(model) if r["kernel"] == REFERENCE_KERNEL
             or (rocm and isinstance(modules[r["layer"]].method, QuantLinearMethod))]
     from atom.model_ops.moe import FusedMoE  # (moe imports this package)
-    slow += [(name, m.method.format(m)) for name, m in model.named_modules()
+    slow += [(name, m.method.format(m)) for name, m in modules.items()
              if isinstance(m, FusedMoE) and (not getattr(m.method, "triton_fits", True)
                                              or (rocm and m.method.name != "unquantized"))]
     return slow
@@ -94,7 +94,8 @@ def refuse_reference_layers(model: nn.Module, skip=(), rocm: bool = False) -> No
     the first few, each with its format), but those in `skip` (what online quantization
     re-quantizes): a format without a kernel on the platform fails at load instead of running
     slowly through the reference. Called before any weight loads."""
-    slow = [(name, fmt) for name, fmt in reference_only_layers(model, rocm) if name not in set(skip)]
+    skip = set(skip)
+    slow = [(name, fmt) for name, fmt in reference_only_layers(model, rocm) if name not in skip]
     platform = "ROCm" if rocm else "this GPU"
     if slow:
         shown = "; ".join(f"{name} ({fmt})" for name, fmt in slow[:3]) + ("; ..." if len(slow) > 3 else "")
