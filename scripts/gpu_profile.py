@@ -46,16 +46,27 @@ def gpu_busy(prof) -> str:
         cur_e = max(cur_e, e)
     busy += cur_e - cur_s
     span = max(e for _, e in spans) - spans[0][0]
-    return f"GPU busy {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms window ({100 * busy / span:.1f}%)"
+    return (f"GPU busy {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms window ({100 * busy / span:.1f}%), "
+            f"{len(spans)} kernels and copies")
 
 
-def kernel_table(engine, num_steps: int) -> str:
+def kernel_sequence(prof, limit: int) -> str:
+    """The first `limit` kernels and copies of the window in launch order, with their times:
+    what one layer of a step runs, kernel by kernel."""
+    evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                  and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+    return "\n".join(f"{i:4d} {(e.time_range.end - e.time_range.start):8.2f} us  {e.name[:110]}"
+                     for i, e in enumerate(evs[:limit]))
+
+
+def kernel_table(engine, num_steps: int, sequence: int = 0) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             engine.step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
-    return gpu_busy(prof) + "\n" + table
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+    seq = f"\nthe first {sequence} kernels in order:\n" + kernel_sequence(prof, sequence) if sequence else ""
+    return gpu_busy(prof) + "\n" + table + seq
 
 
 def main() -> None:
@@ -71,6 +82,8 @@ def main() -> None:
     ap.add_argument("--graph-mode", default=None, help="cudagraph_mode (default: the level's)")
     ap.add_argument("--quantization", default="bf16",
                     help="a format of atom.benchmarks.quant_formats (the model folder's quantization_config)")
+    ap.add_argument("--sequence", type=int, default=0,
+                    help="also list each window's first N kernels in launch order (one layer's kernels)")
     ap.add_argument("--no-summary", dest="summary", action="store_false",
                     help="skip the whole-workload run that gives the per-kind step totals (a short warm-up instead)")
     args = ap.parse_args()
@@ -118,7 +131,7 @@ def main() -> None:
         for _ in range(first - done):
             engine.step()
         print(f"kernels of {n} steps from step {first}:")
-        print(kernel_table(engine, n), flush=True)
+        print(kernel_table(engine, n, args.sequence), flush=True)
         done = first + n
 
 

@@ -259,6 +259,32 @@ def test_triton_experts_kernel_in_the_engine(tmp_path):
     assert runner.plan.moe_tile_tables
 
 
+@pytest.mark.parametrize("variant", ["v2", "v3_noq"])
+def test_all_triton_kernels_in_the_engine(tmp_path, variant, monkeypatch):
+    """Every layer on its Triton kernel as on a GPU (interpreted): the rope dims rotated in
+    place by the rotary kernel (interleaved pairs for V2, halves for V3 with
+    rope_interleave=false), the norms on strided rows, the latent write and decode on views,
+    the experts kernel, the routing kernel: transformers' tokens on chunked prefills and decodes."""
+    pytest.importorskip("triton")
+    from atom.model_ops import kernels
+    from atom.model_ops.attention.mla_triton import TritonMLABackend
+    from atom.tuning.plan import KernelPlan
+    path = make_tiny_deepseek(tmp_path / "m", variant)
+    ps = prompts(seed=7, lens=(5, 40))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
+    runner = llm.engine.runner
+    runner.set_attention_backend(TritonMLABackend(runner.attn_layers, 64, runner.device))
+    runner.install_plan(KernelPlan(backend="triton", force_kernels=True, moe_kernel="triton"))
+    calls = []
+    real = kernels.rotary_embedding
+    monkeypatch.setattr(kernels, "rotary_embedding",
+                        lambda *a, **kw: calls.append(kw.get("interleaved")) or real(*a, **kw))
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in ps]
+    assert calls and set(calls) == {variant == "v2"}, "the rope dims did not go through the rotary kernel"
+
+
 def test_describe_moe_layers_shows_deepseek(tmp_path):
     from atom.viz import moe_layers_frame
     path = make_tiny_deepseek(tmp_path / "m", "v3")

@@ -414,6 +414,43 @@ def test_rotary_embedding(device, D, Hq, Hkv, norm):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_embedding_on_mla_views(device, interleaved):
+    """DeepSeek's rope dims, rotated in place inside the projections' outputs (q_pe [T, H, 64]
+    of q [T, H, 192], k_pe [T, 64] of kv_a [T, 576]) == `DeepseekRotaryEmbedding`'s torch
+    path (fresh tensors), pairs (2i, 2i + 1) or (i, i + 32); nothing else of q / kv_a moves."""
+    from atom.model_ops.rotary_yarn import DeepseekRotaryEmbedding
+    params = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+    rope = DeepseekRotaryEmbedding(64, 8192, params, interleaved=interleaved).to(device)
+    for dtype in _dtypes(device):
+        T, H = 11, 5
+        pos = torch.randint(0, 8192, (T,), device=device)
+        q = torch.randn(T, H * 192, device=device).to(dtype)
+        kv_a = torch.randn(T, 576, device=device).to(dtype)
+        q_pe, k_pe = q.view(T, H, 192)[..., 128:], kv_a[:, 512:]
+        q_ref, k_ref = rope.rotate(q_pe, *_mla_cos_sin(rope, pos)), rope.rotate(k_pe[:, None], *_mla_cos_sin(rope, pos))
+        q0, kv0 = q.clone(), kv_a.clone()
+        rotary_embedding(pos, q_pe, k_pe, rope.cos_sin_cache, 64, interleaved=interleaved)
+        _check_close(q_pe, q_ref, dtype, "rope q_pe")
+        _check_close(k_pe, k_ref[:, 0], dtype, "rope k_pe")
+        assert torch.equal(q.view(T, H, 192)[..., :128], q0.view(T, H, 192)[..., :128]), "rope wrote q_nope"
+        assert torch.equal(kv_a[:, :512], kv0[:, :512]), "rope wrote kv_c"
+        q2, k2 = q0.view(T, H, 192)[..., 128:].clone(), kv0[:, 512:].clone()
+        rotary_embedding_ref(pos, q2, k2, rope.cos_sin_cache, 64, interleaved=interleaved)
+        _check_close(q2, q_ref, dtype, "rope ref q_pe")
+        _check_close(k2, k_ref[:, 0], dtype, "rope ref k_pe")
+    with pytest.raises(ValueError, match="interleaved"):
+        rotary_embedding(pos, q_pe, k_pe, rope.cos_sin_cache, 64, interleaved=True,
+                         kv_cache=(k_pe, None, None, pos))
+
+
+def _mla_cos_sin(rope, pos):
+    cos, sin = rope.cos_sin_cache[pos].chunk(2, dim=-1)
+    return cos[:, None, :], sin[:, None, :]
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("D,Hq,Hkv,bs", [(64, 9, 3, 16), (128, 16, 8, 32)])
 @pytest.mark.parametrize("norm", [False, True])
 def test_rotary_embedding_writes_kv_cache(device, D, Hq, Hkv, bs, norm):

@@ -34,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, inplace: 
     check_norm_args(x, weight)
     if x.numel() == 0:
         return x if inplace else torch.empty_like(x)
-    out = aiter.rmsnorm2d_fwd(as_rows(x), _weight(weight, x), eps).view(x.shape)
+    out = aiter.rmsnorm2d_fwd(as_rows(x).contiguous(), _weight(weight, x), eps).view(x.shape)  # (rows of a wider tensor)
     return x.copy_(out) if inplace else out
 
 

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from atom.model_ops import kernel_backend
 from atom.model_ops.rotary import RotaryEmbedding, inv_frequencies
 
 
@@ -100,6 +101,12 @@ class DeepseekRotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     def forward(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor):
+        """Returns the rotated (q_pe, k_pe): with the engine's kernels, q_pe and k_pe themselves,
+        rotated in place by one launch (views of the projections are fine); else new tensors."""
+        kern = kernel_backend.get(q_pe)
+        if kern is not None:
+            kern.rotary_embedding(positions, q_pe, k_pe, self.cos_sin_cache, self.dim, interleaved=self.interleaved)
+            return q_pe, k_pe
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]
         return self.rotate(q_pe, cos, sin), self.rotate(k_pe[:, None, :], cos, sin)[:, 0]

@@ -29,6 +29,7 @@ from atom.model_ops.attention.mla import MLAAttention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
 from atom.model_ops.linear import Linear, MergedLinear
 from atom.model_ops.moe import FusedMoE
+from atom.model_ops.moe.gate_triton import router_logits_fp32
 from atom.model_ops.norm import RMSNorm
 from atom.model_ops.rotary import rope_parameters
 from atom.model_ops.rotary_yarn import DeepseekRotaryEmbedding, mla_softmax_scale
@@ -65,7 +66,7 @@ class DeepseekRouter(nn.Module):
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.float(), self.weight.float())
+        return router_logits_fp32(x, self.weight)
 
     def extra_repr(self) -> str:
         return repr(self.routing)
@@ -124,12 +125,12 @@ class DeepseekV2Attention(nn.Module):
         T = hidden.shape[0]
         if self.q_lora_rank:
             q_a, kv_a = self.fused_qkv_a_proj(hidden).split([self.q_lora_rank, self.kv_lora_rank + self.rope], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a.contiguous()))
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
         q_nope, q_pe = q.view(T, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         return self.o_proj(self.attn(q_nope, q_pe, kv_c, k_pe))
 

@@ -42,13 +42,13 @@ class TritonMLABackend(MLABackend):
         write_latent(kv_c, k_pe, layer.kv_cache, meta.slot_mapping, layer.k_scale)
 
     def decode_latent(self, layer, q_lat, q_pe, block_tables, seq_lens, seq_lens_host, meta) -> torch.Tensor:
-        return mla_decode(q_lat.contiguous(), q_pe.contiguous(), layer.kv_cache, block_tables, seq_lens,
+        return mla_decode(q_lat, q_pe, layer.kv_cache, block_tables, seq_lens,  # (any strides but the last)
                           layer.kv_lora_rank, layer.scale, workspace=self.workspace, kv_scale=layer.k_scale)
 
     def forward(self, layer, q_nope, q_pe, kv_c, k_pe) -> torch.Tensor:
         """Opaque to torch.compile: the op reads the forward context, this method does not."""
         out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_head_dim)
-        torch.ops.atom.mla_attention(q_nope, q_pe, kv_c.contiguous(), k_pe.contiguous(), out, layer.layer_idx)
+        torch.ops.atom.mla_attention(q_nope, q_pe, kv_c, k_pe, out, layer.layer_idx)
         return out
 
     def __repr__(self) -> str:

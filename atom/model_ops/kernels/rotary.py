@@ -1,7 +1,9 @@
-"""Rotary embedding (NeoX / rotate_half style, as HF Llama and Qwen3), in place.
+"""Rotary embedding (NeoX / rotate_half style, as HF Llama and Qwen3, or interleaved pairs,
+as DeepSeek's MLA rope dims), in place.
 
 ``cos_sin_cache[pos]`` holds ``cos(pos * inv_freq)`` in its first D/2 columns and
-``sin(...)`` in its last D/2 (the model builds it, llama3 scaling included).
+``sin(...)`` in its last D/2 (the model builds it, llama3 / YaRN scaling included). Pair i
+rotates (x[i], x[i + D/2]) (rotate_half) or, with ``interleaved``, (x[2i], x[2i + 1]).
 Optionally a per-head RMSNorm (Qwen3's q_norm/k_norm, weight [D]) is applied to
 q and k before the rotation, and the rotated keys and the values are written into the
 paged KV cache, all in the same kernel (one launch per layer instead of three).  Math in fp32.
@@ -23,13 +25,19 @@ if HAS_TRITON:
     @triton.jit
     def _rope_heads(base, stride_h, w_ptr, cos, sin, eps,
                     NH: tl.constexpr, NH_PAD: tl.constexpr,
-                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
+                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
+                    INTERLEAVED: tl.constexpr = False):
         h = tl.arange(0, NH_PAD)
         d = tl.arange(0, HALF_PAD)
         mask = (h < NH)[:, None] & (d < HALF)[None, :]
-        p1 = base + h[:, None] * stride_h + d[None, :]
+        if INTERLEAVED:  # pair i is (x[2i], x[2i + 1])
+            p1 = base + h[:, None] * stride_h + 2 * d[None, :]
+            p2 = p1 + 1
+        else:  # pair i is (x[i], x[i + D/2])
+            p1 = base + h[:, None] * stride_h + d[None, :]
+            p2 = p1 + HALF
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
             var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
             rstd = 1.0 / tl.sqrt(var + eps)
@@ -40,7 +48,7 @@ if HAS_TRITON:
         o1 = x1 * cos[None, :] - x2 * sin[None, :]
         o2 = x2 * cos[None, :] + x1 * sin[None, :]
         tl.store(p1, o1.to(base.dtype.element_ty), mask=mask)
-        tl.store(p1 + HALF, o2.to(base.dtype.element_ty), mask=mask)
+        tl.store(p2, o2.to(base.dtype.element_ty), mask=mask)
         return o1, o2
 
     @triton.jit
@@ -53,6 +61,7 @@ if HAS_TRITON:
         HALF: tl.constexpr, HALF_PAD: tl.constexpr,
         Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
         WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
+        INTERLEAVED: tl.constexpr,
     ):
         pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
@@ -61,9 +70,9 @@ if HAS_TRITON:
         cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)
         sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
         _rope_heads(q_ptr + t * stride_qt, stride_qh, qw_ptr, cos, sin, eps,
-                    HQ, HQ_PAD, HALF, HALF_PAD, Q_NORM)
+                    HQ, HQ_PAD, HALF, HALF_PAD, Q_NORM, INTERLEAVED)
         k1, k2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, kw_ptr, cos, sin, eps,
-                             HKV, HKV_PAD, HALF, HALF_PAD, K_NORM)
+                             HKV, HKV_PAD, HALF, HALF_PAD, K_NORM, INTERLEAVED)
         if WRITE_KV:  # the rotated key and the value go straight into the paged cache
             slot = tl.load(slot_ptr + t).to(tl.int64)
             h = tl.arange(0, HKV_PAD)
@@ -122,12 +131,15 @@ def rotary_embedding(
     k_norm_weight: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
     kv_cache: Optional[tuple] = None,
+    interleaved: bool = False,
 ):
     """Rotates q [T, Hq*D] and k [T, Hkv*D] in place (views are fine); returns (q, k).
 
     `kv_cache=(value, k_cache, v_cache, slot_mapping)` also writes the rotated keys and the
     values [T, Hkv*D] into the paged caches [num_blocks, block_size, Hkv, D] at the slots
-    (negative = padding, skipped): the cache write of `reshape_and_cache` in the same launch."""
+    (negative = padding, skipped): the cache write of `reshape_and_cache` in the same launch.
+    `interleaved` rotates the pairs (x[2i], x[2i + 1]) (no cache write: the one MLA model that
+    rotates so writes its latent cache itself)."""
     if not HAS_TRITON:
         raise RuntimeError("rotary_embedding needs triton; use rotary_embedding_ref without it")
     if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim:
@@ -141,6 +153,8 @@ def rotary_embedding(
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None and w.shape != (head_dim,):
             raise ValueError(f"{name} must be [{head_dim}], got {tuple(w.shape)}")
+    if interleaved and kv_cache is not None:
+        raise ValueError("rotary_embedding: interleaved=True does not write a KV cache (kv_cache must be None)")
     write = _cache_args(kv_cache, T, HKV, head_dim) if kv_cache is not None else None
     if T == 0:
         return q, k
@@ -158,13 +172,13 @@ def rotary_embedding(
         svt, svh, scb, sco, sch,
         HQ=HQ, HQ_PAD=np2(HQ), HKV=HKV, HKV_PAD=np2(HKV), HALF=half, HALF_PAD=np2(half),
         Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None,
-        WRITE_KV=write is not None, BLOCK_SIZE=block_size,
+        WRITE_KV=write is not None, BLOCK_SIZE=block_size, INTERLEAVED=bool(interleaved),
         num_warps=4 if np2(HQ) * np2(half) >= 1024 else 2, **pdl_args(q),
     )
     return q, k
 
 
-def _rope_ref_one(x, positions, cos_sin_cache, head_dim, w, eps):
+def _rope_ref_one(x, positions, cos_sin_cache, head_dim, w, eps, interleaved=False):
     T = x.shape[0]
     xf = x.reshape(T, -1, head_dim).float()
     if w is not None:
@@ -172,16 +186,21 @@ def _rope_ref_one(x, positions, cos_sin_cache, head_dim, w, eps):
     half = head_dim // 2
     cs = cos_sin_cache[positions.long()].float()
     cos, sin = cs[:, None, :half], cs[:, None, half:]
-    x1, x2 = xf[..., :half], xf[..., half:]
-    y = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        y = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:]
+        y = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     x.copy_(y.reshape(x.shape).to(x.dtype))
 
 
 def rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim,
-                         q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6, kv_cache=None):
+                         q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6, kv_cache=None,
+                         interleaved: bool = False):
     """Torch reference of :func:`rotary_embedding` (also in place)."""
-    _rope_ref_one(q, positions, cos_sin_cache, head_dim, q_norm_weight, eps)
-    _rope_ref_one(k, positions, cos_sin_cache, head_dim, k_norm_weight, eps)
+    _rope_ref_one(q, positions, cos_sin_cache, head_dim, q_norm_weight, eps, interleaved)
+    _rope_ref_one(k, positions, cos_sin_cache, head_dim, k_norm_weight, eps, interleaved)
     if kv_cache is not None:
         value, k_cache, v_cache, slot_mapping = kv_cache
         T = k.shape[0]

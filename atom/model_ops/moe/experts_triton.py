@@ -149,7 +149,7 @@ if HAS_TRITON:
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The layout of `moe_align_ref` from the three kernels of the module docstring."""
-    ids = topk_ids.reshape(-1).to(torch.int32)
+    ids = topk_ids.reshape(-1)  # (int64 or int32: the kernels read either, no conversion launch)
     P, dev = ids.numel(), ids.device
     num_blocks = -(-P // block_m) + num_experts
     sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=dev)
@@ -278,4 +278,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     cfg, layout = pair_layout(topk_ids, E, tiles, config, sort)
     h = expert_product(x, w13, w13_bias, topk_ids, k, None, cfg, layout)
     y = expert_product(activation(h), w2, w2_bias, topk_ids, 1, topk_weights, cfg, layout)
-    return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+    return y.view(T, k, H).sum(1)  # (16-bit inputs are summed in fp32 and rounded once, in one kernel)

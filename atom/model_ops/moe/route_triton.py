@@ -19,6 +19,7 @@ import torch
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 MAX_EXPERTS = 1024  # one row of scores per program in registers
+ROWS_SMALL, ROWS_LARGE, ROWS_SWITCH = 4, 16, 2048  # `route_config`: rows a program up to / past the switch
 
 if HAS_TRITON:
 
@@ -72,8 +73,17 @@ def fused_topk_fits(topk) -> bool:
             and topk.num_experts <= MAX_EXPERTS)
 
 
-def fused_topk(logits: torch.Tensor, topk, correction_bias: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_config(num_tokens: int, num_experts: int) -> dict:
+    """Tokens a program (ROWS) and its warps for a batch: few rows a program, so that a decode
+    batch spreads over many SMs (each row's k rounds of reductions are a serial chain: 16 rows
+    on one warp left a 130-token batch on 9 programs), more rows past a few thousand tokens."""
+    e_pad = triton.next_power_of_2(num_experts)
+    rows = ROWS_SMALL if num_tokens <= ROWS_SWITCH else ROWS_LARGE
+    return dict(ROWS=max(1, min(rows, 2048 // e_pad)), num_warps=1 if e_pad <= 128 else 4)
+
+
+def fused_topk(logits: torch.Tensor, topk, correction_bias: torch.Tensor | None = None,
+               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights fp32 [T, k], ids int64 [T, k]) of `topk`'s rule (see the module docstring) for
     router logits [T, E]: `router.topk_select`'s result up to fp32 rounding of the scores
     (and the choice among exactly equal scores)."""
@@ -94,11 +104,11 @@ def fused_topk(logits: torch.Tensor, topk, correction_bias: torch.Tensor | None 
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     if T == 0:
         return w, ids
-    e_pad = triton.next_power_of_2(E)
-    rows = max(1, min(16, 2048 // e_pad))
+    cfg = {**route_config(T, E), **(config or {})}  # `config`: ROWS / num_warps (a sweep's overrides)
     bias = correction_bias if correction_bias is not None else logits
-    _route_kernel[(triton.cdiv(T, rows),)](
+    _route_kernel[(triton.cdiv(T, cfg["ROWS"]),)](
         logits, bias, w, ids, T, E, logits.stride(0), topk.routed_scaling_factor,
-        E_PAD=e_pad, K=k, K_PAD=triton.next_power_of_2(k), ROWS=rows, SOFTMAX=topk.scoring == "softmax",
-        HAS_BIAS=correction_bias is not None, RENORM=topk.renormalize, num_warps=1 if e_pad <= 128 else 4)
+        E_PAD=triton.next_power_of_2(E), K=k, K_PAD=triton.next_power_of_2(k), ROWS=cfg["ROWS"],
+        SOFTMAX=topk.scoring == "softmax", HAS_BIAS=correction_bias is not None, RENORM=topk.renormalize,
+        num_warps=cfg["num_warps"])
     return w, ids
