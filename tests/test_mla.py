@@ -156,6 +156,46 @@ def test_triton_mla_decode_matches_reference(splits, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dims", [(16, 8, 16), (32, 16, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_mla_prefill_matches_reference(dims, dtype):
+    """Every span of a step in one launch == the per-sequence reference: fresh prompts (n == L)
+    and chunks after a cached prefix (n < L), spans longer than a tile, rope widths below tl.dot's
+    16 (padded), views of wider tensors as the layer passes them; rows outside the spans untouched."""
+    from atom.model_ops.attention.mla_torch import expanded_prefill_ref
+    from atom.model_ops.kernels.mla_prefill import mla_prefill, prefill_tiles
+    nope, rope, vd = dims
+    g = torch.Generator().manual_seed(nope)
+    H = 3
+    spans = [(0, 5, 0, 5), (6, 40, 5, 70), (46, 2, 75, 9), (49, 19, 84, 19)]  # (q row, n, ctx row, L); row 5 decodes
+    T, Lt = 68, 103
+    q = torch.randn(T, H, nope + rope + 4, generator=g).to(dtype)  # a wider projection's views
+    kv = torch.randn(Lt, H, nope + vd, generator=g).to(dtype)
+    lat = torch.randn(Lt, 24 + rope, generator=g).to(dtype)
+    q_nope, q_pe = q[..., :nope], q[..., nope:nope + rope]
+    k_nope, v, k_pe = kv[..., :nope], kv[..., nope:], lat[:, 24:]
+    out = torch.full((T, H, vd), 7.0, dtype=dtype)
+    tiles, seqs = prefill_tiles(spans, 16, "cpu")
+    mla_prefill(q_nope, q_pe, k_nope, k_pe, v, tiles, seqs, 0.25, out, config=dict(BLOCK_M=16, BLOCK_N=16))
+    qf = torch.cat((q_nope, q_pe), -1).float()
+    kf = torch.cat((k_nope, k_pe[:, None].expand(Lt, H, rope)), -1).float()
+    tol = 2e-5 if dtype == torch.float32 else 3e-3
+    for s, n, c, L in spans:
+        ref = expanded_prefill_ref(qf[s:s + n], kf[c:c + L], v[c:c + L].float(), 0.25)
+        torch.testing.assert_close(out[s:s + n].float(), ref, atol=tol, rtol=tol)
+    assert torch.all(out[5] == 7.0), "a row outside the spans was written"
+
+
+@needs_triton
+def test_triton_mla_prefill_rejects_mismatched_shapes():
+    from atom.model_ops.kernels.mla_prefill import mla_prefill, prefill_tiles
+    tiles, seqs = prefill_tiles([(0, 2, 0, 2)], 16, "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_prefill(torch.randn(2, 3, 16), torch.randn(2, 3, 8), torch.randn(2, 3, 16), torch.randn(2, 8),
+                    torch.randn(2, 3, 16), tiles, seqs, 0.1, torch.empty(2, 4, 16))
+
+
+@needs_triton
 def test_triton_mla_decode_workspace_and_split_choice():
     """Small batches split (the choice depends on shapes only); the workspace's views are used,
     and a batch too big for the workspace runs unsplit with the same result."""
@@ -369,3 +409,29 @@ def test_triton_fp8_latent_write_and_decode_match_the_reference(splits):
     out = mla_decode(ql, qp, cache, tables, torch.tensor(lens, dtype=torch.int32), Rk, 0.3, num_kv_splits=splits,
                      config=dict(min_split_tokens=1, TILE_N=16), kv_scale=scale)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_triton_mla_prefill_v2_lite_shape_on_gpu():
+    """DeepSeek-V2-Lite's heads (16 x (128 + 64), values 128) in bf16: fresh prompts up to 1024
+    tokens and a 256-token chunk after a 900-token prefix, against the per-sequence reference."""
+    from atom.model_ops.attention.mla_torch import expanded_prefill_ref
+    from atom.model_ops.kernels.mla_prefill import PREFILL_TILE, mla_prefill, prefill_tiles
+    g = torch.Generator().manual_seed(3)
+    H, nope, rope, vd = 16, 128, 64, 128
+    lens = [(300, 300), (1024, 1024), (256, 1156), (17, 17)]
+    spans, s, c = [], 0, 0
+    for n, L in lens:
+        spans.append((s, n, c, L))
+        s, c = s + n, c + L
+    q = torch.randn(s, H, nope + rope, generator=g).to(torch.bfloat16).cuda()
+    kv = torch.randn(c, H, nope + vd, generator=g).to(torch.bfloat16).cuda()
+    lat = torch.randn(c, 512 + rope, generator=g).to(torch.bfloat16).cuda()
+    out = torch.empty(s, H, vd, dtype=torch.bfloat16, device="cuda")
+    tiles, seqs = prefill_tiles(spans, PREFILL_TILE["BLOCK_M"], "cuda")
+    mla_prefill(q[..., :nope], q[..., nope:], kv[..., :nope], lat[:, 512:], kv[..., nope:], tiles, seqs, 0.1, out)
+    kf = torch.cat((kv[..., :nope], lat[:, None, 512:].expand(c, H, rope)), -1)
+    for s0, n, c0, L in spans:
+        ref = expanded_prefill_ref(q[s0:s0 + n].float(), kf[c0:c0 + L].float(), kv[c0:c0 + L, :, nope:].float(), 0.1)
+        torch.testing.assert_close(out[s0:s0 + n].float(), ref, atol=2e-2, rtol=2e-2)

@@ -99,14 +99,21 @@ class MLAAttention(nn.Module):
         w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
-    def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached latents [L, R + P] -> keys [L, H, nope + rope], values [L, H, v]."""
+    def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cached latents [L, R + P] -> (k_nope [L, H, nope], k_pe [L, P], v [L, H, v]): one
+        `kv_b_proj` product, whose output k_nope and v are views of; k_pe (shared by the heads)
+        a view of the latents."""
         L, R = latent.shape[0], self.kv_lora_rank
         weight = self._kv_b_copy()
         kv = (self.kv_b_proj(latent[:, :R]) if weight is None else
               torch.nn.functional.linear(latent[:, :R].to(weight.dtype), weight)).view(L, self.num_heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k_pe = latent[:, None, R:].expand(L, self.num_heads, self.qk_rope_head_dim)
+        return k_nope, latent[:, R:], v
+
+    def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached latents [L, R + P] -> keys [L, H, nope + rope], values [L, H, v]."""
+        k_nope, k_pe, v = self.expand_latent(latent)
+        k_pe = k_pe[:, None].expand(k_pe.shape[0], self.num_heads, self.qk_rope_head_dim)
         return torch.cat((k_nope, k_pe.to(k_nope.dtype)), dim=-1), v
 
     def calibrate_kv_scales(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ cache: one shared "KV head" of dim R + P, values its first R dims), `expanded_pr
 runs the decode rows (one query token) in the absorbed form through `decode_latent` (what a
 backend provides) and every other sequence (prefill chunks over any cached prefix, multi-token
 steps) in the expanded form: their contexts' latents gathered from the cache in one index,
-expanded by one `kv_b_proj` product, attended per sequence.
+expanded by one `kv_b_proj` product, attended by `prefill` (here per sequence; the Triton
+backend's one kernel launch for all of them).
 """
 from __future__ import annotations
 
@@ -139,11 +140,18 @@ class MLABackend:
             out[tok] = unabsorb_output(out_lat, w_uv)
         slots, spans = self._prefill_plan(meta, qlens, slens, starts, layer.kv_cache.shape[1])
         if spans:  # one gather and one kv_b_proj product for every prefill's context
-            q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)
-            k, v = layer.expand_kv(self._gather_latents(layer, slots, q_nope.dtype))
-            for s, n, c, L in spans:
-                out[s:s + n] = expanded_prefill_ref(q[s:s + n], k[c:c + L], v[c:c + L], layer.scale)
+            k_nope, k_pe, v = layer.expand_latent(self._gather_latents(layer, slots, q_nope.dtype))
+            self.prefill(layer, q_nope, q_pe, k_nope, k_pe, v, spans, out, meta)
         return out
+
+    def prefill(self, layer, q_nope, q_pe, k_nope, k_pe, v, spans, out, meta) -> None:
+        """out[s:s + n] for each span (first query row s, n rows, context rows c..c + L): causal
+        attention over the expanded context, one sequence at a time (the reference)."""
+        q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)
+        k_pe = k_pe[:, None].expand(k_pe.shape[0], layer.num_heads, k_pe.shape[-1])
+        k = torch.cat((k_nope, k_pe.to(k_nope.dtype)), dim=-1)
+        for s, n, c, L in spans:
+            out[s:s + n] = expanded_prefill_ref(q[s:s + n], k[c:c + L], v[c:c + L], layer.scale)
 
     @staticmethod
     def _gather_latents(layer, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,8 +5,7 @@ behind one custom op.
 `aiter.mla_attention` splitting op) writes this step's latents into layer `layer_idx`'s cache
 and attends for the whole batch: decode rows absorbed (W_UK in, `mla_decode` over the latent
 cache, W_UV out: no host sync, CUDA-graph safe), other rows expanded from the cache through
-`kv_b_proj` and attended by the torch reference (SDPA per sequence; a Triton prefill over
-expanded K/V is not built yet). Being a registered op it is opaque to torch.compile. The op
+`kv_b_proj` and attended by `mla_prefill` (every prefill sequence in one launch). Being a registered op it is opaque to torch.compile. The op
 finds the engine's backend (its layers and split-KV scratch) through the forward context.
 """
 from __future__ import annotations
@@ -17,6 +16,7 @@ from atom.model_ops.attention.metadata import get_forward_context
 from atom.model_ops.attention.mla_torch import MLABackend
 from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES
 from atom.model_ops.kernels.mla_decode import MLAWorkspace, mla_decode, num_sms, workspace_slots, write_latent
+from atom.model_ops.kernels.mla_prefill import PREFILL_TILE, mla_prefill, prefill_tiles
 
 OP_NAME = "atom::mla_attention"
 
@@ -44,6 +44,13 @@ class TritonMLABackend(MLABackend):
     def decode_latent(self, layer, q_lat, q_pe, block_tables, seq_lens, seq_lens_host, meta) -> torch.Tensor:
         return mla_decode(q_lat, q_pe, layer.kv_cache, block_tables, seq_lens,  # (any strides but the last)
                           layer.kv_lora_rank, layer.scale, workspace=self.workspace, kv_scale=layer.k_scale)
+
+    def prefill(self, layer, q_nope, q_pe, k_nope, k_pe, v, spans, out, meta) -> None:
+        """Every prefill span in one `mla_prefill` launch (its work list built once per step)."""
+        work = meta.step_cache.get("mla_prefill_tiles")
+        if work is None:
+            work = meta.step_cache["mla_prefill_tiles"] = prefill_tiles(spans, PREFILL_TILE["BLOCK_M"], out.device)
+        mla_prefill(q_nope, q_pe, k_nope, k_pe, v, *work, layer.scale, out)
 
     def forward(self, layer, q_nope, q_pe, kv_c, k_pe) -> torch.Tensor:
         """Opaque to torch.compile: the op reads the forward context, this method does not."""
