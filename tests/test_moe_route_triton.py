@@ -155,17 +155,20 @@ def test_route_config_spreads_decode_batches():
 # --- fp32 router logits (gate_triton) ------------------------------------------------------------
 
 @pytest.mark.parametrize("T,E,H", [(1, 8, 64), (17, 64, 96), (40, 20, 200)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_router_logits_kernel_matches_fp32_reference(T, E, H, dtype):
-    """The kernel's logits equal `F.linear(x.float(), W)` up to fp32 rounding, for hidden sizes
-    that do and do not divide its 64-wide steps, expert counts below and past its 16-wide tiles."""
+def test_router_logits_kernel_matches_fp32_reference(T, E, H):
+    """The kernel's logits (bf16 x, the fp32 weight in three bf16 parts) equal
+    `F.linear(x.float(), W)` up to fp32 rounding, for hidden sizes that do and do not divide its
+    64-wide steps, expert counts below and past its 16-wide tiles, weights of mixed magnitudes."""
     from atom.model_ops.moe.gate_triton import router_logits_ref, router_logits_triton
     g = torch.Generator().manual_seed(T * E)
+    dtype = torch.bfloat16
     x = torch.randn(T, H, generator=g).to(dtype)
-    w = torch.randn(E, H, generator=g)
+    w = torch.randn(E, H, generator=g) * torch.logspace(-3, 1, H)[None, :]
     out = router_logits_triton(x, w)
     assert out.dtype == torch.float32 and out.shape == (T, E)
     torch.testing.assert_close(out, router_logits_ref(x, w), rtol=1e-5, atol=1e-5)
+    exact = F_linear_fp64(x, w)  # (one bf16 part of w alone would be ~2^-9 off, two ~2^-17)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
     wide = torch.randn(T, 2 * H, generator=g).to(dtype)[:, ::2]  # rows with a stride
     torch.testing.assert_close(router_logits_triton(wide, w), router_logits_ref(wide, w), rtol=1e-5, atol=1e-5)
 
@@ -173,9 +176,11 @@ def test_router_logits_kernel_matches_fp32_reference(T, E, H, dtype):
 def test_router_logits_kernel_rejects_bad_inputs():
     from atom.model_ops.moe.gate_triton import router_logits_triton
     with pytest.raises(ValueError, match="weight dtype"):
-        router_logits_triton(torch.randn(2, 8), torch.randn(4, 8).half())
+        router_logits_triton(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).half())
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        router_logits_triton(torch.randn(2, 8), torch.randn(4, 8))
     with pytest.raises(ValueError, match=r"\[T, H\]"):
-        router_logits_triton(torch.randn(2, 8), torch.randn(4, 9))
+        router_logits_triton(torch.randn(2, 8).bfloat16(), torch.randn(4, 9))
 
 
 def test_router_logits_fp32_runs_the_kernel_only_under_a_kernel_plan(monkeypatch):
@@ -186,13 +191,15 @@ def test_router_logits_fp32_runs_the_kernel_only_under_a_kernel_plan(monkeypatch
     calls = []
     real = gate_triton.router_logits_triton
     monkeypatch.setattr(gate_triton, "router_logits_triton", lambda *a: calls.append(1) or real(*a))
-    x, w = torch.randn(3, 32), torch.randn(8, 32)
+    x, w = torch.randn(3, 32).bfloat16(), torch.randn(8, 32)
     ref = gate_triton.router_logits_ref(x, w)
     torch.testing.assert_close(gate_triton.router_logits_fp32(x, w), ref)
     assert not calls
     monkeypatch.setattr(kernel_backend, "get", lambda t: kernels)
     torch.testing.assert_close(gate_triton.router_logits_fp32(x, w), ref, rtol=1e-5, atol=1e-5)
     assert calls == [1]
+    torch.testing.assert_close(gate_triton.router_logits_fp32(x.float(), w), gate_triton.router_logits_ref(x, w))
+    assert calls == [1], "fp32 activations take the reference"
 
 
 @pytest.mark.gpu
