@@ -1,5 +1,5 @@
 """The kernel sweep scripts' grids and arguments, without a GPU: `quant_gemv_sweep.py --wide`
-(the M = 1 grid behind the swap-AB decode tiles) and `moe_offsets_sweep.py`."""
+(the M = 1 grid behind the swap-AB decode tiles), `moe_offsets_sweep.py` and `moe_glue_sweep.py`."""
 from __future__ import annotations
 
 import importlib.util
@@ -47,3 +47,10 @@ def test_quant_gemv_sweep_refuses_bad_shapes_before_anything_runs(capsys):
 def test_moe_offsets_sweep_says_it_needs_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         _script("moe_offsets_sweep").main()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
+def test_moe_glue_sweep_says_it_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["moe_glue_sweep.py", "--out", "unused.json"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        _script("moe_glue_sweep").main()

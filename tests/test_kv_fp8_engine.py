@@ -225,8 +225,16 @@ def test_fp8_latent_cache_greedy_tokens_match_transformers_with_fp8_latents(tmp_
     runner = llm.engine.runner
     if backend == "triton":
         pytest.importorskip("triton")
+        from atom.model_ops.attention.mla_torch import MLABackend
         from atom.model_ops.attention.mla_triton import TritonMLABackend
-        runner.set_attention_backend(TritonMLABackend(runner.attn_layers, 64, runner.device))
+        triton_backend = TritonMLABackend(runner.attn_layers, 64, runner.device)
+        # the prompts' attention by the per-sequence reference: a latent rounds to e4m3 exactly
+        # as in transformers only if it was computed in the same fp32 order, and the prefill
+        # kernel's online softmax (~1e-5 away: tests/test_mla.py) moves some latents across a
+        # rounding boundary (and the computed scales by an ulp), so greedy tokens part at
+        # near-ties; the FP8 write, gather and decode kernels stay in this exact check
+        monkeypatch.setattr(triton_backend, "prefill", lambda *a: MLABackend.prefill(triton_backend, *a))
+        runner.set_attention_backend(triton_backend)
     assert {a.kv_cache.dtype for a in runner.attn_layers} == {torch.float8_e4m3fn}
     assert runner.kv_cache_manager.bytes_per_block * 2 == KVCacheManager(
         {i: (a, a.kv_cache_spec(torch.bfloat16)) for i, a in enumerate(runner.attn_layers)},
