@@ -1,5 +1,5 @@
 """The kernel sweep scripts' grids and arguments, without a GPU: `quant_gemv_sweep.py --wide`
-(the M = 1 grid behind the swap-AB decode tiles), `moe_offsets_sweep.py` and `moe_glue_sweep.py`."""
+(the M = 1 grid behind the swap-AB decode tiles), `moe_offsets_sweep.py` and `moe_route_sweep.py`."""
 from __future__ import annotations
 
 import importlib.util
@@ -50,7 +50,7 @@ def test_moe_offsets_sweep_says_it_needs_a_gpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
-def test_moe_glue_sweep_says_it_needs_a_gpu(monkeypatch):
-    monkeypatch.setattr("sys.argv", ["moe_glue_sweep.py", "--out", "unused.json"])
+def test_moe_route_sweep_says_it_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["moe_route_sweep.py", "--out", "unused.json"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        _script("moe_glue_sweep").main()
+        _script("moe_route_sweep").main()

@@ -145,77 +145,8 @@ def test_fused_topk_rows_per_program(rows, warps):
 
 
 def test_route_config_spreads_decode_batches():
-    """A decode batch gets few rows a program (more programs than rows-of-16 gave), a prefill
-    more; wide expert counts keep a [ROWS, E] tile of at most 2048 scores."""
+    """A decode batch gets one row a program (a program per token), a prefill a few rows; wide
+    expert counts keep a [ROWS, E] tile of at most 2048 scores."""
     from atom.model_ops.moe.route_triton import route_config
-    assert route_config(130, 64)["ROWS"] < 16 and route_config(16384, 64)["ROWS"] == 16
+    assert route_config(130, 64)["ROWS"] == 1 and route_config(16384, 64)["ROWS"] > 1
     assert route_config(16384, 1024)["ROWS"] * 1024 <= 2048 and route_config(16384, 1024)["num_warps"] == 4
-
-
-# --- fp32 router logits (gate_triton) ------------------------------------------------------------
-
-@pytest.mark.parametrize("T,E,H", [(1, 8, 64), (17, 64, 96), (40, 20, 200)])
-def test_router_logits_kernel_matches_fp32_reference(T, E, H):
-    """The kernel's logits (bf16 x, the fp32 weight in three bf16 parts) equal
-    `F.linear(x.float(), W)` up to fp32 rounding, for hidden sizes that do and do not divide its
-    64-wide steps, expert counts below and past its 16-wide tiles, weights of mixed magnitudes."""
-    from atom.model_ops.moe.gate_triton import router_logits_ref, router_logits_triton
-    g = torch.Generator().manual_seed(T * E)
-    dtype = torch.bfloat16
-    x = torch.randn(T, H, generator=g).to(dtype)
-    w = torch.randn(E, H, generator=g) * torch.logspace(-3, 1, H)[None, :]
-    out = router_logits_triton(x, w)
-    assert out.dtype == torch.float32 and out.shape == (T, E)
-    torch.testing.assert_close(out, router_logits_ref(x, w), rtol=1e-5, atol=1e-5)
-    exact = F_linear_fp64(x, w)  # (one bf16 part of w alone would be ~2^-9 off, two ~2^-17)
-    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
-    wide = torch.randn(T, 2 * H, generator=g).to(dtype)[:, ::2]  # rows with a stride
-    torch.testing.assert_close(router_logits_triton(wide, w), router_logits_ref(wide, w), rtol=1e-5, atol=1e-5)
-
-
-def test_router_logits_kernel_rejects_bad_inputs():
-    from atom.model_ops.moe.gate_triton import router_logits_triton
-    with pytest.raises(ValueError, match="weight dtype"):
-        router_logits_triton(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).half())
-    with pytest.raises(ValueError, match="torch.bfloat16"):
-        router_logits_triton(torch.randn(2, 8), torch.randn(4, 8))
-    with pytest.raises(ValueError, match=r"\[T, H\]"):
-        router_logits_triton(torch.randn(2, 8).bfloat16(), torch.randn(4, 9))
-
-
-def test_router_logits_fp32_runs_the_kernel_only_under_a_kernel_plan(monkeypatch):
-    """Outside a forward on a CPU tensor (no kernels for it): the torch reference; where the
-    plan's kernels serve x: the Triton kernel."""
-    from atom.model_ops import kernel_backend, kernels
-    from atom.model_ops.moe import gate_triton
-    calls = []
-    real = gate_triton.router_logits_triton
-    monkeypatch.setattr(gate_triton, "router_logits_triton", lambda *a: calls.append(1) or real(*a))
-    x, w = torch.randn(3, 32).bfloat16(), torch.randn(8, 32)
-    ref = gate_triton.router_logits_ref(x, w)
-    torch.testing.assert_close(gate_triton.router_logits_fp32(x, w), ref)
-    assert not calls
-    monkeypatch.setattr(kernel_backend, "get", lambda t: kernels)
-    torch.testing.assert_close(gate_triton.router_logits_fp32(x, w), ref, rtol=1e-5, atol=1e-5)
-    assert calls == [1]
-    torch.testing.assert_close(gate_triton.router_logits_fp32(x.float(), w), gate_triton.router_logits_ref(x, w))
-    assert calls == [1], "fp32 activations take the reference"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("E,H", [(64, 2048), (160, 5120)])
-def test_router_logits_kernel_on_gpu(E, H):
-    from atom.model_ops.moe.gate_triton import router_logits_ref, router_logits_triton
-    for T in (1, 130, 4096):
-        g = torch.Generator().manual_seed(T)
-        x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-        w = (torch.randn(E, H, generator=g) * 0.02).cuda()
-        ref = F_linear_fp64(x, w)
-        out = router_logits_triton(x, w)
-        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)  # no TF32 rounding anywhere
-        torch.testing.assert_close(router_logits_ref(x, w).double(), ref, rtol=1e-3, atol=1e-3)
-
-
-def F_linear_fp64(x, w):
-    return torch.nn.functional.linear(x.double(), w.double())

@@ -29,7 +29,6 @@ from atom.model_ops.attention.mla import MLAAttention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
 from atom.model_ops.linear import Linear, MergedLinear
 from atom.model_ops.moe import FusedMoE
-from atom.model_ops.moe.gate_triton import router_logits_fp32
 from atom.model_ops.norm import RMSNorm
 from atom.model_ops.rotary import rope_parameters
 from atom.model_ops.rotary_yarn import DeepseekRotaryEmbedding, mla_softmax_scale
@@ -66,7 +65,7 @@ class DeepseekRouter(nn.Module):
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return router_logits_fp32(x, self.weight)
+        return torch.nn.functional.linear(x.float(), self.weight.float())
 
     def extra_repr(self) -> str:
         return repr(self.routing)

@@ -1,14 +1,12 @@
-"""Times the small kernels around a MoE layer's experts on a GPU (CUDA-graph replays, so launch
-overhead is left out): the routing kernel (`route_triton.fused_topk`) over rows per program and
-warps, the fp32 router logits (`gate_triton`: the Triton kernel over its tiles against the
-cast + cuBLAS fp32 GEMM), at decode and prefill token counts. Prints a table, writes JSON.
+"""Times the routing kernel of a MoE layer (`route_triton.fused_topk`) on a GPU over rows per
+program and warps (CUDA-graph replays, so launch overhead is left out), at decode and prefill
+token counts; `route_config`'s choice is marked. Prints each row as it is measured, writes JSON.
 
-    python scripts/moe_glue_sweep.py --out sweep.json [--tokens 1 130 1024 16384]
+    python scripts/moe_route_sweep.py --out sweep.json [--tokens 1 130 1024 16384]
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 
 import torch
@@ -25,13 +23,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 130, 256, 1024, 4096, 16384])
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("moe_glue_sweep needs a CUDA GPU")
-    from atom.model_ops.moe.gate_triton import router_logits_ref, router_logits_triton
+        raise SystemExit("moe_route_sweep needs a CUDA GPU")
     from atom.model_ops.moe.route_triton import fused_topk, route_config
     from atom.model_ops.moe.router import TopK
     rows = []
-    shapes = {"deepseek-v2-lite": (64, 6, 2048, "softmax"), "qwen3-30b-a3b": (128, 8, 2048, "softmax")}
-    for model, (E, k, H, scoring) in shapes.items():
+    shapes = {"deepseek-v2-lite": (64, 6, "softmax"), "qwen3-30b-a3b": (128, 8, "softmax"),
+              "deepseek-v3": (256, 8, "sigmoid")}
+    for model, (E, k, scoring) in shapes.items():
         topk = TopK(E, k, renormalize=scoring == "sigmoid", scoring=scoring)
         for T in args.tokens:
             logits = torch.randn(T, E, device="cuda")
@@ -40,16 +38,6 @@ def main() -> None:
                 us = bench(lambda: fused_topk(logits, topk, config=dict(ROWS=r, num_warps=w)))
                 emit(rows, dict(kernel="route", model=model, tokens=T, ROWS=r, num_warps=w, us=us,
                                 default=base == dict(ROWS=r, num_warps=w)))
-            if E > 128:
-                continue
-            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            wt = torch.randn(E, H, device="cuda")
-            emit(rows, dict(kernel="gate", model=model, tokens=T, config="cast + cuBLAS fp32",
-                            us=bench(lambda: router_logits_ref(x, wt))))
-            for be, bk in itertools.product((16, 32, 64), (64, 128)):
-                cfg = dict(BLOCK_E=be, BLOCK_K=bk)
-                emit(rows, dict(kernel="gate", model=model, tokens=T, config=json.dumps(cfg),
-                                us=bench(lambda: router_logits_triton(x, wt, cfg))))
             with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured
                 json.dump(rows, f, indent=1)
 
