@@ -175,24 +175,26 @@ def test_triton_mla_prefill_matches_reference(dims, dtype):
     q_nope, q_pe = q[..., :nope], q[..., nope:nope + rope]
     k_nope, v, k_pe = kv[..., :nope], kv[..., nope:], lat[:, 24:]
     out = torch.full((T, H, vd), 7.0, dtype=dtype)
-    tiles, seqs = prefill_tiles(spans, 16, "cpu")
-    mla_prefill(q_nope, q_pe, k_nope, k_pe, v, tiles, seqs, 0.25, out, config=dict(BLOCK_M=16, BLOCK_N=16))
+    work = prefill_tiles(spans, 16, "cpu")
+    mla_prefill(q_nope, q_pe, k_nope, k_pe, v, work, 0.25, out, config=dict(BLOCK_N=16))
+    with pytest.raises(ValueError, match="BLOCK_M"):  # tables for 16-row tiles run only with 16-row tiles
+        mla_prefill(q_nope, q_pe, k_nope, k_pe, v, work, 0.25, out, config=dict(BLOCK_M=32))
     qf = torch.cat((q_nope, q_pe), -1).float()
     kf = torch.cat((k_nope, k_pe[:, None].expand(Lt, H, rope)), -1).float()
     tol = 2e-5 if dtype == torch.float32 else 3e-3
     for s, n, c, L in spans:
         ref = expanded_prefill_ref(qf[s:s + n], kf[c:c + L], v[c:c + L].float(), 0.25)
         torch.testing.assert_close(out[s:s + n].float(), ref, atol=tol, rtol=tol)
-    assert torch.all(out[5] == 7.0), "a row outside the spans was written"
+    assert torch.all(out[5] == 7.0) and torch.all(out[48] == 7.0), "a row outside the spans was written"
 
 
 @needs_triton
 def test_triton_mla_prefill_rejects_mismatched_shapes():
     from atom.model_ops.kernels.mla_prefill import mla_prefill, prefill_tiles
-    tiles, seqs = prefill_tiles([(0, 2, 0, 2)], 16, "cpu")
+    work = prefill_tiles([(0, 2, 0, 2)], 16, "cpu")
     with pytest.raises(ValueError, match="do not fit"):
         mla_prefill(torch.randn(2, 3, 16), torch.randn(2, 3, 8), torch.randn(2, 3, 16), torch.randn(2, 8),
-                    torch.randn(2, 3, 16), tiles, seqs, 0.1, torch.empty(2, 4, 16))
+                    torch.randn(2, 3, 16), work, 0.1, torch.empty(2, 4, 16))
 
 
 @needs_triton
@@ -429,8 +431,8 @@ def test_triton_mla_prefill_v2_lite_shape_on_gpu():
     kv = torch.randn(c, H, nope + vd, generator=g).to(torch.bfloat16).cuda()
     lat = torch.randn(c, 512 + rope, generator=g).to(torch.bfloat16).cuda()
     out = torch.empty(s, H, vd, dtype=torch.bfloat16, device="cuda")
-    tiles, seqs = prefill_tiles(spans, PREFILL_TILE["BLOCK_M"], "cuda")
-    mla_prefill(q[..., :nope], q[..., nope:], kv[..., :nope], lat[:, 512:], kv[..., nope:], tiles, seqs, 0.1, out)
+    work = prefill_tiles(spans, PREFILL_TILE["BLOCK_M"], "cuda")
+    mla_prefill(q[..., :nope], q[..., nope:], kv[..., :nope], lat[:, 512:], kv[..., nope:], work, 0.1, out)
     kf = torch.cat((kv[..., :nope], lat[:, None, 512:].expand(c, H, rope)), -1)
     for s0, n, c0, L in spans:
         ref = expanded_prefill_ref(q[s0:s0 + n].float(), kf[c0:c0 + L].float(), kv[c0:c0 + L, :, nope:].float(), 0.1)

@@ -46,11 +46,13 @@ class TritonMLABackend(MLABackend):
                           layer.kv_lora_rank, layer.scale, workspace=self.workspace, kv_scale=layer.k_scale)
 
     def prefill(self, layer, q_nope, q_pe, k_nope, k_pe, v, spans, out, meta) -> None:
-        """Every prefill span in one `mla_prefill` launch (its work list built once per step)."""
-        work = meta.step_cache.get("mla_prefill_tiles")
-        if work is None:
-            work = meta.step_cache["mla_prefill_tiles"] = prefill_tiles(spans, PREFILL_TILE["BLOCK_M"], out.device)
-        mla_prefill(q_nope, q_pe, k_nope, k_pe, v, *work, layer.scale, out)
+        """Every prefill span in one `mla_prefill` launch (its work list built once per step,
+        for the step's spans: every layer gets the same list from `_prefill_plan`)."""
+        cached = meta.step_cache.get("mla_prefill_tiles")
+        if cached is None or cached[0] is not spans:
+            cached = meta.step_cache["mla_prefill_tiles"] = (
+                spans, prefill_tiles(spans, PREFILL_TILE["BLOCK_M"], out.device))
+        mla_prefill(q_nope, q_pe, k_nope, k_pe, v, cached[1], layer.scale, out)
 
     def forward(self, layer, q_nope, q_pe, kv_c, k_pe) -> torch.Tensor:
         """Opaque to torch.compile: the op reads the forward context, this method does not."""

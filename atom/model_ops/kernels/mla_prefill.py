@@ -18,6 +18,8 @@ The torch reference is `mla_torch.expanded_prefill_ref`, one sequence at a time.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
@@ -88,22 +90,29 @@ def _pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def prefill_tiles(spans: list[tuple[int, int, int, int]], block_m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tiles int32 [N, 2], seqs int32 [S, 4]) for spans [(first query row, query rows,
-    first context row, context length)]: the kernel's work list (module docstring)."""
+class PrefillWork(NamedTuple):
+    """The kernel's work list (module docstring) and the query rows a tile that it was cut for."""
+    tiles: torch.Tensor  # int32 [N, 2]
+    seqs: torch.Tensor  # int32 [S, 4]
+    block_m: int
+
+
+def prefill_tiles(spans: list[tuple[int, int, int, int]], block_m: int, device) -> PrefillWork:
+    """The work list for spans [(first query row, query rows, first context row, context
+    length)] cut into tiles of `block_m` query rows."""
     seqs = torch.tensor(spans, dtype=torch.int32).view(-1, 4)
     tiles = torch.tensor([(j, m0) for j, (_, n, _, _) in enumerate(spans) for m0 in range(0, n, block_m)],
                          dtype=torch.int32).view(-1, 2)
-    return tiles.to(device, non_blocking=True), seqs.to(device, non_blocking=True)
+    return PrefillWork(tiles.to(device, non_blocking=True), seqs.to(device, non_blocking=True), int(block_m))
 
 
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
-                v: torch.Tensor, tiles: torch.Tensor, seqs: torch.Tensor, scale: float, out: torch.Tensor,
+                v: torch.Tensor, work: PrefillWork, scale: float, out: torch.Tensor,
                 config: dict | None = None) -> torch.Tensor:
-    """Writes out[t, h] (out [T, H, v]) for every query row t of the spans in `seqs` (other rows
+    """Writes out[t, h] (out [T, H, v]) for every query row t of the spans in `work` (other rows
     untouched): q_nope [T, H, nope], q_pe [T, H, rope], k_nope [L, H, nope], k_pe [L, rope],
-    v [L, H, v], any strides with a contiguous last dim; `tiles` / `seqs` from `prefill_tiles`
-    with the same BLOCK_M as `config` (default `PREFILL_TILE`)."""
+    v [L, H, v], any strides with a contiguous last dim; `work` from `prefill_tiles`, whose
+    tile height is the kernel's BLOCK_M (`config` may set the other keys of `PREFILL_TILE`)."""
     if not HAS_TRITON:
         raise RuntimeError("mla_prefill needs triton; use mla_torch.expanded_prefill_ref without it")
     T, H, nope = q_nope.shape
@@ -116,7 +125,13 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, 
     for name, x in (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v), ("out", out)):
         if x.stride(-1) != 1:
             raise ValueError(f"mla_prefill: {name} must have a contiguous last dimension")
-    cfg = {**PREFILL_TILE, **(config or {})}
+    cfg = {**PREFILL_TILE, "BLOCK_M": work.block_m, **(config or {})}
+    if cfg["BLOCK_M"] != work.block_m:
+        raise ValueError(f"mla_prefill: config BLOCK_M={cfg['BLOCK_M']} differs from the {work.block_m} query rows "
+                         "a tile its work list was cut for (prefill_tiles)")
+    tiles, seqs = work.tiles, work.seqs
+    if tiles.device != out.device or seqs.device != out.device:
+        raise ValueError(f"mla_prefill: the work list is on {tiles.device}, the tensors on {out.device}")
     if tiles.numel() == 0:
         return out
     dot_prec = "ieee" if q_nope.dtype == torch.float32 else "tf32"
