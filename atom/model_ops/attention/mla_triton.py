@@ -1,12 +1,13 @@
-"""The Triton MLA backend: the latent-cache write and the split-KV absorbed decode in Triton,
-behind one custom op.
+"""The Triton MLA backend: the latent-cache write, the split-KV absorbed decode and the expanded
+prefill in Triton, behind one custom op.
 
 `atom::mla_attention(q_nope, q_pe, kv_c, k_pe, output, layer_idx)` (our name for the guide's
 `aiter.mla_attention` splitting op) writes this step's latents into layer `layer_idx`'s cache
 and attends for the whole batch: decode rows absorbed (W_UK in, `mla_decode` over the latent
 cache, W_UV out: no host sync, CUDA-graph safe), other rows expanded from the cache through
-`kv_b_proj` and attended by `mla_prefill` (every prefill sequence in one launch). Being a registered op it is opaque to torch.compile. The op
-finds the engine's backend (its layers and split-KV scratch) through the forward context.
+`kv_b_proj` and attended by `mla_prefill` (every prefill sequence in one launch). Being a
+registered op it is opaque to torch.compile. The op finds the engine's backend (its layers and
+split-KV scratch) through the forward context.
 """
 from __future__ import annotations
 

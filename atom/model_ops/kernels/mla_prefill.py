@@ -35,7 +35,8 @@ if HAS_TRITON:
         qn_ptr, qp_ptr, kn_ptr, kp_ptr, v_ptr, out_ptr, tiles_ptr, seqs_ptr, scale_log2,
         s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_kn_t, s_kn_h, s_kp_t, s_v_t, s_v_h, s_o_t, s_o_h,
         NOPE: tl.constexpr, ROPE: tl.constexpr, VD: tl.constexpr,
-        NOPE_PAD: tl.constexpr, ROPE_PAD: tl.constexpr, VD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+        NOPE_PAD: tl.constexpr, ROPE_PAD: tl.constexpr, VD_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     ):
         tile = tl.program_id(0)
         h = tl.program_id(1)
@@ -139,6 +140,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, 
         q_nope, q_pe, k_nope, k_pe, v, out, tiles, seqs, float(scale) * _LOG2E,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), k_nope.stride(0), k_nope.stride(1),
         k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        NOPE=nope, ROPE=rope, VD=vd, NOPE_PAD=_pad(nope), ROPE_PAD=_pad(rope), VD_PAD=_pad(vd), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_prec,
+        NOPE=nope, ROPE=rope, VD=vd, NOPE_PAD=_pad(nope), ROPE_PAD=_pad(rope), VD_PAD=_pad(vd),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
