@@ -24,6 +24,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_route_sweep needs a CUDA GPU")
+    from atom.model_ops.kernels.triton_import import triton
     from atom.model_ops.moe.route_triton import fused_topk, route_config
     from atom.model_ops.moe.router import TopK
     rows = []
@@ -35,16 +36,12 @@ def main() -> None:
             logits = torch.randn(T, E, device="cuda")
             base = route_config(T, E)
             grid = [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (4, 2), (1, 4), (4, 4)]
-            for r, w in [(r, w) for r, w in grid if r * triton_next_pow2(E) <= 2048]:  # the tiles the rule may pick
+            for r, w in [(r, w) for r, w in grid if r * triton.next_power_of_2(E) <= 2048]:  # the tiles the rule may pick
                 us = bench(lambda: fused_topk(logits, topk, config=dict(ROWS=r, num_warps=w)))
                 emit(rows, dict(kernel="route", model=model, tokens=T, ROWS=r, num_warps=w, us=us,
                                 default=base == dict(ROWS=r, num_warps=w)))
             with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured
                 json.dump(rows, f, indent=1)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def emit(rows: list, row: dict) -> None:

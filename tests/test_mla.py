@@ -10,7 +10,8 @@ import torch
 from atom.model_engine.kv_cache import FullAttentionSpec, KVCacheManager, LatentAttentionSpec
 from atom.model_ops.attention import AttentionMetadata, forward_context
 from atom.model_ops.attention.mla import MLAAttention
-from atom.model_ops.attention.mla_torch import (TorchMLABackend, latent_decode_ref, write_latent_cache)
+from atom.model_ops.attention.mla_torch import (TorchMLABackend, expanded_keys, latent_decode_ref,
+                                                write_latent_cache)
 from atom.model_ops.linear import Linear
 
 H, R, NOPE, ROPE, V = 3, 16, 8, 4, 12
@@ -97,8 +98,10 @@ def test_absorbed_decode_equals_expanded_decode():
     meta, latents, new, q_nope, q_pe = _mixed_step(layer, gen, [1], [10])
     with forward_context(meta):
         absorbed = layer(q_nope, q_pe, new[:, :R], new[:, R:])
-    k, v = layer.expand_kv(layer.kv_cache.view(-1, R + ROPE)[meta.block_tables[0].long().repeat_interleave(BS) * BS
-                                                           + torch.arange(meta.block_tables.shape[1] * BS) % BS][:10])
+    k_nope, k_pe, v = layer.expand_latent(
+        layer.kv_cache.view(-1, R + ROPE)[meta.block_tables[0].long().repeat_interleave(BS) * BS
+                                          + torch.arange(meta.block_tables.shape[1] * BS) % BS][:10])
+    k = expanded_keys(k_nope, k_pe)
     q = torch.cat((q_nope, q_pe), -1)
     p = (torch.einsum("hd,lhd->hl", q[0], k) * layer.scale).softmax(-1)
     torch.testing.assert_close(absorbed.view(H, V), torch.einsum("hl,lhd->hd", p, v), atol=2e-5, rtol=2e-5)

@@ -110,12 +110,6 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         return k_nope, latent[:, R:], v
 
-    def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached latents [L, R + P] -> keys [L, H, nope + rope], values [L, H, v]."""
-        k_nope, k_pe, v = self.expand_latent(latent)
-        k_pe = k_pe[:, None].expand(k_pe.shape[0], self.num_heads, self.qk_rope_head_dim)
-        return torch.cat((k_nope, k_pe.to(k_nope.dtype)), dim=-1), v
-
     def calibrate_kv_scales(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Once armed (`kv_scale_pending`), at the next cache write: `k_scale` from this step's
         latents (amax over kv_c and k_pe / K_SCALE_RANGE; 1.0 where all are zero), on the

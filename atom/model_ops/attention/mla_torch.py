@@ -2,7 +2,8 @@
 
 Functions (no state): `write_latent_cache` (the cache write), `absorb_queries` /
 `unabsorb_output` (W_UK in, W_UV out), `latent_decode_ref` (absorbed decode over the latent
-cache: one shared "KV head" of dim R + P, values its first R dims), `expanded_prefill_ref`
+cache: one shared "KV head" of dim R + P, values its first R dims), `expanded_keys` (the keys
+of the expanded form: k_nope beside the shared k_pe), `expanded_prefill_ref`
 (causal attention of a chunk over expanded keys / values, offset by the cached context).
 
 `MLABackend.forward` is shared by the torch and Triton backends: it writes the step's latents,
@@ -78,6 +79,12 @@ def latent_decode_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     return o[:, 0]
 
 
+def expanded_keys(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """k_nope [L, H, nope] and the heads' shared k_pe [L, rope] -> keys [L, H, nope + rope]."""
+    k_pe = k_pe[:, None].expand(k_pe.shape[0], k_nope.shape[1], k_pe.shape[-1])
+    return torch.cat((k_nope, k_pe.to(k_nope.dtype)), dim=-1)
+
+
 def expanded_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, H, Dqk] (the last n of the L context tokens), k [L, H, Dqk], v [L, H, Dv] -> [n, H, Dv]."""
     n, L = q.shape[0], k.shape[0]
@@ -148,8 +155,7 @@ class MLABackend:
         """out[s:s + n] for each span (first query row s, n rows, context rows c..c + L): causal
         attention over the expanded context, one sequence at a time (the reference)."""
         q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)
-        k_pe = k_pe[:, None].expand(k_pe.shape[0], layer.num_heads, k_pe.shape[-1])
-        k = torch.cat((k_nope, k_pe.to(k_nope.dtype)), dim=-1)
+        k = expanded_keys(k_nope, k_pe)
         for s, n, c, L in spans:
             out[s:s + n] = expanded_prefill_ref(q[s:s + n], k[c:c + L], v[c:c + L], layer.scale)
 

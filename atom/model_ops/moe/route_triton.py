@@ -19,9 +19,8 @@ import torch
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 MAX_EXPERTS = 1024  # one row of scores per program in registers
-# `route_config`: rows a program up to / past ROWS_SWITCH tokens. H200 (scripts/moe_route_sweep.py,
-# 64 experts top-6 / 128 top-8, us): at 130 tokens 1 row 2.2 / 2.8, 4 rows 3.0 / 6.4, 16 rows
-# 9.9 / 22.5; at 16k tokens 1 row 12.1, 4 rows 7.2, 16 rows 11.3 (64 experts)
+# `route_config`: rows a program up to / past ROWS_SWITCH tokens (scripts/moe_route_sweep.py;
+# the timings are in docs/perf)
 ROWS_SMALL, ROWS_LARGE, ROWS_SWITCH = 1, 4, 2048
 
 if HAS_TRITON:
@@ -79,8 +78,8 @@ def fused_topk_fits(topk) -> bool:
 def route_config(num_tokens: int, num_experts: int) -> dict:
     """Tokens a program (ROWS) and its warps for a batch: one row a program up to a few thousand
     tokens, so that a decode batch spreads over the SMs (each row's k rounds of reductions are a
-    serial chain: 16 rows on one warp left a 130-token batch on 9 programs, 4-10x slower), a few
-    rows past that (fewer programs to schedule)."""
+    serial chain: 16 rows on one warp leave a 130-token batch on 9 programs), a few rows past
+    that (fewer programs to schedule)."""
     e_pad = triton.next_power_of_2(num_experts)
     rows = ROWS_SMALL if num_tokens <= ROWS_SWITCH else ROWS_LARGE
     return dict(ROWS=max(1, min(rows, 2048 // e_pad)), num_warps=1 if e_pad <= 128 else 4)
