@@ -200,6 +200,25 @@ def test_tune_quick_space_is_a_subset_of_the_full_one():
         search_space("huge")
 
 
+def test_tune_times_only_tiles_that_fit_the_rows_per_expert():
+    """At few tokens a tall tile is mostly padding: DeepSeek-V2-Lite (64 experts, top-6) at 64
+    tokens has 6 rows an expert, so BLOCK_M 16 and 32 are timed, 64 and 128 are not; at 2048
+    tokens (192 rows) every height is."""
+    from atom.tuning.moe_tune import fits_tokens, search_space, tune
+    heights = lambda T: sorted({c["BLOCK_M"] for c in search_space("quick") if fits_tokens(c, T, 6, 64)})  # noqa: E731
+    assert heights(1) == heights(64) == [16, 32] and heights(200) == [16, 32, 64]
+    assert heights(2048) == [16, 32, 64, 128]
+    timed = []
+    space = [dict(TILE, BLOCK_M=m) for m in (16, 32, 64)]
+    tune(4, 16, 32, 2, torch.float32, tokens=(1,), device="cpu", space=space, check=False,
+         bench=lambda fn, c: timed.append((c["config"]["BLOCK_M"], c["sort"])) or 1.0)
+    assert timed == [(16, True), (32, True), (16, False)]
+    timed.clear()
+    tune(4, 16, 32, 2, torch.float32, tokens=(1,), device="cpu", space=space, check=False, prune=False,
+         bench=lambda fn, c: timed.append((c["config"]["BLOCK_M"], c["sort"])) or 1.0)
+    assert [m for m, s in timed if s] == [16, 32, 64]
+
+
 def test_tune_command_needs_a_gpu(capsys):
     from atom.tuning.moe_tune import main
     if torch.cuda.is_available():

@@ -5,13 +5,18 @@
         [--tokens 1,2,4,...] [--out atom/model_ops/moe/configs]
 
 For each token count T it times the sorted path (`fused_experts(sort=True)`) under every
-tile of `search_space()` and the unsorted small-batch path, on random inputs routed by a
-random softmax top-k, checks the winner against the torch reference, and writes a
+tile of `search_space()` that is not too tall for T (`fits_tokens`) and the unsorted
+small-batch path, on random inputs routed by a random softmax top-k, checks the winner
+against the torch reference, and writes a
 `TileTable` (`atom.model_ops.moe.tile_configs`): the best tile per T, the timings, and
 `unsorted_max_tokens`, the largest T of the leading run of counts at which the unsorted
 path beat the best tile (None when it never did). Runs on a GPU only (the timings mean
 nothing elsewhere); `tune()` takes the timer as an argument so its search and bookkeeping
 can be exercised without one.
+
+The default timer replays the layer from a CUDA graph (`gpu_time_us`), as the engine's decode
+steps do: timed from Python, a few-token layer (two GEMMs and the sort's small launches)
+measures the host's launch rate, not the kernels, and the tiles picked that way are noise.
 """
 from __future__ import annotations
 
@@ -29,14 +34,15 @@ from atom.model_ops.moe.tile_configs import CONFIG_DIR, TileTable, check_tile
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# decode batches in finer steps (the tile that wins changes with the rows per expert there)
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192)
 
 
 SPACES = {
     # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) choices
     "full": ((16, 32, 64, 128), (32, 64, 128, 256), (64, 128), (1, 8), (4, 8), (2, 3, 4)),
     # a tenth of it (the neighbourhood Hopper's winners come from): minutes instead of an hour
-    "quick": ((16, 64, 128), (64, 128), (64, 128), (8,), (4, 8), (3, 4)),
+    "quick": ((16, 32, 64, 128), (64, 128), (64, 128), (8,), (4, 8), (3, 4)),
 }
 
 
@@ -50,6 +56,26 @@ def search_space(name: str = "full") -> list[dict]:
             continue  # too many accumulators per thread
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=w, num_stages=s))
     return out
+
+
+def fits_tokens(cfg: dict, tokens: int, top_k: int, experts: int) -> bool:
+    """Whether a tile is worth timing at `tokens`: its BLOCK_M is at most twice the power of two
+    (>= 16) covering an expert's average rows (tokens * top_k / experts). A taller tile is
+    mostly padding rows, which cost tensor-core time and never read less weight."""
+    rows = -(-tokens * top_k // max(experts, 1))
+    return cfg["BLOCK_M"] <= 2 * max(16, 1 << max(0, rows - 1).bit_length())
+
+
+def gpu_time_us(fn) -> float:
+    """Microseconds a call of `fn` takes on the GPU, replayed from a CUDA graph (Triton's
+    `do_bench_cudagraph`, median); a call that cannot be captured is timed eagerly."""
+    import triton.testing
+    try:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
+    except RuntimeError as e:
+        logger.debug("graph capture failed (%s): timed eagerly", str(e).splitlines()[0] if str(e) else e)
+        torch.cuda.synchronize()
+        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
 def shape_of_model(folder: str) -> dict:
@@ -77,15 +103,17 @@ def make_case(experts: int, width: int, hidden: int, top_k: int, tokens: int, dt
 
 def tune(experts: int, width: int, hidden: int, top_k: int, dtype: torch.dtype, tokens=DEFAULT_TOKENS,
          device: str = "cuda", device_name: str | None = None, bench: Callable | None = None,
-         space: list[dict] | None = None, check: bool = True) -> tuple[TileTable, dict]:
+         space: list[dict] | None = None, check: bool = True, prune: bool = True,
+         on_count: Callable | None = None) -> tuple[TileTable, dict]:
     """(table, timings in us per T). `bench(fn, case) -> microseconds`, `case` naming what `fn`
-    runs ({"tokens", "config", "sort"}); default: triton's do_bench of `fn`."""
+    runs ({"tokens", "config", "sort"}); default: `gpu_time_us`. `prune` times only the tiles
+    `fits_tokens` keeps at each T. `on_count(table, timings)` runs after each T (the command
+    saves the file there, so a run cut short keeps the counts it finished)."""
     from atom.model_ops.activation import silu_and_mul
     from atom.model_ops.moe.experts_ref import experts_reference
     from atom.model_ops.moe.experts_triton import fused_experts
     if bench is None:
-        import triton.testing
-        bench = lambda fn, case: 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50)  # noqa: E731
+        bench = lambda fn, case: gpu_time_us(fn)  # noqa: E731
     space = space or search_space()
     name = device_name or (torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu")
     table = TileTable(experts, width, hidden, str(dtype).removeprefix("torch."), name)
@@ -95,6 +123,8 @@ def tune(experts: int, width: int, hidden: int, top_k: int, dtype: torch.dtype, 
         x, w13, w2, weights, ids = make_case(experts, width, hidden, top_k, T, dtype, device)
         best, best_us, tried = None, float("inf"), 0
         for cfg in space:
+            if prune and not fits_tokens(cfg, T, top_k, experts):
+                continue
             try:
                 us = bench(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=cfg, sort=True),
                            {"tokens": T, "config": cfg, "sort": True})
@@ -119,8 +149,10 @@ def tune(experts: int, width: int, hidden: int, top_k: int, dtype: torch.dtype, 
         timings[str(T)] = {"sorted_us": round(best_us, 2), "unsorted_us": round(unsorted_us, 2), "tried": tried}
         unsorted_wins.append((T, unsorted_us < best_us))
         logger.info("T=%d: %s %.1f us (unsorted %.1f us, %d tiles ran)", T, best, best_us, unsorted_us, tried)
-    lead = list(itertools.takewhile(lambda tw: tw[1], unsorted_wins))
-    table.unsorted_max_tokens = lead[-1][0] if lead else None
+        lead = list(itertools.takewhile(lambda tw: tw[1], unsorted_wins))
+        table.unsorted_max_tokens = lead[-1][0] if lead else None
+        if on_count is not None:
+            on_count(table, timings)
     return table, timings
 
 
@@ -135,6 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
     ap.add_argument("--out", default=str(CONFIG_DIR), help="folder for the tile file")
     ap.add_argument("--space", default="full", choices=sorted(SPACES), help="the tiles tried per token count")
+    ap.add_argument("--no-prune", action="store_true", help="also time tiles taller than `fits_tokens` allows")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.model:
@@ -147,7 +180,8 @@ def main(argv=None) -> int:
         print("no CUDA device: moe_tune times kernels on a GPU and must run there", file=sys.stderr)
         return 2
     tokens = tuple(int(t) for t in args.tokens.split(",") if t)
-    table, timings = tune(**shape, dtype=getattr(torch, args.dtype), tokens=tokens, space=search_space(args.space))
+    table, timings = tune(**shape, dtype=getattr(torch, args.dtype), tokens=tokens, space=search_space(args.space),
+                          prune=not args.no_prune, on_count=lambda t, tm: t.save(args.out, tm))
     path = table.save(args.out, timings)
     print(f"wrote {path}")
     return 0
