@@ -29,6 +29,7 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 from atom.model_ops.moe.tile_configs import TileTable
+from atom.model_ops.moe.topk_sum import topk_sum
 from atom.model_ops.quant.common import FP8_MAX
 
 if HAS_TRITON:
@@ -156,4 +157,4 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     h = fp8_expert_product(xq, xs, w13, w13_scale, topk_ids, k, None, cfg, layout, x.dtype, block, 2)
     aq, a_s = _quantize(activation(h), act_group)
     y = fp8_expert_product(aq, a_s, w2, w2_scale, topk_ids, 1, topk_weights, cfg, layout, x.dtype, block, 1)
-    return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+    return topk_sum(y, k, x.dtype)

@@ -29,6 +29,7 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 from atom.model_ops.moe.tile_configs import TileTable
+from atom.model_ops.moe.topk_sum import topk_sum
 from atom.model_ops.quant.mxfp4 import MX_GROUP
 
 if HAS_TRITON:
@@ -127,4 +128,4 @@ def fused_experts_mxfp4(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Ten
     cfg, layout = pair_layout(topk_ids, E, tiles, config)
     h = mxfp4_expert_product(x, w13, w13_scale, w13_bias, topk_ids, k, None, cfg, layout)
     y = mxfp4_expert_product(activation(h), w2, w2_scale, w2_bias, topk_ids, 1, topk_weights, cfg, layout)
-    return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+    return topk_sum(y, k, x.dtype)

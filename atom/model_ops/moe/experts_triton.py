@@ -34,6 +34,7 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 from atom.model_ops.moe.tile_configs import TileTable, default_config
+from atom.model_ops.moe.topk_sum import topk_sum
 
 if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import grouped_tile
@@ -278,4 +279,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     cfg, layout = pair_layout(topk_ids, E, tiles, config, sort)
     h = expert_product(x, w13, w13_bias, topk_ids, k, None, cfg, layout)
     y = expert_product(activation(h), w2, w2_bias, topk_ids, 1, topk_weights, cfg, layout)
-    return y.view(T, k, H).sum(1)  # (16-bit inputs are summed in fp32 and rounded once, in one kernel)
+    return topk_sum(y, k)  # (summed in fp32 and rounded once, in one kernel)
