@@ -10,7 +10,7 @@ small-batch path, on random inputs routed by a random softmax top-k, checks the 
 against the torch reference, and writes a
 `TileTable` (`atom.model_ops.moe.tile_configs`): the best tile per T, the timings, and
 `unsorted_max_tokens`, the largest T of the leading run of counts at which the unsorted
-path beat the best tile (None when it never did). Runs on a GPU only (the timings mean
+path beat the best tile (0 when it lost at the smallest count: sorted everywhere). Runs on a GPU only (the timings mean
 nothing elsewhere); `tune()` takes the timer as an argument so its search and bookkeeping
 can be exercised without one.
 
@@ -68,8 +68,12 @@ def fits_tokens(cfg: dict, tokens: int, top_k: int, experts: int) -> bool:
 
 def gpu_time_us(fn) -> float:
     """Microseconds a call of `fn` takes on the GPU, replayed from a CUDA graph (Triton's
-    `do_bench_cudagraph`, median); a call that cannot be captured is timed eagerly."""
+    `do_bench_cudagraph`, median); a call that cannot be captured is timed eagerly. Triton times
+    on a side stream that does not wait for the default one: the synchronize lets the inputs
+    made there be finished first (routed ids read before their kernel wrote them index past
+    the weights)."""
     import triton.testing
+    torch.cuda.synchronize()
     try:
         return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
     except RuntimeError as e:
@@ -150,7 +154,7 @@ def tune(experts: int, width: int, hidden: int, top_k: int, dtype: torch.dtype, 
         unsorted_wins.append((T, unsorted_us < best_us))
         logger.info("T=%d: %s %.1f us (unsorted %.1f us, %d tiles ran)", T, best, best_us, unsorted_us, tried)
         lead = list(itertools.takewhile(lambda tw: tw[1], unsorted_wins))
-        table.unsorted_max_tokens = lead[-1][0] if lead else None
+        table.unsorted_max_tokens = lead[-1][0] if lead else 0  # 0: the sorted path at every count
         if on_count is not None:
             on_count(table, timings)
     return table, timings

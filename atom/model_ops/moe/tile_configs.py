@@ -68,7 +68,7 @@ class TileTable:
     dtype: str
     device: str
     configs: dict[int, dict] = field(default_factory=dict)
-    unsorted_max_tokens: int | None = None  # None: the rule of `experts_triton.skips_sorting`
+    unsorted_max_tokens: int | None = None  # None: the rule of `experts_triton.skips_sorting`; 0: never
     source: str | None = None               # the file, None: defaults
 
     def config_for(self, tokens: int, top_k: int) -> dict:
