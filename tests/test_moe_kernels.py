@@ -219,6 +219,18 @@ def test_tune_times_only_tiles_that_fit_the_rows_per_expert():
     assert [m for m, s in timed if s] == [16, 32, 64]
 
 
+def test_tune_writes_sorted_everywhere_when_unsorted_loses_first():
+    """An unsorted path slower at the smallest count gives unsorted_max_tokens 0, which the
+    small-batch rule reads as "always sort" (None would fall back to T*k <= E and pick the
+    slower path at one token)."""
+    from atom.model_ops.moe.experts_triton import skips_sorting
+    from atom.tuning.moe_tune import tune
+    table, _ = tune(64, 16, 32, 6, torch.float32, tokens=(1, 4), device="cpu", space=[TILE], check=False,
+                    bench=lambda fn, c: 50.0 if c["sort"] else (80.0 if c["tokens"] == 1 else 20.0))
+    assert table.unsorted_max_tokens == 0
+    assert not skips_sorting(1, 6, 64, table) and skips_sorting(1, 6, 64, None)
+
+
 def test_tune_command_needs_a_gpu(capsys):
     from atom.tuning.moe_tune import main
     if torch.cuda.is_available():
