@@ -19,7 +19,9 @@
 # (GPT-OSS-20B beside vLLM), w4_vllm (Llama W4A16 batch-1 decode beside vLLM), moe_tests (the
 # FP8 / MXFP4 / bf16 experts kernels' GPU tests), moe_k2 (the experts kernel at DeepSeek-V2-Lite's
 # and GPT-OSS-20B's shapes), g_mx (GPT-OSS-20B with MXFP4 experts), moe_vllm / dsv2_vllm (Qwen3-30B-A3B /
-# DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule), moe_fp8_tests, prof_q (the kernels of 20
+# DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule), moe_lat / dsv2_lat (their decode
+# ms/step at batch 1 / 8 / 64 beside vLLM), tune_dsv2 / tune_q3moe /
+# tune_gptoss (a MoE shape's tiles into /tmp/res/tiles, ~150-280 s each), moe_fp8_tests, prof_q (the kernels of 20
 # Llama-3.1-8B batch-1 decode steps, bf16 and each quantized format).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
@@ -49,6 +51,12 @@ run() {  # name timeout_s command...: the command's output into $R/name.log, its
   log "start $name"
   timeout "$to" "$@" > "$R/$name.log" 2>&1; local rc=$?
   log "end $name rc=$rc"; tail -n 25 "$R/$name.log" | cut -c1-220
+}
+tune() {  # experts width hidden top_k name: moe_tune's file, under a name that travels back (no '=' or ',')
+  mkdir -p $R/tiles
+  run moe-tune-$5 280 python3 -m atom.tuning.moe_tune --experts $1 --width $2 --hidden $3 --top-k $4 --space quick \
+    --tokens 1,2,4,8,16,32,48,64,96,128,192,256,384,512,2048,8192 --out /tmp/tiles
+  cp /tmp/tiles/E=$1,I=$2,H=$3,*.json $R/tiles/$5.json
 }
 # the commit compared with runs from its own tree: `python -m` puts the working directory first
 # on sys.path, so it must be the before tree's, not this checkout's
@@ -96,6 +104,13 @@ for st in "$@"; do ts=$(date +%s); case $st in
   g_mx) run g-mx-thr 400 python3 -m atom.benchmarks.throughput --model gpt-oss-20b-mxfp4 --peer none --repeat 1 --out $R/g-mx-thr.json;;
   moe_vllm) run q3moe-thr-vllm 420 python3 -m atom.benchmarks.throughput --model qwen3-30b-a3b --peer vllm --peer-dummy xavier --repeat 1 --out $R/q3moe-thr-vllm.json;;
   dsv2_vllm) run dsv2-thr-vllm 420 python3 -m atom.benchmarks.throughput --model deepseek-v2-lite --peer vllm --peer-dummy xavier --repeat 1 --out $R/dsv2-thr-vllm.json;;
+  moe_lat) run q3moe-lat-vllm 420 python3 -m atom.benchmarks.latency --model qwen3-30b-a3b $LAT --batches 1 8 64 --peer vllm \
+             --peer-dummy xavier --repeat 1 --out $R/q3moe-lat-vllm.json;;
+  dsv2_lat) run dsv2-lat-vllm 420 python3 -m atom.benchmarks.latency --model deepseek-v2-lite $LAT --batches 1 8 64 --peer vllm \
+             --peer-dummy xavier --repeat 1 --out $R/dsv2-lat-vllm.json;;
+  tune_dsv2) tune 64 1408 2048 6 dsv2;;
+  tune_q3moe) tune 128 768 2048 8 q3moe;;
+  tune_gptoss) tune 32 2880 2880 4 gptoss;;
   moe_fp8_tests) run moe-fp8-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_fp8_triton.py;;
   prof_q) for f in bf16 fp8_dynamic w4a16 mxfp4_w4a16; do
             run prof-bs1-$f 150 python3 scripts/gpu_profile.py $L --scenario bs1 --quantization $f --no-summary --windows 100:20
