@@ -57,8 +57,13 @@ def absorb_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
 
 
 def unabsorb_output(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """out_lat [T, H, R], W_UV [H, v, R] -> [T, H, v]."""
-    return torch.bmm(out_lat.transpose(0, 1), w_uv.to(out_lat.dtype).transpose(1, 2)).transpose(0, 1)
+    """out_lat [T, H, R], W_UV [H, v, R] -> [T, H, v], contiguous: the per-head products are
+    written through a [H, T, v] view of it (cuBLAS takes the row stride H * v), so `o_proj`'s
+    [T, H * v] input is a view, not a copy of a head-major result."""
+    T, H, _ = out_lat.shape
+    out = out_lat.new_empty(T, H, w_uv.shape[1])
+    torch.bmm(out_lat.transpose(0, 1), w_uv.to(out_lat.dtype).transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def latent_decode_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
