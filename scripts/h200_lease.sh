@@ -21,7 +21,7 @@
 # and GPT-OSS-20B's shapes), g_mx (GPT-OSS-20B with MXFP4 experts), moe_vllm / dsv2_vllm (Qwen3-30B-A3B /
 # DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule), moe_lat / dsv2_lat (their decode
 # ms/step at batch 1 / 8 / 64 beside vLLM), tune_dsv2 / tune_q3moe /
-# tune_gptoss (a MoE shape's tiles into /tmp/res/tiles, ~150-280 s each), moe_fp8_tests, prof_q (the kernels of 20
+# tune_gptoss (a MoE shape's tiles into /tmp/res/tiles, ~150-280 s each), align (moe_align's two paths), moe_fp8_tests, prof_q (the kernels of 20
 # Llama-3.1-8B batch-1 decode steps, bf16 and each quantized format).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
@@ -108,6 +108,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
              --peer-dummy xavier --repeat 1 --out $R/q3moe-lat-vllm.json;;
   dsv2_lat) run dsv2-lat-vllm 420 python3 -m atom.benchmarks.latency --model deepseek-v2-lite $LAT --batches 1 8 64 --peer vllm \
              --peer-dummy xavier --repeat 1 --out $R/dsv2-lat-vllm.json;;
+  align) run moe-align-sweep 120 python3 scripts/moe_align_sweep.py --out $R/moe-align-sweep.json;;
   tune_dsv2) tune 64 1408 2048 6 dsv2;;
   tune_q3moe) tune 128 768 2048 8 q3moe;;
   tune_gptoss) tune 32 2880 2880 4 gptoss;;

@@ -103,10 +103,12 @@ class TestTriton:
         assert real == list(range(P))  # every pair exactly once
         assert block_expert.tolist()[:4] == [0, 1, 2, 3] and 4 not in block_expert.tolist()  # expert 4: no tokens
 
+    @pytest.mark.parametrize("one_program", [False, True])
     @pytest.mark.parametrize("T,E,k,bm", [(1, 8, 2, 16), (37, 16, 4, 16), (300, 64, 6, 32), (5, 3, 3, 4)])
-    def test_moe_align_kernels_give_the_reference_layout(self, T, E, k, bm):
-        """The same block experts as the sorted reference, and each block holds the same pairs
-        (their order inside an expert's group is the atomics')."""
+    def test_moe_align_kernels_give_the_reference_layout(self, T, E, k, bm, one_program):
+        """The same block experts as the sorted reference, and each block holds the same pairs:
+        in the reference's order from the one-program kernel, in the atomics' order inside an
+        expert's group from the three kernels."""
         from atom.model_ops.moe.experts_triton import moe_align, moe_align_ref
         g = torch.Generator().manual_seed(T)
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -115,9 +117,31 @@ class TestTriton:
         want, want_be = moe_align_ref(ids, E, bm)
         blocks = lambda t: [sorted(r) for r in t.view(-1, bm).tolist()]  # noqa: E731
         for dtype in (torch.int64, torch.int32):  # the kernels read either id width
-            got, got_be = moe_align(ids.to(dtype), E, bm)
+            got, got_be = moe_align(ids.to(dtype), E, bm, one_program=one_program)
             assert torch.equal(got_be, want_be)
             assert blocks(got) == blocks(want)
+            if one_program:
+                assert torch.equal(got, want)
+
+    def test_moe_align_picks_one_program_for_few_pairs(self, monkeypatch):
+        """Few pairs x experts take the one-program kernel (one launch), more the three kernels."""
+        from atom.model_ops.moe import experts_triton
+        launched = []
+
+        class Spy:  # kernel[grid](...) as before, noting the launch
+            def __init__(self, name):
+                self.name, self.kernel = name, getattr(experts_triton, name)
+
+            def __getitem__(self, grid):
+                launched.append(self.name)
+                return self.kernel[grid]
+
+        for name in ("_moe_align_one_program_kernel", "_moe_count_kernel"):
+            monkeypatch.setattr(experts_triton, name, Spy(name))
+        ids = torch.zeros(1, 6, dtype=torch.int64)  # one DeepSeek-V2-Lite token: 6 pairs x 64 experts
+        experts_triton.moe_align(ids, 64, 16)
+        experts_triton.moe_align(torch.zeros(200, 6, dtype=torch.int64), 64, 16)  # 2048 x 64 > ONE_PROGRAM_MAX
+        assert launched == ["_moe_align_one_program_kernel", "_moe_count_kernel"]
 
     def test_small_batch_rule(self):
         from atom.model_ops.moe.experts_triton import skips_sorting
@@ -249,6 +273,23 @@ def test_tune_reads_the_shape_of_a_model(tmp_path):
         dict(experts=8, width=14336, hidden=4096, top_k=2)
     with pytest.raises(ValueError, match="names no experts"):
         shape_of_model(write_model_config("qwen3-0.6b", str(tmp_path / "d")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k,bm", [(1, 64, 6, 16), (21, 64, 6, 16), (8, 128, 8, 16), (4, 256, 8, 64), (40, 8, 2, 16)])
+def test_moe_align_one_program_on_gpu(T, E, k, bm):
+    """The one-program layout on a GPU (its fill and the pairs' rows ordered by the barrier)
+    equals the reference exactly, at the decode sizes it serves, a crowded expert included."""
+    from atom.model_ops.kernels.triton_import import triton
+    from atom.model_ops.moe.experts_triton import ONE_PROGRAM_MAX, moe_align, moe_align_ref
+    g = torch.Generator().manual_seed(T * E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[: T // 2 + 1, 0] = 3
+    for _ in range(3):  # a stale fill would show on a reused allocation
+        got, got_be = moe_align(ids.cuda(), E, bm)
+        want, want_be = moe_align_ref(ids, E, bm)
+        assert torch.equal(got.cpu(), want) and torch.equal(got_be.cpu(), want_be)
+    assert triton.next_power_of_2(T * k) * triton.next_power_of_2(E) <= ONE_PROGRAM_MAX  # the path it tests
 
 
 @pytest.mark.gpu

@@ -124,6 +124,16 @@ if HAS_TRITON:
         tl.store(rank_ptr + offs, r, mask=ok)
 
     @triton.jit
+    def _store_block_experts(ends, e_ok, block_expert_ptr, E, num_blocks, BLOCK_M: tl.constexpr,
+                             BLOCK_J: tl.constexpr):
+        """The expert of every block (-1 past the end), from the experts' padded row ends."""
+        for j0 in range(0, num_blocks, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            before = (ends[None, :] <= (j * BLOCK_M)[:, None]) & e_ok[None, :]
+            be = tl.sum(before.to(tl.int32), 1)  # experts whose rows all lie before this block
+            tl.store(block_expert_ptr + j, tl.where(be < E, be, -1), mask=j < num_blocks)
+
+    @triton.jit
     def _moe_offsets_kernel(counts_ptr, starts_ptr, block_expert_ptr, E, num_blocks,
                             BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_J: tl.constexpr):
         """One program: each expert's first padded row, and the expert of every block (-1 past the end)."""
@@ -133,11 +143,33 @@ if HAS_TRITON:
         padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, 0)
         tl.store(starts_ptr + ex, ends - padded, mask=e_ok)
-        for j0 in range(0, num_blocks, BLOCK_J):
-            j = j0 + tl.arange(0, BLOCK_J)
-            before = (ends[None, :] <= (j * BLOCK_M)[:, None]) & e_ok[None, :]
-            be = tl.sum(before.to(tl.int32), 1)  # experts whose rows all lie before this block
-            tl.store(block_expert_ptr + j, tl.where(be < E, be, -1), mask=j < num_blocks)
+        _store_block_experts(ends, e_ok, block_expert_ptr, E, num_blocks, BLOCK_M, BLOCK_J)
+
+    @triton.jit
+    def _moe_align_one_program_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, num_blocks,
+                                      BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                                      BLOCK_J: tl.constexpr, FILL: tl.constexpr):
+        """The whole layout in one program, for few pairs: a [pairs, experts] match table gives
+        the counts (column sums) and each pair's rank among its expert's pairs (earlier matches,
+        a running sum down the column), so the order is `moe_align_ref`'s, by pair index."""
+        p = tl.arange(0, P_PAD)
+        ok = p < P
+        e_of = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32)
+        ex = tl.arange(0, E_PAD)
+        e_ok = ex < E
+        hits = (e_of[:, None] == ex[None, :]).to(tl.int32)  # one 1 per real pair's row
+        counts = tl.sum(hits, 0)
+        rank = tl.sum((tl.cumsum(hits, 0) - hits) * hits, 1)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        first_row = tl.sum((ends - padded)[None, :] * hits, 1)
+        total = num_blocks * BLOCK_M
+        for i0 in range(0, total, FILL):  # padding rows hold the pair count
+            i = i0 + tl.arange(0, FILL)
+            tl.store(sorted_ptr + i, tl.zeros([FILL], tl.int32) + P, mask=i < total)
+        tl.debug_barrier()  # the fill lands before the pairs overwrite their rows
+        tl.store(sorted_ptr + first_row + rank, p, mask=ok)
+        _store_block_experts(ends, e_ok, block_expert_ptr, E, num_blocks, BLOCK_M, BLOCK_J)
 
     @triton.jit
     def _moe_scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, P, BLOCK: tl.constexpr):
@@ -148,11 +180,32 @@ if HAS_TRITON:
         tl.store(sorted_ptr + dest, offs, mask=ok)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layout of `moe_align_ref` from the three kernels of the module docstring."""
+# Up to this many (pairs x experts, both padded to powers of two) the layout is built by one
+# program (`_moe_align_one_program_kernel`) instead of two fills and three kernels: decode
+# batches of a few tokens (64 experts: up to 128 pairs; 128: 64; 256: 32), where those five
+# launches cost more than the work. The match table is 32 values a thread at 8 warps.
+ONE_PROGRAM_MAX = 8192
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              one_program: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of `moe_align_ref`: for few pairs (`ONE_PROGRAM_MAX`; `one_program` forces
+    a path) from one program, in the reference's order; else from the three kernels of the
+    module docstring (the order inside an expert's group is then the atomics')."""
     ids = topk_ids.reshape(-1)  # (int64 or int32: the kernels read either, no conversion launch)
     P, dev = ids.numel(), ids.device
     num_blocks = -(-P // block_m) + num_experts
+    e_pad = triton.next_power_of_2(num_experts)
+    block_j = max(16, min(128, 32768 // e_pad))
+    if one_program is None:
+        one_program = 0 < P and triton.next_power_of_2(P) * e_pad <= ONE_PROGRAM_MAX
+    if one_program and P:
+        sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+        _moe_align_one_program_kernel[(1,)](ids, sorted_pairs, block_expert, P, num_experts, num_blocks,
+                                            BLOCK_M=block_m, P_PAD=triton.next_power_of_2(P), E_PAD=e_pad,
+                                            BLOCK_J=block_j, FILL=1024, num_warps=8)
+        return sorted_pairs, block_expert
     sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
@@ -161,12 +214,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block = 256
     if P:
         _moe_count_kernel[(triton.cdiv(P, block),)](ids, counts, rank, P, BLOCK=block, num_warps=4)
-    e_pad = triton.next_power_of_2(num_experts)
     # one program, 128 blocks a step (fewer above 256 experts: a [BLOCK_J, E_PAD] tile of at most
     # 32k), one warp up to 128 experts: for 64 experts 2.8 us at a decode batch and 14 us at 16k
     # tokens, against 25 and 173 us with [256, 64] steps over 4 warps
     _moe_offsets_kernel[(1,)](counts, starts, block_expert, num_experts, num_blocks, BLOCK_M=block_m,
-                              E_PAD=e_pad, BLOCK_J=max(16, min(128, 32768 // e_pad)),
+                              E_PAD=e_pad, BLOCK_J=block_j,
                               num_warps=1 if e_pad <= 128 else 4)
     if P:
         _moe_scatter_kernel[(triton.cdiv(P, block),)](ids, rank, starts, sorted_pairs, P, BLOCK=block, num_warps=4)
