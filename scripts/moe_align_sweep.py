@@ -1,7 +1,7 @@
 """The MoE grouping (`experts_triton.moe_align`) at decode sizes, both ways: the one-program
 kernel against the two fills and three kernels, each timed in CUDA-graph replays (50 calls a
 graph, as a decode step's layers would run them) and checked against `moe_align_ref`. Says
-where `ONE_PROGRAM_MAX` should sit. GPU only.
+where `ONE_PROGRAM_MAX` (0, off, until this has run) should sit. GPU only.
 
     python3 scripts/moe_align_sweep.py [--out F.json]
 """
@@ -26,14 +26,14 @@ def main() -> None:
         sys.exit("moe_align_sweep.py times Triton kernels in CUDA graphs: it needs a CUDA GPU (none found)")
     import triton
 
-    from atom.model_ops.moe.experts_triton import ONE_PROGRAM_MAX, moe_align, moe_align_ref
+    from atom.model_ops.moe.experts_triton import ONE_PROGRAM_SIZE, moe_align, moe_align_ref
     from atom.utils.cuda_timing import graph_time
     rows = []
     for T, E, k, bm in CASES:
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).cuda()
         want, want_be = moe_align_ref(ids.cpu(), E, bm)
         row = dict(tokens=T, experts=E, top_k=k, block_m=bm,
-                   default_one_program=triton.next_power_of_2(T * k) * triton.next_power_of_2(E) <= ONE_PROGRAM_MAX)
+                   fits_one_program=triton.next_power_of_2(T * k) * triton.next_power_of_2(E) <= ONE_PROGRAM_SIZE)
         for one in (True, False):
             got, be = moe_align(ids, E, bm, one_program=one)
             same = torch.equal(be.cpu(), want_be) and (not one or torch.equal(got.cpu(), want))

@@ -124,7 +124,8 @@ class TestTriton:
                 assert torch.equal(got, want)
 
     def test_moe_align_picks_one_program_for_few_pairs(self, monkeypatch):
-        """Few pairs x experts take the one-program kernel (one launch), more the three kernels."""
+        """Few pairs x experts take the one-program kernel (one launch), more the three kernels
+    (with the threshold at the size the kernel is written for)."""
         from atom.model_ops.moe import experts_triton
         launched = []
 
@@ -138,9 +139,10 @@ class TestTriton:
 
         for name in ("_moe_align_one_program_kernel", "_moe_count_kernel"):
             monkeypatch.setattr(experts_triton, name, Spy(name))
+        monkeypatch.setattr(experts_triton, "ONE_PROGRAM_MAX", experts_triton.ONE_PROGRAM_SIZE)
         ids = torch.zeros(1, 6, dtype=torch.int64)  # one DeepSeek-V2-Lite token: 6 pairs x 64 experts
         experts_triton.moe_align(ids, 64, 16)
-        experts_triton.moe_align(torch.zeros(200, 6, dtype=torch.int64), 64, 16)  # 2048 x 64 > ONE_PROGRAM_MAX
+        experts_triton.moe_align(torch.zeros(200, 6, dtype=torch.int64), 64, 16)  # 2048 x 64 > 8192
         assert launched == ["_moe_align_one_program_kernel", "_moe_count_kernel"]
 
     def test_small_batch_rule(self):
@@ -281,15 +283,15 @@ def test_moe_align_one_program_on_gpu(T, E, k, bm):
     """The one-program layout on a GPU (its fill and the pairs' rows ordered by the barrier)
     equals the reference exactly, at the decode sizes it serves, a crowded expert included."""
     from atom.model_ops.kernels.triton_import import triton
-    from atom.model_ops.moe.experts_triton import ONE_PROGRAM_MAX, moe_align, moe_align_ref
+    from atom.model_ops.moe.experts_triton import ONE_PROGRAM_SIZE, moe_align, moe_align_ref
     g = torch.Generator().manual_seed(T * E)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     ids[: T // 2 + 1, 0] = 3
     for _ in range(3):  # a stale fill would show on a reused allocation
-        got, got_be = moe_align(ids.cuda(), E, bm)
+        got, got_be = moe_align(ids.cuda(), E, bm, one_program=True)
         want, want_be = moe_align_ref(ids, E, bm)
         assert torch.equal(got.cpu(), want) and torch.equal(got_be.cpu(), want_be)
-    assert triton.next_power_of_2(T * k) * triton.next_power_of_2(E) <= ONE_PROGRAM_MAX  # the path it tests
+    assert triton.next_power_of_2(T * k) * triton.next_power_of_2(E) <= ONE_PROGRAM_SIZE  # the sizes it serves
 
 
 @pytest.mark.gpu

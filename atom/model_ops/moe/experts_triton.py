@@ -181,10 +181,12 @@ if HAS_TRITON:
 
 
 # Up to this many (pairs x experts, both padded to powers of two) the layout is built by one
-# program (`_moe_align_one_program_kernel`) instead of two fills and three kernels: decode
-# batches of a few tokens (64 experts: up to 128 pairs; 128: 64; 256: 32), where those five
-# launches cost more than the work. The match table is 32 values a thread at 8 warps.
-ONE_PROGRAM_MAX = 8192
+# program (`_moe_align_one_program_kernel`) instead of two fills and three kernels. Written
+# for 8192 (decode batches of a few tokens: 64 experts up to 128 pairs, 128 up to 64, 256 up
+# to 32; the match table 32 values a thread at 8 warps), where the five launches should cost
+# more than the work; 0 (off) until its GPU test and `scripts/moe_align_sweep.py` have run.
+ONE_PROGRAM_SIZE = 8192
+ONE_PROGRAM_MAX = 0
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
