@@ -106,6 +106,19 @@ assert rule.set_index(["model", "tokens"]).loc[("Qwen3-30B-A3B", 16), "path"] ==
 rule.pivot(index="tokens", columns="model", values="path")
 """),
     ("md", """
+## The tuned tiles
+On a GPU the tiles of the grouped GEMM, and whether to sort at all, come from a file per
+(experts, width, hidden, dtype, GPU) that `python -m atom.tuning.moe_tune` writes from
+CUDA-graph timings. DeepSeek-V2-Lite's H200 file: short tiles (16 rows) while an expert gets a
+few pairs, taller ones from ~200 tokens; the sorted path wins at every count there.
+"""),
+    ("code", """
+from atom.model_ops.moe.tile_configs import CONFIG_DIR, config_file_name, tiles_frame
+tiles = tiles_frame(CONFIG_DIR / config_file_name(64, 1408, 2048, "bfloat16", "NVIDIA H200"))
+assert set(tiles.path) == {"sorted"}
+tiles[["tokens", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "sorted_us", "unsorted_us"]]
+"""),
+    ("md", """
 ## What a decode step reads
 A decode step reads the dense weights plus the experts its tokens activate: with B tokens,
 about E (1 - (1 - k/E)^B) experts per sparse layer. For Qwen3-30B-A3B that is 3.4 B

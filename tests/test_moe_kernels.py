@@ -182,6 +182,17 @@ def test_tile_selection_and_files(tmp_path):
     assert (8, 16, 32, "float32", "cpu") in plan.moe_tile_tables and plan.to_frame()["kind"].tolist() == ["moe"]
 
 
+def test_tiles_frame_shows_the_checked_in_file():
+    """A tile file as a table: DeepSeek-V2-Lite's H200 file has a row per tuned count, its
+    tiles, the sorted path everywhere (`unsorted_max_tokens` 0) and the tuner's timings."""
+    from atom.model_ops.moe.tile_configs import CONFIG_DIR, config_file_name, tiles_frame
+    df = tiles_frame(CONFIG_DIR / config_file_name(64, 1408, 2048, "bfloat16", "NVIDIA H200"))
+    assert list(df.tokens) == sorted(df.tokens) and {1, 64, 256, 8192} <= set(df.tokens)
+    assert set(df.path) == {"sorted"} and (df.sorted_us > 0).all() and (df.tried > 0).all()
+    assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} <= set(df.columns)
+    assert int(df.set_index("tokens").loc[64, "BLOCK_M"]) <= 32  # few rows an expert: a short tile
+
+
 def test_malformed_tile_files_are_refused(tmp_path):
     name = config_file_name(8, 16, 32, "float32", "cpu")
     (tmp_path / name).write_text(json.dumps({"experts": 8, "width": 16, "hidden": 32, "dtype": "float32",

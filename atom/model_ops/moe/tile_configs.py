@@ -117,6 +117,24 @@ class TileTable:
             raise ValueError(f"{where} is malformed ({e}): rewrite it with python -m atom.tuning.moe_tune") from e
 
 
+def tiles_frame(path: str | Path):
+    """A tile file as a DataFrame (pandas), one row per tuned token count: the tile, which path
+    runs there (`unsorted_max_tokens`), the tuner's sorted / unsorted timings (us) and how
+    many tiles it timed."""
+    import pandas as pd
+    data = json.loads(Path(path).read_text())
+    table = TileTable.from_data(data, f"MoE tile file {path}")
+    timings = data.get("timings_us", {})
+    umt = table.unsorted_max_tokens
+    rows = []
+    for T, cfg in sorted(table.configs.items()):
+        path_ = "the T*k <= E rule" if umt is None else ("unsorted" if T <= umt else "sorted")
+        t = timings.get(str(T), {})
+        rows.append({"tokens": T, **cfg, "path": path_,
+                     "sorted_us": t.get("sorted_us"), "unsorted_us": t.get("unsorted_us"), "tried": t.get("tried")})
+    return pd.DataFrame(rows)
+
+
 def find_tiles(experts: int, width: int, hidden: int, dtype: torch.dtype | str, device_name: str,
                folders: tuple[str | Path, ...] = ()) -> TileTable:
     """The table from the first of `folders` (then the package's configs/) holding this shape's
