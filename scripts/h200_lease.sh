@@ -56,7 +56,8 @@ tune() {  # experts width hidden top_k name: moe_tune's file, under a name that 
   mkdir -p $R/tiles
   run moe-tune-$5 280 python3 -m atom.tuning.moe_tune --experts $1 --width $2 --hidden $3 --top-k $4 --space quick \
     --tokens 1,2,4,8,16,32,48,64,96,128,192,256,384,512,2048,8192 --out /tmp/tiles
-  cp /tmp/tiles/E=$1,I=$2,H=$3,*.json $R/tiles/$5.json
+  local f=(/tmp/tiles/E=$1,I=$2,H=$3,*.json)
+  if [ -f "${f[0]}" ]; then cp "${f[0]}" $R/tiles/$5.json; else log "moe_tune wrote no file for $5"; fi
 }
 # the commit compared with runs from its own tree: `python -m` puts the working directory first
 # on sys.path, so it must be the before tree's, not this checkout's
@@ -97,7 +98,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
          run l-thr-fp8 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --quantization fp8_dynamic --cache-dir /tmp/lc --out $R/l-thr-fp8.json;;
   g_vllm) run g-thr-vllm 420 python3 -m atom.benchmarks.throughput --model gpt-oss-20b --peer vllm --peer-dummy xavier --repeat 1 --out $R/g-thr-vllm.json;;
   w4_vllm) run l-lat-w4-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization w4a16 --cache-dir /tmp/lc --out $R/l-lat-w4-vllm.json;;
-  moe_tests) run moe-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_fp8_triton.py \
+  moe_tests) run moe-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_topk_sum.py tests/test_moe_fp8_triton.py \
                tests/test_moe_mxfp4_triton.py tests/test_moe_kernels.py;;
   moe_k2) run moe-dsv2 150 python3 -m atom.benchmarks.moe_experts --model deepseek-v2-lite --out $R/moe-dsv2.json
           run moe-gptoss 150 python3 -m atom.benchmarks.moe_experts --model gpt-oss-20b --out $R/moe-gptoss.json;;

@@ -1,7 +1,8 @@
 """The MoE grouping (`experts_triton.moe_align`) at decode sizes, both ways: the one-program
 kernel against the two fills and three kernels, each timed in CUDA-graph replays (50 calls a
-graph, as a decode step's layers would run them) and checked against `moe_align_ref`. Says
-where `ONE_PROGRAM_MAX` (0, off, until this has run) should sit. GPU only.
+graph, as a decode step's layers would run them) and checked against `moe_align_ref`. The
+timings per case are what `ONE_PROGRAM_MAX` (0, off, until this has run) is to be set from:
+the largest padded pairs x experts at which the one program is still the faster. GPU only.
 
     python3 scripts/moe_align_sweep.py [--out F.json]
 """
@@ -34,9 +35,11 @@ def main() -> None:
         want, want_be = moe_align_ref(ids.cpu(), E, bm)
         row = dict(tokens=T, experts=E, top_k=k, block_m=bm,
                    fits_one_program=triton.next_power_of_2(T * k) * triton.next_power_of_2(E) <= ONE_PROGRAM_SIZE)
+        blocks = lambda t: [sorted(r) for r in t.view(-1, bm).tolist()]  # noqa: E731  (atomics' order inside)
         for one in (True, False):
             got, be = moe_align(ids, E, bm, one_program=one)
-            same = torch.equal(be.cpu(), want_be) and (not one or torch.equal(got.cpu(), want))
+            same = torch.equal(be.cpu(), want_be) and blocks(got.cpu()) == blocks(want) and (
+                not one or torch.equal(got.cpu(), want))
             us = graph_time([lambda o=one: moe_align(ids, E, bm, one_program=o)] * 50) * 1e6  # per call
             row["one_program_us" if one else "three_kernels_us"] = round(us, 2)
             row["one_program_ok" if one else "three_kernels_ok"] = same

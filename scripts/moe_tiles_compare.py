@@ -31,13 +31,15 @@ def main() -> None:
     from atom.tuning.moe_tune import gpu_time_us, make_case
     old, new = TileTable.from_file(args.old), TileTable.from_file(args.new)
     E, I, H = old.experts, old.width, old.hidden
-    if (new.experts, new.width, new.hidden) != (E, I, H):
-        raise SystemExit(f"--new is for E={new.experts} I={new.width} H={new.hidden}, --old for E={E} I={I} H={H}")
+    if (new.experts, new.width, new.hidden, new.dtype) != (E, I, H, old.dtype):
+        raise SystemExit(f"--new is for E={new.experts} I={new.width} H={new.hidden} {new.dtype}, "
+                         f"--old for E={E} I={I} H={H} {old.dtype}")
+    dtype = getattr(torch, old.dtype)
     rows = []
     for T in args.tokens:
-        x, w13, w2, weights, ids = make_case(E, I, H, args.top_k, T, torch.bfloat16, "cuda")
+        x, w13, w2, weights, ids = make_case(E, I, H, args.top_k, T, dtype, "cuda")
         touched = int(ids.unique().numel())
-        floor_us = touched * 3 * I * H * 2 / HBM_BYTES_PER_S * 1e6
+        floor_us = touched * 3 * I * H * x.element_size() / HBM_BYTES_PER_S * 1e6
         row = dict(tokens=T, experts_touched=touched, floor_us=round(floor_us, 1))
         for name, table in (("old", old), ("new", new)):
             us = gpu_time_us(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, tiles=table))

@@ -232,7 +232,7 @@ def test_tune_quick_space_is_a_subset_of_the_full_one():
     from atom.tuning.moe_tune import search_space
     full, quick = search_space(), search_space("quick")
     key = lambda c: tuple(sorted(c.items()))  # noqa: E731
-    assert 0 < len(quick) <= len(full) / 3 and {key(c) for c in quick} <= {key(c) for c in full}
+    assert 0 < len(quick) <= len(full) / 3 and {key(c) for c in quick} <= {key(c) for c in full}  # ~a quarter
     with pytest.raises(ValueError, match="space='huge' is invalid: choose one of full, quick"):
         search_space("huge")
 
@@ -292,17 +292,20 @@ def test_tune_reads_the_shape_of_a_model(tmp_path):
 @pytest.mark.parametrize("T,E,k,bm", [(1, 64, 6, 16), (21, 64, 6, 16), (8, 128, 8, 16), (4, 256, 8, 64), (40, 8, 2, 16)])
 def test_moe_align_one_program_on_gpu(T, E, k, bm):
     """The one-program layout on a GPU (its fill and the pairs' rows ordered by the barrier)
-    equals the reference exactly, at the decode sizes it serves, a crowded expert included."""
-    from atom.model_ops.kernels.triton_import import triton
-    from atom.model_ops.moe.experts_triton import ONE_PROGRAM_SIZE, moe_align, moe_align_ref
+    equals the reference exactly, at the decode sizes it serves, a crowded expert included.
+    Each call gets a different routing and memory the allocator last handed out full of -7,
+    so a fill or a row that never landed shows."""
+    from atom.model_ops.moe.experts_triton import moe_align, moe_align_ref
     g = torch.Generator().manual_seed(T * E)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    ids[: T // 2 + 1, 0] = 3
-    for _ in range(3):  # a stale fill would show on a reused allocation
+    for _ in range(3):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        ids[: T // 2 + 1, 0] = 3
+        num_blocks = -(-T * k // bm) + E
+        junk = torch.full((num_blocks * bm + num_blocks,), -7, dtype=torch.int32, device="cuda")
+        del junk  # its block goes back to the caching allocator, -7s and all
         got, got_be = moe_align(ids.cuda(), E, bm, one_program=True)
         want, want_be = moe_align_ref(ids, E, bm)
         assert torch.equal(got.cpu(), want) and torch.equal(got_be.cpu(), want_be)
-    assert triton.next_power_of_2(T * k) * triton.next_power_of_2(E) <= ONE_PROGRAM_SIZE  # the sizes it serves
 
 
 @pytest.mark.gpu

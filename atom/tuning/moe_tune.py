@@ -41,7 +41,7 @@ DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024,
 SPACES = {
     # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) choices
     "full": ((16, 32, 64, 128), (32, 64, 128, 256), (64, 128, 256), (1, 8), (4, 8), (2, 3, 4)),
-    # a quarter of it (the neighbourhood Hopper's winners come from): minutes instead of an hour.
+    # about a quarter of it (the neighbourhood Hopper's winners come from): minutes, not an hour.
     # Narrow (32) and deep (256) tiles are for the few-token counts, where a layer has few
     # (expert, N-slice) programs to spread over the SMs and each streams a long K
     "quick": ((16, 32, 64, 128), (32, 64, 128), (64, 128, 256), (8,), (4, 8), (3, 4)),
@@ -78,8 +78,8 @@ def gpu_time_us(fn) -> float:
     torch.cuda.synchronize()
     try:
         return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
-    except RuntimeError as e:
-        logger.debug("graph capture failed (%s): timed eagerly", str(e).splitlines()[0] if str(e) else e)
+    except RuntimeError as e:  # eager timing also counts launch overhead: the warning says so
+        logger.warning("graph capture failed (%s): timed eagerly", str(e).splitlines()[0] if str(e) else e)
         torch.cuda.synchronize()
         return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
@@ -141,7 +141,9 @@ def tune(experts: int, width: int, hidden: int, top_k: int, dtype: torch.dtype, 
             if us < best_us:
                 best, best_us = cfg, us
         if best is None:
-            raise RuntimeError(f"no tile of the search space ran at T={T} for E={experts} I={width} H={hidden}")
+            why = "ran" if any(fits_tokens(c, T, top_k, experts) for c in space) or not prune else \
+                "is short enough (fits_tokens; prune=False times them all)"
+            raise RuntimeError(f"no tile of the search space {why} at T={T} for E={experts} I={width} H={hidden}")
         unsorted_us = bench(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=best, sort=False),
                             {"tokens": T, "config": best, "sort": False})
         if check:

@@ -86,7 +86,9 @@ class TileTable:
     def save(self, folder: str | Path = CONFIG_DIR, timings: dict | None = None) -> Path:
         path = Path(folder) / config_file_name(self.experts, self.width, self.hidden, self.dtype, self.device)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(timings), indent=1) + "\n")
+        tmp = path.with_name(path.name + ".tmp")  # whole or not at all: a tuner killed mid-write
+        tmp.write_text(json.dumps(self.to_dict(timings), indent=1) + "\n")
+        os.replace(tmp, path)
         return path
 
     def to_json(self) -> str:
