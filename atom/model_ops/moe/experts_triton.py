@@ -13,7 +13,8 @@ Two paths, both two products with the activation between (the layer's, on [pairs
   static upper bound of cdiv(pairs, BLOCK_M) + E blocks; blocks past the end hold expert -1
   and return at once. A pair's place inside its group depends on the atomics' order, which
   changes no result: each row of a tile is its own dot product. `moe_align_ref` is the
-  torch version (a stable sort).
+  torch version (a stable sort). For few pairs one program can build the same layout in the
+  reference's order (`ONE_PROGRAM_MAX`, off until timed on a GPU).
 - unsorted (`_moe_gemv_kernel`): one program per (pair, BLOCK_N slice), a dot product over
   K without tensor cores and without any sorting.
 
