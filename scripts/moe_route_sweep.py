@@ -12,11 +12,6 @@ import json
 import torch
 
 
-def bench(fn) -> float:
-    import triton
-    return float(triton.testing.do_bench_cudagraph(fn, rep=30)) * 1e3  # us
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -27,6 +22,7 @@ def main() -> None:
     from atom.model_ops.kernels.triton_import import triton
     from atom.model_ops.moe.route_triton import fused_topk, route_config
     from atom.model_ops.moe.router import TopK
+    from atom.tuning.moe_tune import gpu_time_us  # graph replays, the inputs finished first
     rows = []
     shapes = {"deepseek-v2-lite": (64, 6, "softmax"), "qwen3-30b-a3b": (128, 8, "softmax"),
               "deepseek-v3": (256, 8, "sigmoid")}
@@ -37,7 +33,7 @@ def main() -> None:
             base = route_config(T, E)
             grid = [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (4, 2), (1, 4), (4, 4)]
             for r, w in [(r, w) for r, w in grid if r * triton.next_power_of_2(E) <= 2048]:  # the tiles the rule may pick
-                us = bench(lambda: fused_topk(logits, topk, config=dict(ROWS=r, num_warps=w)))
+                us = gpu_time_us(lambda: fused_topk(logits, topk, config=dict(ROWS=r, num_warps=w)))
                 emit(rows, dict(kernel="route", model=model, tokens=T, ROWS=r, num_warps=w, us=us,
                                 default=base == dict(ROWS=r, num_warps=w)))
             with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured

@@ -188,10 +188,10 @@ def main(argv=None) -> int:
         print("no CUDA device: moe_tune times kernels on a GPU and must run there", file=sys.stderr)
         return 2
     tokens = tuple(int(t) for t in args.tokens.split(",") if t)
-    table, timings = tune(**shape, dtype=getattr(torch, args.dtype), tokens=tokens, space=search_space(args.space),
-                          prune=not args.no_prune, on_count=lambda t, tm: t.save(args.out, tm))
-    path = table.save(args.out, timings)
-    print(f"wrote {path}")
+    saved = []  # the file, written after each count
+    tune(**shape, dtype=getattr(torch, args.dtype), tokens=tokens, space=search_space(args.space),
+         prune=not args.no_prune, on_count=lambda t, tm: saved.append(t.save(args.out, tm)))
+    print(f"wrote {saved[-1]}" if saved else "no token counts given: nothing written")
     return 0
 
 

@@ -5,10 +5,10 @@
 The down product already multiplied each pair's row by its routing weight; the k rows of a
 token are neighbours (pair p = t * k + j). They are added in fp32 in order j = 0..k-1 and
 rounded once to the output dtype. Torch's `y.view(T, k, H).sum(1)` also adds in fp32 (16-bit
-inputs; in its own order) but, as a reduction over a middle dimension, ran at a fifth of the HBM rate at
-decode sizes (6.1 us for 200 tokens of DeepSeek-V2-Lite, top-6 of 2048 columns, against
-~1.2 us to read the rows); the fp8 / MXFP4 paths also cast in a second kernel. One program
-per (token, BLOCK_H columns). `topk_sum_ref` is the torch version.
+inputs; in its own order) but, as a reduction over a middle dimension, reads the rows far
+below the HBM rate at decode sizes (docs/perf has the profile), and the fp8 / MXFP4 paths
+cast in a second kernel. One program per (token, BLOCK_H columns). `topk_sum_ref` is the
+torch version.
 """
 from __future__ import annotations
 
