@@ -22,7 +22,9 @@
 # DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule), moe_lat / dsv2_lat (their decode
 # ms/step at batch 1 / 8 / 64 beside vLLM), tune_dsv2 / tune_q3moe /
 # tune_gptoss (a MoE shape's tiles into /tmp/res/tiles, ~150-280 s each), align (moe_align's two paths), moe_fp8_tests, prof_q (the kernels of 20
-# Llama-3.1-8B batch-1 decode steps, bf16 and each quantized format).
+# Llama-3.1-8B batch-1 decode steps, bf16 and each quantized format), gate (DeepSeek's fp32 router
+# GEMM two ways), mla (the MLA decode launch sweep with one block-table entry a token), new_tests
+# (the GPU tests of the gate, MLA and MoE kernels).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -109,6 +111,11 @@ for st in "$@"; do ts=$(date +%s); case $st in
              --peer-dummy xavier --repeat 1 --out $R/q3moe-lat-vllm.json;;
   dsv2_lat) run dsv2-lat-vllm 420 python3 -m atom.benchmarks.latency --model deepseek-v2-lite $LAT --batches 1 8 64 --peer vllm \
              --peer-dummy xavier --repeat 1 --out $R/dsv2-lat-vllm.json;;
+  gate) run fp32-gate-sweep 150 python3 scripts/fp32_gate_sweep.py --out $R/fp32-gate-sweep.json;;
+  mla) run mla-sweep 300 python3 scripts/mla_decode_sweep.py --token-rows --batches 1 32 128 200 --contexts 1024 \
+         --out $R/mla-sweep.json;;
+  new_tests) run new-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp32_gate.py \
+               tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_moe_kernels.py tests/test_moe_topk_sum.py;;
   align) run moe-align-sweep 120 python3 scripts/moe_align_sweep.py --out $R/moe-align-sweep.json;;
   tune_dsv2) tune 64 1408 2048 6 dsv2;;
   tune_q3moe) tune 128 768 2048 8 q3moe;;

@@ -57,6 +57,8 @@ def configs(default: dict, quick: bool, token_rows: bool = False) -> list[dict]:
                for t, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
         out += [dict(page_loads=False, num_splits=n) for n in (1, 2, 8)]
         out += [dict(page_loads=False, min_split_tokens=n) for n in (128, 512)]
+        out += [dict(page_loads=False, lazy_rescale=True, TILE_N=t, num_warps=w, num_stages=s)
+                for t, w, s in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (64, 8, 3))]
         return [c for c in out if any(default.get(k) != v for k, v in c.items())]
     tiles = (itertools.product((32, 64), (4, 8), (2, 3)) if quick else
              itertools.product((16, 32, 64), (4, 8), (1, 2, 3)))

@@ -47,11 +47,27 @@ def _ref(ql, qp, cache, tables, lens, scale=0.3):
     (dict(TILE_N=16, splits_first=False, num_splits=4, min_split_tokens=8), 8),
     (dict(TILE_N=16, splits_first=True, num_splits=4, min_split_tokens=8, num_stages=3), 16),
     (dict(BLOCK_H=16, TILE_N=16, num_splits=2, min_split_tokens=1), 4),
+    (dict(TILE_N=16, lazy_rescale=True, page_loads=False), 8),
+    (dict(TILE_N=16, lazy_rescale=True, num_splits=4, min_split_tokens=8), 8),
 ])
 def test_knobs_match_reference(cfg, block_size):
     ql, qp, cache, tables, lens = _batch([37, 1, 16, 70], block_size=block_size)
     out = mla_decode_call(ql, qp, cache, tables, lens, config=cfg)
     torch.testing.assert_close(out, _ref(ql, qp, cache, tables, lens), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_late_large_score_moves_the_running_max(lazy):
+    """Scores that jump by far more than 2^8 (log2 units) in a late tile: the lazy rescale must
+    then move the max and rescale what it has summed (else exp2 overflows or loses the tile)."""
+    ql, qp, cache, tables, lens = _batch([70, 45], block_size=8)
+    for b, t in ((0, 60), (1, 20)):  # a latent row that matches its queries strongly
+        page, off = tables[b, t // 8].item(), t % 8
+        cache[page, off, :R] = ql[b].float().mean(0).to(cache.dtype) * 60  # ~165 log2 units: past fp32 exp2 without a rescale
+    ref = _ref(ql, qp, cache, tables, lens)
+    out = mla_decode_call(ql, qp, cache, tables, lens,
+                          config=dict(TILE_N=16, lazy_rescale=lazy, num_splits=1))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def mla_decode_call(ql, qp, cache, tables, lens, **kw):
@@ -142,6 +158,7 @@ def test_backend_workspace_follows_the_table():
     (dict(min_split_tokens=0), "min_split_tokens=0"),
     (dict(num_warp=4), "unknown keys \\['num_warp'\\]"),
     (dict(num_splits=3), "num_splits=3"),
+    (dict(lazy_rescale=1), "lazy_rescale=1"),
 ])
 def test_bad_configs_name_the_field(cfg, match):
     ql, qp, cache, tables, lens = _batch([9], heads=2)

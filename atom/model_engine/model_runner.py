@@ -144,7 +144,7 @@ class ModelRunner:
         if online is not None:  # refusals (a format without a method, a source it cannot read) before loading
             online.check(self.model)
         if config.load_dummy:
-            init_dummy_weights(self.model, config.load_dummy)
+            init_dummy_weights(self.model, config.load_dummy, self.dtype)
         else:
             load_weights(self.model, config.model)
         for m in self.model.modules():

@@ -220,11 +220,13 @@ def float_dummy_role(name: str, p: torch.Tensor) -> str:
     return "xavier"
 
 
-def init_dummy_weights(model: nn.Module, mode: str) -> None:
+def init_dummy_weights(model: nn.Module, mode: str, dtype: torch.dtype | None = None) -> None:
     """`load_dummy` modes: "empty" leaves memory as allocated, "zero" zeros, "xavier" random
     values by each parameter's role and dtype (`dummy_fill`: quantized values and scales
     valid, every layer at the bf16 xavier std). Parameters marked `keep_on_dummy` (metadata
-    a method checks after loading, e.g. int4 `weight_shape`) keep what they were built with."""
+    a method checks after loading, e.g. int4 `weight_shape`) keep what they were built with.
+    `dtype` (the model dtype): float weights built wider (DeepSeek's fp32 gate) get values it
+    holds, as they would from a checkpoint saved in it."""
     if mode not in DUMMY_MODES[1:]:
         raise ValueError(f"load_dummy={mode!r} is invalid: choose one of empty, zero, xavier")
     if mode == "empty":
@@ -242,4 +244,8 @@ def init_dummy_weights(model: nn.Module, mode: str) -> None:
             if mode == "zero":
                 p.data.zero_()
             else:
-                dummy_fill(module, f"{mod_name}.{pname}" if mod_name else pname, p, gen)
+                full = f"{mod_name}.{pname}" if mod_name else pname
+                dummy_fill(module, full, p, gen)
+                if (dtype is not None and p.is_floating_point() and p.element_size() > dtype.itemsize
+                        and not full.endswith(("_scale", "_scale_inv"))):  # (scales: as the producers store them)
+                    p.data.copy_(p.data.to(dtype))

@@ -29,6 +29,7 @@ from atom.model_ops.attention.mla import MLAAttention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
 from atom.model_ops.linear import Linear, MergedLinear
 from atom.model_ops.moe import FusedMoE
+from atom.model_ops.moe.gate import Fp32Gate
 from atom.model_ops.norm import RMSNorm
 from atom.model_ops.rotary import rope_parameters
 from atom.model_ops.rotary_yarn import DeepseekRotaryEmbedding, mla_softmax_scale
@@ -49,26 +50,21 @@ class DeepseekMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class DeepseekRouter(nn.Module):
-    """The gate: router logits in fp32 (DeepSeek keeps the gate in fp32) and, for V3's
-    noaux_tc, the `e_score_correction_bias` the choice adds (never the weights)."""
+class DeepseekRouter(Fp32Gate):
+    """The gate: router logits in fp32 (DeepSeek keeps the gate in fp32; `Fp32Gate`) and, for
+    V3's noaux_tc, the `e_score_correction_bias` the choice adds (never the weights)."""
 
     def __init__(self, hidden_size: int, routing: DeepseekRouting):
-        super().__init__()
+        super().__init__(routing.num_experts, hidden_size)
         self.routing = routing
-        self.weight = nn.Parameter(torch.empty(routing.num_experts, hidden_size, dtype=torch.float32),
-                                   requires_grad=False)
         if routing.uses_correction_bias:  # V3: balances load, chooses, never weighs
             self.e_score_correction_bias = nn.Parameter(torch.zeros(routing.num_experts, dtype=torch.float32),
                                                         requires_grad=False)
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.float(), self.weight.float())
-
     def extra_repr(self) -> str:
-        return repr(self.routing)
+        return f"{super().extra_repr()}, {self.routing!r}"
 
 
 class DeepseekMoE(nn.Module):

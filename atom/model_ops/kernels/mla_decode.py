@@ -47,7 +47,7 @@ if HAS_TRITON:
         NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
         BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, PAGE_MODE: tl.constexpr, SPLITS_FIRST: tl.constexpr,
-        KV_FP8: tl.constexpr,
+        KV_FP8: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     ):
         if SPLITS_FIRST:  # a sequence's segments are neighbours in launch order
             split = tl.program_id(0)
@@ -109,11 +109,24 @@ if HAS_TRITON:
             s += tl.dot(qp.to(pe.dtype), tl.trans(pe), input_precision=DOT_PREC)
             s = tl.where(n_ok[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
-            m_i = m_new
+            if LAZY_RESCALE:
+                # the running max moves (and the [BLOCK_H, R] accumulator is rescaled) only when
+                # a row's max grew by more than 2^8: p <= 256 then, exact in fp32 and as exact
+                # relative to itself in bf16 as any p <= 1; the first tile always sets it
+                if tl.max(m_new - m_i, 0) > 8.0:
+                    alpha = tl.exp2(m_i - m_new)
+                    acc = acc * alpha[:, None]
+                    l_i = l_i * alpha
+                    m_i = m_new
+                p = tl.exp2(s - m_i[:, None])
+                l_i = l_i + tl.sum(p, 1)
+                acc = acc + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
+            else:
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
+                m_i = m_new
         st_mask = h_ok[:, None] & r_ok[None, :]
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -243,7 +256,7 @@ _TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=2)
 _TILES_WIDE_FEW = dict(TILE_N=64, num_warps=8, num_stages=2)
 _TILES_NARROW = dict(TILE_N=64, num_warps=4, num_stages=3)  # R_PAD <= 256
 CONFIG_KEYS = ("BLOCK_H", "TILE_N", "num_warps", "num_stages", "num_splits", "min_split_tokens",
-               "page_loads", "splits_first")
+               "page_loads", "splits_first", "lazy_rescale")
 
 
 def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: int = 132,
@@ -253,7 +266,8 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
     power of two), min_split_tokens (a sequence uses ceil(length / it) segments), page_loads (one
     block-table entry per page instead of per token: off, see above), splits_first (a
     sequence's segments launch next to each other: the longest-first batch order then starts
-    the longest work first)."""
+    the longest work first), lazy_rescale (the accumulator is rescaled only when a row's
+    running max grows by more than 2^8, not at every tile)."""
     block_h = max(16, min(64, _next_pow2(num_heads)))
     r_pad = max(16, _next_pow2(kv_lora_rank))
     progs = num_seqs * -(-num_heads // block_h)
@@ -263,7 +277,7 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
         splits = max(1, min(splits, 1 << (max(1, int(max_splits)).bit_length() - 1)))
     tiles = _TILES_NARROW if r_pad <= 256 else (_TILES_WIDE_FEW if 0 < progs <= num_sms / 4 else _TILES_WIDE)
     return dict(BLOCK_H=block_h, **tiles, num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS,
-                page_loads=False, splits_first=True)
+                page_loads=False, splits_first=True, lazy_rescale=False)
 
 
 def workspace_slots(max_num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: int = 132,
@@ -304,6 +318,9 @@ def _check_config(cfg: dict) -> None:
             raise ValueError(f"mla_decode config {key}={v!r} is invalid: must be a power of two >= {lo}")
     if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
         raise ValueError(f"mla_decode config num_stages={cfg['num_stages']!r} is invalid: must be an int >= 1")
+    for key in ("page_loads", "splits_first", "lazy_rescale"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise ValueError(f"mla_decode config {key}={cfg[key]!r} is invalid: must be True or False")
     if not isinstance(cfg["min_split_tokens"], int) or cfg["min_split_tokens"] < 1:
         raise ValueError(f"mla_decode config min_split_tokens={cfg['min_split_tokens']!r} is invalid: "
                          "must be an int >= 1")
@@ -387,7 +404,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         NUM_HEADS=H, R=R, P=P, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=cfg["BLOCK_H"], TILE_N=cfg["TILE_N"],
         BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_PREC=dot_prec,
         PAGE_MODE=_page_mode(cfg["TILE_N"], block_size, bool(cfg["page_loads"])),
-        SPLITS_FIRST=bool(cfg["splits_first"]), KV_FP8=fp8, num_warps=cfg["num_warps"],
+        SPLITS_FIRST=bool(cfg["splits_first"]), KV_FP8=fp8, LAZY_RESCALE=bool(cfg.get("lazy_rescale", False)),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     if splits > 1:
