@@ -1,7 +1,7 @@
 """The MoE grouping (`experts_triton.moe_align`) at decode sizes, both ways: the one-program
 kernel against the two fills and three kernels, each timed in CUDA-graph replays (50 calls a
 graph, as a decode step's layers would run them) and checked against `moe_align_ref`. The
-timings per case are what `ONE_PROGRAM_MAX` (0, off, until this has run) is to be set from:
+timings per case are what `ONE_PROGRAM_MAX` is set from:
 the largest padded pairs x experts at which the one program is still the faster. GPU only.
 
     python3 scripts/moe_align_sweep.py [--out F.json]

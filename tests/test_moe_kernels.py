@@ -139,7 +139,6 @@ class TestTriton:
 
         for name in ("_moe_align_one_program_kernel", "_moe_count_kernel"):
             monkeypatch.setattr(experts_triton, name, Spy(name))
-        monkeypatch.setattr(experts_triton, "ONE_PROGRAM_MAX", experts_triton.ONE_PROGRAM_SIZE)
         ids = torch.zeros(1, 6, dtype=torch.int64)  # one DeepSeek-V2-Lite token: 6 pairs x 64 experts
         experts_triton.moe_align(ids, 64, 16)
         experts_triton.moe_align(torch.zeros(200, 6, dtype=torch.int64), 64, 16)  # 2048 x 64 > 8192

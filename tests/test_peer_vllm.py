@@ -10,7 +10,7 @@ from atom.benchmarks.peer_vllm import run_in_child
 from atom.benchmarks.workloads import nano_vllm_workload, write_model_config
 
 FAKE = textwrap.dedent('''
-    import time, types
+    import os, time, types
     __version__ = "0.0-fake"
     class SamplingParams:
         def __init__(self, temperature, max_tokens, ignore_eos, detokenize):
@@ -23,6 +23,8 @@ FAKE = textwrap.dedent('''
         def generate(self, prompts, sps, use_tqdm):
             assert len(prompts) == len(sps) and all(p["prompt_token_ids"] for p in prompts)
             time.sleep(0.001 * sum(sp.max_tokens for sp in sps) / len(sps))
+            if os.environ.get("FAKE_SLOW_ONE_TOKEN") and all(sp.max_tokens == 1 for sp in sps):
+                time.sleep(0.2)  # a hiccup longer than the whole N-token run
             return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1] * sp.max_tokens)])
                     for sp in sps]
 ''')
@@ -54,6 +56,14 @@ def test_latency_peer_reports_every_batch(fake_vllm):
                        ["--batches", "1", "4", "--new-tokens", "20", "--prompt-len", "8"])
     assert set(res["ms_per_step"]) == {"1", "4"}
     assert all(v > 0 for v in res["ms_per_step"].values())  # the fake sleeps 1 ms per token
+
+
+def test_latency_peer_gives_no_figure_where_the_one_token_run_was_slower(fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_SLOW_ONE_TOKEN", "1")
+    args = argparse.Namespace(repeat=1, max_model_len=2048)
+    res = run_in_child("latency", write_model_config("qwen3-0.6b"), 151936, args,
+                       ["--batches", "2", "--new-tokens", "20", "--prompt-len", "8"])
+    assert res["ms_per_step"] == {"2": None}  # not a negative ms/step
 
 
 def test_missing_vllm_is_a_clear_error(tmp_path, monkeypatch):

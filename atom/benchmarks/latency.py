@@ -111,9 +111,11 @@ def main(argv=None) -> None:
     for c in cols:
         t.add_column(c)
     for r in results:
+        pm = r.get("peer_ms")  # None: the peer's run gave no figure at this batch
         row = [r["mode"], str(r["batch"]), f"{r['ms_per_step']:.3f}"] + (
-            [f"{r['peer_ms']:.3f}"] if peer else []) + [f"{r['floor_ms']:.3f}", f"{r['floor_ms'] / r['ms_per_step']:.0%}"] + (
-            [f"{r['floor_ms'] / r['peer_ms']:.0%}"] if peer else [])
+            [f"{pm:.3f}" if pm else "n/a"] if peer else []) + [f"{r['floor_ms']:.3f}",
+                                                               f"{r['floor_ms'] / r['ms_per_step']:.0%}"] + (
+            [f"{r['floor_ms'] / pm:.0%}" if pm else "n/a"] if peer else [])
         if args.profile:
             row += [f"{r['profile_ms'].get(k, float('nan')):.3f}" for k in PROFILE]
         t.add_row(*row)

@@ -125,17 +125,22 @@ def throughput(args) -> dict:
 
 
 def latency(args) -> dict:
-    """ms per decode step at each batch: (time for N new tokens - time for 1) / (N - 1)."""
+    """ms per decode step at each batch: (time for N new tokens - time for 1) / (N - 1); None
+    (logged) where a hiccup made the one-token run the slower, which leaves no figure."""
     llm = _engine(args)
     out = {}
     for b in args.batches:
         reqs = mixed_workload(b, (args.prompt_len, args.prompt_len), (args.new_tokens, args.new_tokens),
                               args.vocab_size, seed=b)
         one = [type(r)(r.prompt_token_ids, 1) for r in reqs]
-        _run(llm, reqs, 0.0)  # warm-up
+        _run(llm, reqs, 0.0)  # warm-up, both shapes
+        _run(llm, one, 0.0)
         full = min(_run(llm, reqs, 0.0)[1] for _ in range(args.repeat))
         first = min(_run(llm, one, 0.0)[1] for _ in range(args.repeat))
-        out[str(b)] = (full - first) / (args.new_tokens - 1) * 1e3
+        out[str(b)] = (full - first) / (args.new_tokens - 1) * 1e3 if full > first else None
+        if out[str(b)] is None:
+            logging.getLogger(__name__).warning("vLLM batch %d: %d new tokens took %.4f s, one %.4f s: no figure",
+                                                b, args.new_tokens, full, first)
     return {"ms_per_step": out, "vllm_version": __import__("vllm").__version__}
 
 
