@@ -115,7 +115,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
   mla) run mla-sweep 300 python3 scripts/mla_decode_sweep.py --token-rows --batches 1 32 128 200 --contexts 1024 \
          --out $R/mla-sweep.json;;
   new_tests) run new-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp32_gate.py \
-               tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_moe_kernels.py tests/test_moe_topk_sum.py;;
+               tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_moe_kernels.py tests/test_moe_topk_sum.py \
+               tests/test_moe_shared_stack.py tests/test_moe_route_triton.py;;
   align) run moe-align-sweep 120 python3 scripts/moe_align_sweep.py --out $R/moe-align-sweep.json;;
   tune_dsv2) tune 64 1408 2048 6 dsv2;;
   tune_q3moe) tune 128 768 2048 8 q3moe;;

@@ -10,6 +10,7 @@ import transformers
 from safetensors import safe_open
 
 from atom import LLM, SamplingParams
+from atom.model_ops.moe import FusedMoE
 from conftest import check_greedy_in_setting, hf_greedy
 from tiny_deepseek import YARN, make_tiny_deepseek
 
@@ -259,7 +260,7 @@ def test_triton_experts_kernel_in_the_engine(tmp_path):
     assert runner.plan.moe_tile_tables
 
 
-@pytest.mark.parametrize("variant", ["v2", "v3_noq"])
+@pytest.mark.parametrize("variant", ["v2", "v3_noq", "v2_lite"])
 def test_all_triton_kernels_in_the_engine(tmp_path, variant, monkeypatch):
     """Every layer on its Triton kernel as on a GPU (interpreted): the rope dims rotated in
     place by the rotary kernel (interleaved pairs for V2, halves for V3 with
@@ -275,14 +276,18 @@ def test_all_triton_kernels_in_the_engine(tmp_path, variant, monkeypatch):
     llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
     runner = llm.engine.runner
     runner.set_attention_backend(TritonMLABackend(runner.attn_layers, 64, runner.device))
-    runner.install_plan(KernelPlan(backend="triton", force_kernels=True, moe_kernel="triton"))
+    runner.install_plan(KernelPlan(backend="triton", force_kernels=True, moe_kernel="triton",
+                                   fusions=("moe+shared",)))
+    stacked = [m.shared_stack is not None for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    # the shared experts join the grouped GEMM where the routing kernel computes the rule (no groups)
+    assert stacked and all(stacked) == (variant == "v2_lite") and any(stacked) == all(stacked)
     calls = []
     real = kernels.rotary_embedding
     monkeypatch.setattr(kernels, "rotary_embedding",
                         lambda *a, **kw: calls.append(kw.get("interleaved")) or real(*a, **kw))
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in ps]
-    assert calls and set(calls) == {variant == "v2"}, "the rope dims did not go through the rotary kernel"
+    assert calls and set(calls) == {variant != "v3_noq"}, "the rope dims did not go through the rotary kernel"
 
 
 def test_describe_moe_layers_shows_deepseek(tmp_path):

@@ -50,6 +50,22 @@ def test_fused_topk_is_the_torch_rule(E, k, scoring, renorm, has_bias, scale, T,
     _check(logits, TopK(E, k, scoring=scoring, renormalize=renorm, routed_scaling_factor=scale), bias)
 
 
+@pytest.mark.parametrize("fixed", [1, 2, 3])
+def test_fixed_experts_follow_the_chosen_ones(fixed):
+    """`fixed` always-on experts (shared experts stacked after the routed ones): ids E, E + 1,
+    ... with weight 1 after the k chosen, which are those of the plain call."""
+    topk = TopK(64, 6, routed_scaling_factor=1.5)
+    logits = torch.randn(7, 64, generator=torch.Generator().manual_seed(fixed))
+    w0, ids0 = fused_topk(logits, topk)
+    w, ids = fused_topk(logits, topk, fixed=fixed)
+    assert ids.shape == (7, 6 + fixed) and w.shape == (7, 6 + fixed)
+    assert torch.equal(ids[:, :6], ids0) and torch.equal(w[:, :6], w0)
+    assert torch.equal(ids[:, 6:], torch.arange(64, 64 + fixed).expand(7, fixed))
+    assert torch.equal(w[:, 6:], torch.ones(7, fixed))
+    with pytest.raises(ValueError, match="fixed=-1"):
+        fused_topk(logits, topk, fixed=-1)
+
+
 def test_ties_go_to_the_lower_expert_and_rows_are_independent():
     topk = TopK(16, 3, renormalize=True)
     logits = torch.zeros(4, 16)

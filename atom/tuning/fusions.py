@@ -21,6 +21,8 @@ which computes the same thing with fewer kernels where the plan says so:
   another kernel): add + RMSNorm + quantize before the q/k/v and gate-up products,
   SiLU-and-mul + quantize before down (`kernels.act_quant_fused`), the product then reading q
   (`Linear.forward_quantized`, the method's usual routes);
+- "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
+  run them as extra experts of the grouped GEMM (`moe.shared_stack`);
 - "split_k_fold": those 8-bit products (o_proj too, after its own quantizer) sum a split K
   inside the swap-AB kernel, with a counter buffer `install` gives each layer
   (`quant_gemv_dot.split_k_lock`), instead of a second reduction launch. Opt-in only, not in
@@ -63,7 +65,7 @@ def default_fusions(backend: str) -> tuple[str, ...]:
         out += ("rope_in_attention",)
     if backend == "triton":  # the 8-bit products' kernels (NVIDIA; ROCm's run the reference)
         out += ("norm+quant", "silu+quant")
-    return out
+    return out + ("moe+shared",)
 
 
 def matches(layer: nn.Module) -> bool:
@@ -81,6 +83,12 @@ def install(model: nn.Module, plan) -> int:
     n = 0
     if not plan.fusions:
         return 0
+    if plan.has("moe+shared"):
+        from atom.model_ops.moe import FusedMoE
+        from atom.model_ops.moe.shared_stack import stack_shared_experts
+        stacked = [m for m in model.modules() if isinstance(m, FusedMoE) and stack_shared_experts(m)]
+        if stacked:
+            logger.info("shared experts stacked into the routed experts of %d MoE layers", len(stacked))
     for m in model.modules():
         if matches(m):
             attn = m.self_attn

@@ -132,6 +132,7 @@ class FusedMoE(nn.Module):
         self.activation_name = activation if isinstance(activation, str) else getattr(activation, "__name__", "custom")
         self.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built (the runner sets it)
         self.shared_experts = shared_experts
+        self.shared_stack = None  # (w13 [E+S, 2I, H], w2 [E+S, H, I], S): "moe+shared" (`shared_stack`)
         self.plan = None       # the engine's KernelPlan (set by the runner)
         self.tiles = None      # this shape's TileTable from the plan (plan_installed)
         self.tiles_json = ""
@@ -337,6 +338,8 @@ class FusedMoE(nn.Module):
         """This rank's part of the output before the all-reduce: its experts (or its slice of
         every expert) on every token, plus the shared experts' partial sum where they leave
         it to this layer (at one rank: the whole output; under DP attention: none)."""
+        if self.runs_stacked(hidden, router_logits):
+            return self.stacked_output(hidden, router_logits, correction_bias, record)
         topk_weights, topk_ids = self.route(router_logits, correction_bias)
         if self.recorder is not None and record:
             self.recorder.record(self, topk_ids)  # global ids: every expert counted, on every rank
@@ -348,6 +351,27 @@ class FusedMoE(nn.Module):
             out = out + self.shared_experts(hidden)
         return out
 
+    def runs_stacked(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> bool:
+        """Whether the shared experts run inside the routed kernel (`shared_stack`): stacked,
+        the plan has "moe+shared" and runs the Triton experts and routing kernels here,
+        outside torch.compile, at one rank."""
+        plan = self.plan
+        return (self.shared_stack is not None and plan is not None and plan.has("moe+shared")
+                and not torch.compiler.is_compiling() and plan.experts_kernel(hidden) == "triton"
+                and plan.kernels_for(router_logits) is not None and fused_topk_fits(self.topk)
+                and router_logits.dim() == 2 and router_logits.stride(-1) == 1
+                and self.parallel_mode == "single" and not self.gather_tokens)
+
+    def stacked_output(self, hidden, router_logits, correction_bias=None, record: bool = True) -> torch.Tensor:
+        """Routed and shared experts in one grouped GEMM: each token's k choices plus the S
+        stacked shared experts (ids E.., weight 1), summed in fp32 and rounded once."""
+        from atom.model_ops.moe.experts_triton import fused_experts
+        w13, w2, S = self.shared_stack
+        topk_weights, topk_ids = fused_topk(router_logits, self.topk, correction_bias, fixed=S)
+        if self.recorder is not None and record:
+            self.recorder.record(self, topk_ids[:, :self.topk.top_k])  # the routed choice only
+        return fused_experts(hidden, w13, w2, topk_weights, topk_ids, self.activation, tiles=self.tile_table())
+
     def local_routing(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert parallel: (weights, local ids) of the pairs, those of other ranks' experts
         with weight 0 and local id 0 (computed and dropped; an expert map the kernels skip
@@ -358,9 +382,10 @@ class FusedMoE(nn.Module):
                 torch.where(mine, local, torch.zeros_like(local)))
 
     def extra_repr(self) -> str:
+        stacked = f", shared stacked as {self.shared_stack[2]} experts" if self.shared_stack is not None else ""
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "
                 f"activation={self.activation_name}, bias={'w13_bias' in self.expert_parts}, "
-                f"method={self.method.name}{self.parallel_repr()}")
+                f"method={self.method.name}{self.parallel_repr()}{stacked}")
 
     def parallel_repr(self) -> str:
         if self.parallel_mode == "expert":

@@ -28,7 +28,8 @@ if HAS_TRITON:
     @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_t, scale,
                       E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr,
-                      SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                      SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                      FIXED: tl.constexpr, FIXED_PAD: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         ex = tl.arange(0, E_PAD)
         r_ok = rows < T
@@ -63,10 +64,16 @@ if HAS_TRITON:
         if RENORM:
             w = w / tl.sum(w, 1)[:, None]
         w = w * scale
-        out = rows.to(tl.int64)[:, None] * K + kk[None, :]
+        out = rows.to(tl.int64)[:, None] * (K + FIXED) + kk[None, :]
         st = r_ok[:, None] & (kk[None, :] < K)
         tl.store(w_ptr + out, w, mask=st)
         tl.store(ids_ptr + out, ids.to(tl.int64), mask=st)
+        if FIXED > 0:  # always-on experts E, E + 1, ... after the chosen ones, weight 1
+            ff = tl.arange(0, FIXED_PAD)
+            fo = rows.to(tl.int64)[:, None] * (K + FIXED) + K + ff[None, :]
+            fm = r_ok[:, None] & (ff[None, :] < FIXED)
+            tl.store(w_ptr + fo, tl.full([ROWS, FIXED_PAD], 1.0, tl.float32), mask=fm)
+            tl.store(ids_ptr + fo, tl.broadcast_to((E + ff).to(tl.int64)[None, :], [ROWS, FIXED_PAD]), mask=fm)
 
 
 def fused_topk_fits(topk) -> bool:
@@ -86,10 +93,12 @@ def route_config(num_tokens: int, num_experts: int) -> dict:
 
 
 def fused_topk(logits: torch.Tensor, topk, correction_bias: torch.Tensor | None = None,
-               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               config: dict | None = None, fixed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights fp32 [T, k], ids int64 [T, k]) of `topk`'s rule (see the module docstring) for
     router logits [T, E]: `router.topk_select`'s result up to fp32 rounding of the scores
-    (and the choice among exactly equal scores)."""
+    (and the choice among exactly equal scores). `fixed` > 0 appends that many always-on
+    experts to every row, ids E, E + 1, ... with weight 1 ([T, k + fixed]): shared experts
+    stacked after the routed ones (`FusedMoE.stack_shared_experts`)."""
     if not fused_topk_fits(topk):
         raise ValueError(f"fused_topk computes the built-in rule without expert groups over at most "
                          f"{MAX_EXPERTS} experts; got {topk.extra_repr()}")
@@ -102,9 +111,11 @@ def fused_topk(logits: torch.Tensor, topk, correction_bias: torch.Tensor | None 
             raise ValueError(f"correction_bias has {correction_bias.numel()} values on {correction_bias.device}: "
                              f"the router needs {E} on {logits.device}")
         correction_bias = correction_bias.reshape(E).contiguous()
-    k = topk.top_k
-    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    k, fixed = topk.top_k, int(fixed)
+    if fixed < 0:
+        raise ValueError(f"fixed={fixed} is invalid: always-on experts are a count >= 0")
+    w = torch.empty(T, k + fixed, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, k + fixed, dtype=torch.int64, device=logits.device)
     if T == 0:
         return w, ids
     cfg = {**route_config(T, E), **(config or {})}  # `config`: ROWS / num_warps (a sweep's overrides)
@@ -113,5 +124,5 @@ def fused_topk(logits: torch.Tensor, topk, correction_bias: torch.Tensor | None 
         logits, bias, w, ids, T, E, logits.stride(0), topk.routed_scaling_factor,
         E_PAD=triton.next_power_of_2(E), K=k, K_PAD=triton.next_power_of_2(k), ROWS=cfg["ROWS"],
         SOFTMAX=topk.scoring == "softmax", HAS_BIAS=correction_bias is not None, RENORM=topk.renormalize,
-        num_warps=cfg["num_warps"])
+        FIXED=fixed, FIXED_PAD=triton.next_power_of_2(max(fixed, 1)), num_warps=cfg["num_warps"])
     return w, ids
