@@ -118,3 +118,30 @@ def test_compiled_decoder_layers_run_the_plan_kernels(model, request, monkeypatc
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in ps]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_fused_decoder_layers_of_moe_models(arch, tmp_path, monkeypatch):
+    """MoE decoder layers take the fused forward too (attention as in the dense models: the
+    rotary and the cache write inside the attention kernel on decodes; the MoE block after the
+    norm), dense layers beside them (Qwen3-MoE's `mlp_only_layers`): transformers' tokens."""
+    from atom.model_ops import kernel_backend, kernels
+    from atom.model_ops.attention import triton_backend
+    from tiny_moe import make_tiny_moe
+    path = make_tiny_moe(tmp_path / arch, arch)
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
+    runner = llm.engine.runner
+    _on_triton(runner, fused=True)
+    layers = runner.model.model.layers
+    assert all("forward" in layer.__dict__ for layer in layers)  # every layer took fused_forward
+    assert any(hasattr(layer.mlp, "experts") for layer in layers)
+    monkeypatch.setattr(kernel_backend, "get", lambda x: kernels)
+    attn_calls = []
+    real_attn = triton_backend.unified_attention
+    monkeypatch.setattr(triton_backend, "unified_attention",
+                        lambda *a, **kw: attn_calls.append((a[8], kw["rope"])) or real_attn(*a, **kw))
+    ps = [[5, 6, 7, 8, 9], list(range(10, 50))]
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert any(rope is not None for max_q, rope in attn_calls if max_q == 1), "decode steps fold the rotary in"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in ps]

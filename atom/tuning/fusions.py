@@ -34,7 +34,9 @@ registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the 
 inside the attention op (`Attention.forward_rope`: "rope+kv_write"), so that the compiled
 graph runs the kernels level 0 runs instead of Inductor's code for them (docs/perf has the
 prefill profiles of both).
-A layer matches when it has the Llama-shaped parts (`matches`); others keep their forward.
+A layer matches when it has the Llama-shaped parts (`matches`: a gated MLP or a MoE block,
+which runs as it is after the norm; the compiled branch is for the gated MLP only); others
+keep their forward.
 `uninstall` restores the architecture's forward.
 """
 from __future__ import annotations
@@ -68,12 +70,20 @@ def default_fusions(backend: str) -> tuple[str, ...]:
     return out + ("moe+shared",)
 
 
+def dense_mlp(layer: nn.Module) -> bool:
+    """Whether the layer's MLP is the gated one (gate_up_proj, down_proj), not a MoE block."""
+    return all(hasattr(layer.mlp, n) for n in ("gate_up_proj", "down_proj"))
+
+
 def matches(layer: nn.Module) -> bool:
-    """Whether a decoder layer has the parts `fused_forward` uses."""
+    """Whether a decoder layer has the parts `fused_forward` uses: the Llama-shaped attention
+    (without sinks) and either the gated MLP or a MoE block (`experts`, run as it is, after the
+    norm)."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     return (all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm"))
             and attn is not None and all(hasattr(attn, n) for n in ("qkv_proj", "o_proj", "rotary_emb", "attn"))
-            and mlp is not None and all(hasattr(mlp, n) for n in ("gate_up_proj", "down_proj")))
+            and getattr(attn, "sinks", None) is None
+            and mlp is not None and (dense_mlp(layer) or hasattr(mlp, "experts")))
 
 
 def install(model: nn.Module, plan) -> int:
@@ -95,7 +105,8 @@ def install(model: nn.Module, plan) -> int:
             qk_norm = getattr(attn, "qk_norm", False)
             attn.qkv_proj.one_row = (("norm",) if plan.has("norm+gemv") else ()) + \
                 (("norm+rope",) if plan.has("norm+gemv+rope") and not qk_norm else ())
-            m.mlp.gate_up_proj.one_row = "norm+silu" if plan.has("norm+gemv+silu") else ()
+            if dense_mlp(m):
+                m.mlp.gate_up_proj.one_row = "norm+silu" if plan.has("norm+gemv+silu") else ()
             if plan.has("split_k_fold"):
                 _give_locks(m)
             m.forward = types.MethodType(fused_forward, m)
@@ -110,7 +121,8 @@ def _give_locks(layer: nn.Module) -> None:
     their address."""
     from atom.model_ops.kernels.quant_gemv_dot import split_k_lock
     attn, mlp = layer.self_attn, layer.mlp
-    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+    mlps = (mlp.gate_up_proj, mlp.down_proj) if dense_mlp(layer) else ()
+    for linear in (attn.qkv_proj, attn.o_proj, *mlps):
         if linear.method.input_quant(linear) is not None and "split_k_lock" not in linear.__dict__:
             linear.split_k_lock = split_k_lock(linear.weight.shape[0], linear.weight.device)
 
@@ -149,7 +161,8 @@ def uninstall(model: nn.Module) -> None:
         if "forward" in m.__dict__ and matches(m):
             del m.forward
             m.self_attn.qkv_proj.one_row = "plain"
-            m.mlp.gate_up_proj.one_row = "plain"
+            if dense_mlp(m):
+                m.mlp.gate_up_proj.one_row = "plain"
 
 
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False):
@@ -183,6 +196,9 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
     """down(silu_and_mul(gate_up(norm(hidden + residual)))), hidden + residual; with "silu+quant"
     (an 8-bit down that takes a quantized input) the SiLU kernel quantizes for down."""
     mlp, norm = layer.mlp, layer.post_attention_layernorm
+    if not dense_mlp(layer):  # a MoE block: its own router and experts after the norm
+        hidden, residual = norm(hidden, residual)
+        return mlp(hidden), residual
     iq = quant_input(plan, "silu+quant", mlp.down_proj, hidden)
     if iq is None:
         act, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual, gated=True)
@@ -252,7 +268,7 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     plan = attn.qkv_proj.plan
     on_triton = plan is not None and plan.runs_kernels(hidden) and attn.attn.backend.name == "triton"
     if torch.compiler.is_compiling():
-        if on_triton and plan.has("rope+kv_write"):
+        if on_triton and plan.has("rope+kv_write") and dense_mlp(self):
             return compiled_forward(self, positions, hidden, residual)
         return type(self).forward(self, positions, hidden, residual)
     if not on_triton:
