@@ -64,6 +64,30 @@ class TestTriton:
         got = fused_experts(x, w13, w2, w, ids, silu_and_mul_ref, b13, b2, config=TILE, sort=sort)
         torch.testing.assert_close(got, dense(x, w13, w2, w, ids, b13, b2), rtol=1e-4, atol=1e-4)
 
+    @pytest.mark.parametrize("T,E,k,I", [(9, 4, 2, 16), (3, 8, 3, 24), (1, 8, 2, 40)])
+    def test_silu_runs_inside_the_first_product(self, T, E, k, I, monkeypatch):
+        """With the layer's `silu_and_mul` on the sorted path the first product computes
+        silu(gate) * up itself (the separate kernel does not run): the definition's result,
+        and the unfused path's."""
+        from atom.model_ops import activation
+        from atom.model_ops.moe import experts_triton
+        x, w13, w2, w, ids, _, _ = case(T=T, E=E, k=k, I=I, H=40)
+        unfused = experts_triton.fused_experts(x, w13, w2, w, ids, activation.silu_and_mul, config=TILE, sort=True,
+                                               fuse_activation=False)
+        gated = []
+        real = experts_triton.expert_product
+        monkeypatch.setattr(experts_triton, "expert_product",
+                            lambda *a, **kw: gated.append(kw.get("gated", False)) or real(*a, **kw))
+        got = experts_triton.fused_experts(x, w13, w2, w, ids, activation.silu_and_mul, config=TILE, sort=True)
+        assert gated == [True, False]
+        torch.testing.assert_close(got, unfused, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, dense(x, w13, w2, w, ids), rtol=1e-4, atol=1e-4)
+        gated.clear()  # the unsorted path and a bias keep the separate activation
+        experts_triton.fused_experts(x, w13, w2, w, ids, activation.silu_and_mul, config=TILE, sort=False)
+        assert gated == [False, False]
+        with pytest.raises(ValueError, match="gated product"):
+            real(x, w13, None, ids, k, None, TILE, None, gated=True)
+
     def test_custom_op_and_a_fullgraph_compile_match_the_reference(self):
         """Under torch.compile (fullgraph, as level 3 compiles) the layer calls the Triton path
         through the opaque `atom::moe_experts` op; eager and compiled agree with the reference."""
@@ -320,6 +344,12 @@ def test_fused_experts_bf16_on_gpu(T, shape):
     for sort in (True, False):
         got = fused_experts(x, w13, w2, w, ids, silu_and_mul, sort=sort).float()
         assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2, sort
+    # SiLU inside the first product: the gate and up sums in the same K order, rounded as the
+    # separate kernel reads them, so the same bf16 activations
+    fused = fused_experts(x, w13, w2, w, ids, silu_and_mul, sort=True)
+    unfused = fused_experts(x, w13, w2, w, ids, silu_and_mul, sort=True, fuse_activation=False)
+    torch.testing.assert_close(fused, unfused, rtol=8e-3, atol=1e-3 * float(unfused.abs().max()))
+    assert float((fused.float() - unfused.float()).abs().mean()) <= 1e-3 * float(unfused.float().abs().mean())
 
 
 def test_experts_benchmark_floor_and_shapes(capsys):

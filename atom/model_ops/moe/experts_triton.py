@@ -2,7 +2,10 @@
 
     y = fused_experts(x, w13, w2, topk_weights, topk_ids, activation, tiles=table)
 
-Two paths, both two products with the activation between (the layer's, on [pairs, 2I]):
+Two paths, both two products with the activation between (the layer's, on [pairs, 2I]; on
+the sorted path SiLU-and-mul runs inside the first product, which then computes each
+program's columns of the gate and the up halves and writes [pairs, I]: one launch and the
+[pairs, 2I] round trip fewer):
 
 - sorted (`moe_align` + `_moe_gemm_kernel`): the T*k pairs are grouped by expert and each
   expert's group is padded to a multiple of BLOCK_M, so that a program multiplies BLOCK_M
@@ -67,9 +70,12 @@ if HAS_TRITON:
     def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, rw_ptr,
                          N, K, num_pairs, num_m_blocks, a_div, stride_am, stride_we, stride_wn, stride_be, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_PREC: tl.constexpr,
+                         GATED: tl.constexpr):
         """out[p] = a[p // a_div] @ w[e]^T (+ b[e]) (* rw[p]) for the BLOCK_M pairs p of one
-        expert e in the sorted order."""
+        expert e in the sorted order. GATED (the SiLU-gated first product, no bias or weight):
+        w[e] is [gate | up] of N rows each and out[p] = silu(gate) * up, N wide; the gate and up
+        products are rounded to out's dtype first, as the separate SiLU-and-mul kernel reads them."""
         e, pairs, valid, a_rows, rn = sorted_tile(block_expert_ptr, sorted_ptr, num_pairs, num_m_blocks, N, a_div,
                                                   BLOCK_M, BLOCK_N, GROUP_M)
         if e < 0:
@@ -78,12 +84,21 @@ if HAS_TRITON:
         ap = a_ptr + a_rows[:, None] * stride_am + rk[None, :]
         wp = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if GATED:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            up_offset = N.to(tl.int64) * stride_wn
         for k in range(0, K, BLOCK_K):
             a = tl.load(ap, mask=valid[:, None] & (rk[None, :] + k < K), other=0.0)
             w = tl.load(wp, mask=(rn[None, :] < N) & (rk[:, None] + k < K), other=0.0)
             acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            if GATED:
+                wu = tl.load(wp + up_offset, mask=(rn[None, :] < N) & (rk[:, None] + k < K), other=0.0)
+                acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
             ap += BLOCK_K
             wp += BLOCK_K
+        if GATED:
+            g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = g / (1.0 + tl.exp(-g)) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         store_tile(acc, b_ptr, rw_ptr, out_ptr, e, pairs, valid, rn, N, stride_be, stride_om, HAS_BIAS, MUL_WEIGHT)
 
     @triton.jit
@@ -268,11 +283,20 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def expert_product(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, topk_ids: torch.Tensor,
-                   a_div: int, weights: torch.Tensor | None, cfg: dict, sorted_layout=None) -> torch.Tensor:
+                   a_div: int, weights: torch.Tensor | None, cfg: dict, sorted_layout=None,
+                   gated: bool = False) -> torch.Tensor:
     """[pairs, N]: row p = a[p // a_div] @ w[ids[p]]^T (+ bias) (* weights[p]); through the
-    sorted layout (`moe_align`) when given, else the unsorted per-pair kernel."""
+    sorted layout (`moe_align`) when given, else the unsorted per-pair kernel. `gated` (sorted
+    layout, no bias or weights): w is [gate | up] and the result silu(gate) * up, [pairs, N/2],
+    each program computing BLOCK_N / 2 columns of both halves (the bytes a program reads and
+    the program count stay those of the plain product)."""
     P = topk_ids.numel()
     E, N, K = w.shape
+    if gated:
+        if sorted_layout is None or bias is not None or weights is not None or N % 2:
+            raise ValueError("the gated product runs on the sorted layout without bias or routing weights, "
+                             f"over an even width (got {N})")
+        N //= 2
     out = torch.empty(P, N, dtype=a.dtype, device=a.device)
     if P == 0:
         return out
@@ -291,13 +315,15 @@ def expert_product(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
         return out
     sorted_pairs, block_expert = sorted_layout
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if gated:
+        bn = max(16, bn // 2)
     num_m = block_expert.numel()
     grid = (num_m * triton.cdiv(N, bn),)
     _moe_gemm_kernel[grid](a, w, b, out, sorted_pairs, block_expert, rw, N, K, P, num_m, a_div,
                            a.stride(0), w.stride(0), w.stride(1), sb, out.stride(0),
                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 1),
                            DOT_PREC=_dot_prec(a.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                           **common)
+                           GATED=gated, **common)
     return out
 
 
@@ -322,9 +348,12 @@ def pair_layout(topk_ids: torch.Tensor, num_experts: int, tiles: TileTable | Non
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                  tiles: TileTable | None = None, config: dict | None = None, sort: bool | None = None) -> torch.Tensor:
+                  tiles: TileTable | None = None, config: dict | None = None, sort: bool | None = None,
+                  fuse_activation: bool | None = None) -> torch.Tensor:
     """The routed sum of the experts, [T, H] (see the module docstring). `config` overrides
-    the tile table's choice; `sort` forces a path (None: the small-batch rule)."""
+    the tile table's choice; `sort` forces a path (None: the small-batch rule). On the sorted
+    path SiLU-and-mul runs inside the first product (`fuse_activation` None: wherever the
+    activation is `silu_and_mul` and w13 has no bias; False forces the separate kernel)."""
     if not HAS_TRITON:
         raise RuntimeError("fused_experts needs triton; the torch reference is experts_reference")
     T, H = x.shape
@@ -335,6 +364,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if sort is None:
         sort = not skips_sorting(T, k, E, tiles)
     cfg, layout = pair_layout(topk_ids, E, tiles, config, sort)
-    h = expert_product(x, w13, w13_bias, topk_ids, k, None, cfg, layout)
-    y = expert_product(activation(h), w2, w2_bias, topk_ids, 1, topk_weights, cfg, layout)
+    if fuse_activation is None:
+        from atom.model_ops.activation import silu_and_mul
+        fuse_activation = activation is silu_and_mul and w13_bias is None
+    if fuse_activation and layout is not None:
+        act = expert_product(x, w13, None, topk_ids, k, None, cfg, layout, gated=True)
+    else:
+        act = activation(expert_product(x, w13, w13_bias, topk_ids, k, None, cfg, layout))
+    y = expert_product(act, w2, w2_bias, topk_ids, 1, topk_weights, cfg, layout)
     return topk_sum(y, k)  # (summed in fp32 and rounded once, in one kernel)
