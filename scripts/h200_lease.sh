@@ -24,7 +24,8 @@
 # tune_gptoss (a MoE shape's tiles into /tmp/res/tiles, ~150-280 s each), align (moe_align's two paths), moe_fp8_tests, prof_q (the kernels of 20
 # Llama-3.1-8B batch-1 decode steps, bf16 and each quantized format), gate (DeepSeek's fp32 router
 # GEMM two ways), mla (the MLA decode launch sweep with one block-table entry a token), new_tests
-# (the GPU tests of the gate, MLA and MoE kernels).
+# (the GPU tests of the gate, MLA and MoE kernels), gated (the experts layer with SiLU-and-mul
+# inside the first product against it as its own kernel, DeepSeek-V2-Lite's and Qwen3-30B-A3B's tiles).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -117,6 +118,13 @@ for st in "$@"; do ts=$(date +%s); case $st in
   new_tests) run new-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp32_gate.py \
                tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_moe_kernels.py tests/test_moe_topk_sum.py \
                tests/test_moe_shared_stack.py tests/test_moe_route_triton.py;;
+  gated) D=atom/model_ops/moe/configs
+         run moe-gated-dsv2 150 python3 scripts/moe_tiles_compare.py --old "$D/E=64,I=1408,H=2048,dtype=bfloat16,device=NVIDIA_H200.json" \
+           --new "$D/E=64,I=1408,H=2048,dtype=bfloat16,device=NVIDIA_H200.json" --top-k 6 --old-unfused \
+           --tokens 1 8 64 200 2048 --out $R/moe-gated-dsv2.json
+         run moe-gated-q3 150 python3 scripts/moe_tiles_compare.py --old "$D/E=128,I=768,H=2048,dtype=bfloat16,device=NVIDIA_H200.json" \
+           --new "$D/E=128,I=768,H=2048,dtype=bfloat16,device=NVIDIA_H200.json" --top-k 8 --old-unfused \
+           --tokens 1 8 64 200 2048 --out $R/moe-gated-q3.json;;
   align) run moe-align-sweep 120 python3 scripts/moe_align_sweep.py --out $R/moe-align-sweep.json;;
   tune_dsv2) tune 64 1408 2048 6 dsv2;;
   tune_q3moe) tune 128 768 2048 8 q3moe;;

@@ -1,9 +1,11 @@
 """Times one MoE shape's experts layer (`fused_experts`, the path each table's rule picks)
 under two tile files at the given token counts, CUDA-graph replays on a GPU, beside the
 weight-read floor at 4.8 TB/s. Prints each row as it is measured, writes JSON.
+`--old-unfused` runs the "old" column with SiLU-and-mul as its own kernel (the same file
+twice then compares the activation inside the first product against it).
 
     python scripts/moe_tiles_compare.py --old A.json --new B.json --top-k 6 --out cmp.json \
-        [--tokens 1 16 64 128 200 256 512 2048 16384]
+        [--tokens 1 16 64 128 200 256 512 2048 16384] [--old-unfused]
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 200, 256, 512, 2048, 16384])
+    ap.add_argument("--old-unfused", action="store_true", help="the old column without the fused activation")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_tiles_compare needs a CUDA GPU")
@@ -42,7 +45,9 @@ def main() -> None:
         floor_us = touched * 3 * I * H * x.element_size() / HBM_BYTES_PER_S * 1e6
         row = dict(tokens=T, experts_touched=touched, floor_us=round(floor_us, 1))
         for name, table in (("old", old), ("new", new)):
-            us = gpu_time_us(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, tiles=table))
+            fuse = False if name == "old" and args.old_unfused else None
+            us = gpu_time_us(lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul, tiles=table,
+                                                   fuse_activation=fuse))
             row[name] = dict(us=round(us, 1), config=table.config_for(T, args.top_k),
                              sorted=not skips_sorting(T, args.top_k, E, table))
         row["speedup"] = round(row["old"]["us"] / row["new"]["us"], 3)
@@ -51,7 +56,7 @@ def main() -> None:
         rows.append(row)
         with open(args.out, "w") as f:
             json.dump(dict(shape=dict(experts=E, width=I, hidden=H, top_k=args.top_k),
-                           old=args.old, new=args.new, rows=rows), f, indent=1)
+                           old=args.old, new=args.new, old_unfused=args.old_unfused, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
