@@ -67,6 +67,8 @@ def test_stacked_shared_experts_equal_the_mlp_added(S, T):
     assert torch.equal(w13_all[E, :I], b.shared.gate_up_proj.weight[:I])          # block 0's gate rows
     assert torch.equal(w13_all[E + S - 1, I:], b.shared.gate_up_proj.weight[-I:])  # last block's up rows
     assert f"shared stacked as {S} experts" in repr(b.experts)
+    from atom.model_ops.moe import describe_moe_layers
+    assert describe_moe_layers(b)[0]["shared_stacked"] == S
     b.experts.plan = plan
     assert b.experts.runs_stacked(x, logits)
     calls = []

@@ -33,7 +33,8 @@ from atom.model_ops.moe.routing_stats import ExpertLoadRecorder
 def describe_moe_layers(model) -> list[dict]:
     """One dict per `FusedMoE` of `model`: layer, experts, top_k, width (this rank's), routing,
     activation, method, format, bytes, kernel (`method.kernel_for(layer)` where the method
-    says, else None), route_kernel (`FusedMoE.route_kernel`), shared experts, parallel
+    says, else None), route_kernel (`FusedMoE.route_kernel`), shared experts (and how many
+    experts of the grouped GEMM they became, 0 where not stacked: `shared_stack`), parallel
     ("single" / "tensor" / "expert"), the rank's global expert ids, rank and ranks
     (`atom.viz.moe_layers_frame` makes a DataFrame)."""
     rows = []
@@ -46,6 +47,7 @@ def describe_moe_layers(model) -> list[dict]:
                          "kernel": m.method.kernel_for(m) if hasattr(m.method, "kernel_for") else None,
                          "route_kernel": m.route_kernel(),
                          "shared_experts": m.shared_experts is not None,
+                         "shared_stacked": m.shared_stack[2] if m.shared_stack is not None else 0,
                          "parallel": m.parallel_mode, "local_experts": f"[{m.expert_start}, "
                          f"{m.expert_start + m.num_local_experts})", "rank": m.tp.rank, "ranks": m.tp.world_size})
     return rows
