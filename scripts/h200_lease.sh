@@ -117,7 +117,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
          --out $R/mla-sweep.json;;
   new_tests) run new-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp32_gate.py \
                tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_moe_kernels.py tests/test_moe_topk_sum.py \
-               tests/test_moe_shared_stack.py tests/test_moe_route_triton.py;;
+               tests/test_moe_shared_stack.py tests/test_moe_route_triton.py tests/test_gpu_moe_engine.py;;
   gated) D=atom/model_ops/moe/configs
          run moe-gated-dsv2 150 python3 scripts/moe_tiles_compare.py --old "$D/E=64,I=1408,H=2048,dtype=bfloat16,device=NVIDIA_H200.json" \
            --new "$D/E=64,I=1408,H=2048,dtype=bfloat16,device=NVIDIA_H200.json" --top-k 6 --old-unfused \

@@ -47,7 +47,7 @@ FUSIONS = (
     "norm+quant",        # 8-bit layers: add + RMSNorm + the activation quantizer in one kernel (q/k/v, gate-up)
     "silu+quant",        # 8-bit layers: SiLU-and-mul + the activation quantizer in one kernel (down)
     "split_k_fold",      # 8-bit small-M products sum their split K themselves (no reduction launch)
-    "moe+shared",        # MoE: shared experts stacked after the routed ones, run in the grouped GEMM
+    "moe+shared",        # MoE: shared experts stacked after the routed ones, run in the grouped GEMM (opt-in)
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 MOE_KERNELS = ("auto", "reference", "triton")  # experts kernel: auto = Triton where the plan runs kernels

@@ -12,6 +12,12 @@ shared alike. The layer's own parameters become views of the first E experts of 
 reference, torch.compile, several ranks).
 
 `stack_shared_experts(layer)` builds the stack where it applies and says why not elsewhere.
+The fusion is opt-in (`KernelPlan(fusions=(..., "moe+shared"))`): in the DeepSeek-V2-Lite
+workload on an H200 the engine with it on (and with the SiLU inside the first product and
+the one-program grouping) gave 9,642 tok/s where the tree before these three had given 10,201
+on another H200 (vLLM 9,769 / 9,735 in the same commands);
+a likely cost is the shared experts' T rows each in BLOCK_M tiles sized for the routed
+experts' few rows, not yet timed layer by layer.
 """
 from __future__ import annotations
 
