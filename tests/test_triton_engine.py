@@ -22,6 +22,16 @@ def _on_triton(runner, fused: bool = False):
     return runner.plan
 
 
+def spy_attention(monkeypatch) -> list:
+    """(max_query_len, rope) of every call of the unified attention op from here on."""
+    from atom.model_ops.attention import triton_backend
+    calls = []
+    real = triton_backend.unified_attention
+    monkeypatch.setattr(triton_backend, "unified_attention",
+                        lambda *a, **kw: calls.append((a[8], kw["rope"])) or real(*a, **kw))
+    return calls
+
+
 def test_triton_attention_op_in_the_engine(tiny_qwen3):
     llm = LLM(tiny_qwen3, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
     _on_triton(llm.engine.runner)
@@ -38,7 +48,6 @@ def test_all_triton_kernels_in_the_engine(model, request, monkeypatch):
     then only reads); decode steps fold the rotary embedding and the cache write (after the
     q / k norms: Qwen3) into the attention kernel."""
     from atom.model_ops import kernel_backend, kernels
-    from atom.model_ops.attention import triton_backend
     path = request.getfixturevalue(model)
     llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
     runner = llm.engine.runner
@@ -48,10 +57,7 @@ def test_all_triton_kernels_in_the_engine(model, request, monkeypatch):
     real = kernels.rotary_embedding
     monkeypatch.setattr(kernels, "rotary_embedding",
                         lambda *a, **kw: calls.append(kw.get("kv_cache") is not None) or real(*a, **kw))
-    attn_calls = []
-    real_attn = triton_backend.unified_attention
-    monkeypatch.setattr(triton_backend, "unified_attention",
-                        lambda *a, **kw: attn_calls.append((a[8], kw["rope"])) or real_attn(*a, **kw))
+    attn_calls = spy_attention(monkeypatch)
     ps = [[5, 6, 7, 8, 9], list(range(10, 50))]
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert calls and all(calls), "the rotary kernel did not write the KV cache"
@@ -126,7 +132,6 @@ def test_fused_decoder_layers_of_moe_models(arch, tmp_path, monkeypatch):
     rotary and the cache write inside the attention kernel on decodes; the MoE block after the
     norm), dense layers beside them (Qwen3-MoE's `mlp_only_layers`): transformers' tokens."""
     from atom.model_ops import kernel_backend, kernels
-    from atom.model_ops.attention import triton_backend
     from tiny_moe import make_tiny_moe
     path = make_tiny_moe(tmp_path / arch, arch)
     llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32)
@@ -136,10 +141,7 @@ def test_fused_decoder_layers_of_moe_models(arch, tmp_path, monkeypatch):
     assert all("forward" in layer.__dict__ for layer in layers)  # every layer took fused_forward
     assert any(hasattr(layer.mlp, "experts") for layer in layers)
     monkeypatch.setattr(kernel_backend, "get", lambda x: kernels)
-    attn_calls = []
-    real_attn = triton_backend.unified_attention
-    monkeypatch.setattr(triton_backend, "unified_attention",
-                        lambda *a, **kw: attn_calls.append((a[8], kw["rope"])) or real_attn(*a, **kw))
+    attn_calls = spy_attention(monkeypatch)
     ps = [[5, 6, 7, 8, 9], list(range(10, 50))]
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert any(rope is not None for max_q, rope in attn_calls if max_q == 1), "decode steps fold the rotary in"
