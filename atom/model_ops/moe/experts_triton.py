@@ -352,8 +352,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   fuse_activation: bool | None = None) -> torch.Tensor:
     """The routed sum of the experts, [T, H] (see the module docstring). `config` overrides
     the tile table's choice; `sort` forces a path (None: the small-batch rule). On the sorted
-    path SiLU-and-mul runs inside the first product (`fuse_activation` None: wherever the
-    activation is `silu_and_mul` and w13 has no bias; False forces the separate kernel)."""
+    path SiLU-and-mul runs inside the first product wherever the activation is `silu_and_mul`
+    and w13 has no bias (`fuse_activation=False` keeps the separate kernel)."""
     if not HAS_TRITON:
         raise RuntimeError("fused_experts needs triton; the torch reference is experts_reference")
     T, H = x.shape
@@ -364,10 +364,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if sort is None:
         sort = not skips_sorting(T, k, E, tiles)
     cfg, layout = pair_layout(topk_ids, E, tiles, config, sort)
-    if fuse_activation is None:
-        from atom.model_ops.activation import silu_and_mul
-        fuse_activation = activation is silu_and_mul and w13_bias is None
-    if fuse_activation and layout is not None:
+    from atom.model_ops.activation import silu_and_mul
+    if fuse_activation is not False and activation is silu_and_mul and w13_bias is None and layout is not None:
         act = expert_product(x, w13, None, topk_ids, k, None, cfg, layout, gated=True)
     else:
         act = activation(expert_product(x, w13, w13_bias, topk_ids, k, None, cfg, layout))

@@ -15,9 +15,9 @@ reference, torch.compile, several ranks).
 The fusion is opt-in (`KernelPlan(fusions=(..., "moe+shared"))`): in the DeepSeek-V2-Lite
 workload on an H200 the engine with it on (and with the SiLU inside the first product and
 the one-program grouping) gave 9,642 tok/s where the tree before these three had given 10,201
-on another H200 (vLLM 9,769 / 9,735 in the same commands);
-a likely cost is the shared experts' T rows each in BLOCK_M tiles sized for the routed
-experts' few rows, not yet timed layer by layer.
+on another H200 (vLLM 9,769 / 9,735 in the same commands). A likely cost is the shared
+experts' T rows each in BLOCK_M tiles sized for the routed experts' few rows; not yet timed
+layer by layer.
 """
 from __future__ import annotations
 
