@@ -96,8 +96,13 @@ def _compile_all() -> dict:
         # the MoE experts: the grouped GEMM over pairs sorted by expert, and the unsorted path
         "moe_gemm_sorted": (moe._moe_gemm_kernel,
                             dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True, MUL_WEIGHT=True,
-                                 DOT_PREC="tf32"),
+                                 DOT_PREC="tf32", GATED=False),
                             dict(sorted_ptr="*i32", block_expert_ptr="*i32", rw_ptr="*fp32"), ("mma",)),
+        # the first product with SiLU-and-mul inside: gate and up tiles, two accumulators, ex2
+        "moe_gemm_gated": (moe._moe_gemm_kernel,
+                           dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, HAS_BIAS=False, MUL_WEIGHT=False,
+                                DOT_PREC="tf32", GATED=True),
+                           dict(sorted_ptr="*i32", block_expert_ptr="*i32", rw_ptr="*fp32"), ("mma", "ex2.approx")),
         "moe_gemv_unsorted": (moe._moe_gemv_kernel, dict(BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, MUL_WEIGHT=True),
                               dict(ids_ptr="*i64", rw_ptr="*fp32"), ("ld.global",)),
     }
@@ -124,7 +129,8 @@ def test_kernels_compile_for_sm90():
     assert set(got) == {"gemv_fused_gated", "gemv_plain_ahead", "gemv_norm_rope", "rope_kv_write",
                         "attention_decode_split", "attention_fp8_window_sinks", "kv_write_fp8",
                         "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma",
-                        "sampling_block_stats", "sampling_pick", "moe_gemm_sorted", "moe_gemv_unsorted"}
+                        "sampling_block_stats", "sampling_pick", "moe_gemm_sorted", "moe_gemm_gated",
+                        "moe_gemv_unsorted"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma
