@@ -23,8 +23,8 @@ which computes the same thing with fewer kernels where the plan says so:
   (`Linear.forward_quantized`, the method's usual routes);
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
-  `default_fusions`: the DeepSeek-V2-Lite workload with it ran slower than without (docs/perf,
-  2026-12-03e), not yet timed layer by layer;
+  `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
+  not yet timed layer by layer;
 - "split_k_fold": those 8-bit products (o_proj too, after its own quantizer) sum a split K
   inside the swap-AB kernel, with a counter buffer `install` gives each layer
   (`quant_gemv_dot.split_k_lock`), instead of a second reduction launch. Opt-in only, not in

@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from atom.model_ops.activation import silu_and_mul
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 from atom.model_ops.moe.tile_configs import TileTable, default_config
 from atom.model_ops.moe.topk_sum import topk_sum
@@ -200,10 +201,8 @@ if HAS_TRITON:
 # program (`_moe_align_one_program_kernel`) instead of two fills and three kernels. Written
 # for 8192 (decode batches of a few tokens: 64 experts up to 128 pairs, 128 up to 64, 256 up
 # to 32; the match table 32 values a thread at 8 warps), where the five launches cost more
-# than the work. `scripts/moe_align_sweep.py` on the H200 (graph replays): one token of 64
-# experts top-6 2.7 against 6.4 us, 21 tokens 5.8 against 6.7; one token of 128 experts top-8
-# 6.4 against 9.9, 8 tokens 8.4 against 9.7; past 8192 it loses (16 tokens of 128: 10.8
-# against 9.8); at 8192 with 256 experts (4 tokens top-8) it is 0.7 us slower, accepted.
+# than the work: `scripts/moe_align_sweep.py` finds it the faster up to this size and the
+# slower past it (timings in docs/perf).
 ONE_PROGRAM_SIZE = 8192
 ONE_PROGRAM_MAX = ONE_PROGRAM_SIZE
 
@@ -364,7 +363,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if sort is None:
         sort = not skips_sorting(T, k, E, tiles)
     cfg, layout = pair_layout(topk_ids, E, tiles, config, sort)
-    from atom.model_ops.activation import silu_and_mul
     if fuse_activation is not False and activation is silu_and_mul and w13_bias is None and layout is not None:
         act = expert_product(x, w13, None, topk_ids, k, None, cfg, layout, gated=True)
     else:

@@ -321,10 +321,14 @@ class FusedMoE(nn.Module):
         """(weights, ids) of the layer's `topk` rule: in one Triton kernel where the plan runs
         kernels for these logits outside torch.compile and the kernel computes the rule
         (`route_triton`), else the torch rule."""
-        if self.plan is not None and self.plan.kernels_for(router_logits) is not None \
-                and fused_topk_fits(self.topk) and router_logits.dim() == 2 and router_logits.stride(-1) == 1:
+        if self.routes_in_kernel(router_logits):
             return fused_topk(router_logits, self.topk, correction_bias)  # (it checks the shape)
         return self.topk(router_logits, correction_bias)
+
+    def routes_in_kernel(self, router_logits: torch.Tensor) -> bool:
+        """Whether `route` runs the routing kernel for these logits (see `route`)."""
+        return (self.plan is not None and self.plan.kernels_for(router_logits) is not None
+                and fused_topk_fits(self.topk) and router_logits.dim() == 2 and router_logits.stride(-1) == 1)
 
     def route_kernel(self) -> str:
         """What `route` runs outside torch.compile, for the MoE table's `route_kernel` column."""
@@ -352,15 +356,12 @@ class FusedMoE(nn.Module):
         return out
 
     def runs_stacked(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> bool:
-        """Whether the shared experts run inside the routed kernel (`shared_stack`): stacked,
-        the plan has "moe+shared" and runs the Triton experts and routing kernels here,
-        outside torch.compile, at one rank."""
-        plan = self.plan
-        return (self.shared_stack is not None and plan is not None and plan.has("moe+shared")
-                and not torch.compiler.is_compiling() and plan.experts_kernel(hidden) == "triton"
-                and plan.kernels_for(router_logits) is not None and fused_topk_fits(self.topk)
-                and router_logits.dim() == 2 and router_logits.stride(-1) == 1
-                and self.parallel_mode == "single" and not self.gather_tokens)
+        """Whether the shared experts run inside the routed kernel (`shared_stack`): stacked
+        (only where `shared_stack.why_not_stacked` found no reason against: one rank, a rule the
+        routing kernel computes), the plan has "moe+shared" and runs the Triton experts and
+        routing kernels here (`routes_in_kernel`: never under torch.compile)."""
+        return (self.shared_stack is not None and self.routes_in_kernel(router_logits)
+                and self.plan.has("moe+shared") and self.plan.experts_kernel(hidden) == "triton")
 
     def stacked_output(self, hidden, router_logits, correction_bias=None, record: bool = True) -> torch.Tensor:
         """Routed and shared experts in one grouped GEMM: each token's k choices plus the S

@@ -12,12 +12,9 @@ shared alike. The layer's own parameters become views of the first E experts of 
 reference, torch.compile, several ranks).
 
 `stack_shared_experts(layer)` builds the stack where it applies and says why not elsewhere.
-The fusion is opt-in (`KernelPlan(fusions=(..., "moe+shared"))`): in the DeepSeek-V2-Lite
-workload on an H200 the engine with it on (and with the SiLU inside the first product and
-the one-program grouping) gave 9,642 tok/s where the tree before these three had given 10,201
-on another H200 (vLLM 9,769 / 9,735 in the same commands). A likely cost is the shared
-experts' T rows each in BLOCK_M tiles sized for the routed experts' few rows; not yet timed
-layer by layer.
+The fusion is opt-in (`KernelPlan(fusions=(..., "moe+shared"))`): the DeepSeek-V2-Lite
+workload ran slower with it on (docs/perf), not yet timed layer by layer; a likely cost is
+the shared experts' T rows each in BLOCK_M tiles sized for the routed experts' few rows.
 """
 from __future__ import annotations
 
