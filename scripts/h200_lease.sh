@@ -25,7 +25,9 @@
 # Llama-3.1-8B batch-1 decode steps, bf16 and each quantized format), gate (DeepSeek's fp32 router
 # GEMM two ways), mla (the MLA decode launch sweep with one block-table entry a token), new_tests
 # (the GPU tests of the gate, MLA and MoE kernels), gated (the experts layer with SiLU-and-mul
-# inside the first product against it as its own kernel, DeepSeek-V2-Lite's and Qwen3-30B-A3B's tiles).
+# inside the first product against it as its own kernel, DeepSeek-V2-Lite's and Qwen3-30B-A3B's tiles),
+# thr_moe (both MoE workloads, ATOM alone, with the split of the run into prompt and decode steps),
+# prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -112,6 +114,12 @@ for st in "$@"; do ts=$(date +%s); case $st in
              --peer-dummy xavier --repeat 1 --out $R/q3moe-lat-vllm.json;;
   dsv2_lat) run dsv2-lat-vllm 420 python3 -m atom.benchmarks.latency --model deepseek-v2-lite $LAT --batches 1 8 64 --peer vllm \
              --peer-dummy xavier --repeat 1 --out $R/dsv2-lat-vllm.json;;
+  thr_moe) for m in deepseek-v2-lite qwen3-30b-a3b; do
+             run $m-thr 240 python3 -m atom.benchmarks.throughput --model $m --peer none --repeat 1 --out $R/$m-thr.json
+           done;;
+  prof_moe) for m in qwen3-30b-a3b deepseek-v2-lite; do
+              run prof-$m 200 python3 scripts/gpu_profile.py --model $m --no-summary --windows 300:10 --sequence 90
+            done;;
   gate) run fp32-gate-sweep 150 python3 scripts/fp32_gate_sweep.py --out $R/fp32-gate-sweep.json;;
   mla) run mla-sweep 300 python3 scripts/mla_decode_sweep.py --token-rows --batches 1 32 128 200 --contexts 1024 \
          --out $R/mla-sweep.json;;

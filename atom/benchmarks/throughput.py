@@ -52,6 +52,30 @@ def run_atom(llm, requests: list[Request], temperature: float) -> tuple[int, flo
     return sum(o.num_output_tokens for o in outs), dt
 
 
+def step_breakdown(llm, first_step: int) -> dict:
+    """Where the wall time of a run went, from the engine's step records after `first_step`:
+    steps with prompt tokens against decode-only steps (each step's time runs to the start of
+    the next), and the mean decode step by batch size."""
+    steps = llm.stats.steps()
+    if steps.empty or "step" not in steps:
+        return {}
+    steps = steps[steps["step"] > first_step].reset_index(drop=True)
+    if steps.empty:
+        return {}
+    dur = steps["time"].shift(-1) - steps["time"]
+    dur.iloc[-1] = steps["latency"].iloc[-1]
+    pre = steps["prefill_tokens"] > 0
+    bands = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 100_000))
+    by_batch = {}
+    for lo, hi in bands:
+        sel = ~pre & steps["num_seqs"].between(lo, hi)
+        if sel.any():
+            by_batch[f"{lo}-{hi}"] = {"steps": int(sel.sum()), "mean_ms": float(dur[sel].mean() * 1e3)}
+    return {"steps": len(steps), "prefill_steps": int(pre.sum()), "prefill_s": float(dur[pre].sum()),
+            "prompt_tokens": int(steps["prefill_tokens"].sum()), "decode_steps": int((~pre).sum()),
+            "decode_s": float(dur[~pre].sum()), "decode_ms_by_batch": by_batch}
+
+
 def run_hf(model, requests: list[Request], temperature: float, pad_id: int) -> tuple[int, float]:
     """One batched `generate` with left padding, run to the longest request; counts only
     the tokens each request asked for (what a user of transformers would get)."""
@@ -157,8 +181,11 @@ def gpu_main(args) -> dict:
               compilation_config={"level": args.level, "cache_dir": args.cache_dir})
     run_atom(llm, mixed_workload(16, (64, 512), (16, 64), vocab, seed=1), args.temperature)  # warm-up
     run_atom(llm, warmup_workload(reqs), args.temperature)  # the timed run's shapes
-    runs = [run_atom(llm, reqs, args.temperature) for _ in range(args.repeat)]
-    tok, sec = min(runs, key=lambda r: r[1])
+    runs = []
+    for _ in range(args.repeat):
+        first = llm.stats.num_steps
+        runs.append(run_atom(llm, reqs, args.temperature) + (step_breakdown(llm, first),))
+    tok, sec, breakdown = min(runs, key=lambda r: r[1])
     floor = workload_floor(MODEL_CONFIGS[args.model], [len(r.prompt_token_ids) for r in reqs],
                            [r.max_tokens for r in reqs], weight_format=args.quantization,
                            kv_cache_dtype=args.kv_cache_dtype)
@@ -168,7 +195,7 @@ def gpu_main(args) -> dict:
            "output_tokens": tok, "atom_s": sec, "atom_tok_s": tok / sec,
            "all_runs_s": [r[1] for r in runs], "roofline_tok_s": floor.tokens_per_s,
            "roofline_fraction": (tok / sec) / floor.tokens_per_s, "enforce_eager": args.enforce_eager,
-           "level": args.level}
+           "level": args.level, "atom_steps": breakdown}
     if args.peer == "hf":
         del llm
         torch.cuda.empty_cache()
@@ -227,6 +254,12 @@ def report(res: dict) -> None:
         t.add_row(f"roofline ({res['quantization']}, KV {res['kv_cache_dtype']})", "", "",
                   f"{res['roofline_tok_s']:,.0f}", "100%")
     Console().print(t)
+    b = res.get("atom_steps")
+    if b:
+        bands = ", ".join(f"{k}: {v['steps']} x {v['mean_ms']:.2f} ms" for k, v in b["decode_ms_by_batch"].items())
+        Console().print(f"ATOM's steps: {b['prefill_steps']} with prompt tokens ({b['prompt_tokens']} tokens) "
+                        f"{b['prefill_s']:.2f} s, {b['decode_steps']} decode-only {b['decode_s']:.2f} s; "
+                        f"decode by batch size: {bands}")
 
 
 def main(argv=None) -> None:
