@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from atom.model_ops.attention import AttentionMetadata, forward_context
+from atom.utils.host_copy import copy_into
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +96,14 @@ class CUDAGraphRunner:
         bs = sizes[bisect.bisect_left(sizes, n)]
         t, w = n * q, host.block_tables.shape[1]
         cu = self.cu_seqlens_q[q]
-        self.input_ids[:t].copy_(input_ids if input_ids is not None else torch.from_numpy(host.input_ids),
-                                 non_blocking=True)
-        self.positions[:t].copy_(torch.from_numpy(host.positions), non_blocking=True)
-        self.slot_mapping[:t].copy_(torch.from_numpy(host.slot_mapping), non_blocking=True)
-        self.seq_lens[:n].copy_(torch.from_numpy(host.seq_lens.astype(np.int32)), non_blocking=True)
-        self.block_tables[:n, :w].copy_(torch.from_numpy(host.block_tables.astype(np.int32)), non_blocking=True)
+        if input_ids is not None:  # a look-ahead step's tokens, on the device already
+            self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        else:
+            copy_into(self.input_ids[:t], host.input_ids)
+        copy_into(self.positions[:t], host.positions)
+        copy_into(self.slot_mapping[:t], host.slot_mapping)
+        copy_into(self.seq_lens[:n], host.seq_lens.astype(np.int32))
+        copy_into(self.block_tables[:n, :w], host.block_tables.astype(np.int32))
         if bs > n:  # padding rows: no query tokens, no cache writes
             cu[n + 1:bs + 1].fill_(t)
             self.slot_mapping[t:bs * q].fill_(-1)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from atom.model_ops.attention import AttentionMetadata, forward_context
+from atom.utils.host_copy import copy_into
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +132,8 @@ class MixedGraphRunner:
         lens[:n] = host.seq_lens
         for buf, arr in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots),
                          (self.cu_seqlens_q, cu), (self.seq_lens, lens)):
-            buf[:len(arr)].copy_(torch.from_numpy(arr), non_blocking=True)
-        self.block_tables[:n, :w].copy_(torch.from_numpy(host.block_tables.astype(np.int32)), non_blocking=True)
+            copy_into(buf[:len(arr)], arr)
+        copy_into(self.block_tables[:n, :w], host.block_tables.astype(np.int32))
 
     def forward(self, key: tuple[int, int]) -> torch.Tensor:
         """The engine's forward over the buffers of bucket `key` (what a graph captures)."""

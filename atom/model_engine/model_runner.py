@@ -35,6 +35,7 @@ from atom.model_ops.attention.selector import attention_backend_for, attention_l
 from atom.model_ops.moe import ExpertLoadRecorder, FusedMoE, MoEMethod
 from atom.model_ops.quant import LinearMethod, refuse_reference_layers
 from atom.model_ops.sampler import Sampler, SamplingTensors
+from atom.utils.host_copy import to_device as host_to_device
 from atom.models.registry import resolve_architecture
 from atom.tuning import fusions
 from atom.tuning.fusions import default_fusions
@@ -377,8 +378,7 @@ class ModelRunner:
 
     def _to_device(self, array, dtype=None) -> torch.Tensor:
         """Host data to the device without a stream sync (the host never waits on the GPU)."""
-        t = torch.as_tensor(array, dtype=dtype)
-        return t.to(self.device, non_blocking=True)
+        return host_to_device(array, self.device, dtype)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         sps = [s.sampling_params for s in seqs]
@@ -480,13 +480,13 @@ class ModelRunner:
                 ends = host.cu_seqlens_q[1:][host.sample_rows]
                 first = np.repeat(np.cumsum(counts) - counts, counts)
                 idx = np.repeat(ends - counts, counts) + np.arange(int(counts.sum())) - first
-                rows = hidden[torch.from_numpy(idx).to(self.device, non_blocking=True)]
+                rows = hidden[self._to_device(idx)]
                 sample_seqs = [s for s, c in zip(sample_seqs, counts.tolist()) for _ in range(c)]
                 handle.sample_counts = counts.tolist()
             elif len(host.sample_rows) == n and int(host.cu_seqlens_q[n]) == n:
                 rows = hidden[:n]  # one token per sequence, all sampled (decode): no gather
             else:
-                last = torch.from_numpy(host.cu_seqlens_q[1:][host.sample_rows] - 1).to(self.device, non_blocking=True)
+                last = self._to_device(host.cu_seqlens_q[1:][host.sample_rows] - 1)
                 rows = hidden[last]
             logits = self.model.compute_logits(rows)
             if any(s.needs_step_tokens for s in sample_seqs):  # penalties, min_tokens, logprobs
