@@ -50,6 +50,24 @@ def gpu_busy(prof) -> str:
             f"{len(spans)} kernels and copies")
 
 
+def largest_gaps(prof, count: int = 5) -> str:
+    """The window's longest idle stretches of the GPU, each with the kernels either side: a
+    gap before a step's first copy is the host preparing (or waiting to enqueue) that step."""
+    evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                  and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+    gaps, end, last = [], None, None
+    for e in evs:
+        if end is not None and e.time_range.start > end:
+            gaps.append((e.time_range.start - end, last.name, e.name))
+        if end is None or e.time_range.end > end:
+            end, last = e.time_range.end, e
+    gaps.sort(reverse=True)
+    total = sum(g for g, _, _ in gaps)
+    lines = [f"idle: {total / 1e3:.2f} ms in {len(gaps)} gaps; the longest:"]
+    lines += [f"  {g:8.1f} us  after {a[:50]}  before {b[:50]}" for g, a, b in gaps[:count]]
+    return "\n".join(lines)
+
+
 def kernel_sequence(prof, limit: int) -> str:
     """The first `limit` kernels and copies of the window in launch order, with their times:
     what one layer of a step runs, kernel by kernel."""
@@ -66,7 +84,7 @@ def kernel_table(engine, num_steps: int, sequence: int = 0) -> str:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
     seq = f"\nthe first {sequence} kernels in order:\n" + kernel_sequence(prof, sequence) if sequence else ""
-    return gpu_busy(prof) + "\n" + table + seq
+    return gpu_busy(prof) + "\n" + largest_gaps(prof) + "\n" + table + seq
 
 
 def main() -> None:

@@ -27,7 +27,8 @@
 # (the GPU tests of the gate, MLA and MoE kernels), gated (the experts layer with SiLU-and-mul
 # inside the first product against it as its own kernel, DeepSeek-V2-Lite's and Qwen3-30B-A3B's tiles),
 # thr_moe (both MoE workloads, ATOM alone, with the split of the run into prompt and decode steps),
-# prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order).
+# prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order),
+# overlap (DeepSeek-V2-Lite's MoE block with the shared experts on a second stream against one).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -120,12 +121,16 @@ for st in "$@"; do ts=$(date +%s); case $st in
   prof_moe) for m in qwen3-30b-a3b deepseek-v2-lite; do
               run prof-$m 200 python3 scripts/gpu_profile.py --model $m --no-summary --windows 300:10 --sequence 90
             done;;
+  new_tests2) run new-gpu-tests2 240 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_gpu_moe_engine.py \
+                tests/test_moe_shared_overlap.py tests/test_host_copy.py;;
+  overlap) run moe-shared-overlap 150 python3 scripts/moe_shared_overlap.py --tokens 1 64 200 2048 --out $R/moe-shared-overlap.json;;
   gate) run fp32-gate-sweep 150 python3 scripts/fp32_gate_sweep.py --out $R/fp32-gate-sweep.json;;
   mla) run mla-sweep 300 python3 scripts/mla_decode_sweep.py --token-rows --batches 1 32 128 200 --contexts 1024 \
          --out $R/mla-sweep.json;;
   new_tests) run new-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp32_gate.py \
                tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_moe_kernels.py tests/test_moe_topk_sum.py \
-               tests/test_moe_shared_stack.py tests/test_moe_route_triton.py tests/test_gpu_moe_engine.py;;
+               tests/test_moe_shared_stack.py tests/test_moe_route_triton.py tests/test_gpu_moe_engine.py \
+               tests/test_moe_shared_overlap.py tests/test_host_copy.py;;
   gated) D=atom/model_ops/moe/configs
          run moe-gated-dsv2 150 python3 scripts/moe_tiles_compare.py --old "$D/E=64,I=1408,H=2048,dtype=bfloat16,device=NVIDIA_H200.json" \
            --new "$D/E=64,I=1408,H=2048,dtype=bfloat16,device=NVIDIA_H200.json" --top-k 6 --old-unfused \

@@ -1,5 +1,6 @@
 """MoE models on a GPU (Triton experts, routing and attention kernels, the fused decoder-layer
-forward, CUDA graphs) against transformers, fp32. Skipped without a GPU; run on the lent H200."""
+forward, CUDA graphs; DeepSeek's MLA kernels and its shared experts on the second stream)
+against transformers, fp32. Skipped without a GPU; run on the lent H200."""
 import pytest
 import torch
 import transformers
@@ -26,6 +27,25 @@ def test_moe_models_on_gpu_equal_transformers(arch, eager, tmp_path):
               enforce_eager=eager)
     layers = llm.engine.runner.model.model.layers
     assert all("forward" in layer.__dict__ for layer in layers)  # the fused decoder-layer forward
+    assert [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == ref
+    if not eager:
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+
+
+@pytest.mark.parametrize("variant", ["v2_lite", "v3"])
+@pytest.mark.parametrize("eager", [True, False])
+def test_deepseek_on_gpu_equals_transformers(variant, eager, tmp_path):
+    from tiny_deepseek import make_tiny_deepseek
+    path = make_tiny_deepseek(tmp_path / variant, variant)
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 9, 70, 200)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    ref = [hf_greedy(hf, p, 16) for p in ps]
+    del hf
+    llm = LLM(path, enable_log_stats=False, max_model_len=1024, max_num_seqs=8, num_kvcache_blocks=128,
+              enforce_eager=eager)
+    from atom.model_ops.moe import describe_moe_layers
+    assert {r["shared_stream"] for r in describe_moe_layers(llm.engine.runner.model)} == {"second"}
     assert [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == ref
     if not eager:
         assert sum(llm.engine.runner.graphs.replays.values()) > 0

@@ -25,6 +25,9 @@ which computes the same thing with fewer kernels where the plan says so:
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
   not yet timed layer by layer;
+- "shared_overlap": MoE layers with shared experts (DeepSeek) run them on a second CUDA
+  stream while the routed experts' grouped GEMMs run (`FusedMoE.routed_beside_shared`): a
+  decode step's shared products are a few small GEMMs that alone leave most SMs idle;
 - "split_k_fold": those 8-bit products (o_proj too, after its own quantizer) sum a split K
   inside the swap-AB kernel, with a counter buffer `install` gives each layer
   (`quant_gemv_dot.split_k_lock`), instead of a second reduction launch. Opt-in only, not in
@@ -69,7 +72,7 @@ def default_fusions(backend: str) -> tuple[str, ...]:
         out += ("rope_in_attention",)
     if backend == "triton":  # the 8-bit products' kernels (NVIDIA; ROCm's run the reference)
         out += ("norm+quant", "silu+quant")
-    return out
+    return out + ("shared_overlap",)
 
 
 def dense_mlp(layer: nn.Module) -> bool:

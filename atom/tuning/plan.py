@@ -48,6 +48,7 @@ FUSIONS = (
     "silu+quant",        # 8-bit layers: SiLU-and-mul + the activation quantizer in one kernel (down)
     "split_k_fold",      # 8-bit small-M products sum their split K themselves (no reduction launch)
     "moe+shared",        # MoE: shared experts stacked after the routed ones, run in the grouped GEMM (opt-in)
+    "shared_overlap",    # MoE: shared experts on a second CUDA stream, beside the routed experts
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 MOE_KERNELS = ("auto", "reference", "triton")  # experts kernel: auto = Triton where the plan runs kernels
@@ -157,6 +158,15 @@ class KernelPlan:
 
     def has(self, fusion: str) -> bool:
         return fusion in self.fusions
+
+    def side_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """This engine's second CUDA stream on `device` (made once; "shared_overlap" runs the
+        shared experts there)."""
+        device = torch.device(device)
+        streams = self.__dict__.setdefault("_side_streams", {})
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device=device)
+        return streams[device]
 
     # --- inspection -----------------------------------------------------------------------
     def rows(self) -> list[dict]:

@@ -34,7 +34,8 @@ def describe_moe_layers(model) -> list[dict]:
     """One dict per `FusedMoE` of `model`: layer, experts, top_k, width (this rank's), routing,
     activation, method, format, bytes, kernel (`method.kernel_for(layer)` where the method
     says, else None), route_kernel (`FusedMoE.route_kernel`), shared experts (and how many
-    experts of the grouped GEMM they became, 0 where not stacked: `shared_stack`), parallel
+    experts of the grouped GEMM they became, 0 where not stacked: `shared_stack`; shared_stream
+    "second" where they run beside the routed experts on a GPU, "shared_overlap"), parallel
     ("single" / "tensor" / "expert"), the rank's global expert ids, rank and ranks
     (`atom.viz.moe_layers_frame` makes a DataFrame)."""
     rows = []
@@ -48,6 +49,8 @@ def describe_moe_layers(model) -> list[dict]:
                          "route_kernel": m.route_kernel(),
                          "shared_experts": m.shared_experts is not None,
                          "shared_stacked": m.shared_stack[2] if m.shared_stack is not None else 0,
+                         "shared_stream": ("second" if m.shared_experts is not None and m.shared_stack is None
+                                           and m.plan is not None and m.plan.has("shared_overlap") else None),
                          "parallel": m.parallel_mode, "local_experts": f"[{m.expert_start}, "
                          f"{m.expert_start + m.num_local_experts})", "rank": m.tp.rank, "ranks": m.tp.world_size})
     return rows

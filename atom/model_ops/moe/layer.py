@@ -349,11 +349,33 @@ class FusedMoE(nn.Module):
             self.recorder.record(self, topk_ids)  # global ids: every expert counted, on every rank
         if self.parallel_mode == "expert":
             topk_weights, topk_ids = self.local_routing(topk_weights, topk_ids)
-        out = self.method.apply(self, hidden, topk_weights, topk_ids)
-        if self.shared_experts is not None and not self.gather_tokens and (self.shared_partial or
-                                                                          self.tp.world_size == 1):
-            out = out + self.shared_experts(hidden)
-        return out
+        if self.shared_experts is None or self.gather_tokens or not (self.shared_partial or self.tp.world_size == 1):
+            return self.method.apply(self, hidden, topk_weights, topk_ids)
+        if self.overlaps_shared(hidden):
+            return self.routed_beside_shared(hidden, topk_weights, topk_ids)
+        return self.method.apply(self, hidden, topk_weights, topk_ids) + self.shared_experts(hidden)
+
+    def overlaps_shared(self, hidden: torch.Tensor) -> bool:
+        """Whether the shared experts run on the plan's second CUDA stream, beside the routed
+        experts ("shared_overlap"): a GPU, the plan's kernels, outside torch.compile."""
+        return (self.plan is not None and self.plan.has("shared_overlap") and hidden.is_cuda
+                and self.plan.kernels_for(hidden) is not None)
+
+    def routed_beside_shared(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                             topk_ids: torch.Tensor) -> torch.Tensor:
+        """routed + shared, the shared experts' small products on a second stream while the
+        routed experts' grouped GEMMs stream their weights (a decode step's shared products
+        are too small to fill the GPU alone). The fork and join are stream waits, which a
+        CUDA graph captures as its own edges."""
+        main = torch.cuda.current_stream(hidden.device)
+        side = self.plan.side_stream(hidden.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(hidden)
+        routed = self.method.apply(self, hidden, topk_weights, topk_ids)
+        main.wait_stream(side)
+        shared.record_stream(main)  # freed on the main stream's order, not the side stream's
+        return routed + shared
 
     def runs_stacked(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> bool:
         """Whether the shared experts run inside the routed kernel (`shared_stack`): stacked
