@@ -1,7 +1,7 @@
 """The "shared_overlap" fusion: DeepSeek's shared experts on the plan's second CUDA stream
 while the routed experts run. The same kernels on the same inputs: the output equals the
-one-stream layer's bit for bit, eagerly and replayed from a CUDA graph. Off a GPU the
-layer never takes the second stream."""
+one-stream layer's bit for bit, eagerly and replayed from a CUDA graph. Off a GPU, and past
+`SHARED_OVERLAP_MAX_TOKENS` tokens, the layer keeps one stream."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +9,7 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON
 from atom.model_ops.moe import describe_moe_layers
+from atom.model_ops.moe.layer import SHARED_OVERLAP_MAX_TOKENS
 from atom.tuning.fusions import default_fusions
 from atom.tuning.plan import KernelPlan
 from test_moe_shared_stack import Block
@@ -37,7 +38,7 @@ def test_on_by_default_and_never_off_a_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("T", [1, 200, 2048])
+@pytest.mark.parametrize("T", [1, 200, 512])
 def test_second_stream_gives_the_same_bits_eager_and_in_a_graph(T):
     E, H, I, S, k = 64, 2048, 1408, 2, 6
     b = Block(E, H, I, S, k, device="cuda", dtype=torch.bfloat16)
@@ -48,6 +49,7 @@ def test_second_stream_gives_the_same_bits_eager_and_in_a_graph(T):
     plan = _plan(True, "cuda")
     b.experts.plan = plan
     assert b.experts.overlaps_shared(x)
+    assert not b.experts.overlaps_shared(torch.empty(SHARED_OVERLAP_MAX_TOKENS + 1, H, device="cuda"))  # prefill
     calls = []
     fwd = b.shared.forward
     b.experts.shared_experts = lambda h: calls.append(torch.cuda.current_stream()) or fwd(h)

@@ -141,31 +141,49 @@ if HAS_TRITON:
         tl.store(rank_ptr + offs, r, mask=ok)
 
     @triton.jit
-    def _store_block_experts(ends, e_ok, block_expert_ptr, E, num_blocks, BLOCK_M: tl.constexpr,
-                             BLOCK_J: tl.constexpr):
-        """The expert of every block (-1 past the end), from the experts' padded row ends."""
-        for j0 in range(0, num_blocks, BLOCK_J):
-            j = j0 + tl.arange(0, BLOCK_J)
-            before = (ends[None, :] <= (j * BLOCK_M)[:, None]) & e_ok[None, :]
-            be = tl.sum(before.to(tl.int32), 1)  # experts whose rows all lie before this block
-            tl.store(block_expert_ptr + j, tl.where(be < E, be, -1), mask=j < num_blocks)
+    def _store_block_experts(ends, padded, e_ok, block_expert_ptr, num_blocks, BLOCK_M: tl.constexpr,
+                             E_PAD: tl.constexpr, CH: tl.constexpr):
+        """The expert of every block (-1 past the end), from the experts' padded row ends: each
+        expert writes its own blocks, CH a step (a decode batch's experts have one or two
+        blocks each: one step), then the blocks past the last expert's get -1."""
+        ex = tl.arange(0, E_PAD)
+        first = (ends - padded) // BLOCK_M
+        nblk = tl.where(e_ok, padded // BLOCK_M, 0)
+        for i0 in range(0, tl.max(nblk, 0), CH):
+            i = i0 + tl.arange(0, CH)
+            tl.store(block_expert_ptr + first[:, None] + i[None, :], tl.broadcast_to(ex[:, None], [E_PAD, CH]),
+                     mask=i[None, :] < nblk[:, None])
+        for j0 in range(tl.sum(nblk, 0), num_blocks, 128):
+            j = j0 + tl.arange(0, 128)
+            tl.store(block_expert_ptr + j, tl.full([128], -1, tl.int32), mask=j < num_blocks)
 
     @triton.jit
-    def _moe_offsets_kernel(counts_ptr, starts_ptr, block_expert_ptr, E, num_blocks,
-                            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_J: tl.constexpr):
-        """One program: each expert's first padded row, and the expert of every block (-1 past the end)."""
+    def _moe_offsets_kernel(counts_ptr, starts_ptr, sorted_ptr, block_expert_ptr, E, P, num_blocks,
+                            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CH: tl.constexpr, PAD_CH: tl.constexpr):
+        """One program: each expert's first padded row, the padding rows (the pair count P: no
+        pair; an expert's last block and every block past the end), and the expert of every
+        block (-1 past the end). The scatter writes the other rows."""
         ex = tl.arange(0, E_PAD)
         e_ok = ex < E
         c = tl.load(counts_ptr + ex, mask=e_ok, other=0)
         padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, 0)
-        tl.store(starts_ptr + ex, ends - padded, mask=e_ok)
-        _store_block_experts(ends, e_ok, block_expert_ptr, E, num_blocks, BLOCK_M, BLOCK_J)
+        starts = ends - padded
+        tl.store(starts_ptr + ex, starts, mask=e_ok)
+        for i0 in tl.static_range(0, BLOCK_M, PAD_CH):  # at most BLOCK_M - 1 padding rows an expert
+            i = i0 + tl.arange(0, PAD_CH)
+            tl.store(sorted_ptr + (starts + c)[:, None] + i[None, :], tl.full([E_PAD, PAD_CH], 0, tl.int32) + P,
+                     mask=e_ok[:, None] & (i[None, :] < (padded - c)[:, None]))
+        total = num_blocks * BLOCK_M
+        for r0 in range(tl.sum(tl.where(e_ok, padded, 0), 0), total, 1024):
+            r = r0 + tl.arange(0, 1024)
+            tl.store(sorted_ptr + r, tl.full([1024], 0, tl.int32) + P, mask=r < total)
+        _store_block_experts(ends, padded, e_ok, block_expert_ptr, num_blocks, BLOCK_M, E_PAD, CH)
 
     @triton.jit
     def _moe_align_one_program_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, num_blocks,
                                       BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                                      BLOCK_J: tl.constexpr, FILL: tl.constexpr):
+                                      CH: tl.constexpr, FILL: tl.constexpr):
         """The whole layout in one program, for few pairs: a [pairs, experts] match table gives
         the counts (column sums) and each pair's rank among its expert's pairs (earlier matches,
         a running sum down the column), so the order is `moe_align_ref`'s, by pair index."""
@@ -186,7 +204,7 @@ if HAS_TRITON:
             tl.store(sorted_ptr + i, tl.zeros([FILL], tl.int32) + P, mask=i < total)
         tl.debug_barrier()  # the fill lands before the pairs overwrite their rows
         tl.store(sorted_ptr + first_row + rank, p, mask=ok)
-        _store_block_experts(ends, e_ok, block_expert_ptr, E, num_blocks, BLOCK_M, BLOCK_J)
+        _store_block_experts(ends, padded, e_ok, block_expert_ptr, num_blocks, BLOCK_M, E_PAD, CH)
 
     @triton.jit
     def _moe_scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, P, BLOCK: tl.constexpr):
@@ -198,7 +216,7 @@ if HAS_TRITON:
 
 
 # Up to this many (pairs x experts, both padded to powers of two) the layout is built by one
-# program (`_moe_align_one_program_kernel`) instead of two fills and three kernels. Written
+# program (`_moe_align_one_program_kernel`) instead of a fill and three kernels. Written
 # for 8192 (decode batches of a few tokens: 64 experts up to 128 pairs, 128 up to 64, 256 up
 # to 32; the match table 32 values a thread at 8 warps), where the five launches cost more
 # than the work: `scripts/moe_align_sweep.py` finds it the faster up to this size and the
@@ -216,7 +234,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     P, dev = ids.numel(), ids.device
     num_blocks = -(-P // block_m) + num_experts
     e_pad = triton.next_power_of_2(num_experts)
-    block_j = max(16, min(128, 32768 // e_pad))
     if one_program is None:
         one_program = 0 < P and triton.next_power_of_2(P) * e_pad <= ONE_PROGRAM_MAX
     if one_program and P:
@@ -224,9 +241,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
         _moe_align_one_program_kernel[(1,)](ids, sorted_pairs, block_expert, P, num_experts, num_blocks,
                                             BLOCK_M=block_m, P_PAD=triton.next_power_of_2(P), E_PAD=e_pad,
-                                            BLOCK_J=block_j, FILL=1024, num_warps=8)
+                                            CH=4, FILL=1024, num_warps=8)
         return sorted_pairs, block_expert
-    sorted_pairs = torch.full((num_blocks * block_m,), P, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
@@ -234,11 +251,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block = 256
     if P:
         _moe_count_kernel[(triton.cdiv(P, block),)](ids, counts, rank, P, BLOCK=block, num_warps=4)
-    # one program, 128 blocks a step (fewer above 256 experts: a [BLOCK_J, E_PAD] tile of at most
-    # 32k), one warp up to 128 experts: for 64 experts 2.8 us at a decode batch and 14 us at 16k
-    # tokens, against 25 and 173 us with [256, 64] steps over 4 warps
-    _moe_offsets_kernel[(1,)](counts, starts, block_expert, num_experts, num_blocks, BLOCK_M=block_m,
-                              E_PAD=e_pad, BLOCK_J=block_j,
+    # one program: vectors of E_PAD (an expert's blocks CH at a time; decode batches give each
+    # expert one or two blocks), not a [blocks, experts] comparison table (5.5 us a layer for
+    # 128 experts at ~250 tokens); it also writes the padding rows (no fill launch)
+    _moe_offsets_kernel[(1,)](counts, starts, sorted_pairs, block_expert, num_experts, P, num_blocks,
+                              BLOCK_M=block_m, E_PAD=e_pad, CH=4, PAD_CH=min(block_m, 16),
                               num_warps=1 if e_pad <= 128 else 4)
     if P:
         _moe_scatter_kernel[(triton.cdiv(P, block),)](ids, rank, starts, sorted_pairs, P, BLOCK=block, num_warps=4)
