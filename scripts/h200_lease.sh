@@ -121,7 +121,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
   prof_moe) for m in qwen3-30b-a3b deepseek-v2-lite; do
               run prof-$m 200 python3 scripts/gpu_profile.py --model $m --no-summary --windows 300:10 --sequence 90
             done;;
-  new_tests2) run new-gpu-tests2 240 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_gpu_moe_engine.py \
+  new_tests2) run new-gpu-tests2 240 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_gpu_moe_engine.py tests/test_moe_kernels.py \
                 tests/test_moe_shared_overlap.py tests/test_host_copy.py;;
   overlap) run moe-shared-overlap 150 python3 scripts/moe_shared_overlap.py --tokens 1 64 200 2048 --out $R/moe-shared-overlap.json;;
   gate) run fp32-gate-sweep 150 python3 scripts/fp32_gate_sweep.py --out $R/fp32-gate-sweep.json;;
