@@ -137,4 +137,38 @@ ax.figure
 """),
 ]
 
+MOE += [
+    ("md", """
+## Where a run's time went
+The engine records every step (`llm.stats.steps()`); the throughput benchmark splits a run
+into steps with prompt tokens and decode-only steps (each step's time runs to the start of
+the next) and averages the decode steps by batch size (`step_breakdown`, printed under its
+table and kept in its JSON). On the H200 the MoE workloads spend ~12% of their time in 9
+prefill steps and the rest in ~1,000 decode steps whose time barely falls with the batch:
+every step reads nearly all expert weights.
+"""),
+    ("code", """
+from atom.benchmarks.throughput import step_breakdown
+split = step_breakdown(llm, first_step=0)
+assert split["steps"] == len(llm.stats.steps()) == split["prefill_steps"] + split["decode_steps"]
+assert split["prompt_tokens"] == sum(len(p) for p in prompts)
+print({k: v for k, v in split.items() if k != "decode_ms_by_batch"})
+pd.DataFrame(split["decode_ms_by_batch"]).T
+"""),
+    ("md", """
+## DeepSeek's shared experts
+DeepSeek's MoE block adds always-on shared experts to the routed ones. On a GPU the plan's
+"shared_overlap" runs them on a second CUDA stream while the routed experts' grouped GEMMs
+stream their weights (decode batches up to `SHARED_OVERLAP_MAX_TOKENS`); `describe_moe_layers`
+says where (`shared_stream`). The plan of a CPU engine runs the torch reference: no fusions.
+"""),
+    ("code", """
+from atom.model_ops.moe.layer import SHARED_OVERLAP_MAX_TOKENS
+from atom.tuning.fusions import default_fusions
+print("GPU plan fusions:", default_fusions("triton"))
+print("this engine's plan:", plan.fusions, "| overlap up to", SHARED_OVERLAP_MAX_TOKENS, "tokens")
+assert "shared_overlap" in default_fusions("triton") and plan.fusions == ()
+"""),
+]
+
 NOTEBOOKS = {"10_moe_routing": MOE}
