@@ -92,6 +92,7 @@ class KernelPlan:
             raise ValueError(f"moe_kernel={self.moe_kernel!r} is invalid: choose one of {', '.join(MOE_KERNELS)}")
         self.moe_config_dirs = tuple(self.moe_config_dirs)
         self._kernels = None
+        self._side_streams: dict = {}  # device -> the second CUDA stream (`side_stream`)
         self.handle = next(_HANDLES)
         _LIVE[self.handle] = self
 
@@ -163,10 +164,9 @@ class KernelPlan:
         """This engine's second CUDA stream on `device` (made once; "shared_overlap" runs the
         shared experts there)."""
         device = torch.device(device)
-        streams = self.__dict__.setdefault("_side_streams", {})
-        if device not in streams:
-            streams[device] = torch.cuda.Stream(device=device)
-        return streams[device]
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device=device)
+        return self._side_streams[device]
 
     # --- inspection -----------------------------------------------------------------------
     def rows(self) -> list[dict]:

@@ -108,6 +108,7 @@ def relayout(loaded: torch.Tensor, tags: list[str], per_expert: bool) -> torch.T
 # 200 tokens and 1.04x at 2048 (`scripts/moe_shared_overlap.py`, docs/perf)
 SHARED_OVERLAP_MAX_TOKENS = 512
 
+
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, topk: TopK,
                  activation: str | Callable = "silu", bias: bool = False, shared_experts: nn.Module | Callable | None = None,
