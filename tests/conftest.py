@@ -81,10 +81,11 @@ def random_prompts(lens, seed: int = 1, vocab: int = 512) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def hf_reference(path, prompts, n: int = 16) -> list[list[int]]:
-    """n greedy tokens per prompt from transformers (fp32) on the checkpoint at `path`."""
+def hf_reference(path, prompts, n: int = 16, **load_kwargs) -> list[list[int]]:
+    """n greedy tokens per prompt from transformers (fp32) on the checkpoint at `path`
+    (`load_kwargs` go to `from_pretrained`)."""
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs).eval()
     return [hf_greedy(model, p, n) for p in prompts]
 
 

@@ -22,6 +22,9 @@ from tiny_gpt_oss import NOT_CONVERTED, make_tiny_gpt_oss, make_tiny_gpt_oss_mxf
 
 PROMPT_LENS = (3, 9, 17, 40, 90)  # window 8: all but the first are longer
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# transformers' own reader of the MXFP4 checkpoint, dequantizing it: not its hub kernels (with the
+# `kernels` package installed, transformers >= 5.25 would fetch them, and nothing is downloaded here)
+DEQUANTIZED = dict(quantization_config=transformers.Mxfp4Config(dequantize=True))
 SETTINGS = {
     "plain": dict(),
     "chunked_prefill_prefix_caching": dict(max_num_batched_tokens=32, enable_prefix_caching=True),
@@ -125,7 +128,7 @@ def tiny_mxfp4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mxfp4_ref(tiny_mxfp4):
     ps = prompts(lens=(3, 17, 40))
-    return ps, hf_reference(tiny_mxfp4, ps)
+    return ps, hf_reference(tiny_mxfp4, ps, **DEQUANTIZED)
 
 
 @pytest.mark.parametrize("setting", ["plain", "chunked_prefill_prefix_caching"])
@@ -168,8 +171,8 @@ def test_mxfp4_triton_experts_in_the_engine(tiny_mxfp4, mxfp4_ref):
 def test_mxfp4_checkpoint_under_preemption(tiny_mxfp4):
     """The packed MXFP4 experts with preemption (recomputed prompts), all five prompt lengths."""
     ps = prompts()
-    check_greedy_in_setting(tiny_mxfp4, ps, hf_reference(tiny_mxfp4, ps), "preemption", SETTINGS["preemption"],
-                            GREEDY, num_kvcache_blocks=64)
+    check_greedy_in_setting(tiny_mxfp4, ps, hf_reference(tiny_mxfp4, ps, **DEQUANTIZED), "preemption",
+                            SETTINGS["preemption"], GREEDY, num_kvcache_blocks=64)
 
 
 def test_mxfp4_quant_config_quantizes_experts_only():
