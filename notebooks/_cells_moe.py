@@ -163,7 +163,7 @@ stream their weights (decode batches up to `SHARED_OVERLAP_MAX_TOKENS`); `descri
 says where (`shared_stream`). The plan of a CPU engine runs the torch reference: no fusions.
 """),
     ("code", """
-from atom.model_ops.moe.layer import SHARED_OVERLAP_MAX_TOKENS
+from atom.tuning.plan import SHARED_OVERLAP_MAX_TOKENS
 from atom.tuning.fusions import default_fusions
 print("GPU plan fusions:", default_fusions("triton"))
 print("this engine's plan:", plan.fusions, "| overlap up to", SHARED_OVERLAP_MAX_TOKENS, "tokens")

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from atom import LLM, SamplingParams
-from conftest import hf_greedy
+from conftest import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -15,8 +15,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 def engine_and_reference(path: str, prompt_lens, eager: bool):
     """transformers' greedy tokens (fp32, GPU) for random prompts, then the engine on the same folder."""
-    g = torch.Generator().manual_seed(0)
-    ps = [torch.randint(3, 512, (n,), generator=g).tolist() for n in prompt_lens]
+    ps = random_prompts(prompt_lens, seed=0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     ref = [hf_greedy(hf, p, 16) for p in ps]
     del hf

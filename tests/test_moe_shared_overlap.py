@@ -9,9 +9,8 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON
 from atom.model_ops.moe import describe_moe_layers
-from atom.model_ops.moe.layer import SHARED_OVERLAP_MAX_TOKENS
 from atom.tuning.fusions import default_fusions
-from atom.tuning.plan import KernelPlan
+from atom.tuning.plan import SHARED_OVERLAP_MAX_TOKENS, KernelPlan
 from test_moe_shared_stack import Block
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (interpreter on CPU)")

@@ -51,6 +51,10 @@ FUSIONS = (
     "shared_overlap",    # MoE: shared experts on a second CUDA stream, beside the routed experts
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
+# Tokens up to which "shared_overlap" runs the shared experts on the second stream: decode
+# batches; a prefill chunk's shared products fill the GPU themselves and only contend with the
+# routed ones (the DeepSeek-V2-Lite block timings behind it are in docs/perf)
+SHARED_OVERLAP_MAX_TOKENS = 512
 MOE_KERNELS = ("auto", "reference", "triton")  # experts kernel: auto = Triton where the plan runs kernels
 
 
@@ -159,6 +163,13 @@ class KernelPlan:
 
     def has(self, fusion: str) -> bool:
         return fusion in self.fusions
+
+    def overlaps_shared(self, x: torch.Tensor) -> bool:
+        """Whether a MoE layer runs its shared experts on `side_stream` for input `x`
+        ("shared_overlap"): a GPU, this plan's kernels, outside torch.compile, up to
+        `SHARED_OVERLAP_MAX_TOKENS` tokens."""
+        return (self.has("shared_overlap") and x.is_cuda and x.shape[0] <= SHARED_OVERLAP_MAX_TOKENS
+                and self.kernels_for(x) is not None)
 
     def side_stream(self, device: torch.device) -> "torch.cuda.Stream":
         """This engine's second CUDA stream on `device` (made once; "shared_overlap" runs the

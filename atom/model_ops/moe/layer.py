@@ -103,12 +103,6 @@ def relayout(loaded: torch.Tensor, tags: list[str], per_expert: bool) -> torch.T
     return loaded
 
 
-# Tokens up to which "shared_overlap" runs the shared experts on the second stream: at
-# DeepSeek-V2-Lite's shape the block took 0.82x / 0.96x / 0.96x the one-stream time at 1 / 64 /
-# 200 tokens and 1.04x at 2048 (`scripts/moe_shared_overlap.py`, docs/perf)
-SHARED_OVERLAP_MAX_TOKENS = 512
-
-
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, topk: TopK,
                  activation: str | Callable = "silu", bias: bool = False, shared_experts: nn.Module | Callable | None = None,
@@ -363,11 +357,8 @@ class FusedMoE(nn.Module):
 
     def overlaps_shared(self, hidden: torch.Tensor) -> bool:
         """Whether the shared experts run on the plan's second CUDA stream, beside the routed
-        experts ("shared_overlap"): a GPU, the plan's kernels, outside torch.compile, up to
-        `SHARED_OVERLAP_MAX_TOKENS` tokens (decode batches; a prefill chunk's shared products
-        fill the GPU themselves and only contend with the routed ones)."""
-        return (self.plan is not None and self.plan.has("shared_overlap") and hidden.is_cuda
-                and hidden.shape[0] <= SHARED_OVERLAP_MAX_TOKENS and self.plan.kernels_for(hidden) is not None)
+        experts (`KernelPlan.overlaps_shared`)."""
+        return self.plan is not None and self.plan.overlaps_shared(hidden)
 
     def routed_beside_shared(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                              topk_ids: torch.Tensor) -> torch.Tensor:
