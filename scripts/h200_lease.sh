@@ -125,7 +125,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
                 tests/test_moe_shared_overlap.py tests/test_host_copy.py;;
   overlap) run moe-shared-overlap 150 python3 scripts/moe_shared_overlap.py --tokens 1 64 200 2048 --out $R/moe-shared-overlap.json;;
   gate) run fp32-gate-sweep 150 python3 scripts/fp32_gate_sweep.py --out $R/fp32-gate-sweep.json;;
-  mla) run mla-sweep 300 python3 scripts/mla_decode_sweep.py --token-rows --batches 1 32 128 200 --contexts 1024 \
+  mla) run mla-sweep 400 python3 scripts/mla_decode_sweep.py --token-rows --batches 1 8 32 64 128 200 256 --contexts 1024 \
          --out $R/mla-sweep.json;;
   new_tests) run new-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp32_gate.py \
                tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_moe_kernels.py tests/test_moe_topk_sum.py \

@@ -37,6 +37,27 @@ _LOG2E = 1.4426950408889634
 if HAS_TRITON:
 
     @triton.jit
+    def _tile_rows(bt_row, n0, end, stride_cb, stride_cs, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   PAGE_MODE: tl.constexpr):
+        """Element offsets (int64 [TILE_N]) of the cache rows of the tile starting at token n0;
+        tokens at or past `end` read block-table entry 0 (their loads are masked). Segments
+        start on whole tiles, so a tile never straddles a page where TILE_N divides the block
+        size."""
+        offs_n = n0 + tl.arange(0, TILE_N)
+        if PAGE_MODE == 1:  # the tile lies in one page: one block-table entry
+            blk = tl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(tl.int64)
+            row = blk * stride_cb + ((n0 % BLOCK_SIZE) + tl.arange(0, TILE_N)).to(tl.int64) * stride_cs
+        elif PAGE_MODE == 2:  # TILE_N // BLOCK_SIZE whole pages: one entry per page
+            pg = n0 // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
+            blks = tl.load(bt_row + pg, mask=pg * BLOCK_SIZE < end, other=0).to(tl.int64)
+            row = tl.reshape(blks[:, None] * stride_cb
+                             + tl.arange(0, BLOCK_SIZE).to(tl.int64)[None, :] * stride_cs, [TILE_N])
+        else:  # one entry per token
+            blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0).to(tl.int64)
+            row = blk * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
+        return row
+
+    @triton.jit
     def _mla_decode_kernel(
         ql_ptr, qp_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, po_ptr, plse_ptr, kvs_ptr,
         scale_log2, min_split_tokens,
@@ -83,22 +104,15 @@ if HAS_TRITON:
             kv_scale = tl.load(kvs_ptr)
             scale_log2 = scale_log2 * kv_scale
         bt_row = bt_ptr + b64 * stride_btb
+        # the cache rows of the next tile are found one iteration ahead (loop-carried), so that
+        # the tile loads' addresses do not depend on a load of the same iteration: Triton's
+        # pipeliner then multi-buffers them (num_stages - 1 tiles in flight during the dots);
+        # with the block-table load inside the iteration it kept one buffer and every tile
+        # waited for its own load (the sm90 TTGIR: a 1 x TILE_N x R buffer at any num_stages)
+        row = _tile_rows(bt_row, start, end, stride_cb, stride_cs, TILE_N, BLOCK_SIZE, PAGE_MODE)
         for n0 in range(start, end, TILE_N):
             offs_n = n0 + tl.arange(0, TILE_N)
             n_ok = offs_n < end
-            # cache rows of this tile; segments start on whole tiles, so a tile never straddles
-            # a page where TILE_N divides the block size
-            if PAGE_MODE == 1:  # the tile lies in one page: one block-table entry
-                blk = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
-                row = blk * stride_cb + ((n0 % BLOCK_SIZE) + tl.arange(0, TILE_N)).to(tl.int64) * stride_cs
-            elif PAGE_MODE == 2:  # TILE_N // BLOCK_SIZE whole pages: one entry per page
-                pg = n0 // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
-                blks = tl.load(bt_row + pg, mask=pg * BLOCK_SIZE < end, other=0).to(tl.int64)
-                row = tl.reshape(blks[:, None] * stride_cb
-                                 + tl.arange(0, BLOCK_SIZE).to(tl.int64)[None, :] * stride_cs, [TILE_N])
-            else:  # one entry per token
-                blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-                row = blk * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs
             c = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
             pe = tl.load(cache_ptr + row[:, None] + R + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :],
                          other=0.0)
@@ -127,6 +141,7 @@ if HAS_TRITON:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
                 m_i = m_new
+            row = _tile_rows(bt_row, n0 + TILE_N, end, stride_cb, stride_cs, TILE_N, BLOCK_SIZE, PAGE_MODE)
         st_mask = h_ok[:, None] & r_ok[None, :]
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
