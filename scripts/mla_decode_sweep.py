@@ -50,19 +50,17 @@ def latent_batch(ctx: list[int], dev, block_size: int, seed: int = 0):
 
 def configs(default: dict, quick: bool, token_rows: bool = False) -> list[dict]:
     """Overrides of the default: tilings at its split count, then split choices at its tiling;
-    `token_rows`: instead, tilings (stages up to 4, 16-token tiles to 6), the pipelined ones at other split counts, and split counts with one block-table entry
-    per token (page_loads False) against the default."""
+    `token_rows`: instead, tilings (stages up to 4), 32-token tiles with 3 stages at every split count, and split
+    counts with one block-table entry per token (page_loads False) against the default."""
     if token_rows:
         out = [dict(page_loads=False, TILE_N=t, num_warps=w, num_stages=s)
                for t, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
-        out += [dict(page_loads=False, TILE_N=16, num_warps=w, num_stages=s) for w, s in ((4, 5), (8, 5), (4, 6))]
-        # the pipelined tilings at other split counts (deeper pipelines change the best split)
-        out += [dict(page_loads=False, TILE_N=t, num_warps=w, num_stages=s, num_splits=n)
-                for (t, w, s), n in itertools.product(((16, 4, 4), (32, 4, 3), (32, 8, 3)), (1, 2, 4, 8))]
+        # the pipelined tiling at every split count (a deeper pipeline moves the best split)
+        out += [dict(page_loads=False, TILE_N=32, num_warps=4, num_stages=3, num_splits=n) for n in (1, 2, 4, 8)]
         out += [dict(page_loads=False, num_splits=n) for n in (1, 2, 8)]
         out += [dict(page_loads=False, min_split_tokens=n) for n in (128, 512)]
         out += [dict(page_loads=False, lazy_rescale=True, TILE_N=t, num_warps=w, num_stages=s)
-                for t, w, s in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (64, 8, 3))]
+                for t, w, s in ((32, 4, 3), (64, 8, 2))]
         return [c for c in out if any(default.get(k) != v for k, v in c.items())]
     tiles = (itertools.product((32, 64), (4, 8), (2, 3)) if quick else
              itertools.product((16, 32, 64), (4, 8), (1, 2, 3)))

@@ -263,7 +263,7 @@ def test_decode_kernel_compiles_for_sm90_and_stages_pipeline_the_loads():
 def test_launch_and_sweep_frames():
     from atom.viz.mla_frames import mla_launch_frame, mla_sweep_frame
     df = mla_launch_frame([1, 64, 128, 512])
-    assert list(df.batch) == [1, 64, 128, 512] and list(df.num_splits) == [32, 4, 4, 2]
+    assert list(df.batch) == [1, 64, 128, 512] and list(df.num_splits) == [32, 8, 4, 2]
     assert (df.programs_per_sm[:3] >= 0.24).all() and df.workspace_slots.iloc[-1] == 512 * 2
     fake = dict(peak_TBs=4.0, results={"B=1, ctx 512": dict(
         best=[dict(config={"TILE_N": 64}, us=2.0, TBs=2.0)],

@@ -257,17 +257,22 @@ class MLAWorkspace:
 # ceil(length / MIN_SPLIT_TOKENS) segments (at most the split count), so a split count chosen
 # for long contexts costs short ones little. 4 splits beat 2 at 128 mixed-length sequences (the
 # longest set the step's time), 2 beat 4 at 256 (122 against 134 us at 1024 tokens).
-_SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 4, 8), (1.5, 4), (4.0, 2), (float("inf"), 1))
+_SPLIT_ROWS = ((1 / 16, 32), (1 / 8, 16), (1 / 2, 8), (1.5, 4), (4.0, 2), (float("inf"), 1))
 MIN_SPLIT_TOKENS = 128  # 128 against 256: 13 against 25 us for one 1024-token sequence, equal from ~128
 # Tiles for a 512-wide latent: a [16, 512] fp32 accumulator is 64 registers a thread at 4 warps
 # (8 warps halve it but spread the 16-row dots thinly). Stages: with num_stages >= 2 Triton turns
-# the tile loads into cp.async copies issued ahead of the dots. Small batches (programs before
-# splitting <= SMs / 4: long segments per program) take 64-token tiles over 8 warps; from ~128
-# sequences 32-token tiles over 4 warps were as fast as any.
+# the tile loads into cp.async copies; since the next tile's rows are found one iteration ahead
+# (`_tile_rows`), num_stages = 3 keeps two 32-token tiles in flight (93 KB of shared memory, two
+# programs an SM at ~200 registers). From 8 sequences up, 32-token tiles over 4 warps with 3
+# stages were the fastest in the sweep (at 64-256 sequences 12-25% faster than 2 stages, e.g.
+# 256 sequences of 1024 tokens 99 against 126 us, ~3.0 TB/s of latent cache); a batch of a few
+# sequences (programs before splitting <= SMs / 32) keeps 64-token tiles over 8 warps.
+# With the deeper pipeline 8 splits beat 4 up to ~half a program per SM (64 mixed-length
+# sequences 69 against 88 us).
 # Rows: one block-table entry per token (page_loads False), not one per page / tile: with the
 # per-page addresses (a reshape of [pages, page tokens]) the same tiles ran 1.3-1.9x slower at
 # every batch (e.g. 128 mixed sequences 198 against 130 us), the per-token entries being L1 hits.
-_TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=2)
+_TILES_WIDE = dict(TILE_N=32, num_warps=4, num_stages=3)
 _TILES_WIDE_FEW = dict(TILE_N=64, num_warps=8, num_stages=2)
 _TILES_NARROW = dict(TILE_N=64, num_warps=4, num_stages=3)  # R_PAD <= 256
 CONFIG_KEYS = ("BLOCK_H", "TILE_N", "num_warps", "num_stages", "num_splits", "min_split_tokens",
@@ -290,7 +295,7 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
     if progs > 0:
         splits = next(n for bound, n in _SPLIT_ROWS if progs <= bound * num_sms)
         splits = max(1, min(splits, 1 << (max(1, int(max_splits)).bit_length() - 1)))
-    tiles = _TILES_NARROW if r_pad <= 256 else (_TILES_WIDE_FEW if 0 < progs <= num_sms / 4 else _TILES_WIDE)
+    tiles = _TILES_NARROW if r_pad <= 256 else (_TILES_WIDE_FEW if 0 < progs <= num_sms / 32 else _TILES_WIDE)
     return dict(BLOCK_H=block_h, **tiles, num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS,
                 page_loads=False, splits_first=True, lazy_rescale=False)
 
