@@ -188,7 +188,9 @@ def _setup_graphs(runner) -> None:
     if mode.decode_mode() == CUDAGraphMode.NONE:
         return
     sizes = [s for s in config.capture_sizes if s <= config.max_num_seqs] or [1]
-    if runner.attn_backend.name == "triton" and runner.decode_forward is runner.model:  # levels 0 and 3
+    # levels 0 and 3 on the Triton backends of either attention kind (MLA models' projections,
+    # shared experts and LM head are the same linear layers as a dense model's)
+    if runner.attn_backend.name in ("triton", "triton-mla") and runner.decode_forward is runner.model:
         gemv_choice.choose_gemv_shapes(plan, runner.model)  # batch-1 graphs: a Triton GEMV where it beats the unfused layers
         if not triton_gemm:
             # the other sizes and a full prefill step: cuBLASLt's best algorithm per shape. With a
