@@ -289,8 +289,8 @@ class QuantizationConfig:
         (``qkv_proj``). ``packed_modules_mapping`` may map shard -> ``(packed,
         shard_id)`` (nano-vllm style), shard -> ``packed``, or packed -> list of
         shards (vLLM style). Without it, q/k/v -> ``qkv_proj`` and gate/up ->
-        ``gate_up_proj``; DeepSeek-style configs with a ``q_lora_rank`` also map
-        ``q_a_proj`` / ``kv_a_proj_with_mqa`` -> ``fused_qkv_a_proj``.
+        ``gate_up_proj``; DeepSeek-style configs map ``q_a_proj`` (with a ``q_lora_rank``,
+        else ``q_proj``) / ``kv_a_proj_with_mqa`` -> ``fused_qkv_a_proj``.
         Original names are kept. Returns ``self``.
         """
         shard_to_packed = self._shard_map(hf_config, packed_modules_mapping)
@@ -326,10 +326,11 @@ class QuantizationConfig:
         if mapping is None:
             out = dict(_DEFAULT_PACKED)
             model_type = str(getattr(hf_config, "model_type", "") or "")
-            if (
-                "deepseek" in model_type or model_type in ("kimi_k2", "glm_moe_dsa")
-            ) and getattr(hf_config, "q_lora_rank", None) is not None:
-                out.update(_DEEPSEEK_PACKED)
+            if "deepseek" in model_type or model_type in ("kimi_k2", "glm_moe_dsa"):
+                if getattr(hf_config, "q_lora_rank", None) is not None:
+                    out.update(_DEEPSEEK_PACKED)
+                else:  # no q_a_proj: q_proj is the first part of the packed matrix
+                    out.update({"q_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"})
             return out
         out = {}
         for key, value in mapping.items():

@@ -90,6 +90,20 @@ def test_triton_mla_backend_under_preemption(model_and_ref):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_q_proj_and_kv_a_land_in_one_matrix_without_q_lora(tmp_path):
+    """Without q_lora_rank, q_proj + kv_a_proj_with_mqa -> the rows of fused_qkv_a_proj (one
+    product for both), and the layer's split gives back each projection."""
+    path = make_tiny_deepseek(tmp_path / "m", "v2_lite")
+    llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=8)
+    attn = llm.engine.runner.model.model.layers[1].self_attn
+    with safe_open(f"{path}/model.safetensors", "pt") as st:
+        q = st.get_tensor("model.layers.1.self_attn.q_proj.weight")
+        kv_a = st.get_tensor("model.layers.1.self_attn.kv_a_proj_with_mqa.weight")
+    fused = attn.fused_qkv_a_proj.weight.cpu()
+    assert not hasattr(attn, "q_proj") and attn.fused_qkv_a_proj.out_sizes == [q.shape[0], kv_a.shape[0]]
+    assert torch.equal(fused[:q.shape[0]], q) and torch.equal(fused[q.shape[0]:], kv_a)
+
+
 def test_checkpoint_tensors_land_in_place(tmp_path):
     """q_a_proj + kv_a_proj_with_mqa -> rows of fused_qkv_a_proj; per-expert gate / up -> each
     expert's gate_up_proj; the V3 correction bias and the fp32 gate."""
@@ -191,8 +205,10 @@ def test_deepseek_v2_lite_shape():
     spec = attn.kv_cache_spec(torch.bfloat16)
     assert spec.page_bytes(1) * cfg.num_hidden_layers == 31104
     assert not hasattr(model.model.layers[0].mlp, "experts") and model.model.layers[1].mlp.experts.num_experts == 64
-    assert not hasattr(model.model.layers[0].self_attn, "fused_qkv_a_proj")  # no q_lora_rank
-    assert "kv_a_proj_with_mqa" not in model.packed_modules_mapping
+    # no q_lora_rank: [q_proj | kv_a_proj_with_mqa] packed into one matrix of 16 x 192 + 576 rows
+    assert model.model.layers[0].self_attn.fused_qkv_a_proj.out_sizes == [3072, 576]
+    assert model.packed_modules_mapping["q_proj"] == ("fused_qkv_a_proj", 0)
+    assert "q_a_proj" not in model.packed_modules_mapping
 
 
 @pytest.mark.parametrize("variant", ["v2", "v3"])

@@ -8,8 +8,8 @@ the others a MoE of `n_routed_experts` experts (top `num_experts_per_tok`, DeepS
 MLA (DeepSeek-V2 paper, section 2.1): queries come from `q_proj`, or with `q_lora_rank`
 from a low-rank pair (`q_a_proj`, RMSNorm, `q_b_proj`); keys and values from one compressed
 latent `kv_a_proj_with_mqa` -> [kv_c (kv_lora_rank) | k_pe (qk_rope_head_dim)], kv_c
-RMSNorm'd. With `q_lora_rank`, `q_a_proj` and `kv_a_proj_with_mqa` (same input) are one
-packed matrix `fused_qkv_a_proj` loaded from the two checkpoint tensors. Only the rope dims
+RMSNorm'd. `q_a_proj` (or `q_proj`) and `kv_a_proj_with_mqa` take the same input: one packed
+matrix `fused_qkv_a_proj` loaded from the two checkpoint tensors, one product. Only the rope dims
 rotate (interleaved pairs, YaRN scaling); the layer caches [kv_c | k_pe] per token
 (`MLAAttention`), which expands or absorbs `kv_b_proj` itself.
 
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from atom.model_ops.activation import SiluAndMul
+from atom.distributed.state import ParallelState
 from atom.model_ops.attention.mla import MLAAttention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
 from atom.model_ops.linear import Linear, MergedLinear
@@ -103,10 +104,10 @@ class DeepseekV2Attention(nn.Module):
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = Linear(self.q_lora_rank, H * qk_head_dim, quant_config=quant_config,
                                    prefix=f"{prefix}.q_b_proj")
-        else:
-            self.q_proj = Linear(hidden, H * qk_head_dim, quant_config=quant_config, prefix=f"{prefix}.q_proj")
-            self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope, bias=bias,
-                                             quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
+        else:  # q_proj and kv_a_proj_with_mqa (same input): one packed matrix, replicated like both
+            self.fused_qkv_a_proj = MergedLinear(hidden, [H * qk_head_dim, self.kv_lora_rank + self.rope], bias=bias,
+                                                 quant_config=quant_config, prefix=f"{prefix}.fused_qkv_a_proj",
+                                                 tp=ParallelState.single())
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), quant_config=quant_config,
                                 prefix=f"{prefix}.kv_b_proj")
@@ -122,7 +123,8 @@ class DeepseekV2Attention(nn.Module):
             q_a, kv_a = self.fused_qkv_a_proj(hidden).split([self.q_lora_rank, self.kv_lora_rank + self.rope], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
-            q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
+            q, kv_a = self.fused_qkv_a_proj(hidden).split([self.fused_qkv_a_proj.out_sizes[0],
+                                                            self.kv_lora_rank + self.rope], dim=-1)
         q_nope, q_pe = q.view(T, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
@@ -189,17 +191,19 @@ class DeepseekV2Model(nn.Module):
 
 class DeepseekV2ForCausalLM(nn.Module):
     expert_params_mapping = FusedMoE.checkpoint_mapping()
+    # fused_qkv_a_proj packs [q_a_proj | kv_a_proj_with_mqa] (with q_lora_rank) or
+    # [q_proj | kv_a_proj_with_mqa] (without); a checkpoint holds only one of q_a_proj / q_proj
     packed_modules_mapping = {
-        "q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
+        "q_a_proj": ("fused_qkv_a_proj", 0), "q_proj": ("fused_qkv_a_proj", 0),
+        "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, cfg, quant_config=None):
         super().__init__()
         self.config = cfg
-        if not cfg.q_lora_rank:  # no q_a_proj: kv_a_proj_with_mqa is a layer of its own
-            self.packed_modules_mapping = {k: v for k, v in self.packed_modules_mapping.items()
-                                           if v[0] != "fused_qkv_a_proj"}
+        absent = "q_proj" if cfg.q_lora_rank else "q_a_proj"
+        self.packed_modules_mapping = {k: v for k, v in self.packed_modules_mapping.items() if k != absent}
         self.model = DeepseekV2Model(cfg, quant_config)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         if getattr(cfg, "tie_word_embeddings", False):
