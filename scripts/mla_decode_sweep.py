@@ -50,8 +50,9 @@ def latent_batch(ctx: list[int], dev, block_size: int, seed: int = 0):
 
 def configs(default: dict, quick: bool, token_rows: bool = False) -> list[dict]:
     """Overrides of the default: tilings at its split count, then split choices at its tiling;
-    `token_rows`: instead, tilings (stages up to 4), 32-token tiles with 3 stages at every split count, and split
-    counts with one block-table entry per token (page_loads False) against the default."""
+    `token_rows`: instead, tilings (stages up to 4), 32-token tiles with 3 stages at every split
+    count, and split counts with one block-table entry per token (page_loads False) against
+    the default."""
     if token_rows:
         out = [dict(page_loads=False, TILE_N=t, num_warps=w, num_stages=s)
                for t, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]

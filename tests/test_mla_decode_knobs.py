@@ -207,8 +207,11 @@ def test_sweep_says_it_needs_a_gpu(tmp_path, capsys):
 
 def _compile_variants() -> dict:
     """Child process (no interpreter): the decode kernel at DeepSeek-V2-Lite's shape for sm90,
-    per (page mode, stages, TILE_N, warps): cp.async copies in its PTX (pipelined loads); the
+    per (page mode, stages, TILE_N, warps): cp.async copies in its PTX (pipelined loads) and
+    the shared-memory buffers of the latent tile in its TTGIR (how many tiles are in flight); the
     last variant over an FP8 latent cache (e4m3 rows, the scale folded in)."""
+    import re
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -221,7 +224,8 @@ def _compile_variants() -> dict:
     div16 = {a for a in k.arg_names if a.endswith("_ptr") or (a.startswith("stride_") and a != "stride_plh")}
     out = {}
     for mode, stages, tile, warps, fp8 in ((0, 1, 32, 4, False), (0, 3, 32, 8, False), (1, 3, 16, 4, False),
-                                           (2, 3, 32, 4, False), (2, 2, 64, 4, False), (2, 3, 32, 4, True)):
+                                           (2, 3, 32, 4, False), (2, 2, 64, 4, False), (2, 3, 32, 4, True),
+                                           (0, 3, 32, 4, False), (0, 4, 16, 4, False)):
         cx = dict(NUM_HEADS=16, R=512, P=64, R_PAD=512, P_PAD=64, BLOCK_H=16, TILE_N=tile, BLOCK_SIZE=16,
                   NUM_SPLITS=4, DOT_PREC="tf32", PAGE_MODE=mode, SPLITS_FIRST=True, KV_FP8=fp8)
         sig = {a: "constexpr" if a in cx else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
@@ -232,7 +236,9 @@ def _compile_variants() -> dict:
         c = triton.compile(ASTSource(fn=k, signature=sig, constexprs=cx, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
         ptx = c.asm["ptx"]
-        out[f"{mode}/{stages}/{tile}/{warps}" + ("/fp8" if fp8 else "")] = dict(cp_async="cp.async" in ptx, mma="mma.sync" in ptx)
+        bufs = [int(n) for n in re.findall(rf"memdesc<(\d+)x{tile}x512x", c.asm["ttgir"])]
+        out[f"{mode}/{stages}/{tile}/{warps}" + ("/fp8" if fp8 else "")] = dict(
+            cp_async="cp.async" in ptx, mma="mma.sync" in ptx, tile_buffers=max(bufs, default=0))
     return out
 
 
@@ -256,8 +262,12 @@ def test_decode_kernel_compiles_for_sm90_and_stages_pipeline_the_loads():
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(v["mma"] for v in got.values()), got  # the dots on tensor cores in every variant
     assert not got["0/1/32/4"]["cp_async"]  # one stage: plain loads
-    for key in ("0/3/32/8", "1/3/16/4", "2/3/32/4", "2/2/64/4", "2/3/32/4/fp8"):
+    for key in ("0/3/32/8", "1/3/16/4", "2/3/32/4", "2/2/64/4", "2/3/32/4/fp8", "0/3/32/4"):
         assert got[key]["cp_async"], (key, got)  # more: copies issued ahead
+    # the next tile's rows are found an iteration ahead, so num_stages - 1 latent tiles are in
+    # flight (with the block-table load in the same iteration Triton kept one buffer)
+    for key, n in (("0/3/32/4", 2), ("0/3/32/8", 2), ("0/4/16/4", 3), ("2/3/32/4", 2), ("1/3/16/4", 2)):
+        assert got[key]["tile_buffers"] == n, (key, got)
 
 
 def test_launch_and_sweep_frames():

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.model_ops.activation import SiluAndMul
 from atom.distributed.state import ParallelState
+from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.attention.mla import MLAAttention
 from atom.model_ops.embedding import LMHead, VocabEmbedding
 from atom.model_ops.linear import Linear, MergedLinear
