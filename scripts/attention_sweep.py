@@ -11,6 +11,8 @@ the default choice; decode figures come with the KV-read bandwidth (the H200 cop
     python3 scripts/attention_sweep.py --out attn.json --block-sizes 16 32 64 --decode-only --few
     python3 scripts/attention_sweep.py --out attn.json --decode-only --steps 800 900 1000 --splits 1 2 4 8
     python3 scripts/attention_sweep.py --out attn.json --decode-only --few --layouts nhd hnd --placement sequential
+    python3 scripts/attention_sweep.py --out attn.json --decode-only --rows-ahead \
+        --decode-tilings 64/2/4 64/3/4 64/4/4 32/3/4 32/4/4 128/3/8
     python3 scripts/attention_sweep.py --out attn.json --baseline old_triton_unified.py \
         --decode-tilings 64/2/4 32/4/4 --prefill-tilings 64/64/2/4 64/32/3/4
 
@@ -129,6 +131,9 @@ def main():
     ap.add_argument("--baseline", help="an earlier triton_unified.py to time on the same batches")
     ap.add_argument("--decode-tilings", nargs="+",
                     help="TILE_N/num_stages/num_warps[/maxnreg], instead of the built-in list")
+    ap.add_argument("--rows-ahead", action="store_true",
+                    help="time every tiling also with `rows_ahead` (block-table entries a tile ahead, so that "
+                         "3+ stages keep several K / V tiles in flight)")
     ap.add_argument("--prefill-tilings", nargs="+",
                     help="BLOCK_M/TILE_N/num_stages/num_warps[/maxnreg], instead of the built-in list")
     args = ap.parse_args()
@@ -146,6 +151,8 @@ def main():
         dec_cfgs = [dict(num_splits=n) for n in args.splits]
     if args.decode_tilings:
         dec_cfgs = tilings(args.decode_tilings, ("TILE_N", "num_stages", "num_warps", "maxnreg"))
+    if args.rows_ahead:
+        dec_cfgs += [dict(c, rows_ahead=True) for c in dec_cfgs]
     baseline = load_baseline(args.baseline) if args.baseline else None
     for layout, bs in itertools.product(args.layouts, args.block_sizes):
         for step in args.steps:
@@ -169,6 +176,8 @@ def main():
                 for m, t, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
     if args.prefill_tilings:
         pre_cfgs = tilings(args.prefill_tilings, ("BLOCK_M", "TILE_N", "num_stages", "num_warps", "maxnreg"))
+    if args.rows_ahead:
+        pre_cfgs += [dict(c, rows_ahead=True) for c in pre_cfgs]
     r = sweep(paged_batch(lens, lens, dev, args.block_sizes[0], args.layouts[-1], args.placement), max(lens), pre_cfgs,
               baseline=baseline)
     flops = sum(2 * 2 * L * L / 2 * HQ * D for L in lens)

@@ -28,7 +28,8 @@
 # inside the first product against it as its own kernel, DeepSeek-V2-Lite's and Qwen3-30B-A3B's tiles),
 # thr_moe (both MoE workloads, ATOM alone, with the split of the run into prompt and decode steps),
 # prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order),
-# overlap (DeepSeek-V2-Lite's MoE block with the shared experts on a second stream against one).
+# overlap (DeepSeek-V2-Lite's MoE block with the shared experts on a second stream against one),
+# attn_ahead (the unified attention's decode tilings with and without `rows_ahead`, Llama-3.1-8B shape).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -127,6 +128,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
   gate) run fp32-gate-sweep 150 python3 scripts/fp32_gate_sweep.py --out $R/fp32-gate-sweep.json;;
   mla) run mla-sweep 400 python3 scripts/mla_decode_sweep.py --token-rows --batches 1 8 32 64 128 200 256 --contexts 1024 \
          --out $R/mla-sweep.json;;
+  attn_ahead) run attn-rows-ahead 300 python3 scripts/attention_sweep.py --out $R/attn-rows-ahead.json --decode-only \
+                --rows-ahead --decode-tilings 64/2/4 64/3/4 64/4/4 32/3/4 32/4/4;;
   new_tests) run new-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp32_gate.py \
                tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_moe_kernels.py tests/test_moe_topk_sum.py \
                tests/test_moe_shared_stack.py tests/test_moe_route_triton.py tests/test_gpu_moe_engine.py \

@@ -236,6 +236,23 @@ def test_triton_window_and_sinks_match_dense(hq, hkv, d, bs, window, with_sinks)
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [None, 9, 33])
+def test_triton_rows_ahead_with_window_and_sinks(window):
+    """Block-table entries loaded a tile ahead (`rows_ahead`) through the window's edge tiles,
+    the unmasked tiles and the diagonal ones, with a sink, split and unsplit."""
+    q, kc, vc, meta, ks, vs = paged_batch(TRITON_Q, TRITON_CTX, 4, 2, 32, 16, seed=window or 1)
+    sinks = _sinks(4, 3)
+    ref = expected(q, meta, ks, vs, 0.25, sinks, window)
+    out = _unified(q, kc, vc, meta, 0.25, AttentionOptions(sinks, window), config={"TILE_N": 16, "rows_ahead": True})
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    dq, dkc, dvc, dmeta, dks, dvs = paged_batch([1, 1, 1], [130, 70, 8], 4, 1, 32, 16, seed=5)
+    dsinks = _sinks(4, 2)
+    out = _unified(dq, dkc, dvc, dmeta, 0.25, AttentionOptions(dsinks, window), num_kv_splits=2,
+                   config={"TILE_N": 16, "rows_ahead": True})
+    torch.testing.assert_close(out, expected(dq, dmeta, dks, dvs, 0.25, dsinks, window), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("splits", [2, 4])
 @pytest.mark.parametrize("window", [None, 9, 33])
 def test_triton_split_kv_with_window_and_sinks(splits, window):

@@ -6,7 +6,8 @@ Triton compiles ahead of time for a target without a GPU (ptxas ships with it), 
 builds those kernels for sm90, in a child process where TRITON_INTERPRET is unset (the
 kernels of this process may already be interpreted functions), and checks the PTX (PDL's
 griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler's exp2 and
-Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path).
+Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path;
+how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`).
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -112,6 +113,21 @@ def _compile_all() -> dict:
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         wanted = markers[0] if markers else ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
         out[name] = {m: m in ptx for m in wanted}
+    # the attention's K / V tiles in flight (the depth of their shared-memory buffers, TTGIR) at
+    # 3 stages: one with the block-table entries loaded in the tile's own iteration, two with
+    # them loaded a tile ahead (`rows_ahead`)
+    import re
+    decode = dict(cases["attention_decode_split"][1], NUM_SPLITS=1)
+    names = attn._unified_attn_kernel.arg_names  # pointers and row strides 16-aligned, as launched
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+               if a.endswith("_ptr") or (a.startswith("stride_") and a != "stride_plh")}
+    for ahead in (False, True):
+        src = ASTSource(fn=attn._unified_attn_kernel, signature=_signature(
+            attn._unified_attn_kernel, dict(decode, ROWS_AHEAD=ahead), cases["attention_decode_split"][2]),
+            constexprs=dict(decode, ROWS_AHEAD=ahead), attrs=aligned)
+        ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_stages=3)).asm["ttgir"]
+        depth = max(int(n) for n in re.findall(r"memdesc<(\d+)x128x64xbf16", ttgir))
+        out[f"attention_3_stages_rows_ahead_{ahead}"] = {f"{1 + ahead} K tiles in flight": depth == 1 + ahead}
     return out
 
 
@@ -130,7 +146,8 @@ def test_kernels_compile_for_sm90():
                         "attention_decode_split", "attention_fp8_window_sinks", "kv_write_fp8",
                         "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma",
                         "sampling_block_stats", "sampling_pick", "moe_gemm_sorted", "moe_gemm_gated",
-                        "moe_gemv_unsorted"}
+                        "moe_gemv_unsorted", "attention_3_stages_rows_ahead_False",
+                        "attention_3_stages_rows_ahead_True"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

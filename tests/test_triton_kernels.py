@@ -213,6 +213,23 @@ def test_attention_register_cap(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("splits", [None, 4])
+def test_attention_rows_ahead(device, splits):
+    """`rows_ahead` (each tile's block-table entries loaded one tile ahead, carried through the
+    masked and unmasked tile loops) gives the reference's result on mixed batches: prefills,
+    chunks, decodes and sequences shorter than a tile; with 3 stages on a GPU."""
+    cpu = device == "cpu"
+    dtype = torch.float32 if cpu else torch.bfloat16
+    cfg = {"rows_ahead": True} if cpu else {"rows_ahead": True, "num_stages": 3}
+    for D, Hkv, qpkv, bs in ((64, 2, 2, 16), (128, 1, 4, 32)):
+        batch = _make_batch(MIXED + [(1, 1), (1, 3)], Hkv * qpkv, Hkv, D, bs, dtype, device,
+                            100 if cpu else 3000, seed=D + bs + 1)
+        _run_attention(batch, dtype, f"rows_ahead D={D}", num_kv_splits=splits, config=cfg)
+        decode = _make_batch(["decode"] * 5, Hkv * qpkv, Hkv, D, bs, dtype, device, 150 if cpu else 5000, seed=D)
+        _run_attention(decode, dtype, f"rows_ahead decode D={D}", num_kv_splits=splits, config=cfg)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("splits", [None, 2, 8])
 def test_attention_split_kv_decode(device, splits):
     cpu = device == "cpu"

@@ -94,26 +94,44 @@ if HAS_TRITON:
         return lo - 1
 
     @triton.jit
+    def _tile_blocks(bt_row, t, kv_end, offs_n, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+        """Block-table entries (int64 [TILE_N]) of tile t's keys; 0 past kv_end (never read
+        past the sequence's blocks)."""
+        kpos = t * TILE_N + offs_n
+        return tl.load(bt_row + kpos // BLOCK_SIZE, mask=kpos < kv_end, other=0).to(tl.int64)
+
+    @triton.jit
     def _tile_step(
         acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
-        offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
+        offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window, blk_ahead,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
         DOT_PREC: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr, KV_FP8: tl.constexpr,
+        ROWS_AHEAD: tl.constexpr,
     ):
         """One KV tile of online softmax. MASKED: tile crosses the diagonal, kv_end or (SLIDING)
-        the lower edge of a row's window. KV_FP8: the cache holds fp8, converted to q's dtype."""
+        the lower edge of a row's window. KV_FP8: the cache holds fp8, converted to q's dtype.
+        ROWS_AHEAD: `blk_ahead` holds this tile's block-table entries, and the step returns the
+        next tile's (loaded here, one iteration before their use), so the K / V loads' addresses
+        do not depend on a load of their own iteration: with num_stages >= 3 Triton's pipeliner
+        then multi-buffers them (with the block-table load in the same iteration it keeps one
+        buffer whatever num_stages, the sm90 TTGIR shows). Otherwise `blk_ahead` is returned
+        unchanged."""
         kpos = t * TILE_N + offs_n
         k_ok = kpos < kv_end
         slot = kpos % BLOCK_SIZE
         k_ptrs = k_head + (slot * stride_ks)[None, :] + offs_d[:, None]
         v_ptrs = v_head + (slot * stride_vs)[:, None] + offs_d[None, :]
-        if MASKED:
-            # never read block-table entries past the sequence's blocks
+        if ROWS_AHEAD:
+            blk = blk_ahead
+            blk_ahead = _tile_blocks(bt_row, t + 1, kv_end, offs_n, BLOCK_SIZE, TILE_N)
+        elif MASKED:  # never read block-table entries past the sequence's blocks
             blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
+        if MASKED:
             k = tl.load(k_ptrs + blk[None, :] * stride_kb,
                         mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
             if PAD_D:
                 k = tl.load(k_ptrs + blk[None, :] * stride_kb, mask=d_ok[:, None], other=0.0)
             else:
@@ -141,7 +159,7 @@ if HAS_TRITON:
         if KV_FP8:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        return acc, m_new, l_i
+        return acc, m_new, l_i, blk_ahead
 
     @triton.jit
     def _rope_rows(row_ptrs, x, pos, mask, offs_d, cs_ptr, stride_cs, w_ptr, eps,
@@ -223,6 +241,7 @@ if HAS_TRITON:
         SLIDING: tl.constexpr,
         KV_FP8: tl.constexpr,
         EXACT_ROUND: tl.constexpr,
+        ROWS_AHEAD: tl.constexpr = False,
     ):
         pdl_start(PDL)
         # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
@@ -304,21 +323,24 @@ if HAS_TRITON:
         n_full = (ctx_len + local * BLOCK_Q + 1) // TILE_N
         edge_hi = tl.minimum(tl.maximum(lo_full, t_lo), t_hi)
         full_hi = tl.minimum(tl.maximum(n_full, edge_hi), t_hi)
+        blk = tl.zeros([TILE_N], tl.int64)  # the first tile's block-table entries (ROWS_AHEAD)
+        if ROWS_AHEAD:
+            blk = _tile_blocks(bt_row, t_lo, kv_end, offs_n, BLOCK_SIZE, TILE_N)
         for t in range(t_lo, edge_hi):
-            acc, m_i, l_i = _tile_step(
+            acc, m_i, l_i, blk = _tile_step(
                 acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
-                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
-                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, True, SLIDING, KV_FP8)
+                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window, blk,
+                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, True, SLIDING, KV_FP8, ROWS_AHEAD)
         for t in range(edge_hi, full_hi):
-            acc, m_i, l_i = _tile_step(
+            acc, m_i, l_i, blk = _tile_step(
                 acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
-                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
-                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, False, SLIDING, KV_FP8)
+                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window, blk,
+                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, False, SLIDING, KV_FP8, ROWS_AHEAD)
         for t in range(full_hi, t_hi):
-            acc, m_i, l_i = _tile_step(
+            acc, m_i, l_i, blk = _tile_step(
                 acc, m_i, l_i, q, t, kv_end, q_pos, row_ok, bt_row, k_head, v_head,
-                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window,
-                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, True, SLIDING, KV_FP8)
+                offs_n, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, window, blk,
+                BLOCK_SIZE, TILE_N, HEAD_DIM != HEAD_PAD, DOT_PREC, True, SLIDING, KV_FP8, ROWS_AHEAD)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -603,7 +625,9 @@ def unified_attention(
     with few programs); 1 forces one pass; a power of two forces that many
     segments (any ``max_query_len``).  ``config`` overrides tile choices
     (``TILE_N``, ``BLOCK_M``, ``num_warps``, ``num_stages``; ``maxnreg`` caps the registers
-    per thread, so that more programs fit on an SM) for tuning.
+    per thread, so that more programs fit on an SM; ``rows_ahead`` loads each tile's
+    block-table entries one tile ahead, which lets ``num_stages`` >= 3 keep several K / V
+    tiles in flight) for tuning.
     Tokens past ``cu_seqlens_q[-1]`` (graph padding) are left untouched.
     """
     if not HAS_TRITON:
@@ -664,6 +688,7 @@ def unified_attention(
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
         HAS_SINKS=options.sinks is not None, SLIDING=options.sliding_window is not None,
         KV_FP8=k_cache.dtype in FP8_CACHE_DTYPES, EXACT_ROUND=k_cache.dtype in FP8_CACHE_DTYPES and interpreted(),
+        ROWS_AHEAD=bool(cfg.get("rows_ahead", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
