@@ -169,6 +169,29 @@ print("GPU plan fusions:", default_fusions("triton"))
 print("this engine's plan:", plan.fusions, "| overlap up to", SHARED_OVERLAP_MAX_TOKENS, "tokens")
 assert "shared_overlap" in default_fusions("triton") and plan.fusions == ()
 """),
+    ("md", """
+## MLA decode: the launch per batch, and what the H200 measured
+DeepSeek's attention decodes over a latent cache (one 576-wide row a token) with a Triton
+split-KV kernel. Its launch depends on the batch's shape only (`pick_mla_config`, so a CUDA
+graph replays it): tiles, warps, pipeline stages (the latent tiles a program keeps in flight)
+and the number of context segments per sequence. The checked-in sweep of the H200
+(`scripts/mla_decode_sweep.py`) times the alternatives at DeepSeek-V2-Lite's shape.
+"""),
+    ("code", """
+import json, pathlib
+import atom
+from atom.viz.mla_frames import mla_launch_frame, mla_sweep_frame
+launch = mla_launch_frame([1, 8, 32, 64, 128, 256])
+print(launch[["batch", "TILE_N", "num_warps", "num_stages", "num_splits", "programs_per_sm", "tiles_in_flight", "tiles_kib"]].to_string())
+sweep_file = pathlib.Path(atom.__file__).resolve().parents[1] / "docs/perf/raw/2026-12-03g-h200-mla-sweep-pipelined.json"
+if sweep_file.exists():
+    sweep = mla_sweep_frame(str(sweep_file))
+    table = sweep[sweep.is_default | sweep.is_best].pivot_table(index="case", columns="is_best", values="us", aggfunc="min")
+    table.columns = ["default us" if not c else "best us" for c in table.columns]
+    assert (sweep.of_peak > 0).all() and (sweep.of_peak < 1).all()   # latent-cache bandwidth below HBM's
+    display(table)
+assert (launch.tiles_in_flight >= 1).all() and launch.num_splits.is_monotonic_decreasing
+"""),
 ]
 
 NOTEBOOKS = {"10_moe_routing": MOE}

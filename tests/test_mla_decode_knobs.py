@@ -275,6 +275,8 @@ def test_launch_and_sweep_frames():
     df = mla_launch_frame([1, 64, 128, 512])
     assert list(df.batch) == [1, 64, 128, 512] and list(df.num_splits) == [32, 8, 4, 2]
     assert (df.programs_per_sm[:3] >= 0.24).all() and df.workspace_slots.iloc[-1] == 512 * 2
+    # batch 1: 64-token tiles, 2 stages (one in flight); from 64 on 32-token tiles, 3 stages (two)
+    assert list(df.tiles_in_flight) == [1, 2, 2, 2] and list(df.tiles_kib) == [72.0, 72.0, 72.0, 72.0]
     fake = dict(peak_TBs=4.0, results={"B=1, ctx 512": dict(
         best=[dict(config={"TILE_N": 64}, us=2.0, TBs=2.0)],
         all=[dict(config="default", us=4.0, TBs=1.0), dict(config={"TILE_N": 64}, us=2.0, TBs=2.0),

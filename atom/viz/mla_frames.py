@@ -14,16 +14,21 @@ import pandas as pd
 
 
 def mla_launch_frame(batches: Iterable[int], num_heads: int = 16, kv_lora_rank: int = 512,
-                     num_sms: int = 132) -> pd.DataFrame:
+                     num_sms: int = 132, rope_dim: int = 64) -> pd.DataFrame:
     """One row a batch size: the launch `pick_mla_config` chooses (DeepSeek-V2-Lite's shape by
-    default), its programs and programs per SM, and the workspace slots the batch takes."""
+    default), its programs and programs per SM, the workspace slots the batch takes, and the
+    latent tiles a program keeps in flight (num_stages - 1 copies issued ahead, at least one)
+    with their shared memory (bf16 cache)."""
     from atom.model_ops.kernels.mla_decode import pick_mla_config
     rows = []
     for b in batches:
         cfg = pick_mla_config(int(b), num_heads, kv_lora_rank, num_sms)
         progs = int(b) * -(-num_heads // cfg["BLOCK_H"]) * cfg["num_splits"]
+        tiles = max(1, cfg["num_stages"] - 1)
         rows.append(dict(batch=int(b), **cfg, programs=progs, programs_per_sm=round(progs / num_sms, 2),
-                         workspace_slots=int(b) * cfg["num_splits"] if cfg["num_splits"] > 1 else 0))
+                         workspace_slots=int(b) * cfg["num_splits"] if cfg["num_splits"] > 1 else 0,
+                         tiles_in_flight=tiles,
+                         tiles_kib=round(tiles * cfg["TILE_N"] * (kv_lora_rank + rope_dim) * 2 / 1024, 1)))
     return pd.DataFrame(rows)
 
 
