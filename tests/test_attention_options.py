@@ -298,6 +298,27 @@ def test_triton_fp8_cache_close_to_full_precision(scales):
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [None, 25])
+def test_triton_fp8_cache_with_bf16_queries(window):
+    """bf16 queries over an FP8 cache run their dots in fp16 (KV_F16: e4m3 -> fp16 is exact and
+    one instruction per two values): the result is the fp32 reference on the same FP8 cache
+    within bf16's output rounding, for prefills, chunks and decodes, split and unsplit."""
+    from atom.model_ops.kernels import reshape_and_cache
+    hq, hkv, d, bs = 4, 2, 64, 16
+    q, kc, vc, meta, ks, vs = paged_batch(TRITON_Q, TRITON_CTX, hq, hkv, d, bs, seed=12)
+    k_scale, v_scale = torch.tensor(0.05), torch.tensor(0.02)
+    n = kc.shape[0] * bs
+    kq, vq = torch.zeros(kc.shape, dtype=FP8), torch.zeros(kc.shape, dtype=FP8)
+    reshape_and_cache(kc.view(n, hkv, d), vc.view(n, hkv, d), kq, vq, torch.arange(n), k_scale, v_scale)
+    opts = AttentionOptions(_sinks(hq, 2), window, k_scale, v_scale)
+    ref = paged_attention(q, kq, vq, meta, d ** -0.5, opts)  # fp32 queries
+    for splits in (None, 2):
+        out = _unified(q.to(torch.bfloat16), kq, vq, meta, d ** -0.5, opts, num_kv_splits=splits)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernel
 def test_triton_decode_rope_writes_fp8():
     """The decode path with the rotary embedding folded in writes k / v into an FP8 cache
     quantized with the layer's scales, and attends over it (against the torch reference)."""

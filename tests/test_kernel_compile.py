@@ -7,7 +7,8 @@ builds those kernels for sm90, in a child process where TRITON_INTERPRET is unse
 kernels of this process may already be interpreted functions), and checks the PTX (PDL's
 griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler's exp2 and
 Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path;
-how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`).
+how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
+its FP8-cache dots in fp16 for bf16 queries).
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -60,7 +61,8 @@ def _compile_all() -> dict:
         "attention_decode_split": (attn._unified_attn_kernel,
                                    dict(QPKV=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16,
                                         BLOCK_Q=4, TILE_N=64, NUM_SPLITS=16, DOT_PREC="tf32", PDL=True,
-                                        HAS_SINKS=False, SLIDING=False, KV_FP8=False, EXACT_ROUND=False),
+                                        HAS_SINKS=False, SLIDING=False, KV_FP8=False, EXACT_ROUND=False,
+                                        ROWS_AHEAD=False, KV_F16=False),
                                    dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32")),
         # GPT-OSS-style layers over an FP8 cache: sinks, a sliding window, e4m3 K/V read and (the
         # decode rope path) written; the fp32 -> e4m3 store is the saturating conversion
@@ -68,7 +70,7 @@ def _compile_all() -> dict:
                                        dict(QPKV=8, NUM_KV_HEADS=8, HEAD_DIM=64, HEAD_PAD=64, BLOCK_SIZE=16,
                                             BLOCK_M=16, BLOCK_Q=2, TILE_N=64, NUM_SPLITS=4, DOT_PREC="tf32", PDL=True,
                                             ROPE=True, QK_NORM=False, HAS_SINKS=True, SLIDING=True, KV_FP8=True,
-                                            EXACT_ROUND=False),
+                                            EXACT_ROUND=False, ROWS_AHEAD=False, KV_F16=True),
                                        dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32", k_ptr="*fp8e4nv",
                                             v_ptr="*fp8e4nv", slot_ptr="*i64", cs_ptr="*fp32", sinks_ptr="*fp32",
                                             ks_ptr="*fp32", vs_ptr="*fp32", norm_eps="fp32"),
@@ -128,6 +130,16 @@ def _compile_all() -> dict:
         ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_stages=3)).asm["ttgir"]
         depth = max(int(n) for n in re.findall(r"memdesc<(\d+)x128x64xbf16", ttgir))
         out[f"attention_3_stages_rows_ahead_{ahead}"] = {f"{1 + ahead} K tiles in flight": depth == 1 + ahead}
+    # bf16 queries over an FP8 cache (KV_F16): e4m3 pairs straight to fp16 pairs, no per-value
+    # fp16 -> bf16 conversion
+    fp8 = dict(cases["attention_decode_split"][2], k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", ks_ptr="*fp32",
+               vs_ptr="*fp32")
+    cx = dict(decode, KV_FP8=True, KV_F16=True)
+    src = ASTSource(fn=attn._unified_attn_kernel, signature=_signature(attn._unified_attn_kernel, cx, fp8),
+                    constexprs=cx, attrs=aligned)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    out["attention_fp8_f16_dots"] = {"cvt.rn.f16x2.e4m3x2": "cvt.rn.f16x2.e4m3x2" in ptx,
+                                     "no cvt.bf16.f16": "cvt.bf16.f16" not in ptx}
     return out
 
 
@@ -147,7 +159,7 @@ def test_kernels_compile_for_sm90():
                         "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma",
                         "sampling_block_stats", "sampling_pick", "moe_gemm_sorted", "moe_gemm_gated",
                         "moe_gemv_unsorted", "attention_3_stages_rows_ahead_False",
-                        "attention_3_stages_rows_ahead_True"}
+                        "attention_3_stages_rows_ahead_True", "attention_fp8_f16_dots"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

@@ -109,7 +109,8 @@ if HAS_TRITON:
         ROWS_AHEAD: tl.constexpr,
     ):
         """One KV tile of online softmax. MASKED: tile crosses the diagonal, kv_end or (SLIDING)
-        the lower edge of a row's window. KV_FP8: the cache holds fp8, converted to q's dtype.
+        the lower edge of a row's window. KV_FP8: the cache holds fp8, converted to q's dtype
+        (fp16 for bf16 models: the kernel's KV_F16).
         ROWS_AHEAD: `blk_ahead` holds this tile's block-table entries, and the step returns the
         next tile's (loaded here, one iteration before their use), so the K / V loads' addresses
         do not depend on a load of their own iteration: with num_stages >= 3 Triton's pipeliner
@@ -242,6 +243,7 @@ if HAS_TRITON:
         KV_FP8: tl.constexpr,
         EXACT_ROUND: tl.constexpr,
         ROWS_AHEAD: tl.constexpr = False,
+        KV_F16: tl.constexpr = False,
     ):
         pdl_start(PDL)
         # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
@@ -313,6 +315,13 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(ks_ptr)
+        if KV_F16:
+            # bf16 queries over an FP8 cache: the dots run in fp16, whose e4m3 -> fp16
+            # conversion is one instruction per two values (e4m3 -> bf16 goes through fp16,
+            # plus a conversion per value); every e4m3 value is exact in fp16, q and p
+            # (softmax weights in [0, 1]) keep 3 more mantissa bits than in bf16; q saturates at
+            # fp16's largest value instead of becoming inf (once per program, not per tile)
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         bt_row = bt_ptr + b * stride_bt
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_vh
@@ -689,6 +698,7 @@ def unified_attention(
         HAS_SINKS=options.sinks is not None, SLIDING=options.sliding_window is not None,
         KV_FP8=k_cache.dtype in FP8_CACHE_DTYPES, EXACT_ROUND=k_cache.dtype in FP8_CACHE_DTYPES and interpreted(),
         ROWS_AHEAD=bool(cfg.get("rows_ahead", False)),
+        KV_F16=k_cache.dtype in FP8_CACHE_DTYPES and q.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
