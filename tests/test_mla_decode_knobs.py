@@ -84,6 +84,22 @@ def test_half_precision_with_stages_and_pages_matches_reference():
     torch.testing.assert_close(out.float(), _ref(ql, qp, cache, tables, lens), atol=2e-2, rtol=2e-2)
 
 
+def test_bf16_queries_over_an_fp8_cache_match_reference():
+    """bf16 queries over an FP8 latent cache run the dots in fp16 (KV_F16): the fp32 reference
+    on the dequantized cache (fp8 x kv_scale) within the bf16 output's rounding, split and
+    unsplit, 3 stages."""
+    ql, qp, cache, tables, lens = _batch([45, 9, 64, 1], heads=16, block_size=16, seed=4)
+    scale = torch.tensor(0.02, device=DEV)
+    fp8 = (cache / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ref = _ref(ql.to(torch.bfloat16).float(), qp.to(torch.bfloat16).float(), fp8.float() * scale, tables, lens)
+    for cfg in (dict(TILE_N=16, num_stages=3, num_splits=1), dict(TILE_N=16, num_stages=3, num_splits=4,
+                                                                   min_split_tokens=16)):
+        out = mla_decode_call(ql.to(torch.bfloat16), qp.to(torch.bfloat16), fp8, tables, lens, config=cfg,
+                              kv_scale=scale)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_splits_by_work_use_only_segments_of_min_split_tokens():
     """A sequence uses min(num_splits, ceil(len / min_split_tokens)) segments of whole tiles;
     the unused ones write only lse = -inf (their output rows in the workspace stay untouched,
@@ -209,7 +225,7 @@ def _compile_variants() -> dict:
     """Child process (no interpreter): the decode kernel at DeepSeek-V2-Lite's shape for sm90,
     per (page mode, stages, TILE_N, warps): cp.async copies in its PTX (pipelined loads) and
     the shared-memory buffers of the latent tile in its TTGIR (how many tiles are in flight); the
-    last variant over an FP8 latent cache (e4m3 rows, the scale folded in)."""
+    FP8 variant over an FP8 latent cache (e4m3 rows, the scale folded in, fp16 dots)."""
     import re
 
     import triton
@@ -227,7 +243,7 @@ def _compile_variants() -> dict:
                                            (2, 3, 32, 4, False), (2, 2, 64, 4, False), (2, 3, 32, 4, True),
                                            (0, 3, 32, 4, False), (0, 4, 16, 4, False)):
         cx = dict(NUM_HEADS=16, R=512, P=64, R_PAD=512, P_PAD=64, BLOCK_H=16, TILE_N=tile, BLOCK_SIZE=16,
-                  NUM_SPLITS=4, DOT_PREC="tf32", PAGE_MODE=mode, SPLITS_FIRST=True, KV_FP8=fp8)
+                  NUM_SPLITS=4, DOT_PREC="tf32", PAGE_MODE=mode, SPLITS_FIRST=True, KV_FP8=fp8, KV_F16=fp8)
         sig = {a: "constexpr" if a in cx else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
                for a in k.arg_names}
         if fp8:
@@ -238,7 +254,8 @@ def _compile_variants() -> dict:
         ptx = c.asm["ptx"]
         bufs = [int(n) for n in re.findall(rf"memdesc<(\d+)x{tile}x512x", c.asm["ttgir"])]
         out[f"{mode}/{stages}/{tile}/{warps}" + ("/fp8" if fp8 else "")] = dict(
-            cp_async="cp.async" in ptx, mma="mma.sync" in ptx, tile_buffers=max(bufs, default=0))
+            cp_async="cp.async" in ptx, mma="mma.sync" in ptx, tile_buffers=max(bufs, default=0),
+            f16_dots="cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx)
     return out
 
 
@@ -268,6 +285,8 @@ def test_decode_kernel_compiles_for_sm90_and_stages_pipeline_the_loads():
     # flight (with the block-table load in the same iteration Triton kept one buffer)
     for key, n in (("0/3/32/4", 2), ("0/3/32/8", 2), ("0/4/16/4", 3), ("1/3/16/4", 2)):
         assert got[key]["tile_buffers"] == n, (key, got)
+    # bf16 queries over the FP8 latent cache: e4m3 pairs straight to fp16, dots in fp16
+    assert got["2/3/32/4/fp8"]["f16_dots"] and not got["0/3/32/4"]["f16_dots"], got
 
 
 def test_launch_and_sweep_frames():

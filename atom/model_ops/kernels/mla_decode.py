@@ -68,7 +68,7 @@ if HAS_TRITON:
         NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
         BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, PAGE_MODE: tl.constexpr, SPLITS_FIRST: tl.constexpr,
-        KV_FP8: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+        KV_FP8: tl.constexpr, LAZY_RESCALE: tl.constexpr, KV_F16: tl.constexpr = False,
     ):
         if SPLITS_FIRST:  # a sequence's segments are neighbours in launch order
             split = tl.program_id(0)
@@ -103,6 +103,12 @@ if HAS_TRITON:
         if KV_FP8:  # fp8 * kv_scale: the scale folds into the scores' scale and the output
             kv_scale = tl.load(kvs_ptr)
             scale_log2 = scale_log2 * kv_scale
+        if KV_F16:
+            # bf16 queries over an FP8 latent cache: the dots run in fp16 (e4m3 -> fp16 is one
+            # conversion per pair and exact; e4m3 -> bf16 adds one per value), the queries
+            # converted once here, saturated at fp16's largest value
+            ql = tl.clamp(ql.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            qp = tl.clamp(qp.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         bt_row = bt_ptr + b64 * stride_btb
         # the cache rows of the next tile are found one iteration ahead (loop-carried), so that
         # the tile loads' addresses do not depend on a load of the same iteration: Triton's
@@ -425,6 +431,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_PREC=dot_prec,
         PAGE_MODE=_page_mode(cfg["TILE_N"], block_size, bool(cfg["page_loads"])),
         SPLITS_FIRST=bool(cfg["splits_first"]), KV_FP8=fp8, LAZY_RESCALE=bool(cfg.get("lazy_rescale", False)),
+        KV_F16=fp8 and q_lat.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
