@@ -126,6 +126,26 @@ def fp8_v3(tmp_path_factory):
     return base, dst, ps, [hf_greedy(ref_model, p, N) for p in ps], [hf_greedy(plain, p, N) for p in ps]
 
 
+def test_native_fp8_without_q_lora_packs_q_proj_with_kv_a(tmp_path):
+    """Without q_lora_rank, the fp8 q_proj and kv_a_proj_with_mqa (each with its 128 x 128 block
+    scales; kv_a's 144 rows end in a partial block) load into one packed fused_qkv_a_proj, and
+    greedy tokens equal transformers on the fake-quantized checkpoint."""
+    shape = {**SHAPE, "q_lora_rank": None}
+    base = make_tiny_deepseek(tmp_path / "base", "v2_lite", **shape)
+    dst = str(tmp_path / "fp8")
+    deq = write_native_fp8(base, dst)
+    ref_model = fake_quant_transformers(base, deq, fq=fq_group, weight_only=("kv_b_proj",))
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 33, 70)]
+    llm = LLM(dst, enable_log_stats=False, num_kvcache_blocks=64)
+    attn = llm.engine.runner.model.model.layers[0].self_attn
+    fused = attn.fused_qkv_a_proj
+    assert fused.weight.dtype == FP8 and fused.out_sizes == [4 * 48, 144]
+    assert fused.weight_scale_inv.shape == (2 + 2, 1)  # ceil(192 / 128) + ceil(144 / 128) row blocks
+    got = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
+    assert got == [hf_greedy(ref_model, p, N) for p in ps]
+
+
 def test_checkpoint_layout_and_the_loaded_methods(fp8_v3):
     from safetensors import safe_open
     _, path, *_ = fp8_v3
