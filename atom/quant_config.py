@@ -55,6 +55,8 @@ _DEFAULT_PACKED = {
     "up_proj": "gate_up_proj",
 }
 _DEEPSEEK_PACKED = {"q_a_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"}
+# without q_lora_rank there is no q_a_proj: q_proj is the first part of the packed matrix
+_DEEPSEEK_PACKED_NO_Q_LORA = {"q_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"}
 
 
 def _packed_to_shards(shard_to_packed: dict[str, str]) -> dict[str, list[str]]:
@@ -327,10 +329,8 @@ class QuantizationConfig:
             out = dict(_DEFAULT_PACKED)
             model_type = str(getattr(hf_config, "model_type", "") or "")
             if "deepseek" in model_type or model_type in ("kimi_k2", "glm_moe_dsa"):
-                if getattr(hf_config, "q_lora_rank", None) is not None:
-                    out.update(_DEEPSEEK_PACKED)
-                else:  # no q_a_proj: q_proj is the first part of the packed matrix
-                    out.update({"q_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"})
+                no_q_lora = getattr(hf_config, "q_lora_rank", None) is None
+                out.update(_DEEPSEEK_PACKED_NO_Q_LORA if no_q_lora else _DEEPSEEK_PACKED)
             return out
         out = {}
         for key, value in mapping.items():

@@ -119,12 +119,9 @@ class DeepseekV2Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         T = hidden.shape[0]
-        if self.q_lora_rank:
-            q_a, kv_a = self.fused_qkv_a_proj(hidden).split([self.q_lora_rank, self.kv_lora_rank + self.rope], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
-        else:
-            q, kv_a = self.fused_qkv_a_proj(hidden).split([self.fused_qkv_a_proj.out_sizes[0],
-                                                            self.kv_lora_rank + self.rope], dim=-1)
+        q, kv_a = self.fused_qkv_a_proj(hidden).split(self.fused_qkv_a_proj.out_sizes, dim=-1)
+        if self.q_lora_rank:  # q is the low-rank q_a: normed, then expanded by q_b_proj
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(T, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)

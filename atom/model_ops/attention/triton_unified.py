@@ -126,7 +126,7 @@ if HAS_TRITON:
             blk = blk_ahead
             blk_ahead = _tile_blocks(bt_row, t + 1, kv_end, offs_n, BLOCK_SIZE, TILE_N)
         elif MASKED:  # never read block-table entries past the sequence's blocks
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            blk = _tile_blocks(bt_row, t, kv_end, offs_n, BLOCK_SIZE, TILE_N)
         else:
             blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
         if MASKED:
