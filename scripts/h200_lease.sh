@@ -29,7 +29,7 @@
 # thr_moe (both MoE workloads, ATOM alone, with the split of the run into prompt and decode steps),
 # prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order),
 # overlap (DeepSeek-V2-Lite's MoE block with the shared experts on a second stream against one),
-# attn_ahead (the unified attention's decode tilings with and without `rows_ahead`, Llama-3.1-8B shape).
+# kv_tests (the FP8-KV attention and MLA tests on the GPU), attn_ahead (the unified attention's decode tilings with and without `rows_ahead`, Llama-3.1-8B shape).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -146,6 +146,9 @@ for st in "$@"; do ts=$(date +%s); case $st in
   tune_q3moe) tune 128 768 2048 8 q3moe;;
   tune_gptoss) tune 32 2880 2880 4 gptoss;;
   moe_fp8_tests) run moe-fp8-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_fp8_triton.py;;
+  kv_tests) run kv-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -x tests/test_attention_options.py \
+              tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_kv_fp8_engine.py tests/test_kernel_compile.py \
+              "tests/test_triton_kernels.py" -k "rows_ahead or kv or fp8 or attention or mla or compile";;
   prof_q) for f in bf16 fp8_dynamic w4a16 mxfp4_w4a16; do
             run prof-bs1-$f 150 python3 scripts/gpu_profile.py $L --scenario bs1 --quantization $f --no-summary --windows 100:20
           done;;
