@@ -146,9 +146,9 @@ for st in "$@"; do ts=$(date +%s); case $st in
   tune_q3moe) tune 128 768 2048 8 q3moe;;
   tune_gptoss) tune 32 2880 2880 4 gptoss;;
   moe_fp8_tests) run moe-fp8-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_fp8_triton.py;;
-  kv_tests) run kv-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -x tests/test_attention_options.py \
+  kv_tests) run kv-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA tests/test_attention_options.py \
               tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_kv_fp8_engine.py tests/test_kernel_compile.py \
-              "tests/test_triton_kernels.py" -k "rows_ahead or kv or fp8 or attention or mla or compile";;
+              tests/test_triton_kernels.py;;
   prof_q) for f in bf16 fp8_dynamic w4a16 mxfp4_w4a16; do
             run prof-bs1-$f 150 python3 scripts/gpu_profile.py $L --scenario bs1 --quantization $f --no-summary --windows 100:20
           done;;
