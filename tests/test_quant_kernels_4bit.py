@@ -95,6 +95,36 @@ def test_both_kernels_at_the_same_m(kernel):
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, None, "int4", 8, 136)) < TOL[torch.float16]
 
 
+ONE_ROW_CASES = [("int4", 8, 1024, 128, False), ("int4", 8, 1024, 32, True), ("int4", 6, 1280, 64, False),
+                 ("int4", 8, 512, 8, True), ("mxfp4", 8, 1024, 32, False), ("mxfp4", 5, 1280, 32, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt, N, K, g, zp", ONE_ROW_CASES)
+def test_one_row_gemv_even_and_ragged_tiles(fmt, N, K, g, zp, dtype):
+    """`w4_gemv1` with small tiles: rows and words that tile evenly (the loop without masks,
+    two steps or more) and rows / words past the last tile (the masked loop)."""
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=K + N)
+    torch.manual_seed(N)
+    x = (torch.randn(1, K) * 3).to(dtype)
+    bias = torch.randn(N).to(dtype)
+    ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
+    cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1)
+    y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=cfg)
+    assert y.dtype == dtype and y.shape == (1, N)
+    assert rel_err(y, ref) < TOL.get(dtype, 1e-5)
+
+
+def test_one_row_gemv_refuses_what_it_cannot_run():
+    packed, scales, zeros = random_w4("int4", 8, 96, 32, False)
+    cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1)
+    with pytest.raises(ValueError, match="M=2"):
+        w4_linear_launch(torch.randn(2, 96), packed, scales, zeros, None, "int4", 32, 96, config=cfg)
+    with pytest.raises(ValueError, match="BLOCK_W=64"):
+        w4_linear_launch(torch.randn(1, 96), packed, scales, zeros, None, "int4", 32, 96,
+                         config=dict(cfg, BLOCK_W=64))
+
+
 def test_mxfp4_decode_of_every_code_and_scale_edge():
     """The in-register e2m1 and E8M0 decode: all 16 codes (both nibbles) and scales 0
     (2^-127, a subnormal), 1, 127, 200 against `dequantize_mxfp4`."""
@@ -122,10 +152,13 @@ def test_tile_table_regimes():
     the dequantizing GEMM; MXFP4 at every M); fp32 activations and groups without a
     power-of-two factor >= 16 keep the GEMV (M <= 4) / dequantizing GEMM table."""
     ms = (1, GEMV_MAX_M, GEMV_MAX_M + 1, 16, 64, 512)
-    assert [w4_config(m, 4096, 4096)[0] for m in ms] == ["w4_gemv"] * 2 + ["w4_dot"] * 3 + ["w4_gemm"]
-    assert [w4_config(m, 4096, 4096, torch.float16, 32, "mxfp4")[0] for m in ms] == ["w4_gemv"] * 2 + ["w4_dot"] * 4
+    one_two = ["w4_gemv1", "w4_gemv"]  # the one-row GEMV at M = 1 (groups of whole words), then the GEMV
+    assert [w4_config(m, 4096, 4096)[0] for m in ms] == one_two + ["w4_dot"] * 3 + ["w4_gemm"]
+    assert [w4_config(m, 4096, 4096, torch.float16, 32, "mxfp4")[0] for m in ms] == one_two + ["w4_dot"] * 4
     for dtype, g in ((torch.float32, 128), (torch.bfloat16, 20), (torch.bfloat16, 8)):
-        assert [w4_config(m, 4096, 4096, dtype, g)[0] for m in ms] == ["w4_gemv"] * 2 + ["w4_gemm"] * 4
+        first = ["w4_gemv"] * 2 if g == 20 else one_two
+        assert [w4_config(m, 4096, 4096, dtype, g)[0] for m in ms] == first + ["w4_gemm"] * 4
+    assert w4_config(1, 4096, 100)[0] == "w4_gemv"  # K not whole words
     old = {m: w4_config(m, 4096, 4096, torch.float32)[1] for m in (3, 16, 64, 512)}
     assert old[3]["BLOCK_M"] == 4 and old[16]["BLOCK_M"] == 16  # every row in one program
     assert old[16]["BLOCK_N"] == 16 and w4_config(16, 28672, 4096, torch.float32)[1]["BLOCK_N"] == 32
@@ -140,7 +173,8 @@ def test_tile_table_regimes():
     assert dot[5]["SPLIT_K"] == 4 and w4_config(8, 28672, 4096)[1]["SPLIT_K"] == 1
     assert w4_config(8, 4096, 14336)[1]["SPLIT_K"] == 4 and w4_config(8, 4096, 1024)[1]["SPLIT_K"] == 2
     assert dot[64]["SPLIT_K"] == 4 and w4_config(512, 4096, 4096, fmt="mxfp4")[1]["SPLIT_K"] == 1
-    assert w4_gemm.kernel_name(8) == "w4_dot" and w4_gemm.kernel_name(1) == "w4_gemv"
+    assert w4_gemm.kernel_name(8) == "w4_dot" and w4_gemm.kernel_name(1) == "w4_gemv1"
+    assert w4_gemm.kernel_name(2) == "w4_gemv"
     assert w4_gemm.kernel_name(8, torch.float32) == "w4_gemm"
 
 
@@ -544,7 +578,7 @@ def test_w4_sweep_loop_runs_every_format_and_regime(tmp_path, monkeypatch, capsy
     best = {(r["format"], r["M"]) for r in got["best"]}
     assert best == {(f, m) for f in ("int4", "int4_asym", "mxfp4") for m in (1, 17, 80)}
     assert all(s[1] == 72 for s in calls_seen)
-    assert kernels == {"w4_dot", "w4_gemv", "w4_gemm"}  # candidates / table, and the old kernels
+    assert kernels == {"w4_dot", "w4_gemv1", "w4_gemm"}  # candidates / table, and the old kernels (M = 1: w4_gemv1)
     asym = [r for r in got["rows"] if r["format"] == "int4_asym" and r["M"] == 1]
     assert len(asym) <= sweep.ASYM_TOP + 1 < len([r for r in got["rows"] if r["format"] == "int4" and r["M"] == 1])
     assert any(r["is_table"] for r in got["rows"])

@@ -131,6 +131,8 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
     """(kernel name, tile config) for an [M, K] x [N, K]^T product of format `fmt` with
     activations of `dtype` and weight groups of `group` columns (the tables above)."""
     from atom.model_ops.kernels.w4_dot import supports
+    from atom.model_ops.kernels.w4_gemv1 import TILES as GEMV1_TILES
+    from atom.model_ops.kernels.w4_gemv1 import supports as gemv1_supports
     top = DOT_MAX_M.get(fmt, 64)
     if M >= DOT_MIN_M and (top is None or M <= top) and supports(dtype, group):
         for max_m, cfg in DOT_TILES:
@@ -140,6 +142,8 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
                 if fmt == "int4" and M <= 32:
                     cfg["ORDER"] = 1
                 return "w4_dot", cfg
+    if M == 1 and gemv1_supports(fmt, group, K):
+        return "w4_gemv1", dict(GEMV1_TILES)
     if M <= GEMV_MAX_M:
         tiles = GEMV_TILES_NARROW if N <= NARROW_N else GEMV_TILES
         return "w4_gemv", dict(tiles, BLOCK_M=max(1, triton.next_power_of_2(M)) if HAS_TRITON else 1)
@@ -435,6 +439,14 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         from atom.model_ops.kernels.w4_dot import w4_dot_launch
         words = packed if fmt == "int4" else packed.view(torch.int32)  # MXFP4: 4 bytes = 8 nibbles in order
         w4_dot_launch(x, words, scales, z, bias, y, FORMATS.index(fmt), group, k, cfg, common, _dot_f32(x))
+    elif name == "w4_gemv1":
+        from atom.model_ops.kernels.w4_gemv1 import supports as gemv1_supports
+        from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_launch
+        if M != 1 or not gemv1_supports(fmt, group, k):
+            raise ValueError(f"w4_linear: the one-row GEMV runs M=1 with K % 8 == 0 and int4 groups of whole words, "
+                             f"got M={M}, K={k}, group={group}")
+        words = packed if fmt == "int4" else packed.view(torch.int32)
+        w4_gemv1_launch(x, words, scales, z, bias, y, FORMATS.index(fmt), group, cfg, common)
     elif name == "w4_gemv":
         if cfg["BLOCK_M"] < M:
             raise ValueError(f"w4_linear: the GEMV's BLOCK_M={cfg['BLOCK_M']} must cover M={M}")
@@ -493,7 +505,7 @@ def w4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
 
 
 #: what the 4-bit methods report as their GPU kernel (`kernel` attribute, `kernel_for(layer)`)
-KERNEL_DESCRIPTION = (f"atom::w4_linear (triton w4_gemv for M<={GEMV_MAX_M}; w4_dot, tensor-core swap-AB, for "
+KERNEL_DESCRIPTION = (f"atom::w4_linear (triton w4_gemv1 at M=1, w4_gemv for M<={GEMV_MAX_M}; w4_dot, tensor-core swap-AB, for "
                       f"bf16/fp16 activations above (int4 up to M={DOT_MAX_M['int4']}); else w4_gemm)")
 REFERENCE_DESCRIPTION = "torch reference (dequantize to fp32, F.linear)"
 

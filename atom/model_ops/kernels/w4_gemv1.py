@@ -1,0 +1,130 @@
+"""The one-row 4-bit GEMV (batch-1 decode): y = x W^T (+ b) for x [1, K], int4 groups or MXFP4,
+the weight bytes as the checkpoint packs them (layouts in `w4_gemm`'s module docstring).
+
+At one row the product is a weight stream with one multiply-add per weight on the CUDA
+cores, and what bounds it on the H200 is the issue rate: ~33 T thread-instructions/s
+against ~8.6 T packed weights/s at 4.3 TB/s leaves ~4 instructions a weight. This kernel is
+`w4_gemm._w4_gemv_kernel` at M = 1 with its loop cut to that budget
+(`scripts/w4_gemv_sass.py` counts the compiled loop):
+- one shift and one mask-or a weight, and the multiply-add: int4 nibble u becomes the float
+  1 + u/128 (the nibble placed at bits 16-19 of 0x3F800000, exact); per word,
+  sum (u - z) x = 128 (sum f x - (1 + z/128) sum x), where sum x is shared by the program's
+  BLOCK_N rows and the 128 multiplies the row's total once at the end. MXFP4 codes become
+  float32 bits v 2^-126 (sign, exponent and mantissa bits moved into a float32's fields:
+  `w4_gemm._e2m1_at` without its multiply), multiplied with x 2^64 (exact, once per x
+  value) so that the products, v x 2^-62, stay normal floats; 2^62 comes back at the end;
+- no masks or index clamps in the loop when the rows and the words tile evenly (EVEN: every
+  Llama / Qwen shape), and pointers that advance by a constant.
+The scale (and int4 zero point) of a word's group applies once per word and row.
+Rounding: fp32 products and sums; the int4 offset 1 + z/128 per word costs ~5 bits of its
+partial sum (~2^-19 of it), far below bf16's 2^-9. An MXFP4 row whose scaled partial sums
+fall below 2^-126 (weights scaled by 2^-64 or less) loses precision there; real E8M0 scales
+sit near 2^-8..2^0.
+"""
+from __future__ import annotations
+
+import torch
+
+from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+
+#: default tiles: BLOCK_N rows a program, BLOCK_W words (8 columns each) a step, one word per
+#: thread per row (BLOCK_W = 32 x num_warps)
+TILES = dict(BLOCK_N=4, BLOCK_W=128, num_warps=4, num_stages=3)
+
+
+def supports(fmt: str, group: int, k: int) -> bool:
+    """Whether `_w4_gemv1_kernel` runs this format: whole words (K % 8 == 0) and int4 groups of
+    whole words (a word's 8 nibbles share one scale)."""
+    return k % 8 == 0 and (fmt == "mxfp4" or group % 8 == 0)
+
+
+if HAS_TRITON:
+    from atom.model_ops.kernels.triton_import import pdl_start
+
+    @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn"])
+    def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
+                         FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+        """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
+        per thread per row, its 8 x values one 16-byte load shared by the rows. The row
+        strides are not specialized (their alignment unknown to the compiler), which keeps
+        the word loads one word per thread along the row, the layout x's tile has: aligned,
+        they would be vectorized or laid out along the rows, and converted through shared
+        memory every step."""
+        pdl_start(PDL)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r64 = rows.to(tl.int64)[:, None, None]
+        j2 = tl.arange(0, BLOCK_W)[None, :]
+        js = j2[:, :, None]
+        es = tl.arange(0, 8)[None, None, :]
+        if FMT == 0:  # nibble i kept at bit 4i (i <= 5) or 4i - 8 (i = 6, 7: one shift by 8 for both)
+            right = tl.where(es >= 6, 8, 0)
+            pos = 4 * es - right
+            mask = 0xF << pos
+            # x 2^(85 - pos): the float of bits u << pos is u 2^(pos - 149), so every product is u x 2^-64
+            xmul = ((127 + 85 - pos) << 23).to(tl.float32, bitcast=True)
+        else:  # code i's sign to bit 31 (left by 28 - 4i), its exponent and mantissa bits to 22-24
+            sign_left = 28 - 4 * es
+            mag_left = tl.maximum(22 - 4 * es, 0)
+            mag_right = tl.maximum(4 * es - 22, 0)
+        wp = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + j2  # [BLOCK_N, BLOCK_W]
+        sp = s_ptr + rows.to(tl.int64)[:, None] * stride_sn + (j2 * 8) // GROUP
+        zp = z_ptr + rows.to(tl.int64)[:, None] * stride_zn + (j2 * 8) // GROUP
+        xp = x_ptr + js * 8 + es
+        acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        for w0 in range(0, n_words, BLOCK_W):
+            if EVEN:
+                word = tl.load(wp)[:, :, None]
+                xv = tl.load(xp).to(tl.float32)
+                s_raw = tl.load(sp)[:, :, None]
+            else:
+                ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W]
+                word = tl.load(wp, mask=ok, other=0)[:, :, None]
+                xv = tl.load(xp, mask=(w0 + js < n_words) & (es < 8), other=0.0).to(tl.float32)
+                s_raw = tl.load(sp, mask=ok, other=0)[:, :, None]
+            wu = word.to(tl.uint32, bitcast=True)
+            if FMT == 0:
+                f = ((wu >> right) & mask).to(tl.float32, bitcast=True)  # u 2^(pos - 149), exact
+                t = tl.sum(f * (xv * xmul), axis=2, keep_dims=True)  # sum u x 2^-64
+                sx = tl.sum(xv, axis=2, keep_dims=True) * 5.421010862427522e-20  # sum x 2^-64
+                if HAS_ZP:
+                    if EVEN:
+                        z_raw = tl.load(zp)[:, :, None]
+                    else:
+                        z_raw = tl.load(zp, mask=ok, other=8)[:, :, None]
+                    c = sx * z_raw.to(tl.float32)
+                else:
+                    c = sx * 8.0
+                acc += ((t - c) * 18446744073709551616.0) * s_raw.to(tl.float32)  # 2^64 first: no underflow
+            else:
+                mag = ((wu << mag_left) >> mag_right) & 0x01C00000
+                f = (((wu << sign_left) & 0x80000000) | mag).to(tl.float32, bitcast=True)  # e2m1 x 2^-126
+                t = tl.sum(f * (xv * 18446744073709551616.0), axis=2, keep_dims=True)  # x 2^64: sum v x 2^-62
+                s_i = s_raw.to(tl.int32)
+                acc += (t * 4611686018427387904.0) * tl.where(s_i == 0, 1 << 22, s_i << 23).to(tl.float32, bitcast=True)
+            wp += BLOCK_W
+            xp += BLOCK_W * 8
+            sp += (BLOCK_W * 8) // GROUP
+            zp += (BLOCK_W * 8) // GROUP
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor,
+                    bias, y: torch.Tensor, fmt_id: int, group: int, cfg: dict, common: dict) -> None:
+    """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
+    int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages."""
+    cfg = dict(cfg)
+    N, n_words = words.shape
+    if cfg["BLOCK_W"] != 32 * cfg["num_warps"]:
+        raise ValueError(f"w4_linear: the one-row GEMV needs BLOCK_W={cfg['BLOCK_W']} = 32 x num_warps "
+                         f"({cfg['num_warps']})")
+    even = N % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0
+    pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
+    b = bias if bias is not None else y
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
+    _w4_gemv1_kernel[grid](x, words, scales, z, b, y, N, n_words, words.stride(0), scales.stride(0), z.stride(0),
+                           FMT=fmt_id, GROUP=group, HAS_ZP=common["HAS_ZP"], HAS_BIAS=bias is not None,
+                           EVEN=even, **pdl, **cfg)

@@ -1,0 +1,86 @@
+"""Times the one-row 4-bit GEMV (`kernels/w4_gemv1.py`) at M = 1 on the Llama-3.1-8B linear
+shapes for a few tiles, beside the GEMV it replaces at M = 1 (`w4_gemm._w4_gemv_kernel`) and
+bf16 `F.linear`, and prints TB/s of the stored weight next to the ~4.3 TB/s HBM limit. A tuning
+probe for `w4_gemv1.TILES`, not a benchmark: JSON of every timing to --out.
+
+    python3 scripts/w4_gemv1_sweep.py --out w4_gemv1_sweep.json [--formats int4 int4_asym mxfp4]
+
+Each timing replays a CUDA graph over enough weight copies to miss L2 (`w4_sweep`'s helpers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from w4_sweep import FORMATS, HBM_TBS, SHAPES, copies, nbytes, packed_weights  # noqa: E402
+
+# (BLOCK_N, num_warps): BLOCK_W is 32 x num_warps (one word per thread per row)
+TILES = [(4, 4), (8, 4), (8, 8), (16, 4), (4, 8), (2, 4), (16, 8), (8, 2)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("w4_gemv1_sweep: no CUDA GPU here; nothing was timed", file=sys.stderr)
+        return 2
+    from atom.model_ops.kernels import w4_gemm
+    from atom.model_ops.kernels.w4_gemm import w4_config, w4_linear_launch
+    from atom.utils.cuda_timing import graph_time
+    rows = []
+    print(f"{'format':<10}{'N':>6}{'K':>6} {'best us':>8}{'TB/s':>6}{'%HBM':>5}{'old us':>8}{'x old':>6}"
+          f"{'bf16 us':>8}{'x bf16':>7}  best tile (table {w4_gemm.w4_config(1, 4096, 4096)[1]})")
+    for N, K in SHAPES:
+        w16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        ws16 = [w16] + [w16.clone() for _ in range(copies(nbytes(w16)) - 1)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        t16 = graph_time([lambda w=w: F.linear(x, w) for w in ws16], iters=args.iters)
+        del ws16, w16
+        for name in args.formats:
+            fmt, g, zp = FORMATS[name]
+            one = packed_weights(fmt, N, K, g, zp)
+            sets = [one] + [tuple(t.clone() if t is not None else None for t in one)
+                            for _ in range(copies(nbytes(*one)) - 1)]
+            wbytes = nbytes(*one)
+
+            def timed(cfg, sets=sets, fmt=fmt, g=g):
+                calls = [lambda s=s: w4_linear_launch(x, s[0], s[1], s[2], None, fmt, g, K, config=cfg) for s in sets]
+                return graph_time(calls, iters=args.iters)
+            ref = w4_gemm.w4_linear_ref(x.float(), *one, None, fmt, g, K)
+            old = dict(w4_gemm.GEMV_TILES_NARROW if N <= w4_gemm.NARROW_N else w4_gemm.GEMV_TILES, BLOCK_M=1,
+                       kernel="w4_gemv")
+            t_old = timed(old)
+            best = None
+            for bn, warps in TILES:
+                cfg = dict(kernel="w4_gemv1", BLOCK_N=bn, BLOCK_W=32 * warps, num_warps=warps, num_stages=3)
+                y = w4_linear_launch(x, *one, None, fmt, g, K, config=cfg)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                t = timed(cfg)
+                rows.append(dict(format=name, N=N, K=K, cfg=cfg, us=t * 1e6, tbs=wbytes / t / 1e12, rel_err=err,
+                                 old_us=t_old * 1e6, bf16_us=t16 * 1e6,
+                                 is_table=w4_config(1, N, K, torch.bfloat16, g, fmt)[1] == {
+                                     k: v for k, v in cfg.items() if k != "kernel"}))
+                if best is None or t < best[0]:
+                    best = (t, cfg, err)
+            t, cfg, err = best
+            print(f"{name:<10}{N:>6}{K:>6} {t * 1e6:>8.1f}{wbytes / t / 1e12:>6.2f}{wbytes / t / 1e12 / HBM_TBS:>5.0%}"
+                  f"{t_old * 1e6:>8.1f}{t_old / t:>6.2f}{t16 * 1e6:>8.1f}{t16 / t:>7.2f}  "
+                  f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} (rel err {err:.1e})", flush=True)
+            del sets, one
+    with open(args.out, "w") as f:
+        json.dump(dict(commit=os.environ.get("ATOM_BENCH_COMMIT", "unknown"), device=torch.cuda.get_device_name(),
+                       rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
