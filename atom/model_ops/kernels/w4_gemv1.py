@@ -29,7 +29,7 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 #: default tiles: BLOCK_N rows a program, BLOCK_W words (8 columns each) a step, one word per
 #: thread per row (BLOCK_W = 32 x num_warps)
-TILES = dict(BLOCK_N=4, BLOCK_W=128, num_warps=4, num_stages=3)
+TILES = dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3)
 
 
 def supports(fmt: str, group: int, k: int) -> bool:
