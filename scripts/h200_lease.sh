@@ -147,9 +147,10 @@ for st in "$@"; do ts=$(date +%s); case $st in
   tune_q3moe) tune 128 768 2048 8 q3moe;;
   tune_gptoss) tune 32 2880 2880 4 gptoss;;
   moe_fp8_tests) run moe-fp8-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_fp8_triton.py;;
-  kv_tests) run kv-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA tests/test_attention_options.py \
-              tests/test_mla_decode_knobs.py tests/test_mla.py tests/test_kv_fp8_engine.py tests/test_kernel_compile.py \
-              tests/test_triton_kernels.py;;
+  kv_tests) run kv-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu_attention_fp8.py \
+              tests/test_mla_decode_knobs.py
+            run w4-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
+  w4_sweep) run w4-gemv1-sweep 200 python3 scripts/w4_gemv1_sweep.py --out $R/w4-gemv1-sweep.json;;
   w4_new) run w4-gemv1-sweep 200 python3 scripts/w4_gemv1_sweep.py --out $R/w4-gemv1-sweep.json
           for f in w4a16 mxfp4_w4a16 bf16; do
             q=(--quantization $f); [ $f = bf16 ] && q=()

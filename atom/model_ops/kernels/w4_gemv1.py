@@ -44,13 +44,15 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
                          FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+                         PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
+                         AHEAD: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The row
         strides are not specialized (their alignment unknown to the compiler), which keeps
         the word loads one word per thread along the row, the layout x's tile has: aligned,
         they would be vectorized or laid out along the rows, and converted through shared
-        memory every step."""
+        memory every step. AHEAD (tiles that fit evenly only): the next step's words are
+        loaded before this step's are used, two word tiles in flight per thread."""
         pdl_start(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         r64 = rows.to(tl.int64)[:, None, None]
@@ -72,9 +74,15 @@ if HAS_TRITON:
         zp = z_ptr + rows.to(tl.int64)[:, None] * stride_zn + (j2 * 8) // GROUP
         xp = x_ptr + js * 8 + es
         acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        if AHEAD:
+            word_next = tl.load(wp)
         for w0 in range(0, n_words, BLOCK_W):
             if EVEN:
-                word = tl.load(wp)[:, :, None]
+                if AHEAD:
+                    word = word_next[:, :, None]
+                    word_next = tl.load(wp + BLOCK_W, mask=w0 + BLOCK_W + j2 < n_words, other=0)
+                else:
+                    word = tl.load(wp)[:, :, None]
                 xv = tl.load(xp).to(tl.float32)
                 s_raw = tl.load(sp)[:, :, None]
             else:
@@ -122,6 +130,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         raise ValueError(f"w4_linear: the one-row GEMV needs BLOCK_W={cfg['BLOCK_W']} = 32 x num_warps "
                          f"({cfg['num_warps']})")
     even = N % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0
+    if not even:
+        cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
     pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
     b = bias if bias is not None else y
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)

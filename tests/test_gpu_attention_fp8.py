@@ -1,0 +1,48 @@
+"""On the GPU: the unified attention kernel over an FP8 KV cache (bf16 queries, whose dots run
+in fp16: `KV_F16`) and with the block-table entries loaded a tile ahead (`rows_ahead`), against
+the torch reference on the same cache. `tests/test_attention_options.py` checks the same under
+the Triton interpreter with CPU tensors; this runs the compiled kernel on CUDA tensors."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+FP8 = torch.float8_e4m3fn
+
+
+def _cuda(meta):
+    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).cuda() for f in dataclasses.fields(meta)
+                                        if isinstance(getattr(meta, f.name), torch.Tensor)})
+
+
+@pytest.mark.parametrize("window", [None, 25])
+@pytest.mark.parametrize("splits", [None, 2])
+@pytest.mark.parametrize("config", [None, {"TILE_N": 16, "rows_ahead": True}], ids=["table", "rows_ahead"])
+def test_fp8_cache_with_bf16_queries_on_the_gpu(window, splits, config):
+    from test_attention_options import _sinks, paged_batch
+
+    from atom.model_ops.attention.options import AttentionOptions
+    from atom.model_ops.attention.torch_native import paged_attention
+    from atom.model_ops.attention.triton_unified import unified_attention
+    from atom.model_ops.kernels import reshape_and_cache
+    hq, hkv, d, bs = 8, 2, 128, 16
+    # decodes over 72-560 tokens, a prefill, a chunk after its context
+    q, kc, vc, meta, _, _ = paged_batch([1, 1, 1, 92, 36, 1], [560, 320, 8, 0, 480, 72], hq, hkv, d, bs, seed=3)
+    n = kc.shape[0] * bs
+    k_scale, v_scale = torch.tensor(0.05, device="cuda"), torch.tensor(0.02, device="cuda")
+    kq = torch.zeros(kc.shape, dtype=FP8, device="cuda")
+    vq = torch.zeros_like(kq)
+    reshape_and_cache(kc.cuda().view(n, hkv, d), vc.cuda().view(n, hkv, d), kq, vq,
+                      torch.arange(n, device="cuda"), k_scale, v_scale)
+    opts = AttentionOptions(_sinks(hq, 2).cuda(), window, k_scale, v_scale)
+    gmeta = _cuda(meta)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    unified_attention(q.cuda().bfloat16(), kq, vq, out, gmeta.cu_seqlens_q, gmeta.seq_lens, gmeta.block_tables,
+                      d ** -0.5, gmeta.max_query_len, options=opts, num_kv_splits=splits, config=config)
+    ref_opts = AttentionOptions(opts.sinks.cpu(), window, k_scale.cpu(), v_scale.cpu())
+    ref = paged_attention(q, kq.cpu(), vq.cpu(), meta, d ** -0.5, ref_opts)  # fp32 queries
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
