@@ -99,17 +99,19 @@ ONE_ROW_CASES = [("int4", 8, 1024, 128, False), ("int4", 8, 1024, 32, True), ("i
                  ("int4", 8, 512, 8, True), ("mxfp4", 8, 1024, 32, False), ("mxfp4", 5, 1280, 32, False)]
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fmt, N, K, g, zp", ONE_ROW_CASES)
-def test_one_row_gemv_even_and_ragged_tiles(fmt, N, K, g, zp, dtype):
+def test_one_row_gemv_even_and_ragged_tiles(fmt, N, K, g, zp, dtype, ahead):
     """`w4_gemv1` with small tiles: rows and words that tile evenly (the loop without masks,
-    two steps or more) and rows / words past the last tile (the masked loop)."""
+    two steps or more; AHEAD loads the next words a step early) and rows / words past the last
+    tile (the masked loop)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=K + N)
     torch.manual_seed(N)
     x = (torch.randn(1, K) * 3).to(dtype)
     bias = torch.randn(N).to(dtype)
     ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
-    cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1)
+    cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1, AHEAD=ahead)
     y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=cfg)
     assert y.dtype == dtype and y.shape == (1, N)
     assert rel_err(y, ref) < TOL.get(dtype, 1e-5)
@@ -159,6 +161,7 @@ def test_tile_table_regimes():
         first = ["w4_gemv"] * 2 if g == 20 else one_two
         assert [w4_config(m, 4096, 4096, dtype, g)[0] for m in ms] == first + ["w4_gemm"] * 4
     assert w4_config(1, 4096, 100)[0] == "w4_gemv"  # K not whole words
+    assert w4_config(1, 4096, 4096)[1]["num_warps"] == 8 and w4_config(1, 28672, 4096)[1]["num_warps"] == 4
     old = {m: w4_config(m, 4096, 4096, torch.float32)[1] for m in (3, 16, 64, 512)}
     assert old[3]["BLOCK_M"] == 4 and old[16]["BLOCK_M"] == 16  # every row in one program
     assert old[16]["BLOCK_N"] == 16 and w4_config(16, 28672, 4096, torch.float32)[1]["BLOCK_N"] == 32

@@ -131,8 +131,8 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
     """(kernel name, tile config) for an [M, K] x [N, K]^T product of format `fmt` with
     activations of `dtype` and weight groups of `group` columns (the tables above)."""
     from atom.model_ops.kernels.w4_dot import supports
-    from atom.model_ops.kernels.w4_gemv1 import TILES as GEMV1_TILES
     from atom.model_ops.kernels.w4_gemv1 import supports as gemv1_supports
+    from atom.model_ops.kernels.w4_gemv1 import tiles as gemv1_tiles
     top = DOT_MAX_M.get(fmt, 64)
     if M >= DOT_MIN_M and (top is None or M <= top) and supports(dtype, group):
         for max_m, cfg in DOT_TILES:
@@ -143,7 +143,7 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
                     cfg["ORDER"] = 1
                 return "w4_dot", cfg
     if M == 1 and gemv1_supports(fmt, group, K):
-        return "w4_gemv1", dict(GEMV1_TILES)
+        return "w4_gemv1", gemv1_tiles(N)
     if M <= GEMV_MAX_M:
         tiles = GEMV_TILES_NARROW if N <= NARROW_N else GEMV_TILES
         return "w4_gemv", dict(tiles, BLOCK_M=max(1, triton.next_power_of_2(M)) if HAS_TRITON else 1)

@@ -27,9 +27,18 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
-#: default tiles: BLOCK_N rows a program, BLOCK_W words (8 columns each) a step, one word per
-#: thread per row (BLOCK_W = 32 x num_warps)
-TILES = dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3)
+#: tiles: BLOCK_N rows a program, BLOCK_W words (8 columns each) a step, one word per thread per
+#: row (BLOCK_W = 32 x num_warps). From the H200 sweep (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B
+#: shapes): 8 rows over 8 warps for layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x
+#: 4096), over 4 warps above (28672 x 4096)
+TILES = dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3)
+TILES_WIDE = dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3)
+WIDE_N = 8192
+
+
+def tiles(n: int) -> dict:
+    """The tile config for a layer of n outputs."""
+    return dict(TILES_WIDE if n > WIDE_N else TILES)
 
 
 def supports(fmt: str, group: int, k: int) -> bool:
