@@ -1,11 +1,12 @@
-"""The instruction mix of the 4-bit decode GEMV's inner loop (`w4_gemm._w4_gemv_kernel`),
+"""The instruction mix of the 4-bit decode GEMVs' inner loops (`w4_gemv1._w4_gemv1_kernel`, the
+one at M = 1, and `w4_gemm._w4_gemv_kernel`, M = 2-4),
 compiled for sm90 without a GPU (triton's ptxas and nvdisasm): how many SASS instructions one
 loop step issues per weight, by opcode. The GEMV at batch 1 is bound by the CUDA cores' issue
 rate rather than by bytes (the H200 issues 4 warp-instructions per SM per cycle: ~33 T
 thread-instructions/s over 132 SMs at 1.98 GHz, against ~8.6 T 4-bit weights/s at 4.3 TB/s),
 so fewer instructions per weight is the lever; this prints that count and the rate it allows.
 
-    python scripts/w4_gemv_sass.py            # int4 g128 and MXFP4, the shipped GEMV tiles
+    python scripts/w4_gemv_sass.py            # int4 g128 and MXFP4, the shipped GEMV tiles, both kernels
     python scripts/w4_gemv_sass.py --dump d/  # also writes each kernel's SASS into d/
 """
 from __future__ import annotations
@@ -43,6 +44,31 @@ def compile_gemv(fmt: str, group: int):
     return compiled, weights_per_step // (32 * warps)  # per thread
 
 
+def compile_gemv1(fmt: str, group: int):
+    """`w4_gemv1._w4_gemv1_kernel` at its table tiles for 4096 outputs, sm90; (kernel, weights per
+    thread a loop step)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom.model_ops.kernels import w4_gemv1 as g1
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    kernel = g1._w4_gemv1_kernel
+    tiles = g1.tiles(4096)
+    warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
+    const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True, AHEAD=False,
+                 **tiles)
+    scale = "*bf16" if fmt == "int4" else "*u8"
+    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16")
+    names = kernel.arg_names
+    sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
+    divisible = {"x_ptr", "w_ptr", "s_ptr", "y_ptr", "n_words"}  # the row strides are not specialized
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return compiled, const["BLOCK_N"] * const["BLOCK_W"] * 8 // (32 * warps)
+
+
 def loop_mix(sass: str) -> collections.Counter:
     """Opcodes of the longest backward-branch loop of a SASS listing."""
     lines = sass.splitlines()
@@ -63,19 +89,20 @@ def main() -> None:
     ap.add_argument("--dump", help="write each kernel's SASS into this folder")
     args = ap.parse_args()
     from triton.tools.disasm import get_sass
-    for fmt, group in (("int4", 128), ("mxfp4", 32)):
-        compiled, per_thread = compile_gemv(fmt, group)
+    for name, compile_fn, fmt, group in (("w4_gemv1", compile_gemv1, "int4", 128), ("w4_gemv1", compile_gemv1, "mxfp4", 32),
+                                         ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32)):
+        compiled, per_thread = compile_fn(fmt, group)
         sass = get_sass(compiled.asm["cubin"])
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
-            with open(os.path.join(args.dump, f"w4_gemv_{fmt}.sass"), "w") as f:
+            with open(os.path.join(args.dump, f"{name}_{fmt}.sass"), "w") as f:
                 f.write(sass)
         mix = loop_mix(sass)
         total = sum(mix.values())
         per_weight = total / per_thread
         tbs = ISSUE_RATE / per_weight * 0.5 / 1e12  # 0.5 byte a weight
         top = ", ".join(f"{op} {n}" for op, n in mix.most_common(8))
-        print(f"{fmt} g{group}: {total} instructions a loop step for {per_thread} weights a thread = "
+        print(f"{name} {fmt} g{group}: {total} instructions a loop step for {per_thread} weights a thread = "
               f"{per_weight:.2f} a weight -> at most {tbs:.2f} TB/s of packed weights at full issue rate ({top})")
 
 
