@@ -6,20 +6,20 @@ cores, and what bounds it on the H200 is the issue rate: ~33 T thread-instructio
 against ~8.6 T packed weights/s at 4.3 TB/s leaves ~4 instructions a weight. This kernel is
 `w4_gemm._w4_gemv_kernel` at M = 1 with its loop cut to that budget
 (`scripts/w4_gemv_sass.py` counts the compiled loop):
-- one shift and one mask-or a weight, and the multiply-add: int4 nibble u becomes the float
-  1 + u/128 (the nibble placed at bits 16-19 of 0x3F800000, exact); per word,
-  sum (u - z) x = 128 (sum f x - (1 + z/128) sum x), where sum x is shared by the program's
-  BLOCK_N rows and the 128 multiplies the row's total once at the end. MXFP4 codes become
-  float32 bits v 2^-126 (sign, exponent and mantissa bits moved into a float32's fields:
-  `w4_gemm._e2m1_at` without its multiply), multiplied with x 2^64 (exact, once per x
-  value) so that the products, v x 2^-62, stay normal floats; 2^62 comes back at the end;
+- int4: a nibble is masked where it lies (nibbles 0-5; 6 and 7 after one shift of the word
+  by 8) and read as a float32: the bits u << p are the subnormal u 2^(p - 149), exact. x is
+  multiplied by 2^(85 - p) once per value (shared by the program's BLOCK_N rows), so each
+  weight costs one mask and one FMA and every product is u x 2^-64; per word
+  sum (u - z) x 2^-64 = sum f x' - z 2^-64 sum x, then times 2^64 and the group's scale;
+- MXFP4: a code's sign goes to bit 31 and its exponent and mantissa bits to bits 22-24 (one
+  shift and one mask each): the float32 v 2^-126 (`w4_gemm._e2m1_at` without its multiply),
+  times x 2^64 (exact), so the products v x 2^-62 stay normal floats; per word the sum is
+  multiplied by 2^62, then by the E8M0 scale;
 - no masks or index clamps in the loop when the rows and the words tile evenly (EVEN: every
   Llama / Qwen shape), and pointers that advance by a constant.
-The scale (and int4 zero point) of a word's group applies once per word and row.
-Rounding: fp32 products and sums; the int4 offset 1 + z/128 per word costs ~5 bits of its
-partial sum (~2^-19 of it), far below bf16's 2^-9. An MXFP4 row whose scaled partial sums
-fall below 2^-126 (weights scaled by 2^-64 or less) loses precision there; real E8M0 scales
-sit near 2^-8..2^0.
+Rounding: fp32 products and sums; the int4 zero point comes out of each word's partial sum
+(cancellation of a few bits of fp32, far below bf16's 2^-9). The powers of two keep x 2^85
+below fp32's range for |x| < 2^43 (activations are far smaller).
 """
 from __future__ import annotations
 
@@ -64,7 +64,6 @@ if HAS_TRITON:
         loaded before this step's are used, two word tiles in flight per thread."""
         pdl_start(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        r64 = rows.to(tl.int64)[:, None, None]
         j2 = tl.arange(0, BLOCK_W)[None, :]
         js = j2[:, :, None]
         es = tl.arange(0, 8)[None, None, :]
