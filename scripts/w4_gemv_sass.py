@@ -8,6 +8,7 @@ so fewer instructions per weight is the lever; this prints that count and the ra
 
     python scripts/w4_gemv_sass.py            # int4 g128 and MXFP4, the shipped GEMV tiles, both kernels
     python scripts/w4_gemv_sass.py --dump d/  # also writes each kernel's SASS into d/
+    python scripts/w4_gemv_sass.py --json     # one JSON line: instructions a weight per kernel and format
 """
 from __future__ import annotations
 
@@ -87,9 +88,12 @@ def loop_mix(sass: str) -> collections.Counter:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dump", help="write each kernel's SASS into this folder")
+    ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = ap.parse_args()
     from triton.tools.disasm import get_sass
-    for name, compile_fn, fmt, group in (("w4_gemv1", compile_gemv1, "int4", 128), ("w4_gemv1", compile_gemv1, "mxfp4", 32),
+    result = {}
+    for name, compile_fn, fmt, group in (("w4_gemv1", compile_gemv1, "int4", 128),
+                                         ("w4_gemv1", compile_gemv1, "mxfp4", 32),
                                          ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32)):
         compiled, per_thread = compile_fn(fmt, group)
         sass = get_sass(compiled.asm["cubin"])
@@ -102,8 +106,14 @@ def main() -> None:
         per_weight = total / per_thread
         tbs = ISSUE_RATE / per_weight * 0.5 / 1e12  # 0.5 byte a weight
         top = ", ".join(f"{op} {n}" for op, n in mix.most_common(8))
+        result[f"{name} {fmt}"] = round(per_weight, 3)
+        if args.json:
+            continue
         print(f"{name} {fmt} g{group}: {total} instructions a loop step for {per_thread} weights a thread = "
               f"{per_weight:.2f} a weight -> at most {tbs:.2f} TB/s of packed weights at full issue rate ({top})")
+    if args.json:
+        import json
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

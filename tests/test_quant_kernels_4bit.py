@@ -117,6 +117,28 @@ def test_one_row_gemv_even_and_ragged_tiles(fmt, N, K, g, zp, dtype, ahead):
     assert rel_err(y, ref) < TOL.get(dtype, 1e-5)
 
 
+def test_one_row_gemv_loop_fits_the_issue_budget():
+    """The one-row GEMV compiled for sm90 (`scripts/w4_gemv_sass.py`, in a child process
+    without the interpreter): its loop issues under 4.5 instructions a weight for int4 g128
+    (the H200's issue rate allows ~4 at its byte rate) and under 6 for MXFP4, each well
+    below the M = 2-4 GEMV's count for the same format."""
+    import json
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.abspath(root) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, os.path.join(root, "scripts", "w4_gemv_sass.py"), "--json"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    per_weight = json.loads(run.stdout.strip().splitlines()[-1])
+    assert per_weight["w4_gemv1 int4"] < 4.5 and per_weight["w4_gemv1 mxfp4"] < 6.0, per_weight
+    assert per_weight["w4_gemv int4"] > 1.5 * per_weight["w4_gemv1 int4"], per_weight
+    assert per_weight["w4_gemv mxfp4"] > 1.5 * per_weight["w4_gemv1 mxfp4"], per_weight
+
+
 def test_one_row_gemv_refuses_what_it_cannot_run():
     packed, scales, zeros = random_w4("int4", 8, 96, 32, False)
     cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1)

@@ -11,10 +11,12 @@ against ~8.6 T packed weights/s at 4.3 TB/s leaves ~4 instructions a weight. Thi
   multiplied by 2^(85 - p) once per value (shared by the program's BLOCK_N rows), so each
   weight costs one mask and one FMA and every product is u x 2^-64; per word
   sum (u - z) x 2^-64 = sum f x' - z 2^-64 sum x, then times 2^64 and the group's scale;
-- MXFP4: a code's sign goes to bit 31 and its exponent and mantissa bits to bits 22-24 (one
-  shift and one mask each): the float32 v 2^-126 (`w4_gemm._e2m1_at` without its multiply),
-  times x 2^64 (exact), so the products v x 2^-62 stay normal floats; per word the sum is
-  multiplied by 2^62, then by the E8M0 scale;
+- MXFP4: codes i and i + 4 of a word are built as the two bf16 halves of one int32 (one
+  shift and one mask for both signs, one shift and one mask for both exponent-mantissa
+  fields): each half is e2m1 x 2^-126 (`w4_gemm._e2m1_at`'s placement, bf16 sharing float32's
+  exponent), widened to float32 by one shift or one mask; x is multiplied by 2^64 once per
+  value so that the products v x 2^-62 stay normal floats; per word the sum is multiplied by
+  2^62, then by the E8M0 scale (2^(s - 127) as float32 bits, 2^-127 for s = 0);
 - no masks or index clamps in the loop when the rows and the words tile evenly (EVEN: every
   Llama / Qwen shape), and pointers that advance by a constant.
 Rounding: fp32 products and sums; the int4 zero point comes out of each word's partial sum
@@ -50,6 +52,28 @@ def supports(fmt: str, group: int, k: int) -> bool:
 if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
 
+    @triton.jit
+    def _fma2(a, b, t):
+        """t + a[.., 0] b[.., 0] + a[.., 1] b[.., 1]: two FMAs."""
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        return t + a0 * b0 + a1 * b1
+
+    @triton.jit
+    def _fma4(a, b, t):
+        """t + the sum over the last dim (4) of a b as a chain of FMAs (tl.sum's tree would add
+        a multiply and adds per four products)."""
+        a0, a1 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1], 2, 2]))
+        b0, b1 = tl.split(tl.reshape(b, [b.shape[0], b.shape[1], 2, 2]))
+        return _fma2(a1, b1, _fma2(a0, b0, t))
+
+    @triton.jit
+    def _fma8(a, b, t):
+        """`_fma4` over a last dim of 8."""
+        a0, a1 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1], 4, 2]))
+        b0, b1 = tl.split(tl.reshape(b, [b.shape[0], b.shape[1], 4, 2]))
+        return _fma4(a1, b1, _fma4(a0, b0, t))
+
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
                          FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -73,10 +97,11 @@ if HAS_TRITON:
             mask = 0xF << pos
             # x 2^(85 - pos): the float of bits u << pos is u 2^(pos - 149), so every product is u x 2^-64
             xmul = ((127 + 85 - pos) << 23).to(tl.float32, bitcast=True)
-        else:  # code i's sign to bit 31 (left by 28 - 4i), its exponent and mantissa bits to 22-24
-            sign_left = 28 - 4 * es
-            mag_left = tl.maximum(22 - 4 * es, 0)
-            mag_right = tl.maximum(4 * es - 22, 0)
+        else:  # codes i and i + 4 as the two halves of one int32 (bf16 bits): signs to bits 15 / 31
+            i4 = tl.arange(0, 4)[None, None, :]  # (left by 12 - 4i), exponent and mantissa bits to 6-8 / 22-24
+            sign_left = 12 - 4 * i4
+            mag_left = tl.maximum(6 - 4 * i4, 0)
+            mag_right = tl.maximum(4 * i4 - 6, 0)
         wp = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + j2  # [BLOCK_N, BLOCK_W]
         sp = s_ptr + rows.to(tl.int64)[:, None] * stride_sn + (j2 * 8) // GROUP
         zp = z_ptr + rows.to(tl.int64)[:, None] * stride_zn + (j2 * 8) // GROUP
@@ -101,7 +126,7 @@ if HAS_TRITON:
             wu = word.to(tl.uint32, bitcast=True)
             if FMT == 0:
                 f = ((wu >> right) & mask).to(tl.float32, bitcast=True)  # u 2^(pos - 149), exact
-                t = tl.sum(f * (xv * xmul), axis=2, keep_dims=True)  # sum u x 2^-64
+                t = _fma8(f, xv * xmul, tl.zeros([BLOCK_N, BLOCK_W], tl.float32))[:, :, None]  # sum u x 2^-64
                 sx = tl.sum(xv, axis=2, keep_dims=True) * 5.421010862427522e-20  # sum x 2^-64
                 if HAS_ZP:
                     if EVEN:
@@ -113,11 +138,19 @@ if HAS_TRITON:
                     c = sx * 8.0
                 acc += ((t - c) * 18446744073709551616.0) * s_raw.to(tl.float32)  # 2^64 first: no underflow
             else:
-                mag = ((wu << mag_left) >> mag_right) & 0x01C00000
-                f = (((wu << sign_left) & 0x80000000) | mag).to(tl.float32, bitcast=True)  # e2m1 x 2^-126
-                t = tl.sum(f * (xv * 18446744073709551616.0), axis=2, keep_dims=True)  # x 2^64: sum v x 2^-62
+                mag = ((wu << mag_left) >> mag_right) & 0x01C001C0
+                h = ((wu << sign_left) & 0x80008000) | mag  # [BLOCK_N, BLOCK_W, 4]: two bf16 e2m1 x 2^-126
+                lo = (h << 16).to(tl.float32, bitcast=True)  # columns 0-3 of the word, as float32
+                hi = (h & 0xFFFF0000).to(tl.float32, bitcast=True)  # columns 4-7
+                x_lo, x_hi = tl.split(tl.permute(tl.reshape(xv, [1, BLOCK_W, 2, 4]), (0, 1, 3, 2)))
+                x_lo = x_lo * 18446744073709551616.0  # x 2^64: the products v x 2^-62 are normal floats
+                x_hi = x_hi * 18446744073709551616.0
+                t = _fma4(hi, x_hi, _fma4(lo, x_lo, tl.zeros([BLOCK_N, BLOCK_W], tl.float32)))[:, :, None]
                 s_i = s_raw.to(tl.int32)
-                acc += (t * 4611686018427387904.0) * tl.where(s_i == 0, 1 << 22, s_i << 23).to(tl.float32, bitcast=True)
+                # E8M0 2^(s - 127): the float32 with exponent field s, and 2^-127 (a subnormal) for s = 0
+                tiny = (s_i * 0 + 0x00400000).to(tl.float32, bitcast=True)
+                scale = tl.maximum((s_i << 23).to(tl.float32, bitcast=True), tiny)
+                acc += (t * 4611686018427387904.0) * scale  # 2^62 first: no underflow
             wp += BLOCK_W
             xp += BLOCK_W * 8
             sp += (BLOCK_W * 8) // GROUP
