@@ -111,6 +111,38 @@ ax.set_ylabel("linear layers"); ax.set_title("quark config on a 4-layer Llama: l
 assert counts.sum() == len(layers) and counts[("No", "bfloat16")] == 3   # lm_head + layer 0's two MLP layers
 fig
 """),
+    ("md", """
+## Which 4-bit kernel runs a product
+A W4A16 or MXFP4 layer's GPU kernel depends on the rows of x (`w4_config`): the one-row GEMV
+(`w4_gemv1`, batch-1 decode), the CUDA-core GEMV up to 4 rows, the tensor-core swap-AB kernel
+(`w4_dot`) above, the dequantizing GEMM for large int4 batches. The table needs no GPU.
+"""),
+    ("code", """
+import torch
+from atom.model_ops.kernels.w4_gemm import w4_config
+rows = [dict(format=f, shape=f"{n}x{k}", M=m, kernel=w4_config(m, n, k, torch.bfloat16, g, f)[0])
+        for f, g in (("int4", 128), ("mxfp4", 32)) for n, k in ((6144, 4096), (28672, 4096))
+        for m in (1, 2, 4, 8, 64, 512)]
+kernels = pd.DataFrame(rows).pivot(index=["format", "shape"], columns="M", values="kernel")
+assert (kernels[1] == "w4_gemv1").all() and (kernels[4] == "w4_gemv").all() and (kernels[8] == "w4_dot").all()
+kernels
+"""),
+    ("md", "The one-row GEMV against the GEMV it replaced at M = 1 and bf16 `F.linear`, from the H200 sweep checked in under `docs/perf/raw` (`scripts/w4_gemv1_sweep.py`): microseconds per product, best tile."),
+    ("code", """
+import json, pathlib
+import atom
+raw = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw" / "2026-12-03h-h200-w4-gemv1-sweep.json"
+sweep = pd.DataFrame(json.loads(raw.read_text())["rows"])
+best = sweep.groupby(["format", "N", "K"]).agg(w4_gemv1=("us", "min"), old_gemv=("old_us", "first"),
+                                                bf16=("bf16_us", "first"), tb_s=("tbs", "max"))
+assert (best["w4_gemv1"] < best["old_gemv"]).all() and (sweep["rel_err"] < 1e-2).all()
+fig = Figure(figsize=(7.0, 3.0), layout="constrained")
+ax = fig.add_subplot()
+best[["w4_gemv1", "old_gemv", "bf16"]].plot.bar(ax=ax, rot=30)
+ax.set_ylabel("us per product (M = 1)"); ax.set_title("4-bit one-row GEMV on an H200, Llama-3.1-8B shapes")
+display(best.round(2))
+fig
+"""),
 ]
 
 GRAPHS = [
