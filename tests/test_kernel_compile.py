@@ -7,6 +7,7 @@ builds those kernels for sm90, in a child process where TRITON_INTERPRET is unse
 kernels of this process may already be interpreted functions), and checks the PTX (PDL's
 griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler's exp2 and
 Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path;
+the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants;
 how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
 its FP8-cache dots in fp16 for bf16 queries).
 
@@ -46,6 +47,7 @@ def _compile_all() -> dict:
     activation = importlib.import_module("atom.model_ops.kernels.activation")
     sampling = importlib.import_module("atom.model_ops.kernels.sampling")
     moe = importlib.import_module("atom.model_ops.moe.experts_triton")
+    w4g1 = importlib.import_module("atom.model_ops.kernels.w4_gemv1")
     f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr")}
     cases = {
         "gemv_fused_gated": (gemv._gemv_kernel, dict(NORM=True, HAS_RES=True, GATED=True, PDL=True, BLOCK_N=1,
@@ -108,6 +110,18 @@ def _compile_all() -> dict:
                            dict(sorted_ptr="*i32", block_expert_ptr="*i32", rw_ptr="*fp32"), ("mma", "ex2.approx")),
         "moe_gemv_unsorted": (moe._moe_gemv_kernel, dict(BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, MUL_WEIGHT=True),
                               dict(ids_ptr="*i64", rw_ptr="*fp32"), ("ld.global",)),
+        # the one-row 4-bit GEMV: the masked loop (ragged rows / words) with zero points, bias and
+        # fp16 x; MXFP4 with fp32 x; the even loop with the next words loaded ahead
+        "w4_gemv1_int4_masked": (w4g1._w4_gemv1_kernel, dict(FMT=0, GROUP=32, HAS_ZP=True, HAS_BIAS=True, PDL=True,
+                                                             BLOCK_N=8, BLOCK_W=128, EVEN=False, AHEAD=False),
+                                 dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i8", b_ptr="*fp16",
+                                      y_ptr="*fp16")),
+        "w4_gemv1_mxfp4_masked": (w4g1._w4_gemv1_kernel, dict(FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True,
+                                                              BLOCK_N=8, BLOCK_W=256, EVEN=False, AHEAD=False),
+                                  dict(x_ptr="*fp32", w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", y_ptr="*fp32")),
+        "w4_gemv1_int4_ahead": (w4g1._w4_gemv1_kernel, dict(FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True,
+                                                            BLOCK_N=8, BLOCK_W=128, EVEN=True, AHEAD=True),
+                                dict(w_ptr="*i32")),
     }
     out = {}
     for name, (kernel, constexprs, types, *markers) in cases.items():
@@ -159,7 +173,8 @@ def test_kernels_compile_for_sm90():
                         "add_rmsnorm", "silu_and_mul", "merge", "gemm_tma",
                         "sampling_block_stats", "sampling_pick", "moe_gemm_sorted", "moe_gemm_gated",
                         "moe_gemv_unsorted", "attention_3_stages_rows_ahead_False",
-                        "attention_3_stages_rows_ahead_True", "attention_fp8_f16_dots"}
+                        "attention_3_stages_rows_ahead_True", "attention_fp8_f16_dots", "w4_gemv1_int4_masked",
+                        "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma
