@@ -110,9 +110,10 @@ def _compile_all() -> dict:
                            dict(sorted_ptr="*i32", block_expert_ptr="*i32", rw_ptr="*fp32"), ("mma", "ex2.approx")),
         "moe_gemv_unsorted": (moe._moe_gemv_kernel, dict(BLOCK_N=64, BLOCK_K=128, HAS_BIAS=False, MUL_WEIGHT=True),
                               dict(ids_ptr="*i64", rw_ptr="*fp32"), ("ld.global",)),
-        # the one-row 4-bit GEMV: the masked loop (ragged rows / words) with zero points, bias and
-        # fp16 x; MXFP4 with fp32 x; the even loop with the next words loaded ahead
-        "w4_gemv1_int4_masked": (w4g1._w4_gemv1_kernel, dict(FMT=0, GROUP=32, HAS_ZP=True, HAS_BIAS=True, PDL=True,
+        # the one-row 4-bit GEMV: the masked loop (ragged rows / words, a group that splits a step)
+        # with zero points, bias and fp16 x; MXFP4 with fp32 x; the even loop with the next words
+        # loaded ahead
+        "w4_gemv1_int4_masked": (w4g1._w4_gemv1_kernel, dict(FMT=0, GROUP=96, HAS_ZP=True, HAS_BIAS=True, PDL=True,
                                                              BLOCK_N=8, BLOCK_W=128, EVEN=False, AHEAD=False),
                                  dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i8", b_ptr="*fp16",
                                       y_ptr="*fp16")),

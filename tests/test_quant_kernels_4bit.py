@@ -95,8 +95,11 @@ def test_both_kernels_at_the_same_m(kernel):
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, None, "int4", 8, 136)) < TOL[torch.float16]
 
 
+# groups that tile a 256-column step (32, 64, 128, 8) and groups that do not (96; 512 and channel-wise
+# 1024, wider than a step)
 ONE_ROW_CASES = [("int4", 8, 1024, 128, False), ("int4", 8, 1024, 32, True), ("int4", 6, 1280, 64, False),
-                 ("int4", 8, 512, 8, True), ("mxfp4", 8, 1024, 32, False), ("mxfp4", 5, 1280, 32, False)]
+                 ("int4", 8, 512, 8, True), ("int4", 8, 768, 96, True), ("int4", 6, 1536, 512, False),
+                 ("int4", 8, 1024, 1024, True), ("mxfp4", 8, 1024, 32, False), ("mxfp4", 5, 1280, 32, False)]
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
@@ -137,6 +140,17 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     assert per_weight["w4_gemv1 int4"] < 4.5 and per_weight["w4_gemv1 mxfp4"] < 6.0, per_weight
     assert per_weight["w4_gemv int4"] > 1.5 * per_weight["w4_gemv1 int4"], per_weight
     assert per_weight["w4_gemv mxfp4"] > 1.5 * per_weight["w4_gemv1 mxfp4"], per_weight
+
+
+@pytest.mark.parametrize("N, K, g", [(16, 4608, 96), (16, 8192, 4096), (8200, 2048, 1024)])
+def test_one_row_gemv_table_tiles_with_groups_that_do_not_tile_a_step(N, K, g):
+    """The table's tiles (2048 / 1024 columns a step) with groups that split a step or span
+    several: every word reads its own group's scale and zero point."""
+    packed, scales, zeros = random_w4("int4", N, K, g, True, seed=g)
+    x = torch.randn(1, K).to(torch.bfloat16)
+    assert w4_config(1, N, K, torch.bfloat16, g)[0] == "w4_gemv1"
+    y = w4_linear(x, packed, scales, zeros, None, "int4", g, K)
+    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, None, "int4", g, K)) < TOL[torch.bfloat16]
 
 
 def test_one_row_gemv_refuses_what_it_cannot_run():

@@ -103,13 +103,21 @@ if HAS_TRITON:
             mag_left = tl.maximum(6 - 4 * i4, 0)
             mag_right = tl.maximum(4 * i4 - 6, 0)
         wp = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + j2  # [BLOCK_N, BLOCK_W]
-        sp = s_ptr + rows.to(tl.int64)[:, None] * stride_sn + (j2 * 8) // GROUP
-        zp = z_ptr + rows.to(tl.int64)[:, None] * stride_zn + (j2 * 8) // GROUP
+        s_row = s_ptr + rows.to(tl.int64)[:, None] * stride_sn
+        z_row = z_ptr + rows.to(tl.int64)[:, None] * stride_zn
+        sp = s_row + (j2 * 8) // GROUP
+        zp = z_row + (j2 * 8) // GROUP
+        # groups that tile a step advance the scale pointers by a constant; others (e.g. 96, or
+        # channel-wise groups wider than a step) index each word's group
+        GROUP_STEPS: tl.constexpr = (BLOCK_W * 8) % GROUP == 0
         xp = x_ptr + js * 8 + es
         acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         if AHEAD:
             word_next = tl.load(wp)
         for w0 in range(0, n_words, BLOCK_W):
+            if not GROUP_STEPS:
+                sp = s_row + ((w0 + j2) * 8) // GROUP
+                zp = z_row + ((w0 + j2) * 8) // GROUP
             if EVEN:
                 if AHEAD:
                     word = word_next[:, :, None]
@@ -153,8 +161,9 @@ if HAS_TRITON:
                 acc += (t * 4611686018427387904.0) * scale  # 2^62 first: no underflow
             wp += BLOCK_W
             xp += BLOCK_W * 8
-            sp += (BLOCK_W * 8) // GROUP
-            zp += (BLOCK_W * 8) // GROUP
+            if GROUP_STEPS:
+                sp += (BLOCK_W * 8) // GROUP
+                zp += (BLOCK_W * 8) // GROUP
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -170,7 +179,7 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     if cfg["BLOCK_W"] != 32 * cfg["num_warps"]:
         raise ValueError(f"w4_linear: the one-row GEMV needs BLOCK_W={cfg['BLOCK_W']} = 32 x num_warps "
                          f"({cfg['num_warps']})")
-    even = N % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0
+    even = N % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0 and n_words > 0
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
     pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
