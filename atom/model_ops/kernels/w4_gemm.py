@@ -187,8 +187,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _e8m0(s):
-        """fp32 2^(s - 127) of E8M0 exponents s (int32 0..255), exactly."""
-        return tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)
+        """fp32 2^(s - 127) of E8M0 exponents s (int32 0..255), exactly: s in a float32's exponent
+        field, and for s = 0 (whose field reads 0) the subnormal 2^-127, taken by a max rather
+        than a compare and select."""
+        tiny = (s * 0 + 0x00400000).to(tl.float32, bitcast=True)  # 2^-127
+        return tl.maximum((s << 23).to(tl.float32, bitcast=True), tiny)
 
     @triton.jit
     def _group_terms(s_raw, z_raw, FMT: tl.constexpr, HAS_ZP: tl.constexpr):
@@ -435,9 +438,9 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     b = bias if bias is not None else y
     common = dict(FMT=FORMATS.index(fmt), PER=PER_ELEMENT[fmt], GROUP=group, HAS_ZP=zeros is not None,
                   HAS_BIAS=bias is not None, **pdl_args(x))
+    words = packed if fmt == "int4" else packed.view(torch.int32)  # MXFP4: 4 bytes = 8 nibbles in order
     if name == "w4_dot":
         from atom.model_ops.kernels.w4_dot import w4_dot_launch
-        words = packed if fmt == "int4" else packed.view(torch.int32)  # MXFP4: 4 bytes = 8 nibbles in order
         w4_dot_launch(x, words, scales, z, bias, y, FORMATS.index(fmt), group, k, cfg, common, _dot_f32(x))
     elif name == "w4_gemv1":
         from atom.model_ops.kernels.w4_gemv1 import supports as gemv1_supports
@@ -445,14 +448,12 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         if M != 1 or not gemv1_supports(fmt, group, k):
             raise ValueError(f"w4_linear: the one-row GEMV runs M=1 with K % 8 == 0 and int4 groups of whole words, "
                              f"got M={M}, K={k}, group={group}")
-        words = packed if fmt == "int4" else packed.view(torch.int32)
         w4_gemv1_launch(x, words, scales, z, bias, y, FORMATS.index(fmt), group, cfg, common)
     elif name == "w4_gemv":
         if cfg["BLOCK_M"] < M:
             raise ValueError(f"w4_linear: the GEMV's BLOCK_M={cfg['BLOCK_M']} must cover M={M}")
         if cfg["BLOCK_M"] > 4:
             raise ValueError(f"w4_linear: the GEMV runs at most 4 rows, got BLOCK_M={cfg['BLOCK_M']}")
-        words = packed if fmt == "int4" else packed.view(torch.int32)  # MXFP4: 4 bytes = 8 nibbles in order
         grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
         common.pop("PER")
         _w4_gemv_kernel[grid](x, words, scales, z, b, y, M, N, k, words.shape[1], x.stride(0),
@@ -505,8 +506,8 @@ def w4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
 
 
 #: what the 4-bit methods report as their GPU kernel (`kernel` attribute, `kernel_for(layer)`)
-KERNEL_DESCRIPTION = (f"atom::w4_linear (triton w4_gemv1 at M=1, w4_gemv for M<={GEMV_MAX_M}; w4_dot, tensor-core swap-AB, for "
-                      f"bf16/fp16 activations above (int4 up to M={DOT_MAX_M['int4']}); else w4_gemm)")
+KERNEL_DESCRIPTION = (f"atom::w4_linear (triton w4_gemv1 at M=1, w4_gemv for M<={GEMV_MAX_M}; w4_dot, "
+                      f"tensor-core swap-AB, for bf16/fp16 activations above (int4 up to M={DOT_MAX_M['int4']}); else w4_gemm)")
 REFERENCE_DESCRIPTION = "torch reference (dequantize to fp32, F.linear)"
 
 

@@ -16,7 +16,7 @@ against ~8.6 T packed weights/s at 4.3 TB/s leaves ~4 instructions a weight. Thi
   fields): each half is e2m1 x 2^-126 (`w4_gemm._e2m1_at`'s placement, bf16 sharing float32's
   exponent), widened to float32 by one shift or one mask; x is multiplied by 2^64 once per
   value so that the products v x 2^-62 stay normal floats; per word the sum is multiplied by
-  2^62, then by the E8M0 scale (2^(s - 127) as float32 bits, 2^-127 for s = 0);
+  2^62, then by the E8M0 scale (`w4_gemm._e8m0`);
 - no masks or index clamps in the loop when the rows and the words tile evenly (EVEN: every
   Llama / Qwen shape), and pointers that advance by a constant.
 Rounding: fp32 products and sums; the int4 zero point comes out of each word's partial sum
@@ -51,6 +51,7 @@ def supports(fmt: str, group: int, k: int) -> bool:
 
 if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
+    from atom.model_ops.kernels.w4_gemm import _e8m0
 
     @triton.jit
     def _fma2(a, b, t):
@@ -154,11 +155,7 @@ if HAS_TRITON:
                 x_lo = x_lo * 18446744073709551616.0  # x 2^64: the products v x 2^-62 are normal floats
                 x_hi = x_hi * 18446744073709551616.0
                 t = _fma4(hi, x_hi, _fma4(lo, x_lo, tl.zeros([BLOCK_N, BLOCK_W], tl.float32)))[:, :, None]
-                s_i = s_raw.to(tl.int32)
-                # E8M0 2^(s - 127): the float32 with exponent field s, and 2^-127 (a subnormal) for s = 0
-                tiny = (s_i * 0 + 0x00400000).to(tl.float32, bitcast=True)
-                scale = tl.maximum((s_i << 23).to(tl.float32, bitcast=True), tiny)
-                acc += (t * 4611686018427387904.0) * scale  # 2^62 first: no underflow
+                acc += (t * 4611686018427387904.0) * _e8m0(s_raw.to(tl.int32))  # 2^62 first: no underflow
             wp += BLOCK_W
             xp += BLOCK_W * 8
             if GROUP_STEPS:
