@@ -20,9 +20,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_sweep import FORMATS, HBM_TBS, SHAPES, copies, nbytes, packed_weights  # noqa: E402
 
-# (BLOCK_N, num_warps, AHEAD): BLOCK_W is 32 x num_warps (one word per thread per row)
-TILES = [(4, 8, False), (8, 8, False), (8, 4, False), (4, 4, False), (8, 2, False), (4, 8, True), (8, 8, True),
-         (8, 4, True), (4, 4, True), (8, 2, True), (16, 4, True), (2, 8, True)]
+# (BLOCK_N, num_warps, AHEAD, HALF2): BLOCK_W is 32 x num_warps (one word per thread per row);
+# HALF2 (fp16 products) applies to int4 only
+TILES = [(4, 8, False, False), (8, 8, False, False), (8, 4, False, False), (4, 4, False, False),
+         (8, 2, False, False), (8, 8, True, False), (8, 4, True, False),
+         (4, 8, False, True), (8, 8, False, True), (8, 4, False, True), (4, 4, False, True), (8, 2, False, True),
+         (16, 4, False, True), (16, 8, False, True), (8, 8, True, True), (8, 4, True, True)]
 
 
 def main(argv=None) -> int:
@@ -61,22 +64,31 @@ def main(argv=None) -> int:
                        kernel="w4_gemv")
             t_old = timed(old)
             best = None
-            for bn, warps, ahead in TILES:
+            table = w4_config(1, N, K, torch.bfloat16, g, fmt)[1]
+            for bn, warps, ahead, half2 in TILES:
+                if half2 and fmt != "int4":
+                    continue
                 cfg = dict(kernel="w4_gemv1", BLOCK_N=bn, BLOCK_W=32 * warps, num_warps=warps, num_stages=3,
-                           AHEAD=ahead)
+                           AHEAD=ahead, HALF2=half2)
                 y = w4_linear_launch(x, *one, None, fmt, g, K, config=cfg)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 t = timed(cfg)
                 rows.append(dict(format=name, N=N, K=K, cfg=cfg, us=t * 1e6, tbs=wbytes / t / 1e12, rel_err=err,
                                  old_us=t_old * 1e6, bf16_us=t16 * 1e6,
-                                 is_table=w4_config(1, N, K, torch.bfloat16, g, fmt)[1] == {
-                                     k: v for k, v in cfg.items() if k != "kernel" and (v or k != "AHEAD")}))
+                                 is_table=all(cfg[k] == table.get(k, False) for k in cfg if k != "kernel"
+                                              and (k != "HALF2" or fmt == "int4"))))
                 if best is None or t < best[0]:
                     best = (t, cfg, err)
             t, cfg, err = best
             print(f"{name:<10}{N:>6}{K:>6} {t * 1e6:>8.1f}{wbytes / t / 1e12:>6.2f}{wbytes / t / 1e12 / HBM_TBS:>5.0%}"
                   f"{t_old * 1e6:>8.1f}{t_old / t:>6.2f}{t16 * 1e6:>8.1f}{t16 / t:>7.2f}  "
-                  f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} AHEAD={cfg['AHEAD']} (rel err {err:.1e})", flush=True)
+                  f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} AHEAD={cfg['AHEAD']} HALF2={cfg['HALF2']} "
+                  f"(rel err {err:.1e})", flush=True)
+            for half2 in ([False, True] if fmt == "int4" else [False]):
+                mine = [r for r in rows if (r["format"], r["N"], r["K"], r["cfg"]["HALF2"]) == (name, N, K, half2)]
+                b = min(mine, key=lambda r: r["us"])
+                print(f"    best with HALF2={half2}: {b['us']:.1f} us, BLOCK_N={b['cfg']['BLOCK_N']} "
+                      f"warps={b['cfg']['num_warps']} AHEAD={b['cfg']['AHEAD']} (rel err {b['rel_err']:.1e})", flush=True)
             del sets, one
     with open(args.out, "w") as f:
         json.dump(dict(commit=os.environ.get("ATOM_BENCH_COMMIT", "unknown"), device=torch.cuda.get_device_name(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 
@@ -45,7 +46,7 @@ def compile_gemv(fmt: str, group: int):
     return compiled, weights_per_step // (32 * warps)  # per thread
 
 
-def compile_gemv1(fmt: str, group: int):
+def compile_gemv1(fmt: str, group: int, half2: bool = False):
     """`w4_gemv1._w4_gemv1_kernel` at its table tiles for 4096 outputs, sm90; (kernel, weights per
     thread a loop step)."""
     import triton
@@ -57,6 +58,7 @@ def compile_gemv1(fmt: str, group: int):
     kernel = g1._w4_gemv1_kernel
     tiles = g1.tiles(4096)
     warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
+    tiles["HALF2"] = half2
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True, AHEAD=False,
                  **tiles)
     scale = "*bf16" if fmt == "int4" else "*u8"
@@ -92,7 +94,9 @@ def main() -> None:
     args = ap.parse_args()
     from triton.tools.disasm import get_sass
     result = {}
+    half2 = functools.partial(compile_gemv1, half2=True)
     for name, compile_fn, fmt, group in (("w4_gemv1", compile_gemv1, "int4", 128),
+                                         ("w4_gemv1 HALF2", half2, "int4", 128),
                                          ("w4_gemv1", compile_gemv1, "mxfp4", 32),
                                          ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32)):
         compiled, per_thread = compile_fn(fmt, group)

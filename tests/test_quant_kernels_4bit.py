@@ -6,6 +6,7 @@ same checkpoint tensors), the tile table, the argument checks, and (marked gpu) 
 Llama-3.1-8B shapes on the device."""
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import atom.model_ops.quant.int4 as int4_mod
 import atom.model_ops.quant.mxfp4 as mxfp4_mod
-from atom.model_ops.kernels import w4_dot, w4_gemm
+from atom.model_ops.kernels import w4_dot, w4_gemm, w4_gemv1
 from atom.model_ops.kernels.w4_gemm import (GEMV_MAX_M, dequantize_w4, w4_config, w4_linear, w4_linear_launch,
                                             w4_linear_ref)
 from atom.model_ops.linear import Linear, QKVLinear
@@ -138,8 +139,56 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     assert run.returncode == 0, run.stderr[-2000:]
     per_weight = json.loads(run.stdout.strip().splitlines()[-1])
     assert per_weight["w4_gemv1 int4"] < 4.5 and per_weight["w4_gemv1 mxfp4"] < 6.0, per_weight
+    assert per_weight["w4_gemv1 HALF2 int4"] < 0.92 * per_weight["w4_gemv1 int4"], per_weight
     assert per_weight["w4_gemv int4"] > 1.5 * per_weight["w4_gemv1 int4"], per_weight
     assert per_weight["w4_gemv mxfp4"] > 1.5 * per_weight["w4_gemv1 mxfp4"], per_weight
+
+
+def half2_x(K: int, kind: str, dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
+    """Activations for the HALF2 checks: plain, with 300x outliers every 97 columns, all of
+    1e-6 size, or with every other 8-column word all zero (a column scale's floor)."""
+    torch.manual_seed(K)
+    x = torch.randn(1, K)
+    if kind == "outliers":
+        x[0, ::97] *= 300
+    elif kind == "tiny":
+        x = x * 1e-6
+    elif kind == "zero_words":
+        x.view(-1, 16)[:, :8] = 0
+    return x.to(dtype).to(device)
+
+
+HALF2_CASES = [(64, 4096, 128, False), (64, 4096, 128, True), (32, 1024, 32, True), (16, 768, 96, True),
+               (16, 14336, 128, False)]
+
+
+@pytest.mark.parametrize("kind", ["plain", "outliers", "tiny", "zero_words"])
+@pytest.mark.parametrize("N, K, g, zp", HALF2_CASES)
+def test_half2_arithmetic_is_as_close_as_bf16_weights(N, K, g, zp, kind):
+    """The HALF2 path's roundings (`w4_gemv1.half2_ref`: fp16 products of each word, x scaled
+    per word column) against the exact product: under 2e-3 of the largest output, about what
+    rounding the dequantized weights to bf16 costs (the tensor-core kernels' operands) and
+    below bf16's own output rounding; and not exact (the emulation rounds)."""
+    packed, scales, zeros = random_w4("int4", N, K, g, zp, seed=K + g)
+    x = half2_x(K, kind)
+    exact = w4_linear_ref(x.float(), packed, scales, zeros, None, "int4", g, K)
+    h2 = w4_gemv1.half2_ref(x, packed, scales, zeros, None, g)
+    bf16_weights = x.float() @ dequantize_w4(packed, scales, zeros, "int4", g, K).bfloat16().float().T
+    err, err_bf16 = rel_err(h2, exact), rel_err(bf16_weights, exact)
+    assert 1e-6 < err < 2e-3 and err < 2 * err_bf16, (err, err_bf16)
+
+
+def test_half2_is_for_16_bit_int4_on_nvidia_only():
+    """The launcher keeps the exact float32 path where HALF2 cannot run or would cost bits:
+    CPU tensors (the interpreter), fp32 activations, MXFP4."""
+    cpu = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert not w4_gemv1.half2_applies(cpu, 0)
+    meta = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    if torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        assert w4_gemv1.half2_applies(meta, 0)
+    assert not w4_gemv1.half2_applies(types.SimpleNamespace(is_cuda=True, dtype=torch.float32), 0)
+    assert not w4_gemv1.half2_applies(meta, w4_gemm.FORMATS.index("mxfp4"))
+    assert w4_gemv1.tiles(4096)["HALF2"] and w4_gemv1.tiles(28672)["HALF2"]
 
 
 @pytest.mark.parametrize("N, K, g", [(16, 4608, 96), (16, 8192, 4096), (8200, 2048, 1024)])
@@ -409,6 +458,28 @@ def test_gpu_llama_shapes(fmt, g, zp, N, K, M):
     ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
     assert rel_err(y, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["plain", "outliers", "zero_words"])
+@pytest.mark.parametrize("N, K, g, zp", HALF2_CASES + [(28672, 4096, 128, False)])
+def test_gpu_half2_gemv_computes_its_reference_arithmetic(N, K, g, zp, kind, dtype):
+    """The HALF2 one-row GEMV (the table's int4 kernel at M = 1) on the GPU against
+    `half2_ref`, the same roundings in torch: equal up to the output's rounding (fp16: 2^-11
+    of a value) and float32 sums in another order; and within the bf16 tolerance of the
+    exact product."""
+    packed, scales, zeros = random_w4("int4", N, K, g, zp, device="cuda", seed=K + g)
+    x = half2_x(K, kind, dtype, "cuda")
+    bias = torch.randn(N, device="cuda").to(dtype)
+    cfg = dict(w4_gemv1.tiles(N), kernel="w4_gemv1")
+    if N % cfg["BLOCK_N"] or (K // 8) % cfg["BLOCK_W"]:
+        cfg.update(BLOCK_N=4, BLOCK_W=64, num_warps=2)  # the masked loop
+    assert cfg["HALF2"] and w4_config(1, N, K, dtype, g)[1]["HALF2"]
+    y = w4_linear_launch(x, packed, scales, zeros, bias, "int4", g, K, config=cfg)
+    h2 = w4_gemv1.half2_ref(x, packed, scales, zeros, bias, g)
+    assert rel_err(y, h2) < (6e-4 if dtype == torch.float16 else 4e-3)
+    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, "int4", g, K)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

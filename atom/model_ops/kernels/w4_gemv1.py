@@ -25,6 +25,8 @@ below fp32's range for |x| < 2^43 (activations are far smaller).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
@@ -33,8 +35,8 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 #: row (BLOCK_W = 32 x num_warps). From the H200 sweep (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B
 #: shapes): 8 rows over 8 warps for layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x
 #: 4096), over 4 warps above (28672 x 4096)
-TILES = dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3)
-TILES_WIDE = dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3)
+TILES = dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, HALF2=True)
+TILES_WIDE = dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True)
 WIDE_N = 8192
 
 
@@ -43,10 +45,51 @@ def tiles(n: int) -> dict:
     return dict(TILES_WIDE if n > WIDE_N else TILES)
 
 
+def half2_applies(x: torch.Tensor, fmt_id: int) -> bool:
+    """The HALF2 path (fp16 products, inline PTX) runs int4 (`fmt_id` 0) with 16-bit
+    activations (fp16 rounding would cost fp32 activations bits they have) on NVIDIA GPUs,
+    not under the interpreter."""
+    return (fmt_id == 0 and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+            and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
 def supports(fmt: str, group: int, k: int) -> bool:
     """Whether `_w4_gemv1_kernel` runs this format: whole words (K % 8 == 0) and int4 groups of
     whole words (a word's 8 nibbles share one scale)."""
     return k % 8 == 0 and (fmt == "mxfp4" or group % 8 == 0)
+
+
+def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros, bias, group: int) -> torch.Tensor:
+    """The HALF2 path's arithmetic in torch (CPU or GPU), rounding where the kernel rounds:
+    each word column's x scaled by 2^(141 - e) (e: the biased exponent of its largest |x|, at
+    least 40), odd nibbles' x / 16, rounded to fp16; per half of a word four fp16 FMAs in the
+    kernel's order (a product and a sum exact in float64, then one rounding to fp16), the two
+    halves added in fp16; the rest in float64 (the kernel's float32 sums differ from it by
+    float32 rounding only). x [1, K] of any float dtype, int4 `words` [N, K / 8]; returns
+    float32 [1, N]."""
+    n, n_words = words.shape
+    xf = x.reshape(-1).float().reshape(n_words, 8)
+    e = (xf.abs().amax(dim=1).view(torch.int32) >> 23).clamp(min=40)
+    sc = ((268 - e) << 23).view(torch.float32)[:, None]
+    odd = torch.tensor([1.0, 0.0625] * 4, device=x.device)
+    xs = (xf * sc * odd).to(torch.float16).double()  # [n_words, 8]
+    shifts = torch.arange(0, 32, 4, device=x.device, dtype=torch.int32)
+    u = ((words[:, :, None] >> shifts) & 0xF).double()  # [N, n_words, 8]
+    u = u * torch.tensor([1.0, 16.0] * 4, device=x.device, dtype=torch.float64) * 2.0 ** -24  # the fp16 subnormals
+    halves = []
+    for part in (slice(0, 4), slice(4, 8)):  # nibbles 0-3 in the low half, 4-7 in the high half
+        a = torch.zeros(n, n_words, dtype=torch.float64, device=x.device)
+        for i in range(part.start, part.stop):
+            a = (u[:, :, i] * xs[:, i] + a).to(torch.float16).double()
+        halves.append(a)
+    t = (halves[0] + halves[1]).to(torch.float16).double()  # sum u x 2^(117 - e)
+    unscale = ((e + 10) << 23).view(torch.float32).double()
+    z = zeros.double().repeat_interleave(group // 8, dim=1)[:, :n_words] if zeros is not None else 8.0
+    s = scales.double().repeat_interleave(group // 8, dim=1)[:, :n_words]
+    y = ((t * unscale - z * xf.double().sum(dim=1)) * s).sum(dim=1)
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()[None, :]
 
 
 if HAS_TRITON:
@@ -75,18 +118,68 @@ if HAS_TRITON:
         b0, b1 = tl.split(tl.reshape(b, [b.shape[0], b.shape[1], 4, 2]))
         return _fma4(a1, b1, _fma4(a0, b0, t))
 
+    @triton.jit
+    def _load_t(ptr, mask=None, other=None):
+        """tl.load of a [BLOCK_N, BLOCK_W] scale or zero-point tile, issued on the transposed
+        pointers: a pointer tile with no contiguous dimension is laid out along its first one
+        (rows) by the coalescing pass, unlike the word tile (along the words), and converting
+        it costs shared memory and two barriers a step; transposed, its first dimension is
+        the words', and the two transposes are free relabellings."""
+        if mask is None:
+            t = tl.load(tl.trans(ptr))
+        else:
+            t = tl.load(tl.trans(ptr), mask=tl.trans(mask), other=other)
+        return tl.trans(t)
+
+    @triton.jit
+    def _h2_pack(hi, lo):
+        """Two float32 tensors as one int32 of two fp16 halves (lo in bits 0-15), rounded."""
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _h2_word(word, x0, x1, x2, x3):
+        """One int4 word's 8 products in fp16 pairs (`HALF2` below): the masks 0x000F000F and
+        0x00F000F0 of the word and of the word >> 8 leave nibbles (0, 4), (1, 5), (2, 6), (3, 7)
+        in the two halves as fp16 subnormals u 2^-24 (16 u 2^-24 for the odd ones), each pair
+        multiplied by the fp16 pair x0..x3 and summed in fp16 (4 products a half, one rounding
+        an FMA; fp16 subnormals are exact on the FMA pipe), the halves added in fp16 and the sum
+        widened to float32. Returns the float32 bits as int32."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 p, q, s, a;
+            .reg .b16 l, h;
+            .reg .f32 fl, fh;
+            and.b32 p, $1, 0x000F000F;
+            and.b32 q, $1, 0x00F000F0;
+            mul.rn.f16x2 a, p, $2;
+            fma.rn.f16x2 a, q, $3, a;
+            shr.u32 s, $1, 8;
+            and.b32 p, s, 0x000F000F;
+            and.b32 q, s, 0x00F000F0;
+            fma.rn.f16x2 a, p, $4, a;
+            fma.rn.f16x2 a, q, $5, a;
+            mov.b32 {l, h}, a;
+            add.rn.f16 l, l, h;
+            cvt.f32.f16 fl, l;
+            mov.b32 $0, fl;
+            }""", "=r,r,r,r,r,r", [word, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
+
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
                          FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
-                         AHEAD: tl.constexpr = False):
+                         AHEAD: tl.constexpr = False, HALF2: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The row
         strides are not specialized (their alignment unknown to the compiler), which keeps
         the word loads one word per thread along the row, the layout x's tile has: aligned,
         they would be vectorized or laid out along the rows, and converted through shared
         memory every step. AHEAD (tiles that fit evenly only): the next step's words are
-        loaded before this step's are used, two word tiles in flight per thread."""
+        loaded before this step's are used, two word tiles in flight per thread. HALF2 (int4,
+        compiled for NVIDIA only: inline PTX): a word's products in fp16 pairs (`_h2_word`,
+        about 1.5 instructions a weight against 3.7), x of each word scaled by a power of two
+        that puts its largest |x| in [2^14, 2^15) so the fp16 products keep 11 bits."""
         pdl_start(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j2 = tl.arange(0, BLOCK_W)[None, :]
@@ -126,22 +219,46 @@ if HAS_TRITON:
                 else:
                     word = tl.load(wp)[:, :, None]
                 xv = tl.load(xp).to(tl.float32)
-                s_raw = tl.load(sp)[:, :, None]
+                s_raw = _load_t(sp)[:, :, None]
             else:
                 ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W]
                 word = tl.load(wp, mask=ok, other=0)[:, :, None]
                 xv = tl.load(xp, mask=(w0 + js < n_words) & (es < 8), other=0.0).to(tl.float32)
-                s_raw = tl.load(sp, mask=ok, other=0)[:, :, None]
+                s_raw = _load_t(sp, ok, 0)[:, :, None]
             wu = word.to(tl.uint32, bitcast=True)
-            if FMT == 0:
+            if FMT == 0 and HALF2:
+                # x 2^(141 - e) for e the biased exponent of the column's largest |x| (at least 40:
+                # all-zero columns), odd nibbles' x also / 16 (their masks leave 16 u)
+                e = tl.maximum(tl.max(tl.abs(xv), axis=2, keep_dims=True).to(tl.int32, bitcast=True) >> 23, 40)
+                sc = ((268 - e) << 23).to(tl.float32, bitcast=True)
+                xs = xv * tl.where(es % 2 == 1, sc * 0.0625, sc)
+                x_lo, x_hi = tl.split(tl.permute(tl.reshape(xs, [1, BLOCK_W, 2, 4]), (0, 1, 3, 2)))
+                xa, xb = tl.split(tl.reshape(_h2_pack(x_hi, x_lo), [1, BLOCK_W, 2, 2]))  # pairs (i, i + 4)
+                x0, x2 = tl.split(xa)
+                x1, x3 = tl.split(xb)
+                shape: tl.constexpr = [BLOCK_N, BLOCK_W]
+                t = _h2_word(tl.reshape(word, shape), tl.broadcast_to(x0, shape), tl.broadcast_to(x1, shape),
+                             tl.broadcast_to(x2, shape), tl.broadcast_to(x3, shape))
+                t = t.to(tl.float32, bitcast=True)[:, :, None]  # sum u x 2^(117 - e)
+                sx = tl.sum(xv, axis=2, keep_dims=True)
+                if HAS_ZP:
+                    if EVEN:
+                        z_raw = _load_t(zp)[:, :, None]
+                    else:
+                        z_raw = _load_t(zp, ok, 8)[:, :, None]
+                    c = sx * z_raw.to(tl.float32)
+                else:
+                    c = sx * 8.0
+                acc += (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
+            elif FMT == 0:
                 f = ((wu >> right) & mask).to(tl.float32, bitcast=True)  # u 2^(pos - 149), exact
                 t = _fma8(f, xv * xmul, tl.zeros([BLOCK_N, BLOCK_W], tl.float32))[:, :, None]  # sum u x 2^-64
                 sx = tl.sum(xv, axis=2, keep_dims=True) * 5.421010862427522e-20  # sum x 2^-64
                 if HAS_ZP:
                     if EVEN:
-                        z_raw = tl.load(zp)[:, :, None]
+                        z_raw = _load_t(zp)[:, :, None]
                     else:
-                        z_raw = tl.load(zp, mask=ok, other=8)[:, :, None]
+                        z_raw = _load_t(zp, ok, 8)[:, :, None]
                     c = sx * z_raw.to(tl.float32)
                 else:
                     c = sx * 8.0
@@ -172,6 +289,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages."""
     cfg = dict(cfg)
+    if cfg.get("HALF2") and not half2_applies(x, fmt_id):
+        cfg["HALF2"] = False  # the exact float32 path: fp32 activations, MXFP4, or no NVIDIA compiler
     N, n_words = words.shape
     if cfg["BLOCK_W"] != 32 * cfg["num_warps"]:
         raise ValueError(f"w4_linear: the one-row GEMV needs BLOCK_W={cfg['BLOCK_W']} = 32 x num_warps "
