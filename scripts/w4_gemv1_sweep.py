@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_sweep import FORMATS, HBM_TBS, SHAPES, copies, nbytes, packed_weights  # noqa: E402
 
 # (BLOCK_N, num_warps, AHEAD, HALF2): BLOCK_W is 32 x num_warps (one word per thread per row);
-# HALF2 (fp16 products) applies to int4 only
+# HALF2: fp16 products
 TILES = [(4, 8, False, False), (8, 8, False, False), (8, 4, False, False), (4, 4, False, False),
          (8, 2, False, False), (8, 8, True, False), (8, 4, True, False),
          (4, 8, False, True), (8, 8, False, True), (8, 4, False, True), (4, 4, False, True), (8, 2, False, True),
@@ -66,8 +66,6 @@ def main(argv=None) -> int:
             best = None
             table = w4_config(1, N, K, torch.bfloat16, g, fmt)[1]
             for bn, warps, ahead, half2 in TILES:
-                if half2 and fmt != "int4":
-                    continue
                 cfg = dict(kernel="w4_gemv1", BLOCK_N=bn, BLOCK_W=32 * warps, num_warps=warps, num_stages=3,
                            AHEAD=ahead, HALF2=half2)
                 y = w4_linear_launch(x, *one, None, fmt, g, K, config=cfg)
@@ -75,8 +73,7 @@ def main(argv=None) -> int:
                 t = timed(cfg)
                 rows.append(dict(format=name, N=N, K=K, cfg=cfg, us=t * 1e6, tbs=wbytes / t / 1e12, rel_err=err,
                                  old_us=t_old * 1e6, bf16_us=t16 * 1e6,
-                                 is_table=all(cfg[k] == table.get(k, False) for k in cfg if k != "kernel"
-                                              and (k != "HALF2" or fmt == "int4"))))
+                                 is_table=all(cfg[k] == table.get(k, False) for k in cfg if k != "kernel")))
                 if best is None or t < best[0]:
                     best = (t, cfg, err)
             t, cfg, err = best
@@ -84,7 +81,7 @@ def main(argv=None) -> int:
                   f"{t_old * 1e6:>8.1f}{t_old / t:>6.2f}{t16 * 1e6:>8.1f}{t16 / t:>7.2f}  "
                   f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} AHEAD={cfg['AHEAD']} HALF2={cfg['HALF2']} "
                   f"(rel err {err:.1e})", flush=True)
-            for half2 in ([False, True] if fmt == "int4" else [False]):
+            for half2 in (False, True):
                 mine = [r for r in rows if (r["format"], r["N"], r["K"], r["cfg"]["HALF2"]) == (name, N, K, half2)]
                 b = min(mine, key=lambda r: r["us"])
                 print(f"    best with HALF2={half2}: {b['us']:.1f} us, BLOCK_N={b['cfg']['BLOCK_N']} "

@@ -56,11 +56,10 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False):
     from atom.model_ops.kernels import w4_gemv1 as g1
     from atom.model_ops.kernels.w4_gemm import FORMATS
     kernel = g1._w4_gemv1_kernel
-    tiles = g1.tiles(4096)
+    tiles = g1.tiles(4096, fmt)
     warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
-    tiles["HALF2"] = half2
-    const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True, AHEAD=False,
-                 **tiles)
+    tiles.update(HALF2=half2, AHEAD=False)
+    const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True, **tiles)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16")
     names = kernel.arg_names
@@ -97,6 +96,7 @@ def main() -> None:
     half2 = functools.partial(compile_gemv1, half2=True)
     for name, compile_fn, fmt, group in (("w4_gemv1", compile_gemv1, "int4", 128),
                                          ("w4_gemv1 HALF2", half2, "int4", 128),
+                                         ("w4_gemv1 HALF2", half2, "mxfp4", 32),
                                          ("w4_gemv1", compile_gemv1, "mxfp4", 32),
                                          ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32)):
         compiled, per_thread = compile_fn(fmt, group)

@@ -128,6 +128,10 @@ def _compile_all() -> dict:
                                                              BLOCK_N=8, BLOCK_W=256, EVEN=True, AHEAD=False,
                                                              HALF2=True),
                                 dict(w_ptr="*i32", z_ptr="*i8"), ("fma.rn.f16x2", "cvt.rn.f16x2.f32")),
+        "w4_gemv1_mxfp4_half2": (w4g1._w4_gemv1_kernel, dict(FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True,
+                                                              BLOCK_N=8, BLOCK_W=128, EVEN=False, AHEAD=False,
+                                                              HALF2=True),
+                                 dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("fma.rn.f16x2", "cvt.rn.f16x2.f32")),
     }
     out = {}
     for name, (kernel, constexprs, types, *markers) in cases.items():
@@ -180,7 +184,8 @@ def test_kernels_compile_for_sm90():
                         "sampling_block_stats", "sampling_pick", "moe_gemm_sorted", "moe_gemm_gated",
                         "moe_gemv_unsorted", "attention_3_stages_rows_ahead_False",
                         "attention_3_stages_rows_ahead_True", "attention_fp8_f16_dots", "w4_gemv1_int4_masked",
-                        "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2"}
+                        "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2",
+                        "w4_gemv1_mxfp4_half2"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

@@ -140,6 +140,7 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     per_weight = json.loads(run.stdout.strip().splitlines()[-1])
     assert per_weight["w4_gemv1 int4"] < 4.5 and per_weight["w4_gemv1 mxfp4"] < 6.0, per_weight
     assert per_weight["w4_gemv1 HALF2 int4"] < 0.92 * per_weight["w4_gemv1 int4"], per_weight
+    assert per_weight["w4_gemv1 HALF2 mxfp4"] < 0.9 * per_weight["w4_gemv1 mxfp4"], per_weight
     assert per_weight["w4_gemv int4"] > 1.5 * per_weight["w4_gemv1 int4"], per_weight
     assert per_weight["w4_gemv mxfp4"] > 1.5 * per_weight["w4_gemv1 mxfp4"], per_weight
 
@@ -163,32 +164,38 @@ HALF2_CASES = [(64, 4096, 128, False), (64, 4096, 128, True), (32, 1024, 32, Tru
 
 
 @pytest.mark.parametrize("kind", ["plain", "outliers", "tiny", "zero_words"])
-@pytest.mark.parametrize("N, K, g, zp", HALF2_CASES)
-def test_half2_arithmetic_is_as_close_as_bf16_weights(N, K, g, zp, kind):
+@pytest.mark.parametrize("fmt, N, K, g, zp", [("int4",) + c for c in HALF2_CASES] +
+                         [("mxfp4", 64, 4096, 32, False), ("mxfp4", 16, 14336, 32, False)])
+def test_half2_arithmetic_is_as_close_as_bf16_weights(fmt, N, K, g, zp, kind):
     """The HALF2 path's roundings (`w4_gemv1.half2_ref`: fp16 products of each word, x scaled
-    per word column) against the exact product: under 2e-3 of the largest output, about what
-    rounding the dequantized weights to bf16 costs (the tensor-core kernels' operands) and
-    below bf16's own output rounding; and not exact (the emulation rounds)."""
-    packed, scales, zeros = random_w4("int4", N, K, g, zp, seed=K + g)
+    per word column) against the exact product: under 2e-3 of the largest output, below
+    bf16's own output rounding; for int4 within twice what rounding the dequantized weights to
+    bf16 costs (the tensor-core kernels' operands; MXFP4's are exact in bf16); and not exact
+    (the emulation rounds)."""
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=K + g)
     x = half2_x(K, kind)
-    exact = w4_linear_ref(x.float(), packed, scales, zeros, None, "int4", g, K)
-    h2 = w4_gemv1.half2_ref(x, packed, scales, zeros, None, g)
-    bf16_weights = x.float() @ dequantize_w4(packed, scales, zeros, "int4", g, K).bfloat16().float().T
-    err, err_bf16 = rel_err(h2, exact), rel_err(bf16_weights, exact)
-    assert 1e-6 < err < 2e-3 and err < 2 * err_bf16, (err, err_bf16)
+    exact = w4_linear_ref(x.float(), packed, scales, zeros, None, fmt, g, K)
+    words = packed if fmt == "int4" else packed.view(torch.int32)
+    h2 = w4_gemv1.half2_ref(x, words, scales, zeros, None, g, fmt)
+    err = rel_err(h2, exact)
+    assert 1e-6 < err < 2e-3, err
+    if fmt == "int4":
+        bf16_weights = x.float() @ dequantize_w4(packed, scales, zeros, fmt, g, K).bfloat16().float().T
+        assert err < 2 * rel_err(bf16_weights, exact), (err, rel_err(bf16_weights, exact))
 
 
-def test_half2_is_for_16_bit_int4_on_nvidia_only():
+def test_half2_is_for_16_bit_activations_on_nvidia_only():
     """The launcher keeps the exact float32 path where HALF2 cannot run or would cost bits:
-    CPU tensors (the interpreter), fp32 activations, MXFP4."""
+    CPU tensors (the interpreter), fp32 activations."""
     cpu = torch.zeros(1, 8, dtype=torch.bfloat16)
     assert not w4_gemv1.half2_applies(cpu, 0)
     meta = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
     if torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         assert w4_gemv1.half2_applies(meta, 0)
     assert not w4_gemv1.half2_applies(types.SimpleNamespace(is_cuda=True, dtype=torch.float32), 0)
-    assert not w4_gemv1.half2_applies(meta, w4_gemm.FORMATS.index("mxfp4"))
-    assert w4_gemv1.tiles(4096)["HALF2"] and w4_gemv1.tiles(28672)["HALF2"]
+    if w4_gemv1.half2_applies(meta, 0):
+        assert w4_gemv1.half2_applies(meta, w4_gemm.FORMATS.index("mxfp4"))
+    assert all(w4_gemv1.tiles(n, f)["HALF2"] for n in (4096, 28672) for f in ("int4", "mxfp4"))
 
 
 @pytest.mark.parametrize("N, K, g", [(16, 4608, 96), (16, 8192, 4096), (8200, 2048, 1024)])
@@ -463,23 +470,26 @@ def test_gpu_llama_shapes(fmt, g, zp, N, K, M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["plain", "outliers", "zero_words"])
-@pytest.mark.parametrize("N, K, g, zp", HALF2_CASES + [(28672, 4096, 128, False)])
-def test_gpu_half2_gemv_computes_its_reference_arithmetic(N, K, g, zp, kind, dtype):
+@pytest.mark.parametrize("fmt, N, K, g, zp", [("int4",) + c for c in HALF2_CASES + [(28672, 4096, 128, False)]] +
+                         [("mxfp4", 64, 4096, 32, False), ("mxfp4", 28672, 4096, 32, False),
+                          ("mxfp4", 24, 1280, 32, False)])
+def test_gpu_half2_gemv_computes_its_reference_arithmetic(fmt, N, K, g, zp, kind, dtype):
     """The HALF2 one-row GEMV (the table's int4 kernel at M = 1) on the GPU against
     `half2_ref`, the same roundings in torch: equal up to the output's rounding (fp16: 2^-11
     of a value) and float32 sums in another order; and within the bf16 tolerance of the
     exact product."""
-    packed, scales, zeros = random_w4("int4", N, K, g, zp, device="cuda", seed=K + g)
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=K + g)
     x = half2_x(K, kind, dtype, "cuda")
     bias = torch.randn(N, device="cuda").to(dtype)
-    cfg = dict(w4_gemv1.tiles(N), kernel="w4_gemv1")
+    cfg = dict(w4_gemv1.tiles(N, fmt), kernel="w4_gemv1")
     if N % cfg["BLOCK_N"] or (K // 8) % cfg["BLOCK_W"]:
         cfg.update(BLOCK_N=4, BLOCK_W=64, num_warps=2)  # the masked loop
-    assert cfg["HALF2"] and w4_config(1, N, K, dtype, g)[1]["HALF2"]
-    y = w4_linear_launch(x, packed, scales, zeros, bias, "int4", g, K, config=cfg)
-    h2 = w4_gemv1.half2_ref(x, packed, scales, zeros, bias, g)
+    assert cfg["HALF2"] and w4_config(1, N, K, dtype, g, fmt)[1]["HALF2"]
+    y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=cfg)
+    words = packed if fmt == "int4" else packed.view(torch.int32)
+    h2 = w4_gemv1.half2_ref(x, words, scales, zeros, bias, g, fmt)
     assert rel_err(y, h2) < (6e-4 if dtype == torch.float16 else 4e-3)
-    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, "int4", g, K)) < TOL[torch.bfloat16]
+    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

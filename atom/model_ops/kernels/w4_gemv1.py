@@ -33,23 +33,25 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 #: tiles: BLOCK_N rows a program, BLOCK_W words (8 columns each) a step, one word per thread per
 #: row (BLOCK_W = 32 x num_warps). From the H200 sweep (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B
-#: shapes): 8 rows over 8 warps for layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x
-#: 4096), over 4 warps above (28672 x 4096)
-TILES = dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, HALF2=True)
-TILES_WIDE = dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True)
+#: shapes): layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x 4096) over 8 warps, int4
+#: with the next words loaded a step ahead; wider ones (28672 x 4096) over 4 warps, int4 16 rows a
+#: program
+TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True),
+         "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, HALF2=True)}
+TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True),
+              "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True)}
 WIDE_N = 8192
 
 
-def tiles(n: int) -> dict:
-    """The tile config for a layer of n outputs."""
-    return dict(TILES_WIDE if n > WIDE_N else TILES)
+def tiles(n: int, fmt: str = "int4") -> dict:
+    """The tile config for a layer of n outputs of format `fmt`."""
+    return dict((TILES_WIDE if n > WIDE_N else TILES)[fmt])
 
 
 def half2_applies(x: torch.Tensor, fmt_id: int) -> bool:
-    """The HALF2 path (fp16 products, inline PTX) runs int4 (`fmt_id` 0) with 16-bit
-    activations (fp16 rounding would cost fp32 activations bits they have) on NVIDIA GPUs,
-    not under the interpreter."""
-    return (fmt_id == 0 and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+    """The HALF2 path (fp16 products, inline PTX) runs 16-bit activations (fp16 rounding
+    would cost fp32 activations bits they have) on NVIDIA GPUs, not under the interpreter."""
+    return (fmt_id in (0, 1) and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
             and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
@@ -59,38 +61,47 @@ def supports(fmt: str, group: int, k: int) -> bool:
     return k % 8 == 0 and (fmt == "mxfp4" or group % 8 == 0)
 
 
-def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros, bias, group: int) -> torch.Tensor:
+def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros, bias, group: int,
+              fmt: str = "int4") -> torch.Tensor:
     """The HALF2 path's arithmetic in torch (CPU or GPU), rounding where the kernel rounds:
     each word column's x scaled by 2^(141 - e) (e: the biased exponent of its largest |x|, at
-    least 40), odd nibbles' x / 16, rounded to fp16; per half of a word four fp16 FMAs in the
-    kernel's order (a product and a sum exact in float64, then one rounding to fp16), the two
-    halves added in fp16; the rest in float64 (the kernel's float32 sums differ from it by
-    float32 rounding only). x [1, K] of any float dtype, int4 `words` [N, K / 8]; returns
-    float32 [1, N]."""
+    least 40; int4's odd nibbles' x also / 16), rounded to fp16; per half of a word four fp16
+    FMAs in the kernel's order (a product and a sum exact in float64, then one rounding to
+    fp16), the two halves added in fp16; the rest in float64 (the kernel's float32 sums differ
+    from it by float32 rounding only). x [1, K] of any float dtype, `words` int32 [N, K / 8]
+    (MXFP4's bytes viewed as int32); returns float32 [1, N]."""
+    from atom.model_ops.quant.mxfp4 import FP4_VALUES
     n, n_words = words.shape
+    dev = x.device
     xf = x.reshape(-1).float().reshape(n_words, 8)
     e = (xf.abs().amax(dim=1).view(torch.int32) >> 23).clamp(min=40)
     sc = ((268 - e) << 23).view(torch.float32)[:, None]
-    odd = torch.tensor([1.0, 0.0625] * 4, device=x.device)
+    odd = torch.tensor([1.0, 0.0625] * 4 if fmt == "int4" else [1.0] * 8, device=dev)
     xs = (xf * sc * odd).to(torch.float16).double()  # [n_words, 8]
-    shifts = torch.arange(0, 32, 4, device=x.device, dtype=torch.int32)
-    u = ((words[:, :, None] >> shifts) & 0xF).double()  # [N, n_words, 8]
-    u = u * torch.tensor([1.0, 16.0] * 4, device=x.device, dtype=torch.float64) * 2.0 ** -24  # the fp16 subnormals
+    codes = (words[:, :, None] >> torch.arange(0, 32, 4, device=dev, dtype=torch.int32)) & 0xF  # [N, n_words, 8]
+    if fmt == "int4":  # the fp16 subnormals u 2^-24 (16 u 2^-24 for odd nibbles)
+        v = codes.double() * torch.tensor([1.0, 16.0] * 4, device=dev, dtype=torch.float64) * 2.0 ** -24
+    else:  # e2m1 2^-14
+        v = FP4_VALUES.to(dev, torch.float64)[codes.long()] * 2.0 ** -14
     halves = []
-    for part in (slice(0, 4), slice(4, 8)):  # nibbles 0-3 in the low half, 4-7 in the high half
-        a = torch.zeros(n, n_words, dtype=torch.float64, device=x.device)
-        for i in range(part.start, part.stop):
-            a = (u[:, :, i] * xs[:, i] + a).to(torch.float16).double()
+    for part in (range(0, 4), range(4, 8)):  # nibbles 0-3 in the low half, 4-7 in the high half
+        a = torch.zeros(n, n_words, dtype=torch.float64, device=dev)
+        for i in part:
+            a = (v[:, :, i] * xs[:, i] + a).to(torch.float16).double()
         halves.append(a)
-    t = (halves[0] + halves[1]).to(torch.float16).double()  # sum u x 2^(117 - e)
-    unscale = ((e + 10) << 23).view(torch.float32).double()
-    z = zeros.double().repeat_interleave(group // 8, dim=1)[:, :n_words] if zeros is not None else 8.0
-    s = scales.double().repeat_interleave(group // 8, dim=1)[:, :n_words]
-    y = ((t * unscale - z * xf.double().sum(dim=1)) * s).sum(dim=1)
+    t = (halves[0] + halves[1]).to(torch.float16).double()
+    if fmt == "int4":  # t = sum u x 2^(117 - e)
+        unscale = ((e + 10) << 23).view(torch.float32).double()
+        z = zeros.double().repeat_interleave(group // 8, dim=1)[:, :n_words] if zeros is not None else 8.0
+        s = scales.double().repeat_interleave(group // 8, dim=1)[:, :n_words]
+        y = ((t * unscale - z * xf.double().sum(dim=1)) * s).sum(dim=1)
+    else:  # t = sum v x 2^(127 - e), scales E8M0 per 32 columns
+        unscale = (e << 23).view(torch.float32).double()
+        s = torch.exp2(scales.double() - 127).repeat_interleave(4, dim=1)[:, :n_words]
+        y = (t * unscale * s).sum(dim=1)
     if bias is not None:
         y = y + bias.double()
     return y.float()[None, :]
-
 
 if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
@@ -165,6 +176,79 @@ if HAS_TRITON:
             mov.b32 $0, fl;
             }""", "=r,r,r,r,r,r", [word, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
 
+    @triton.jit
+    def _h2_word_fp4(word, x0, x1, x2, x3):
+        """`_h2_word` for an MXFP4 word: codes i and i + 4 as the two fp16 halves of one int32,
+        each e2m1 x 2^-14 exactly (exponent-mantissa bits to fp16 bits 9-11, the sign to bit
+        15: a shift and a mask for each, the same shifts for both halves)."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a, b, p, s;
+            .reg .b16 l, h;
+            .reg .f32 fl;
+            shl.b32 a, $1, 9;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 b, $1, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 p, a, b;
+            mul.rn.f16x2 s, p, $2;
+            shl.b32 a, $1, 5;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 b, $1, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 p, a, b;
+            fma.rn.f16x2 s, p, $3, s;
+            shl.b32 a, $1, 1;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 b, $1, 4;
+            and.b32 b, b, 0x80008000;
+            or.b32 p, a, b;
+            fma.rn.f16x2 s, p, $4, s;
+            shr.u32 a, $1, 3;
+            and.b32 a, a, 0x0E000E00;
+            and.b32 b, $1, 0x80008000;
+            or.b32 p, a, b;
+            fma.rn.f16x2 s, p, $5, s;
+            mov.b32 {l, h}, s;
+            add.rn.f16 l, l, h;
+            cvt.f32.f16 fl, l;
+            mov.b32 $0, fl;
+            }""", "=r,r,r,r,r,r", [word, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _h2_column_x(xv, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr):
+        """x [1, BLOCK_W, 8] of each word column for the fp16 pair products: scaled by
+        2^(141 - e), e the biased exponent of the column's largest |x| (at least 40, for
+        all-zero columns), so that it lies in [2^14, 2^15) (odd columns also / 16 when
+        ODD16); returns the fp16 pairs (i, i + 4) for i = 0..3 as four int32 [1, BLOCK_W]
+        and e [1, BLOCK_W, 1]."""
+        e = tl.maximum(tl.max(tl.abs(xv), axis=2, keep_dims=True).to(tl.int32, bitcast=True) >> 23, 40)
+        sc = ((268 - e) << 23).to(tl.float32, bitcast=True)
+        if ODD16:
+            xs = xv * tl.where(es % 2 == 1, sc * 0.0625, sc)
+        else:
+            xs = xv * sc
+        x_lo, x_hi = tl.split(tl.permute(tl.reshape(xs, [1, BLOCK_W, 2, 4]), (0, 1, 3, 2)))
+        xa, xb = tl.split(tl.reshape(_h2_pack(x_hi, x_lo), [1, BLOCK_W, 2, 2]))
+        x0, x2 = tl.split(xa)
+        x1, x3 = tl.split(xb)
+        return x0, x1, x2, x3, e
+
+    @triton.jit
+    def _h2_dot(word, xv, es, FMT: tl.constexpr, BLOCK_W: tl.constexpr):
+        """Each word's products in fp16 pairs (words [BLOCK_N, BLOCK_W], x [1, BLOCK_W, 8]):
+        float32 [BLOCK_N, BLOCK_W, 1] and the columns' e [1, BLOCK_W, 1] (`_h2_column_x`)."""
+        x0, x1, x2, x3, e = _h2_column_x(xv, es, FMT == 0, BLOCK_W)
+        x0 = tl.broadcast_to(x0, word.shape)
+        x1 = tl.broadcast_to(x1, word.shape)
+        x2 = tl.broadcast_to(x2, word.shape)
+        x3 = tl.broadcast_to(x3, word.shape)
+        if FMT == 0:
+            t = _h2_word(word, x0, x1, x2, x3)
+        else:
+            t = _h2_word_fp4(word, x0, x1, x2, x3)
+        return t.to(tl.float32, bitcast=True)[:, :, None], e
+
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
                          FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -206,6 +290,7 @@ if HAS_TRITON:
         GROUP_STEPS: tl.constexpr = (BLOCK_W * 8) % GROUP == 0
         xp = x_ptr + js * 8 + es
         acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        shape: tl.constexpr = [BLOCK_N, BLOCK_W]
         if AHEAD:
             word_next = tl.load(wp)
         for w0 in range(0, n_words, BLOCK_W):
@@ -227,19 +312,7 @@ if HAS_TRITON:
                 s_raw = _load_t(sp, ok, 0)[:, :, None]
             wu = word.to(tl.uint32, bitcast=True)
             if FMT == 0 and HALF2:
-                # x 2^(141 - e) for e the biased exponent of the column's largest |x| (at least 40:
-                # all-zero columns), odd nibbles' x also / 16 (their masks leave 16 u)
-                e = tl.maximum(tl.max(tl.abs(xv), axis=2, keep_dims=True).to(tl.int32, bitcast=True) >> 23, 40)
-                sc = ((268 - e) << 23).to(tl.float32, bitcast=True)
-                xs = xv * tl.where(es % 2 == 1, sc * 0.0625, sc)
-                x_lo, x_hi = tl.split(tl.permute(tl.reshape(xs, [1, BLOCK_W, 2, 4]), (0, 1, 3, 2)))
-                xa, xb = tl.split(tl.reshape(_h2_pack(x_hi, x_lo), [1, BLOCK_W, 2, 2]))  # pairs (i, i + 4)
-                x0, x2 = tl.split(xa)
-                x1, x3 = tl.split(xb)
-                shape: tl.constexpr = [BLOCK_N, BLOCK_W]
-                t = _h2_word(tl.reshape(word, shape), tl.broadcast_to(x0, shape), tl.broadcast_to(x1, shape),
-                             tl.broadcast_to(x2, shape), tl.broadcast_to(x3, shape))
-                t = t.to(tl.float32, bitcast=True)[:, :, None]  # sum u x 2^(117 - e)
+                t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum u x 2^(117 - e)
                 sx = tl.sum(xv, axis=2, keep_dims=True)
                 if HAS_ZP:
                     if EVEN:
@@ -263,6 +336,9 @@ if HAS_TRITON:
                 else:
                     c = sx * 8.0
                 acc += ((t - c) * 18446744073709551616.0) * s_raw.to(tl.float32)  # 2^64 first: no underflow
+            elif HALF2:
+                t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum v x 2^(127 - e)
+                acc += (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
             else:
                 mag = ((wu << mag_left) >> mag_right) & 0x01C001C0
                 h = ((wu << sign_left) & 0x80008000) | mag  # [BLOCK_N, BLOCK_W, 4]: two bf16 e2m1 x 2^-126
