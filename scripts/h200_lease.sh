@@ -16,7 +16,7 @@
 #   call 5:                                  bash scripts/h200_lease.sh q_vllm l_vllm
 # Other stages: moe_k (the experts kernel at 1 / 64 / 2048 tokens), l_kv (Llama long-context
 # workload, bf16 against FP8 KV), l_fp8 (Llama workload, bf16 against ptpc FP8), g_vllm
-# (GPT-OSS-20B beside vLLM), w4_vllm (Llama W4A16 batch-1 decode beside vLLM), moe_tests (the
+# (GPT-OSS-20B beside vLLM), w4_vllm / mx_vllm / fp8_vllm (Llama W4A16 / MXFP4 / ptpc FP8 batch-1 decode beside vLLM), moe_tests (the
 # FP8 / MXFP4 / bf16 experts kernels' GPU tests), moe_k2 (the experts kernel at DeepSeek-V2-Lite's
 # and GPT-OSS-20B's shapes), g_mx (GPT-OSS-20B with MXFP4 experts), moe_vllm / dsv2_vllm (Qwen3-30B-A3B /
 # DeepSeek-V2-Lite beside vLLM, vLLM's dummies refilled with ATOM's rule), moe_lat / dsv2_lat (their decode
@@ -109,6 +109,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
          run l-thr-fp8 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --quantization fp8_dynamic --cache-dir /tmp/lc --out $R/l-thr-fp8.json;;
   g_vllm) run g-thr-vllm 420 python3 -m atom.benchmarks.throughput --model gpt-oss-20b --peer vllm --peer-dummy xavier --repeat 1 --out $R/g-thr-vllm.json;;
   w4_vllm) run l-lat-w4-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization w4a16 --cache-dir /tmp/lc --out $R/l-lat-w4-vllm.json;;
+  mx_vllm) run l-lat-mx-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization mxfp4_w4a16 --cache-dir /tmp/lc --out $R/l-lat-mx-vllm.json;;
+  fp8_vllm) run l-lat-fp8-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization fp8_dynamic --cache-dir /tmp/lc --out $R/l-lat-fp8-vllm.json;;
   moe_tests) run moe-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_topk_sum.py tests/test_moe_fp8_triton.py \
                tests/test_moe_mxfp4_triton.py tests/test_moe_kernels.py;;
   moe_k2) run moe-dsv2 150 python3 -m atom.benchmarks.moe_experts --model deepseek-v2-lite --out $R/moe-dsv2.json
