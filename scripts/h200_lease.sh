@@ -30,7 +30,8 @@
 # prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order),
 # overlap (DeepSeek-V2-Lite's MoE block with the shared experts on a second stream against one),
 # w4_sweep (the one-row 4-bit GEMV's tiles at Llama-3.1-8B's shapes, int4 with and without HALF2, MXFP4),
-# w4_tests (the 4-bit kernels' GPU tests), w4_new (Llama-3.1-8B batch-1
+# w4_tests (the 4-bit kernels' GPU tests), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
+# the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
 # decode in W4A16, MXFP4 and bf16, ATOM alone), kv_tests (the FP8-KV attention and MLA decode tests,
 # and the 4-bit kernels' GPU tests), attn_ahead (the unified attention's decode tilings with and
 # without `rows_ahead`, Llama-3.1-8B shape).
@@ -156,6 +157,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
               tests/test_mla_decode_knobs.py
             run w4-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
   w4_sweep) run w4-gemv1-sweep 300 python3 scripts/w4_gemv1_sweep.py --formats int4 mxfp4 --out $R/w4-gemv1-sweep.json;;
+  fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   w4_tests) run w4-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
   w4_new) for f in w4a16 mxfp4_w4a16 bf16; do
             q=(--quantization $f); [ $f = bf16 ] && q=()
