@@ -18,10 +18,23 @@ against ~8.6 T packed weights/s at 4.3 TB/s leaves ~4 instructions a weight. Thi
   value so that the products v x 2^-62 stay normal floats; per word the sum is multiplied by
   2^62, then by the E8M0 scale (`w4_gemm._e8m0`);
 - no masks or index clamps in the loop when the rows and the words tile evenly (EVEN: every
-  Llama / Qwen shape), and pointers that advance by a constant.
+  Llama / Qwen shape), and pointers that advance by a constant;
+- the scale and zero-point tiles are loaded on transposed pointers (`_load_t`), so that they
+  come laid out as the word tile is, without a shared-memory conversion and its two barriers
+  a step.
 Rounding: fp32 products and sums; the int4 zero point comes out of each word's partial sum
 (cancellation of a few bits of fp32, far below bf16's 2^-9). The powers of two keep x 2^85
 below fp32's range for |x| < 2^43 (activations are far smaller).
+
+HALF2 (the table's choice for bf16 / fp16 activations on NVIDIA GPUs; `half2_applies`) halves
+the work a weight again with fp16 pair arithmetic in inline PTX: a word's nibbles i and i + 4
+land in the two halves of one int32 (int4: masked in place as fp16 subnormals, 16 u 2^-24 for
+odd i; MXFP4: e2m1 2^-14, its bits moved to fp16's), one fp16 FMA for both against a pair of x
+scaled per word column into [2^14, 2^15), four FMAs a half-word, the halves added in fp16 and
+widened once: 3.3 (int4) / 4.6 (MXFP4) instructions a weight. Its rounding (`half2_ref`, the
+same arithmetic in torch) costs about 1e-3 of the largest output, what rounding the
+dequantized weights to bf16 costs the tensor-core kernels and below bf16's output rounding;
+fp32 activations keep the float32 path.
 """
 from __future__ import annotations
 
