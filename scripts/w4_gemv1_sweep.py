@@ -25,7 +25,8 @@ from w4_sweep import FORMATS, HBM_TBS, SHAPES, copies, nbytes, packed_weights  #
 TILES = [(4, 8, False, False), (8, 8, False, False), (8, 4, False, False), (4, 4, False, False),
          (8, 2, False, False), (8, 8, True, False), (8, 4, True, False),
          (4, 8, False, True), (8, 8, False, True), (8, 4, False, True), (4, 4, False, True), (8, 2, False, True),
-         (16, 4, False, True), (16, 8, False, True), (8, 8, True, True), (8, 4, True, True)]
+         (16, 4, False, True), (16, 8, False, True), (8, 8, True, True), (8, 4, True, True), (16, 4, True, True),
+         (4, 8, True, True)]
 
 
 def main(argv=None) -> int:

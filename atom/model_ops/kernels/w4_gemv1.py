@@ -173,7 +173,7 @@ if HAS_TRITON:
             """{
             .reg .b32 p, q, s, a;
             .reg .b16 l, h;
-            .reg .f32 fl, fh;
+            .reg .f32 fl;
             and.b32 p, $1, 0x000F000F;
             and.b32 q, $1, 0x00F000F0;
             mul.rn.f16x2 a, p, $2;
@@ -189,44 +189,28 @@ if HAS_TRITON:
             mov.b32 $0, fl;
             }""", "=r,r,r,r,r,r", [word, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
 
+    def _fp4_pairs_ptx() -> str:
+        """`_h2_word_fp4`'s PTX: for codes i and i + 4 (i = 0..3) the exponent-mantissa bits
+        shifted to 9-11 / 25-27 and masked, the sign bits to 15 / 31 (the same shifts for both
+        halves), then one fp16 pair FMA into s."""
+        lines = []
+        for i in range(4):
+            em = f"shl.b32 a, $1, {9 - 4 * i};" if i < 3 else "shr.u32 a, $1, 3;"
+            sign = f"shl.b32 b, $1, {12 - 4 * i};" if i < 3 else "mov.b32 b, $1;"
+            fma = "mul.rn.f16x2 s, p, $2;" if i == 0 else f"fma.rn.f16x2 s, p, ${2 + i}, s;"
+            lines += [em, "and.b32 a, a, 0x0E000E00;", sign, "and.b32 b, b, 0x80008000;", "or.b32 p, a, b;", fma]
+        return "\n".join(lines)
+
+    FP4_PTX = tl.constexpr("{\n.reg .b32 a, b, p, s;\n.reg .b16 l, h;\n.reg .f32 fl;\n" + _fp4_pairs_ptx()
+                           + "\nmov.b32 {l, h}, s;\nadd.rn.f16 l, l, h;\ncvt.f32.f16 fl, l;\nmov.b32 $0, fl;\n}")
+
     @triton.jit
     def _h2_word_fp4(word, x0, x1, x2, x3):
         """`_h2_word` for an MXFP4 word: codes i and i + 4 as the two fp16 halves of one int32,
         each e2m1 x 2^-14 exactly (exponent-mantissa bits to fp16 bits 9-11, the sign to bit
-        15: a shift and a mask for each, the same shifts for both halves)."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, b, p, s;
-            .reg .b16 l, h;
-            .reg .f32 fl;
-            shl.b32 a, $1, 9;
-            and.b32 a, a, 0x0E000E00;
-            shl.b32 b, $1, 12;
-            and.b32 b, b, 0x80008000;
-            or.b32 p, a, b;
-            mul.rn.f16x2 s, p, $2;
-            shl.b32 a, $1, 5;
-            and.b32 a, a, 0x0E000E00;
-            shl.b32 b, $1, 8;
-            and.b32 b, b, 0x80008000;
-            or.b32 p, a, b;
-            fma.rn.f16x2 s, p, $3, s;
-            shl.b32 a, $1, 1;
-            and.b32 a, a, 0x0E000E00;
-            shl.b32 b, $1, 4;
-            and.b32 b, b, 0x80008000;
-            or.b32 p, a, b;
-            fma.rn.f16x2 s, p, $4, s;
-            shr.u32 a, $1, 3;
-            and.b32 a, a, 0x0E000E00;
-            and.b32 b, $1, 0x80008000;
-            or.b32 p, a, b;
-            fma.rn.f16x2 s, p, $5, s;
-            mov.b32 {l, h}, s;
-            add.rn.f16 l, l, h;
-            cvt.f32.f16 fl, l;
-            mov.b32 $0, fl;
-            }""", "=r,r,r,r,r,r", [word, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
+        15: a shift and a mask for each, the same shifts for both halves; `FP4_PTX`)."""
+        return tl.inline_asm_elementwise(FP4_PTX, "=r,r,r,r,r,r", [word, x0, x1, x2, x3], dtype=tl.int32,
+                                         is_pure=True, pack=1)
 
     @triton.jit
     def _h2_column_x(xv, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -273,11 +257,11 @@ if HAS_TRITON:
         the word loads one word per thread along the row, the layout x's tile has: aligned,
         they would be vectorized or laid out along the rows, and converted through shared
         memory every step. AHEAD (tiles that fit evenly only): the next step's words are
-        loaded before this step's are used, two word tiles in flight per thread. HALF2 (int4,
-        compiled for NVIDIA only: inline PTX): a word's products in fp16 pairs (`_h2_word`,
-        about 1.5 instructions a weight against 3.7), x of each word scaled by a power of two
-        that puts its largest |x| in [2^14, 2^15) so the fp16 products keep 11 bits."""
-        pdl_start(PDL)
+        loaded before this step's are used, two word tiles in flight per thread, and the
+        first before waiting for the kernel in front (PDL: the weights do not depend on it).
+        HALF2 (NVIDIA only: inline PTX): a
+        word's products in fp16 pairs (`_h2_dot`), x of each word column scaled by a power of
+        two that puts its largest |x| in [2^14, 2^15) so the fp16 products keep 11 bits."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j2 = tl.arange(0, BLOCK_W)[None, :]
         js = j2[:, :, None]
@@ -306,6 +290,7 @@ if HAS_TRITON:
         shape: tl.constexpr = [BLOCK_N, BLOCK_W]
         if AHEAD:
             word_next = tl.load(wp)
+        pdl_start(PDL)
         for w0 in range(0, n_words, BLOCK_W):
             if not GROUP_STEPS:
                 sp = s_row + ((w0 + j2) * 8) // GROUP
