@@ -46,11 +46,11 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 #: tiles: BLOCK_N rows a program, BLOCK_W words (8 columns each) a step, one word per thread per
 #: row (BLOCK_W = 32 x num_warps). From the H200 sweep (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B
-#: shapes): layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x 4096) over 8 warps, int4
-#: with the next words loaded a step ahead; wider ones (28672 x 4096) over 4 warps, int4 16 rows a
+#: shapes): layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x 4096) over 8 warps with
+#: the next words loaded a step ahead; wider ones (28672 x 4096) over 4 warps, int4 16 rows a
 #: program, MXFP4 the next words ahead
 TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True),
-         "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, HALF2=True)}
+         "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True)}
 TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True),
               "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True)}
 WIDE_N = 8192
