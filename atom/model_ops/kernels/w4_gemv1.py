@@ -246,6 +246,19 @@ if HAS_TRITON:
             t = _h2_word_fp4(word, x0, x1, x2, x3)
         return t.to(tl.float32, bitcast=True)[:, :, None], e
 
+    @triton.jit
+    def _zero_term(sx, zp, ok, HAS_ZP: tl.constexpr, EVEN: tl.constexpr):
+        """sum x times each word's zero point (`zp`'s tile; 8, the symmetric one, without)."""
+        if HAS_ZP:
+            if EVEN:
+                z_raw = _load_t(zp)[:, :, None]
+            else:
+                z_raw = _load_t(zp, ok, 8)[:, :, None]
+            c = sx * z_raw.to(tl.float32)
+        else:
+            c = sx * 8.0
+        return c
+
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
                          FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -259,9 +272,9 @@ if HAS_TRITON:
         memory every step. AHEAD (tiles that fit evenly only): the next step's words are
         loaded before this step's are used, two word tiles in flight per thread, and the
         first before waiting for the kernel in front (PDL: the weights do not depend on it).
-        HALF2 (NVIDIA only: inline PTX): a
-        word's products in fp16 pairs (`_h2_dot`), x of each word column scaled by a power of
-        two that puts its largest |x| in [2^14, 2^15) so the fp16 products keep 11 bits."""
+        HALF2 (NVIDIA only: inline PTX): a word's products in fp16 pairs (`_h2_dot`), x of each
+        word column scaled by a power of two that puts its largest |x| in [2^14, 2^15) so that
+        the fp16 products keep 11 bits."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j2 = tl.arange(0, BLOCK_W)[None, :]
         js = j2[:, :, None]
@@ -295,6 +308,7 @@ if HAS_TRITON:
             if not GROUP_STEPS:
                 sp = s_row + ((w0 + j2) * 8) // GROUP
                 zp = z_row + ((w0 + j2) * 8) // GROUP
+            ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W] (unused when EVEN)
             if EVEN:
                 if AHEAD:
                     word = word_next[:, :, None]
@@ -304,35 +318,19 @@ if HAS_TRITON:
                 xv = tl.load(xp).to(tl.float32)
                 s_raw = _load_t(sp)[:, :, None]
             else:
-                ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W]
                 word = tl.load(wp, mask=ok, other=0)[:, :, None]
                 xv = tl.load(xp, mask=(w0 + js < n_words) & (es < 8), other=0.0).to(tl.float32)
                 s_raw = _load_t(sp, ok, 0)[:, :, None]
             wu = word.to(tl.uint32, bitcast=True)
             if FMT == 0 and HALF2:
                 t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum u x 2^(117 - e)
-                sx = tl.sum(xv, axis=2, keep_dims=True)
-                if HAS_ZP:
-                    if EVEN:
-                        z_raw = _load_t(zp)[:, :, None]
-                    else:
-                        z_raw = _load_t(zp, ok, 8)[:, :, None]
-                    c = sx * z_raw.to(tl.float32)
-                else:
-                    c = sx * 8.0
+                c = _zero_term(tl.sum(xv, axis=2, keep_dims=True), zp, ok, HAS_ZP, EVEN)
                 acc += (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
             elif FMT == 0:
                 f = ((wu >> right) & mask).to(tl.float32, bitcast=True)  # u 2^(pos - 149), exact
                 t = _fma8(f, xv * xmul, tl.zeros([BLOCK_N, BLOCK_W], tl.float32))[:, :, None]  # sum u x 2^-64
                 sx = tl.sum(xv, axis=2, keep_dims=True) * 5.421010862427522e-20  # sum x 2^-64
-                if HAS_ZP:
-                    if EVEN:
-                        z_raw = _load_t(zp)[:, :, None]
-                    else:
-                        z_raw = _load_t(zp, ok, 8)[:, :, None]
-                    c = sx * z_raw.to(tl.float32)
-                else:
-                    c = sx * 8.0
+                c = _zero_term(sx, zp, ok, HAS_ZP, EVEN)
                 acc += ((t - c) * 18446744073709551616.0) * s_raw.to(tl.float32)  # 2^64 first: no underflow
             elif HALF2:
                 t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum v x 2^(127 - e)
@@ -364,7 +362,7 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages."""
     cfg = dict(cfg)
     if cfg.get("HALF2") and not half2_applies(x, fmt_id):
-        cfg["HALF2"] = False  # the exact float32 path: fp32 activations, MXFP4, or no NVIDIA compiler
+        cfg["HALF2"] = False  # the float32 products: fp32 activations, or not an NVIDIA GPU (the interpreter)
     N, n_words = words.shape
     if cfg["BLOCK_W"] != 32 * cfg["num_warps"]:
         raise ValueError(f"w4_linear: the one-row GEMV needs BLOCK_W={cfg['BLOCK_W']} = 32 x num_warps "
