@@ -123,7 +123,7 @@ def _compile_all() -> dict:
         "w4_gemv1_int4_ahead": (w4g1._w4_gemv1_kernel, dict(FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True,
                                                             BLOCK_N=8, BLOCK_W=128, EVEN=True, AHEAD=True),
                                 dict(w_ptr="*i32")),
-        # int4 with fp16 products: the inline PTX's fp16 pair FMAs, no fp16 flush of subnormals
+        # the fp16 pair products (HALF2): the inline PTX's fp16 pair FMAs and the x pairs' packing
         "w4_gemv1_int4_half2": (w4g1._w4_gemv1_kernel, dict(FMT=0, GROUP=128, HAS_ZP=True, HAS_BIAS=False, PDL=True,
                                                              BLOCK_N=8, BLOCK_W=256, EVEN=True, AHEAD=False,
                                                              HALF2=True),
