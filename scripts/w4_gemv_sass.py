@@ -59,9 +59,11 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False):
     tiles = g1.tiles(4096, fmt)
     warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
     tiles.update(HALF2=half2, AHEAD=False)
-    const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True, **tiles)
+    const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
+                 NORM=False, HAS_RES=False, GATED=False, **tiles)
     scale = "*bf16" if fmt == "int4" else "*u8"
-    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16")
+    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
+                 nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32")
     names = kernel.arg_names
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
     divisible = {"x_ptr", "w_ptr", "s_ptr", "y_ptr", "n_words"}  # the row strides are not specialized

@@ -725,3 +725,85 @@ def test_gpu_w4_dot_configs(fmt, g, zp, M, cfg):
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=dict(cfg, kernel="w4_dot"))
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)) < TOL[torch.bfloat16]
+
+
+FUSED_CASES = [("int4", 16, 512, 128, False), ("int4", 12, 768, 96, True), ("int4", 16, 4096, 128, False),
+               ("mxfp4", 16, 512, 32, False), ("mxfp4", 10, 1280, 32, False)]
+
+
+def fused_ref(x, residual, norm_weight, eps, packed, scales, zeros, fmt, g, k, gated):
+    """The unfused layers in float64 without rounding the normed row (as the fused kernel
+    does not): (add +) RMSNorm, the 4-bit product, SiLU-and-mul; and the residual sum in x's
+    dtype."""
+    s = x.double() + (residual.double() if residual is not None else 0)
+    res = s.to(x.dtype)
+    h = res.double() * torch.rsqrt(res.double().pow(2).mean() + eps) * norm_weight.double()
+    y = w4_linear_ref(h.float(), packed, scales, zeros, None, fmt, g, k).double()
+    if gated:
+        n = y.shape[1] // 2
+        y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+    return y, res
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["", "gated"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["", "residual"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt, N, K, g, zp", FUSED_CASES)
+def test_one_row_gemv_with_the_norm_and_silu_inside(fmt, N, K, g, zp, dtype, with_residual, gated):
+    """`w4_gemv1_fused` (the RMSNorm of x + residual in the one-row GEMV's prologue, SiLU-and-mul
+    of a [gate | up] weight in its epilogue) against the unfused layers: float32 to float32's
+    rounding; bf16 to bf16's (the kernel does not round the normed row, the unfused norm
+    does). The residual sum is written once, in x's dtype (the interpreter's bf16 conversion
+    may differ from round-to-nearest by one unit)."""
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_fused
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=N + K)
+    torch.manual_seed(K)
+    x = (torch.randn(1, K) * 3).to(dtype)
+    residual = torch.randn(1, K).to(dtype) if with_residual else None
+    nw = (torch.rand(K) + 0.5).to(dtype)
+    y, res = w4_gemv1_fused(x, residual, nw, 1e-6, packed, scales, zeros, fmt, g, K, gated)
+    ref, ref_res = fused_ref(x, residual, nw, 1e-6, packed, scales, zeros, fmt, g, K, gated)
+    assert y.shape == (1, N // 2 if gated else N) and y.dtype == dtype and res.shape == (1, K)
+    assert rel_err(y.double(), ref) < (1e-5 if dtype == torch.float32 else TOL[torch.bfloat16])
+    if with_residual:
+        assert torch.allclose(res.float(), ref_res.float(), rtol=2 ** -7, atol=0)
+    else:
+        assert res.data_ptr() == x.data_ptr()
+
+
+def test_one_row_operands_of_the_4bit_methods():
+    """What the fusions hand the fused one-row GEMV: int4 layers' packed weight, scales, zero
+    points and group; MXFP4 weight-only's; none with dynamic MXFP4 activations (quantized in
+    torch before the product)."""
+    int4_layer = LAYERS["int4_g32_sym"]("linear")
+    packed, scales, zeros, fmt, g, k = int4_layer.method.one_row_operands(int4_layer)
+    assert fmt == "int4" and g == 32 and k == int4_layer.in_features and zeros is None
+    assert packed is getattr(int4_layer, int4_layer.method.packed_name) and scales is int4_layer.weight_scale
+    mx = LAYERS["mxfp4"]("linear")
+    assert mx.method.one_row_operands(mx)[3:] == ("mxfp4", 32, mx.in_features)
+    act = LAYERS["mxfp4_act_mxfp4"]("linear")
+    assert act.method.one_row_operands(act) is None
+    from atom.tuning.fusions import w4_one_row
+    plan = types.SimpleNamespace(has=lambda name: True)
+    x = torch.zeros(1, int4_layer.in_features, dtype=torch.bfloat16)
+    assert w4_one_row(plan, int4_layer, x, False) is None  # CPU: the torch reference runs the layer
+    assert w4_one_row(types.SimpleNamespace(has=lambda name: False), int4_layer, x, False) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True], ids=["", "gated"])
+@pytest.mark.parametrize("fmt, N, K, g, zp", FUSED_CASES + [("int4", 6144, 4096, 128, False),
+                                                            ("int4", 28672, 4096, 128, True),
+                                                            ("mxfp4", 28672, 4096, 32, False)])
+def test_gpu_one_row_gemv_with_the_norm_and_silu_inside(fmt, N, K, g, zp, gated):
+    """The fused one-row GEMV on the GPU (HALF2 products, the table's tiles) against the
+    unfused layers, bf16, with a residual."""
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_fused
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=N + K)
+    x = (torch.randn(1, K, device="cuda") * 3).bfloat16()
+    residual = torch.randn(1, K, device="cuda").bfloat16()
+    nw = (torch.rand(K, device="cuda") + 0.5).bfloat16()
+    y, res = w4_gemv1_fused(x, residual, nw, 1e-6, packed, scales, zeros, fmt, g, K, gated)
+    ref, ref_res = fused_ref(x, residual, nw, 1e-6, packed, scales, zeros, fmt, g, K, gated)
+    assert rel_err(y.double(), ref) < TOL[torch.bfloat16]
+    assert torch.equal(res, ref_res)

@@ -7,6 +7,10 @@ which computes the same thing with fewer kernels where the plan says so:
 - "norm+gemv" / "norm+gemv+silu": at batch 1, where the plan chose a Triton GEMV for the
   shape, the RMSNorm before the q/k/v and gate-up projections (and the SiLU-and-mul after
   gate-up) run inside the GEMV (`kernels.gemv_fused`);
+- "w4_norm_gemv": the same for 4-bit layers (W4A16, MXFP4 weight-only) on NVIDIA GPUs, inside
+  their one-row GEMV (`kernels.w4_gemv1.w4_gemv1_fused`). Opt-in only, not in
+  `default_fusions`: checked against the unfused layers in the interpreter and compiled for
+  sm90, not yet run or timed on a GPU;
 - "norm+gemv+rope": at batch 1 without q/k norms (Llama), the q/k/v GEMV also rotates q and
   k and writes k, v into the paged cache (`kernels.gemv_rope`);
 - "rope_in_attention": decode steps hand q, k unrotated to the attention kernel, which
@@ -170,6 +174,19 @@ def uninstall(model: nn.Module) -> None:
                 m.mlp.gate_up_proj.one_row = "plain"
 
 
+def w4_one_row(plan, linear: nn.Module, x: torch.Tensor, gated: bool) -> tuple | None:
+    """The operands of `w4_gemv1_fused` for one row x into a 4-bit layer (its method's
+    `one_row_operands`) where the plan has "w4_norm_gemv", the layer has no bias and the 4-bit
+    kernels run for x (NVIDIA CUDA); else None."""
+    if plan is None or not plan.has("w4_norm_gemv") or x.dim() != 2 or x.shape[0] != 1 or linear.bias is not None:
+        return None
+    operands = getattr(linear.method, "one_row_operands", None)
+    if operands is None:
+        return None
+    from atom.model_ops.kernels.w4_gemm import use_w4_kernel
+    return operands(linear) if use_w4_kernel(x) else None
+
+
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False):
     """`linear(norm(x + residual))`, then SiLU-and-mul when `gated`; returns (y, x + residual)
     like the norm (no add when `residual` is None: the residual is then x). An 8-bit layer
@@ -183,6 +200,10 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, ga
         q, s, residual = norm_quant(x, residual, norm.weight, norm.eps, iq.kind, iq.qmax)
         y = linear.forward_quantized(q, s, x.dtype, _lock(plan, linear))
         return (silu_and_mul(y) if gated else y), residual
+    ops = w4_one_row(plan, linear, x, gated)
+    if ops is not None:  # a 4-bit layer's one-row GEMV with the norm (and SiLU-and-mul) inside
+        from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_fused
+        return w4_gemv1_fused(x, residual, norm.weight, norm.eps, *ops, gated=gated)
     cfg = None
     if plan is not None and linear.bias is None and is_unquantized(linear):
         cfg = plan.one_row_config(x, linear.weight, "norm+silu" if gated else "norm")

@@ -259,11 +259,53 @@ if HAS_TRITON:
             c = sx * 8.0
         return c
 
-    @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn"])
+    @triton.jit
+    def _word_sums(word, s_raw, zp, ok, xv, es, FMT: tl.constexpr, HALF2: tl.constexpr, HAS_ZP: tl.constexpr,
+                   EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        """One step's dot-product parts of a [BLOCK_N, BLOCK_W, 1] word tile with x [1, BLOCK_W, 8]
+        (its scale tile s_raw, zero points at zp): float32 [BLOCK_N, BLOCK_W, 1]."""
+        wu = word.to(tl.uint32, bitcast=True)
+        shape: tl.constexpr = [BLOCK_N, BLOCK_W]
+        if FMT == 0 and HALF2:
+            t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum u x 2^(117 - e)
+            c = _zero_term(tl.sum(xv, axis=2, keep_dims=True), zp, ok, HAS_ZP, EVEN)
+            part = (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
+        elif FMT == 0:
+            # nibble i kept at bit 4i (i <= 5) or 4i - 8 (i = 6, 7: one shift by 8 for both)
+            right = tl.where(es >= 6, 8, 0)
+            pos = 4 * es - right
+            # x 2^(85 - pos): the float of bits u << pos is u 2^(pos - 149), so every product is u x 2^-64
+            xmul = ((127 + 85 - pos) << 23).to(tl.float32, bitcast=True)
+            f = ((wu >> right) & (0xF << pos)).to(tl.float32, bitcast=True)  # u 2^(pos - 149), exact
+            t = _fma8(f, xv * xmul, tl.zeros(shape, tl.float32))[:, :, None]  # sum u x 2^-64
+            sx = tl.sum(xv, axis=2, keep_dims=True) * 5.421010862427522e-20  # sum x 2^-64
+            c = _zero_term(sx, zp, ok, HAS_ZP, EVEN)
+            part = ((t - c) * 18446744073709551616.0) * s_raw.to(tl.float32)  # 2^64 first: no underflow
+        elif HALF2:
+            t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum v x 2^(127 - e)
+            part = (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
+        else:
+            # codes i and i + 4 as the two halves of one int32 (bf16 bits): signs to bits 15 / 31
+            # (left by 12 - 4i), exponent and mantissa bits to 6-8 / 22-24
+            i4 = tl.arange(0, 4)[None, None, :]
+            mag = ((wu << tl.maximum(6 - 4 * i4, 0)) >> tl.maximum(4 * i4 - 6, 0)) & 0x01C001C0
+            h = ((wu << (12 - 4 * i4)) & 0x80008000) | mag  # [BLOCK_N, BLOCK_W, 4]: two bf16 e2m1 x 2^-126
+            lo = (h << 16).to(tl.float32, bitcast=True)  # columns 0-3 of the word, as float32
+            hi = (h & 0xFFFF0000).to(tl.float32, bitcast=True)  # columns 4-7
+            x_lo, x_hi = tl.split(tl.permute(tl.reshape(xv, [1, BLOCK_W, 2, 4]), (0, 1, 3, 2)))
+            x_lo = x_lo * 18446744073709551616.0  # x 2^64: the products v x 2^-62 are normal floats
+            x_hi = x_hi * 18446744073709551616.0
+            t = _fma4(hi, x_hi, _fma4(lo, x_lo, tl.zeros(shape, tl.float32)))[:, :, None]
+            part = (t * 4611686018427387904.0) * _e8m0(s_raw.to(tl.int32))  # 2^62 first: no underflow
+        return part
+
+    @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn", "up_rows"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
                          FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
-                         AHEAD: tl.constexpr = False, HALF2: tl.constexpr = False):
+                         AHEAD: tl.constexpr = False, HALF2: tl.constexpr = False,
+                         r_ptr=None, nw_ptr=None, rout_ptr=None, up_rows=0, eps=0.0, NORM: tl.constexpr = False,
+                         HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The row
         strides are not specialized (their alignment unknown to the compiler), which keeps
@@ -274,93 +316,112 @@ if HAS_TRITON:
         first before waiting for the kernel in front (PDL: the weights do not depend on it).
         HALF2 (NVIDIA only: inline PTX): a word's products in fp16 pairs (`_h2_dot`), x of each
         word column scaled by a power of two that puts its largest |x| in [2^14, 2^15) so that
-        the fp16 products keep 11 bits."""
+        the fp16 products keep 11 bits.
+        NORM: x is the RMSNorm of x (+ the residual at r_ptr, rounded to x's dtype as the
+        unfused add is; program 0 writes the sum to rout_ptr) with the weight at nw_ptr: each
+        program sums the squares of the x it reads anyway and scales its dot products by the
+        row's 1 / rms at the end. GATED: rows n and up_rows + n of a [gate | up] weight, and
+        y = silu(gate) up (each rounded to x's dtype first, as the unfused product writes them)."""
+        act = x_ptr.dtype.element_ty
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j2 = tl.arange(0, BLOCK_W)[None, :]
         js = j2[:, :, None]
         es = tl.arange(0, 8)[None, None, :]
-        if FMT == 0:  # nibble i kept at bit 4i (i <= 5) or 4i - 8 (i = 6, 7: one shift by 8 for both)
-            right = tl.where(es >= 6, 8, 0)
-            pos = 4 * es - right
-            mask = 0xF << pos
-            # x 2^(85 - pos): the float of bits u << pos is u 2^(pos - 149), so every product is u x 2^-64
-            xmul = ((127 + 85 - pos) << 23).to(tl.float32, bitcast=True)
-        else:  # codes i and i + 4 as the two halves of one int32 (bf16 bits): signs to bits 15 / 31
-            i4 = tl.arange(0, 4)[None, None, :]  # (left by 12 - 4i), exponent and mantissa bits to 6-8 / 22-24
-            sign_left = 12 - 4 * i4
-            mag_left = tl.maximum(6 - 4 * i4, 0)
-            mag_right = tl.maximum(4 * i4 - 6, 0)
         wp = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + j2  # [BLOCK_N, BLOCK_W]
         s_row = s_ptr + rows.to(tl.int64)[:, None] * stride_sn
         z_row = z_ptr + rows.to(tl.int64)[:, None] * stride_zn
         sp = s_row + (j2 * 8) // GROUP
         zp = z_row + (j2 * 8) // GROUP
+        # GATED: the up rows' words, scales and zero points are these pointers plus a row offset
+        w_up = up_rows.to(tl.int64) * stride_wn
+        s_up = up_rows.to(tl.int64) * stride_sn
+        z_up = up_rows.to(tl.int64) * stride_zn
         # groups that tile a step advance the scale pointers by a constant; others (e.g. 96, or
         # channel-wise groups wider than a step) index each word's group
         GROUP_STEPS: tl.constexpr = (BLOCK_W * 8) % GROUP == 0
         xp = x_ptr + js * 8 + es
         acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
-        shape: tl.constexpr = [BLOCK_N, BLOCK_W]
+        acc_up = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
+        sq = tl.zeros([1, BLOCK_W, 8], tl.float32)
         if AHEAD:
             word_next = tl.load(wp)
+            if GATED:
+                up_next = tl.load(wp + w_up)
         pdl_start(PDL)
         for w0 in range(0, n_words, BLOCK_W):
             if not GROUP_STEPS:
                 sp = s_row + ((w0 + j2) * 8) // GROUP
                 zp = z_row + ((w0 + j2) * 8) // GROUP
             ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W] (unused when EVEN)
+            x_ok = (w0 + js < n_words) & (es < 8)
             if EVEN:
                 if AHEAD:
                     word = word_next[:, :, None]
                     word_next = tl.load(wp + BLOCK_W, mask=w0 + BLOCK_W + j2 < n_words, other=0)
+                    if GATED:
+                        word_up = up_next[:, :, None]
+                        up_next = tl.load(wp + w_up + BLOCK_W, mask=w0 + BLOCK_W + j2 < n_words, other=0)
                 else:
                     word = tl.load(wp)[:, :, None]
+                    if GATED:
+                        word_up = tl.load(wp + w_up)[:, :, None]
                 xv = tl.load(xp).to(tl.float32)
                 s_raw = _load_t(sp)[:, :, None]
+                if GATED:
+                    s_raw_up = _load_t(sp + s_up)[:, :, None]
             else:
                 word = tl.load(wp, mask=ok, other=0)[:, :, None]
-                xv = tl.load(xp, mask=(w0 + js < n_words) & (es < 8), other=0.0).to(tl.float32)
+                xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
                 s_raw = _load_t(sp, ok, 0)[:, :, None]
-            wu = word.to(tl.uint32, bitcast=True)
-            if FMT == 0 and HALF2:
-                t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum u x 2^(117 - e)
-                c = _zero_term(tl.sum(xv, axis=2, keep_dims=True), zp, ok, HAS_ZP, EVEN)
-                acc += (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
-            elif FMT == 0:
-                f = ((wu >> right) & mask).to(tl.float32, bitcast=True)  # u 2^(pos - 149), exact
-                t = _fma8(f, xv * xmul, tl.zeros([BLOCK_N, BLOCK_W], tl.float32))[:, :, None]  # sum u x 2^-64
-                sx = tl.sum(xv, axis=2, keep_dims=True) * 5.421010862427522e-20  # sum x 2^-64
-                c = _zero_term(sx, zp, ok, HAS_ZP, EVEN)
-                acc += ((t - c) * 18446744073709551616.0) * s_raw.to(tl.float32)  # 2^64 first: no underflow
-            elif HALF2:
-                t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum v x 2^(127 - e)
-                acc += (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
-            else:
-                mag = ((wu << mag_left) >> mag_right) & 0x01C001C0
-                h = ((wu << sign_left) & 0x80008000) | mag  # [BLOCK_N, BLOCK_W, 4]: two bf16 e2m1 x 2^-126
-                lo = (h << 16).to(tl.float32, bitcast=True)  # columns 0-3 of the word, as float32
-                hi = (h & 0xFFFF0000).to(tl.float32, bitcast=True)  # columns 4-7
-                x_lo, x_hi = tl.split(tl.permute(tl.reshape(xv, [1, BLOCK_W, 2, 4]), (0, 1, 3, 2)))
-                x_lo = x_lo * 18446744073709551616.0  # x 2^64: the products v x 2^-62 are normal floats
-                x_hi = x_hi * 18446744073709551616.0
-                t = _fma4(hi, x_hi, _fma4(lo, x_lo, tl.zeros([BLOCK_N, BLOCK_W], tl.float32)))[:, :, None]
-                acc += (t * 4611686018427387904.0) * _e8m0(s_raw.to(tl.int32))  # 2^62 first: no underflow
+                if GATED:
+                    word_up = tl.load(wp + w_up, mask=ok, other=0)[:, :, None]
+                    s_raw_up = _load_t(sp + s_up, ok, 0)[:, :, None]
+            if NORM:
+                xo = w0 * 8 + js * 8 + es  # x's columns this step, for the residual and the norm weight
+                if HAS_RES:
+                    xs = (xv + tl.load(r_ptr + xo, mask=x_ok, other=0.0).to(tl.float32)).to(act)
+                    if tl.program_id(0) == 0:
+                        tl.store(rout_ptr + xo, xs, mask=x_ok)
+                    xv = xs.to(tl.float32)
+                sq += xv * xv
+                xv = xv * tl.load(nw_ptr + xo, mask=x_ok, other=0.0).to(tl.float32)
+            acc += _word_sums(word, s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N, BLOCK_W)
+            if GATED:
+                acc_up += _word_sums(word_up, s_raw_up, zp + z_up, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
+                                     BLOCK_W)
             wp += BLOCK_W
             xp += BLOCK_W * 8
             if GROUP_STEPS:
                 sp += (BLOCK_W * 8) // GROUP
                 zp += (BLOCK_W * 8) // GROUP
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if NORM:  # the row's 1 / rms scales every dot product
+            rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0) / (n_words * 8) + eps)
+            y = y * rstd
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        if GATED:
+            y_up = tl.sum(tl.sum(acc_up, axis=2), axis=1)
+            if NORM:
+                y_up = y_up * rstd
+            g = y.to(act).to(tl.float32)
+            y = g / (1.0 + tl.exp(-g)) * y_up.to(act).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
 def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor,
-                    bias, y: torch.Tensor, fmt_id: int, group: int, cfg: dict, common: dict) -> None:
+                    bias, y: torch.Tensor, fmt_id: int, group: int, cfg: dict, common: dict,
+                    norm: dict | None = None, gated: bool = False) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
-    int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages."""
+    int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages.
+    `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
+    of a [gate | up] weight of 2N rows, y = silu(gate) up."""
     cfg = dict(cfg)
+    if gated:
+        cfg.update(GATED=True, up_rows=words.shape[0] // 2)
+        words = words[:words.shape[0] // 2]  # the gate rows: the grid and the masks; up rows at up_rows
+    if norm is not None:
+        cfg.update(NORM=True, **norm)
     if cfg.get("HALF2") and not half2_applies(x, fmt_id):
         cfg["HALF2"] = False  # the float32 products: fp32 activations, or not an NVIDIA GPU (the interpreter)
     N, n_words = words.shape
@@ -376,3 +437,38 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     _w4_gemv1_kernel[grid](x, words, scales, z, b, y, N, n_words, words.stride(0), scales.stride(0), z.stride(0),
                            FMT=fmt_id, GROUP=group, HAS_ZP=common["HAS_ZP"], HAS_BIAS=bias is not None,
                            EVEN=even, **pdl, **cfg)
+
+
+def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: float, packed: torch.Tensor,
+                   scales: torch.Tensor, zeros, fmt: str, group: int, k: int, gated: bool = False):
+    """One row: `h, res = rmsnorm(x + residual)` (no add when `residual` is None: `res` is x),
+    then `y = h W^T` for a 4-bit weight (`w4_gemm`'s layouts), or `silu(y[:I]) * y[I:]` for a
+    [gate | up] weight of 2I rows when `gated`, in one launch of the one-row GEMV. h is not
+    rounded to x's dtype before the product (the unfused layers round it). Returns
+    (y [1, N or I], res [1, K])."""
+    from atom.model_ops.kernels.triton_import import pdl_args
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
+        raise ValueError(f"w4_gemv1_fused: x must be one row of {k} values, got {tuple(x.shape)}")
+    if norm_weight.shape != (k,):
+        raise ValueError(f"w4_gemv1_fused: norm weight shape {tuple(norm_weight.shape)} != ({k},)")
+    if not supports(fmt, group, k):
+        raise ValueError(f"w4_gemv1_fused: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
+                         f"got K={k}, group={group}")
+    if gated and packed.shape[0] % 2:
+        raise ValueError(f"w4_gemv1_fused: a gated product needs an even number of rows, got {packed.shape[0]}")
+    x = x.contiguous()
+    if residual is None:
+        r, rout = x, x
+    else:
+        if residual.numel() != k:
+            raise ValueError(f"w4_gemv1_fused: residual has {residual.numel()} values, x has {k}")
+        r, rout = residual.reshape(1, k).contiguous(), torch.empty_like(x)
+    n = packed.shape[0] // 2 if gated else packed.shape[0]
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    words = packed if fmt == "int4" else packed.view(torch.int32)
+    common = dict(HAS_ZP=zeros is not None, **pdl_args(x))
+    w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, y, FORMATS.index(fmt), group,
+                    tiles(n, fmt), common, norm=dict(r_ptr=r, nw_ptr=norm_weight, rout_ptr=rout, eps=float(eps),
+                                                   HAS_RES=residual is not None), gated=gated)
+    return y, rout.view(1, k)

@@ -168,6 +168,17 @@ class Int4LinearMethod(QuantLinearMethod):
                               layer.zero_point if self.has_zp else None, layer.bias, "int4", k // self.groups, k)
         return product(x, x.float(), self.dequantized_weight(layer), layer.bias)
 
+    def one_row_operands(self, layer: nn.Module) -> tuple | None:
+        """What the one-row GEMV's fused entry (`kernels.w4_gemv1.w4_gemv1_fused`: the norm
+        before, SiLU-and-mul after) takes for this layer: (packed, scales, zeros, "int4",
+        group, K), or None where it does not run the layer's groups."""
+        from atom.model_ops.kernels.w4_gemv1 import supports
+        k = layer.in_features
+        if not supports("int4", k // self.groups, k):
+            return None
+        return (getattr(layer, self.packed_name), layer.weight_scale, layer.zero_point if self.has_zp else None,
+                "int4", k // self.groups, k)
+
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
 

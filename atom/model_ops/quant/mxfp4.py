@@ -177,6 +177,14 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         x32 = fake_quant_mxfp4(x) if self.act == "group" else x.float()
         return product(x, x32, self.dequantized_weight(layer), layer.bias)
 
+    def one_row_operands(self, layer: nn.Module) -> tuple | None:
+        """What the one-row GEMV's fused entry (`kernels.w4_gemv1.w4_gemv1_fused`) takes for
+        this layer: (packed, scales, None, "mxfp4", 32, K); None with dynamic MXFP4
+        activations (quantized in torch before the product, which a norm in front cannot)."""
+        if self.act == "group" or layer.in_features % 8:
+            return None
+        return getattr(layer, self.packed_name), layer.weight_scale, None, "mxfp4", MX_GROUP, layer.in_features
+
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
 
