@@ -163,21 +163,23 @@ class Int4LinearMethod(QuantLinearMethod):
         """CUDA (with Triton): the fused kernel on the packed weight (`kernels.w4_gemm`);
         elsewhere the torch reference (dequantize to fp32, F.linear)."""
         if use_w4_kernel(x):
-            k = layer.in_features
-            return w4_product(x, getattr(layer, self.packed_name), layer.weight_scale,
-                              layer.zero_point if self.has_zp else None, layer.bias, "int4", k // self.groups, k)
+            packed, scales, zeros, fmt, group, k = self.w4_operands(layer)
+            return w4_product(x, packed, scales, zeros, layer.bias, fmt, group, k)
         return product(x, x.float(), self.dequantized_weight(layer), layer.bias)
+
+    def w4_operands(self, layer: nn.Module) -> tuple:
+        """The 4-bit kernels' operands of this layer: (packed, scales, zeros, "int4", group, K)."""
+        k = layer.in_features
+        return (getattr(layer, self.packed_name), layer.weight_scale, layer.zero_point if self.has_zp else None,
+                "int4", k // self.groups, k)
 
     def one_row_operands(self, layer: nn.Module) -> tuple | None:
         """What the one-row GEMV's fused entry (`kernels.w4_gemv1.w4_gemv1_fused`: the norm
-        before, SiLU-and-mul after) takes for this layer: (packed, scales, zeros, "int4",
-        group, K), or None where it does not run the layer's groups."""
+        before, SiLU-and-mul after) takes for this layer: `w4_operands`, or None where it does
+        not run the layer's groups."""
         from atom.model_ops.kernels.w4_gemv1 import supports
-        k = layer.in_features
-        if not supports("int4", k // self.groups, k):
-            return None
-        return (getattr(layer, self.packed_name), layer.weight_scale, layer.zero_point if self.has_zp else None,
-                "int4", k // self.groups, k)
+        ops = self.w4_operands(layer)
+        return ops if supports("int4", ops[4], ops[5]) else None
 
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION

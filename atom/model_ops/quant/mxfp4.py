@@ -172,18 +172,22 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         bf16; in fp16 only outside its range would they round); elsewhere the torch reference."""
         if use_w4_kernel(x):
             xq = fake_quant_mxfp4(x).to(x.dtype) if self.act == "group" else x
-            return w4_product(xq, getattr(layer, self.packed_name), layer.weight_scale, None, layer.bias,
-                              "mxfp4", MX_GROUP, layer.in_features)
+            packed, scales, _, fmt, group, k = self.w4_operands(layer)
+            return w4_product(xq, packed, scales, None, layer.bias, fmt, group, k)
         x32 = fake_quant_mxfp4(x) if self.act == "group" else x.float()
         return product(x, x32, self.dequantized_weight(layer), layer.bias)
 
+    def w4_operands(self, layer: nn.Module) -> tuple:
+        """The 4-bit kernels' operands of this layer: (packed, scales, None, "mxfp4", 32, K)."""
+        return getattr(layer, self.packed_name), layer.weight_scale, None, "mxfp4", MX_GROUP, layer.in_features
+
     def one_row_operands(self, layer: nn.Module) -> tuple | None:
         """What the one-row GEMV's fused entry (`kernels.w4_gemv1.w4_gemv1_fused`) takes for
-        this layer: (packed, scales, None, "mxfp4", 32, K); None with dynamic MXFP4
-        activations (quantized in torch before the product, which a norm in front cannot)."""
+        this layer: `w4_operands`; None with dynamic MXFP4 activations (quantized in torch
+        before the product, which a norm in front cannot) or K not whole words."""
         if self.act == "group" or layer.in_features % 8:
             return None
-        return getattr(layer, self.packed_name), layer.weight_scale, None, "mxfp4", MX_GROUP, layer.in_features
+        return self.w4_operands(layer)
 
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
