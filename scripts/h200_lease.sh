@@ -32,7 +32,8 @@
 # w4_sweep (the one-row 4-bit GEMV's tiles at Llama-3.1-8B's shapes, int4 with and without HALF2, MXFP4),
 # w4_tests (the 4-bit kernels' GPU tests), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
 # the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
-# decode in W4A16, MXFP4 and bf16, ATOM alone), kv_tests (the FP8-KV attention and MLA decode tests,
+# decode in W4A16, MXFP4 and bf16, ATOM alone), w4_fused (the same 4-bit runs with "w4_norm_gemv" added to
+# the default fusions, in a copy of the tree), kv_tests (the FP8-KV attention and MLA decode tests,
 # and the 4-bit kernels' GPU tests), attn_ahead (the unified attention's decode tilings with and
 # without `rows_ahead`, Llama-3.1-8B shape).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
@@ -164,6 +165,13 @@ for st in "$@"; do ts=$(date +%s); case $st in
             run l-lat1-$f 150 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 "${q[@]}" \
               --cache-dir /tmp/lc --out $R/l-lat1-$f.json
           done;;
+  w4_fused) rm -rf /tmp/fz; mkdir -p /tmp/fz; cp -r atom /tmp/fz/  # the tree with "w4_norm_gemv" among the default fusions
+            sed -i 's/return out + ("shared_overlap",)/return out + ("shared_overlap", "w4_norm_gemv")/' /tmp/fz/atom/tuning/fusions.py
+            grep -q '"w4_norm_gemv")' /tmp/fz/atom/tuning/fusions.py || log "w4_fused: the sed found no default_fusions line"
+            for f in w4a16 mxfp4_w4a16; do
+              run l-lat1-fz-$f 150 env -C /tmp/fz PYTHONPATH=/tmp/fz:/tmp/site python3 -m atom.benchmarks.latency $L $LAT --batches 1 \
+                --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-fz-$f.json
+            done;;
   prof_q) for f in bf16 fp8_dynamic w4a16 mxfp4_w4a16; do
             run prof-bs1-$f 150 python3 scripts/gpu_profile.py $L --scenario bs1 --quantization $f --no-summary --windows 100:20
           done;;
