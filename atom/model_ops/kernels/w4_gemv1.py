@@ -61,6 +61,11 @@ def tiles(n: int, fmt: str = "int4") -> dict:
     return dict((TILES_WIDE if n > WIDE_N else TILES)[fmt])
 
 
+def fused_tiles(n: int, fmt: str, gated: bool) -> dict:
+    """The tile of `w4_gemv1_fused` for n outputs (a gated product reads 2n rows)."""
+    return tiles(2 * n if gated else n, fmt)
+
+
 def half2_applies(x: torch.Tensor, fmt_id: int) -> bool:
     """The HALF2 path (fp16 products, inline PTX) runs 16-bit activations (fp16 rounding
     would cost fp32 activations bits they have) on NVIDIA GPUs, not under the interpreter."""
@@ -440,12 +445,13 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
 
 
 def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: float, packed: torch.Tensor,
-                   scales: torch.Tensor, zeros, fmt: str, group: int, k: int, gated: bool = False):
+                   scales: torch.Tensor, zeros, fmt: str, group: int, k: int, gated: bool = False,
+                   cfg: dict | None = None):
     """One row: `h, res = rmsnorm(x + residual)` (no add when `residual` is None: `res` is x),
     then `y = h W^T` for a 4-bit weight (`w4_gemm`'s layouts), or `silu(y[:I]) * y[I:]` for a
     [gate | up] weight of 2I rows when `gated`, in one launch of the one-row GEMV. h is not
-    rounded to x's dtype before the product (the unfused layers round it). Returns
-    (y [1, N or I], res [1, K])."""
+    rounded to x's dtype before the product (the unfused layers round it). `cfg`: the tile
+    (`tiles`' keys; default `fused_tiles`). Returns (y [1, N or I], res [1, K])."""
     from atom.model_ops.kernels.triton_import import pdl_args
     from atom.model_ops.kernels.w4_gemm import FORMATS
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
@@ -469,6 +475,6 @@ def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: fl
     words = packed if fmt == "int4" else packed.view(torch.int32)
     common = dict(HAS_ZP=zeros is not None, **pdl_args(x))
     w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, y, FORMATS.index(fmt), group,
-                    tiles(n, fmt), common, norm=dict(r_ptr=r, nw_ptr=norm_weight, rout_ptr=rout, eps=float(eps),
+                    cfg if cfg is not None else fused_tiles(n, fmt, gated), common, norm=dict(r_ptr=r, nw_ptr=norm_weight, rout_ptr=rout, eps=float(eps),
                                                    HAS_RES=residual is not None), gated=gated)
     return y, rout.view(1, k)
