@@ -34,7 +34,8 @@
 # the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_fused (the same 4-bit runs with "w4_norm_gemv" added to
 # the default fusions, in a copy of the tree), w4_fsweep (that GEMV with the norm inside against the norm
-# kernel and the GEMV, a few tiles), kv_tests (the FP8-KV attention and MLA decode tests,
+# kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
+# workload, bf16 and ptpc FP8), kv_tests (the FP8-KV attention and MLA decode tests,
 # and the 4-bit kernels' GPU tests), attn_ahead (the unified attention's decode tilings with and
 # without `rows_ahead`, Llama-3.1-8B shape).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
@@ -173,6 +174,9 @@ for st in "$@"; do ts=$(date +%s); case $st in
             for f in w4a16 mxfp4_w4a16; do
               run l-lat1-fz-$f 150 env -C /tmp/fz PYTHONPATH=/tmp/fz:/tmp/site python3 -m atom.benchmarks.latency $L $LAT --batches 1 \
                 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-fz-$f.json
+            done;;
+  prof_fp8w) for f in bf16 fp8_dynamic; do
+              run prof-wl-$f 200 python3 scripts/gpu_profile.py $L --quantization $f --no-summary --windows 300:10
             done;;
   prof_q) for f in bf16 fp8_dynamic w4a16 mxfp4_w4a16; do
             run prof-bs1-$f 150 python3 scripts/gpu_profile.py $L --scenario bs1 --quantization $f --no-summary --windows 100:20

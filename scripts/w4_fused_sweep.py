@@ -67,7 +67,7 @@ def main(argv=None) -> int:
                                 iters=args.iters)
             t_un = graph_time([lambda s=s: unfused(s) for s in sets], iters=args.iters)
             ref = unfused(one).float()
-            table = fused_tiles(N // 2 if gated else N, fmt, gated)
+            table = fused_tiles(gated)
             t_table = graph_time([lambda s=s: fused(s) for s in sets], iters=args.iters)
             # the table's tile without the residual add (what the add and program 0's store cost)
             t_nores = graph_time([lambda s=s: w4_gemv1_fused(x, None, nw, 1e-5, s[0], s[1], s[2], fmt, g, K,

@@ -790,6 +790,25 @@ def test_one_row_operands_of_the_4bit_methods():
     assert w4_one_row(types.SimpleNamespace(has=lambda name: False), int4_layer, x, False) is None
 
 
+def test_the_fusion_takes_one_row_into_a_product_that_is_not_gated(monkeypatch):
+    """Where the 4-bit kernels run (faked here), "w4_norm_gemv" hands the fused GEMV the
+    operands of one row into a product without bias; a gated product, two rows, or a plan
+    without the fusion keep the unfused layers."""
+    from atom.model_ops.kernels import w4_gemm
+    from atom.tuning.fusions import w4_one_row
+    monkeypatch.setattr(w4_gemm, "use_w4_kernel", lambda x: True)
+    layer = LAYERS["int4_g32_sym"]("linear")
+    assert w4_one_row(types.SimpleNamespace(has=lambda name: True), layer,
+                      torch.zeros(1, layer.in_features, dtype=torch.bfloat16), False) is None  # its bias
+    layer.bias = None
+    on, off = types.SimpleNamespace(has=lambda name: name == "w4_norm_gemv"), types.SimpleNamespace(has=lambda n: False)
+    x = torch.zeros(1, layer.in_features, dtype=torch.bfloat16)
+    assert w4_one_row(on, layer, x, False) == layer.method.one_row_operands(layer)
+    assert w4_one_row(on, layer, x, True) is None
+    assert w4_one_row(on, layer, torch.zeros(2, layer.in_features, dtype=torch.bfloat16), False) is None
+    assert w4_one_row(off, layer, x, False) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True], ids=["", "gated"])
 @pytest.mark.parametrize("fmt, N, K, g, zp", FUSED_CASES + [("int4", 6144, 4096, 128, False),

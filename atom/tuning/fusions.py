@@ -7,10 +7,10 @@ which computes the same thing with fewer kernels where the plan says so:
 - "norm+gemv" / "norm+gemv+silu": at batch 1, where the plan chose a Triton GEMV for the
   shape, the RMSNorm before the q/k/v and gate-up projections (and the SiLU-and-mul after
   gate-up) run inside the GEMV (`kernels.gemv_fused`);
-- "w4_norm_gemv": the same for 4-bit layers (W4A16, MXFP4 weight-only) on NVIDIA GPUs, inside
-  their one-row GEMV (`kernels.w4_gemv1.w4_gemv1_fused`). Opt-in only, not in
-  `default_fusions`: checked against the unfused layers in the interpreter and compiled for
-  sm90, not yet run or timed on a GPU;
+- "w4_norm_gemv": the norm before the q/k/v product of 4-bit layers (W4A16, MXFP4
+  weight-only) on NVIDIA GPUs inside their one-row GEMV (`kernels.w4_gemv1.w4_gemv1_fused`);
+  gate-up keeps its three kernels (`w4_one_row` says why). Opt-in only, not in
+  `default_fusions` (docs/perf has its decode timings);
 - "norm+gemv+rope": at batch 1 without q/k norms (Llama), the q/k/v GEMV also rotates q and
   k and writes k, v into the paged cache (`kernels.gemv_rope`);
 - "rope_in_attention": decode steps hand q, k unrotated to the attention kernel, which
@@ -176,9 +176,12 @@ def uninstall(model: nn.Module) -> None:
 
 def w4_one_row(plan, linear: nn.Module, x: torch.Tensor, gated: bool) -> tuple | None:
     """The operands of `w4_gemv1_fused` for one row x into a 4-bit layer (its method's
-    `one_row_operands`) where the plan has "w4_norm_gemv", the layer has no bias and the 4-bit
-    kernels run for x (NVIDIA CUDA); else None."""
-    if plan is None or not plan.has("w4_norm_gemv") or x.dim() != 2 or x.shape[0] != 1 or linear.bias is not None:
+    `one_row_operands`) where the plan has "w4_norm_gemv", the product is not gated, the layer
+    has no bias and the 4-bit kernels run for x (NVIDIA CUDA); else None. A gated (gate-up)
+    product keeps the norm kernel, the GEMV and SiLU-and-mul: with the norm and SiLU inside,
+    Llama-3.1-8B's int4 gate-up took 25.8 us against 23.6 (`scripts/w4_fused_sweep.py`)."""
+    if plan is None or not plan.has("w4_norm_gemv") or gated or x.dim() != 2 or x.shape[0] != 1 \
+            or linear.bias is not None:
         return None
     operands = getattr(linear.method, "one_row_operands", None)
     if operands is None:

@@ -61,9 +61,15 @@ def tiles(n: int, fmt: str = "int4") -> dict:
     return dict((TILES_WIDE if n > WIDE_N else TILES)[fmt])
 
 
-def fused_tiles(n: int, fmt: str, gated: bool) -> dict:
-    """The tile of `w4_gemv1_fused` for n outputs (a gated product reads 2n rows)."""
-    return tiles(2 * n if gated else n, fmt)
+FUSED_TILES = {False: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True),
+               True: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True)}
+
+
+def fused_tiles(gated: bool) -> dict:
+    """The tile of `w4_gemv1_fused` (`scripts/w4_fused_sweep.py`'s best at Llama-3.1-8B's q/k/v
+    and gate-up products, both formats): 8 rows (a gated product: 8 gate and 8 up rows) of
+    128 words a step, the next step's words loaded ahead where not gated."""
+    return dict(FUSED_TILES[gated])
 
 
 def half2_applies(x: torch.Tensor, fmt_id: int) -> bool:
@@ -474,7 +480,7 @@ def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: fl
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     words = packed if fmt == "int4" else packed.view(torch.int32)
     common = dict(HAS_ZP=zeros is not None, **pdl_args(x))
+    norm = dict(r_ptr=r, nw_ptr=norm_weight, rout_ptr=rout, eps=float(eps), HAS_RES=residual is not None)
     w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, y, FORMATS.index(fmt), group,
-                    cfg if cfg is not None else fused_tiles(n, fmt, gated), common, norm=dict(r_ptr=r, nw_ptr=norm_weight, rout_ptr=rout, eps=float(eps),
-                                                   HAS_RES=residual is not None), gated=gated)
+                    cfg if cfg is not None else fused_tiles(gated), common, norm=norm, gated=gated)
     return y, rout.view(1, k)
