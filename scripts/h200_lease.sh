@@ -35,7 +35,8 @@
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_fused (the same 4-bit runs with "w4_norm_gemv" added to
 # the default fusions, in a copy of the tree), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
-# workload, bf16 and ptpc FP8), kv_tests (the FP8-KV attention and MLA decode tests,
+# workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
+# GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,
 # and the 4-bit kernels' GPU tests), attn_ahead (the unified attention's decode tilings with and
 # without `rows_ahead`, Llama-3.1-8B shape).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
@@ -160,6 +161,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
               tests/test_mla_decode_knobs.py
             run w4-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
   w4_sweep) run w4-gemv1-sweep 300 python3 scripts/w4_gemv1_sweep.py --formats int4 mxfp4 --out $R/w4-gemv1-sweep.json;;
+  fp8_gemm) run fp8-gemm-sweep 400 python3 scripts/fp8_gemm_sweep.py --out $R/fp8-gemm-sweep.json;;
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
   w4_tests) run w4-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
