@@ -21,7 +21,7 @@ from atom.tuning.fusions import default_fusions
 from atom.tuning.plan import KernelPlan
 from conftest import make_tiny_model
 from test_quant_kernels_fp8 import INT8_SPEC
-from test_quant_methods import FORMATS, OneSpec, fill, q_int8_channel
+from test_quant_methods import FORMATS, OneSpec, fill, q_int4, q_int8_channel
 
 triton = pytest.importorskip("triton")
 NEW = ("norm+quant", "silu+quant", "split_k_fold")
@@ -58,7 +58,9 @@ def _spec(fmt):
 
 
 def _quant(fmt, w):
-    return q_int8_channel(w) if fmt == "int8" else FORMATS[fmt]["quant"](w)
+    if fmt == "int8":
+        return q_int8_channel(w)
+    return q_int4(w, *FORMATS[fmt]["int4"])[0] if "int4" in FORMATS[fmt] else FORMATS[fmt]["quant"](w)
 
 
 def _loaded(layer, fmt, seed):
@@ -225,3 +227,35 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
     assert out["fused"] == out["unfused"]
     layer = runner.model.model.layers[0]
     assert "forward" in layer.__dict__ and layer.self_attn.o_proj.split_k_lock.dtype == torch.int32
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU cases need Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("fmt", ["int4_g32_sym", "int4_g64_asym"])
+def test_4bit_fused_pieces_match_the_unfused_layers(fmt, monkeypatch):
+    """"w4_norm_gemv" with the 4-bit kernels forced onto CPU tensors (the interpreter): at one
+    row, norm + q/k/v and norm + gate-up run `w4_gemv1_fused` and SiLU + down `w4_gemv1_silu`
+    (calls counted), within bf16 rounding of the unfused layers (the fused kernel does not
+    round the normed row); at three rows nothing is fused."""
+    from atom.model_ops.kernels import w4_gemm, w4_gemv1
+    monkeypatch.setattr(w4_gemm, "use_w4_kernel", lambda x: True)
+    calls = []
+    for name in ("w4_gemv1_fused", "w4_gemv1_silu"):
+        real = getattr(w4_gemv1, name)
+        monkeypatch.setattr(w4_gemv1, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    layer = _decoder_parts(fmt, I=192)  # (64-wide groups divide down's K)
+    base = default_fusions("triton")
+    unfused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
+    fused = KernelPlan(backend="triton", fusions=base + ("w4_norm_gemv",), force_kernels=True)
+    g = torch.Generator().manual_seed(1)
+    for M in (1, 3):
+        x, res = (torch.randn(M, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+        a = torch.randn(M, 2048, generator=g).to(torch.bfloat16)
+        want = _run_parts(layer, unfused, x, res, a)
+        assert not calls
+        got = _run_parts(layer, fused, x, res, a)
+        assert (calls.count("w4_gemv1_fused"), calls.count("w4_gemv1_silu")) == ((3, 1) if M == 1 else (0, 0))
+        calls.clear()
+        for g_, w_ in zip(got, want):
+            assert g_.shape == w_.shape and g_.dtype == w_.dtype
+            err = ((g_.float() - w_.float()).abs().max() / w_.float().abs().max()).item()
+            assert err < (2e-2 if M == 1 else 1e-6), (fmt, M, err)
