@@ -1,11 +1,10 @@
-"""Times the one-row 4-bit GEMV with the kernel in front inside (the plan's "w4_norm_gemv")
-against the kernels it replaces, at Llama-3.1-8B's shapes: the add + RMSNorm inside the q/k/v
-(6144 x 4096) and gate-up (28672 x 4096) products (`w4_gemv1.w4_gemv1_fused`), the gate-up
-product with the norm and SiLU-and-mul both inside (`gated`, gate and up rows in one
-program), and SiLU-and-mul inside the down product (4096 x 14336, `w4_gemv1_silu`).
-Unfused: the norm (or SiLU) kernel and the one-row GEMV with the table's tile, as the engine
-runs them. Fused: a few tiles. A tuning probe for `w4_gemv1.fused_tiles`, not a benchmark:
-JSON of every timing to --out.
+"""Times the one-row 4-bit GEMV with the RMSNorm inside (`w4_gemv1.w4_gemv1_fused`, the plan's
+"w4_norm_gemv") against the kernels it replaces, at Llama-3.1-8B's shapes: the add + RMSNorm
+inside the q/k/v (6144 x 4096) and gate-up (28672 x 4096) products, and the gate-up product
+with the norm and SiLU-and-mul both inside (`gated`, gate and up rows in one program).
+Unfused: the norm kernel, the one-row GEMV with the table's tile (and SiLU-and-mul), as the
+engine runs them. Fused: a few tiles. A tuning probe for `w4_gemv1.fused_tiles`, not a
+benchmark: JSON of every timing to --out.
 
     python3 scripts/w4_fused_sweep.py --out w4_fused_sweep.json [--formats int4 mxfp4]
 
@@ -23,9 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_sweep import FORMATS, copies, nbytes, packed_weights  # noqa: E402
 
-# (layer, N, K, what runs inside: "norm", "norm+silu" (gated) or "silu")
-SHAPES = [("qkv", 6144, 4096, "norm"), ("gate_up", 2 * 14336, 4096, "norm"), ("gate_up", 2 * 14336, 4096, "norm+silu"),
-          ("down", 4096, 14336, "silu")]
+# (layer, N, K, what runs inside: "norm", or "norm+silu" (gated))
+SHAPES = [("qkv", 6144, 4096, "norm"), ("gate_up", 2 * 14336, 4096, "norm"), ("gate_up", 2 * 14336, 4096, "norm+silu")]
 # (BLOCK_N, num_warps, AHEAD); HALF2 always, BLOCK_W = 32 x num_warps
 TILES = [(8, 8, True), (4, 8, True), (8, 4, True), (4, 4, True), (16, 4, True), (16, 4, False),
          (8, 4, False), (8, 8, False), (16, 8, True)]
@@ -43,7 +41,7 @@ def main(argv=None) -> int:
     from atom.model_ops.kernels.activation import silu_and_mul
     from atom.model_ops.kernels.rmsnorm import fused_add_rms_norm
     from atom.model_ops.kernels.w4_gemm import w4_linear_launch
-    from atom.model_ops.kernels.w4_gemv1 import fused_tiles, tiles, w4_gemv1_fused, w4_gemv1_silu
+    from atom.model_ops.kernels.w4_gemv1 import fused_tiles, w4_gemv1_fused
     from atom.utils.cuda_timing import graph_time
     rows = []
     print(f"{'format':<7}{'layer':<8}{'inside':<10}{'N':>6}{'K':>6} {'front':>6}{'gemv':>6}{'unfused':>8}{'fused':>7}"
@@ -51,8 +49,8 @@ def main(argv=None) -> int:
     for name in args.formats:
         fmt, g, zp = FORMATS[name]
         for layer, N, K, inside in SHAPES:
-            gated, silu = inside == "norm+silu", inside == "silu"
-            x = torch.randn(1, 2 * K if silu else K, device="cuda", dtype=torch.bfloat16)
+            gated = inside == "norm+silu"
+            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
             res = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
             nw = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
             one = packed_weights(fmt, N, K, g, zp)
@@ -60,15 +58,13 @@ def main(argv=None) -> int:
                             for _ in range(copies(nbytes(*one)) - 1)]
 
             def front():
-                return silu_and_mul(x) if silu else fused_add_rms_norm(x, res, nw, 1e-5)[0]
+                return fused_add_rms_norm(x, res, nw, 1e-5)[0]
 
             def unfused(s):
                 y = w4_linear_launch(front(), s[0], s[1], s[2], None, fmt, g, K)
                 return silu_and_mul(y) if gated else y
 
             def fused(s, cfg=None):
-                if silu:
-                    return w4_gemv1_silu(x, s[0], s[1], s[2], fmt, g, K, cfg=cfg)
                 return w4_gemv1_fused(x, res, nw, 1e-5, s[0], s[1], s[2], fmt, g, K, gated=gated, cfg=cfg)[0]
             t_norm = graph_time([front for _ in sets], iters=args.iters)
             h = front()
@@ -76,7 +72,7 @@ def main(argv=None) -> int:
                                 iters=args.iters)
             t_un = graph_time([lambda s=s: unfused(s) for s in sets], iters=args.iters)
             ref = unfused(one).float()
-            table = tiles(N, fmt) if silu else fused_tiles(N // 2 if gated else N, fmt, gated)
+            table = fused_tiles(gated)
             t_table = graph_time([lambda s=s: fused(s) for s in sets], iters=args.iters)
             best = None
             for bn, warps, ahead in TILES:

@@ -786,64 +786,27 @@ def test_one_row_operands_of_the_4bit_methods():
     from atom.tuning.fusions import w4_one_row
     plan = types.SimpleNamespace(has=lambda name: True)
     x = torch.zeros(1, int4_layer.in_features, dtype=torch.bfloat16)
-    assert w4_one_row(plan, int4_layer, x) is None  # CPU: the torch reference runs the layer
-    assert w4_one_row(types.SimpleNamespace(has=lambda name: False), int4_layer, x) is None
+    assert w4_one_row(plan, int4_layer, x, False) is None  # CPU: the torch reference runs the layer
+    assert w4_one_row(types.SimpleNamespace(has=lambda name: False), int4_layer, x, False) is None
 
 
-def test_the_fusion_takes_one_row_into_a_4bit_product(monkeypatch):
+def test_the_fusion_takes_one_row_into_a_product_that_is_not_gated(monkeypatch):
     """Where the 4-bit kernels run (faked here), "w4_norm_gemv" hands the fused GEMV the
-    operands of one row into a product without bias; a bias, two rows, or a plan without the
-    fusion keep the unfused layers."""
+    operands of one row into a product without bias; a gated product, two rows, or a plan
+    without the fusion keep the unfused layers."""
     from atom.model_ops.kernels import w4_gemm
     from atom.tuning.fusions import w4_one_row
     monkeypatch.setattr(w4_gemm, "use_w4_kernel", lambda x: True)
     layer = LAYERS["int4_g32_sym"]("linear")
     assert w4_one_row(types.SimpleNamespace(has=lambda name: True), layer,
-                      torch.zeros(1, layer.in_features, dtype=torch.bfloat16)) is None  # its bias
+                      torch.zeros(1, layer.in_features, dtype=torch.bfloat16), False) is None  # its bias
     layer.bias = None
     on, off = types.SimpleNamespace(has=lambda name: name == "w4_norm_gemv"), types.SimpleNamespace(has=lambda n: False)
     x = torch.zeros(1, layer.in_features, dtype=torch.bfloat16)
-    assert w4_one_row(on, layer, x) == layer.method.one_row_operands(layer)
-    assert w4_one_row(on, layer, torch.zeros(2, layer.in_features, dtype=torch.bfloat16)) is None
-    assert w4_one_row(off, layer, x) is None
-
-
-def silu_ref(h, packed, scales, zeros, fmt, g, k):
-    """SiLU-and-mul of a [gate | up] row rounded to its dtype (as `silu_and_mul` stores it),
-    then the 4-bit product in float64."""
-    a = torch.nn.functional.silu(h[:, :k].double()) * h[:, k:].double()
-    return w4_linear_ref(a.to(h.dtype).double().float(), packed, scales, zeros, None, fmt, g, k).double()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt, N, K, g, zp", FUSED_CASES)
-def test_one_row_gemv_with_silu_and_mul_inside(fmt, N, K, g, zp, dtype):
-    """`w4_gemv1_silu` (SiLU-and-mul of the gate-up row in the one-row GEMV's prologue: the
-    down projection) against the unfused kernels' arithmetic; a row of the wrong width is
-    refused."""
-    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_silu
-    packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=N + K + 1)
-    torch.manual_seed(K + 1)
-    h = (torch.randn(1, 2 * K) * 2).to(dtype)
-    y = w4_gemv1_silu(h, packed, scales, zeros, fmt, g, K)
-    assert y.shape == (1, N) and y.dtype == dtype
-    assert rel_err(y.double(), silu_ref(h, packed, scales, zeros, fmt, g, K)) < \
-        (1e-5 if dtype == torch.float32 else TOL[torch.bfloat16])
-    with pytest.raises(ValueError, match="gate | up"):
-        w4_gemv1_silu(h[:, :K], packed, scales, zeros, fmt, g, K)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt, N, K, g, zp", FUSED_CASES + [("int4", 4096, 14336, 128, False),
-                                                            ("mxfp4", 4096, 14336, 32, False)])
-def test_gpu_one_row_gemv_with_silu_and_mul_inside(fmt, N, K, g, zp):
-    """The down projection's one-row GEMV with SiLU-and-mul inside on the GPU (HALF2, the
-    table's tiles), bf16, against the unfused arithmetic."""
-    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_silu
-    packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=N + K + 1)
-    h = (torch.randn(1, 2 * K, device="cuda") * 2).bfloat16()
-    y = w4_gemv1_silu(h, packed, scales, zeros, fmt, g, K)
-    assert rel_err(y.double(), silu_ref(h, packed, scales, zeros, fmt, g, K)) < TOL[torch.bfloat16]
+    assert w4_one_row(on, layer, x, False) == layer.method.one_row_operands(layer)
+    assert w4_one_row(on, layer, x, True) is None
+    assert w4_one_row(on, layer, torch.zeros(2, layer.in_features, dtype=torch.bfloat16), False) is None
+    assert w4_one_row(off, layer, x, False) is None
 
 
 @pytest.mark.gpu

@@ -7,12 +7,10 @@ which computes the same thing with fewer kernels where the plan says so:
 - "norm+gemv" / "norm+gemv+silu": at batch 1, where the plan chose a Triton GEMV for the
   shape, the RMSNorm before the q/k/v and gate-up projections (and the SiLU-and-mul after
   gate-up) run inside the GEMV (`kernels.gemv_fused`);
-- "w4_norm_gemv": at batch 1, 4-bit layers (W4A16, MXFP4 weight-only) on NVIDIA GPUs: the
-  norms before the q/k/v and gate-up products inside their one-row GEMV
-  (`kernels.w4_gemv1.w4_gemv1_fused`), SiLU-and-mul inside down's (`w4_gemv1_silu`). The
-  kernel's own SiLU-gated epilogue (gate and up rows in one program) is not used: Llama-3.1-8B's
-  int4 gate-up took 25.8 us so against 23.6 for the norm kernel, GEMV and SiLU
-  (`scripts/w4_fused_sweep.py`). Opt-in only, not in `default_fusions` (docs/perf has its decode timings);
+- "w4_norm_gemv": at batch 1, the norm before the q/k/v product of 4-bit layers (W4A16,
+  MXFP4 weight-only) on NVIDIA GPUs inside their one-row GEMV
+  (`kernels.w4_gemv1.w4_gemv1_fused`): Llama-3.1-8B's batch-1 decode 1-1.4% faster (docs/perf).
+  Gate-up keeps the norm kernel, its GEMV and SiLU-and-mul (`w4_one_row` says why);
 - "norm+gemv+rope": at batch 1 without q/k norms (Llama), the q/k/v GEMV also rotates q and
   k and writes k, v into the paged cache (`kernels.gemv_rope`);
 - "rope_in_attention": decode steps hand q, k unrotated to the attention kernel, which
@@ -76,8 +74,8 @@ def default_fusions(backend: str) -> tuple[str, ...]:
     out = ("norm+gemv", "norm+gemv+silu", "norm+gemv+rope", "rope+kv_write")
     if torch.version.hip is None:
         out += ("rope_in_attention",)
-    if backend == "triton":  # the 8-bit products' kernels (NVIDIA; ROCm's run the reference)
-        out += ("norm+quant", "silu+quant")
+    if backend == "triton":  # the 8-bit and 4-bit products' kernels (NVIDIA; ROCm's run the reference)
+        out += ("norm+quant", "silu+quant", "w4_norm_gemv")
     return out + ("shared_overlap",)
 
 
@@ -176,12 +174,17 @@ def uninstall(model: nn.Module) -> None:
                 m.mlp.gate_up_proj.one_row = "plain"
 
 
-def w4_one_row(plan, linear: nn.Module, x: torch.Tensor) -> tuple | None:
-    """The operands of the one-row 4-bit GEMV's fused entries (`w4_gemv1_fused`,
-    `w4_gemv1_silu`) for one row x into a 4-bit layer (its method's `one_row_operands`) where
-    the plan has "w4_norm_gemv", the layer has no bias and the 4-bit kernels run for x
-    (NVIDIA CUDA); else None."""
-    if plan is None or not plan.has("w4_norm_gemv") or x.dim() != 2 or x.shape[0] != 1 or linear.bias is not None:
+def w4_one_row(plan, linear: nn.Module, x: torch.Tensor, gated: bool) -> tuple | None:
+    """The operands of `w4_gemv1_fused` for one row x into a 4-bit layer (its method's
+    `one_row_operands`) where the plan has "w4_norm_gemv", the product is not gated, the layer
+    has no bias and the 4-bit kernels run for x (NVIDIA CUDA); else None. A gated (gate-up)
+    product keeps the norm kernel, the GEMV and SiLU-and-mul: at Llama-3.1-8B's int4 gate-up
+    (`scripts/w4_fused_sweep.py`) the norm and SiLU inside took 25.7 us against 23.4, the norm
+    alone inside 23.3 against 22.7 (MXFP4: 30.6 / 30.6 and 29.3 / 29.6); a SiLU-and-mul
+    prologue in down's GEMV, each program computing the whole row's activation, took 17.0 us
+    against 13.3 for the SiLU kernel and the GEMV."""
+    if plan is None or not plan.has("w4_norm_gemv") or gated or x.dim() != 2 or x.shape[0] != 1 \
+            or linear.bias is not None:
         return None
     operands = getattr(linear.method, "one_row_operands", None)
     if operands is None:
@@ -203,11 +206,10 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, ga
         q, s, residual = norm_quant(x, residual, norm.weight, norm.eps, iq.kind, iq.qmax)
         y = linear.forward_quantized(q, s, x.dtype, _lock(plan, linear))
         return (silu_and_mul(y) if gated else y), residual
-    ops = w4_one_row(plan, linear, x)
-    if ops is not None:  # a 4-bit layer's one-row GEMV with the norm inside
+    ops = w4_one_row(plan, linear, x, gated)
+    if ops is not None:  # a 4-bit layer's one-row GEMV with the norm (and SiLU-and-mul) inside
         from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_fused
-        y, residual = w4_gemv1_fused(x, residual, norm.weight, norm.eps, *ops)
-        return (silu_and_mul(y) if gated else y), residual
+        return w4_gemv1_fused(x, residual, norm.weight, norm.eps, *ops, gated=gated)
     cfg = None
     if plan is not None and linear.bias is None and is_unquantized(linear):
         cfg = plan.one_row_config(x, linear.weight, "norm+silu" if gated else "norm")
@@ -229,12 +231,6 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
     if not dense_mlp(layer):  # a MoE block: its own router and experts after the norm
         hidden, residual = norm(hidden, residual)
         return mlp(hidden), residual
-    down_ops = w4_one_row(plan, mlp.down_proj, hidden)
-    if down_ops is not None and w4_one_row(plan, mlp.gate_up_proj, hidden) is not None:
-        # 4-bit, one row: the norm inside the gate-up GEMV, SiLU-and-mul inside down's
-        from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_silu
-        y, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual)
-        return w4_gemv1_silu(y, *down_ops), residual
     iq = quant_input(plan, "silu+quant", mlp.down_proj, hidden)
     if iq is None:
         act, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual, gated=True)

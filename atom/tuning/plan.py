@@ -49,7 +49,7 @@ FUSIONS = (
     "split_k_fold",      # 8-bit small-M products sum their split K themselves (no reduction launch)
     "moe+shared",        # MoE: shared experts stacked after the routed ones, run in the grouped GEMM (opt-in)
     "shared_overlap",    # MoE: shared experts on a second CUDA stream, beside the routed experts
-    "w4_norm_gemv",      # batch 1, 4-bit layers: RMSNorm (and SiLU-and-mul) inside the one-row 4-bit GEMV (opt-in)
+    "w4_norm_gemv",      # batch 1, 4-bit layers: the RMSNorm inside the q/k/v product's one-row 4-bit GEMV
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 # Tokens up to which "shared_overlap" runs the shared experts on the second stream: decode

@@ -65,13 +65,10 @@ FUSED_TILES = {False: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AH
                True: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True)}
 
 
-def fused_tiles(n: int, fmt: str, gated: bool) -> dict:
-    """The tile of `w4_gemv1_fused` for n outputs (`scripts/w4_fused_sweep.py`'s best at
-    Llama-3.1-8B's q/k/v and gated gate-up products, both formats): 8 rows (gated: 8 gate and
-    8 up rows) of 128 words a step, the next step's words loaded ahead where not gated; over
-    WIDE_N outputs without gating, the plain GEMV's tile (`tiles`)."""
-    if n > WIDE_N and not gated:
-        return tiles(n, fmt)
+def fused_tiles(gated: bool) -> dict:
+    """The tile of `w4_gemv1_fused` (`scripts/w4_fused_sweep.py`'s best at Llama-3.1-8B's q/k/v
+    and gate-up products, both formats): 8 rows (a gated product: 8 gate and 8 up rows) of
+    128 words a step, the next step's words loaded ahead where not gated."""
     return dict(FUSED_TILES[gated])
 
 
@@ -131,7 +128,6 @@ def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros,
     return y.float()[None, :]
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.activation import silu_mul_cols
     from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemm import _e8m0
 
@@ -262,19 +258,6 @@ if HAS_TRITON:
         return t.to(tl.float32, bitcast=True)[:, :, None], e
 
     @triton.jit
-    def _x_step(x_ptr, xp, cols, x_ok, K, SILU: tl.constexpr, EVEN: tl.constexpr):
-        """A step's x [1, BLOCK_W, 8] as float32 (xp: its pointers, cols its columns):
-        SILU, SiLU-and-mul of the [gate | up] row's columns, rounded to x's dtype as the
-        unfused kernel stores it; else x."""
-        if SILU:
-            xv = silu_mul_cols(x_ptr, cols, x_ok, K).to(x_ptr.dtype.element_ty).to(tl.float32)
-        elif EVEN:
-            xv = tl.load(xp).to(tl.float32)
-        else:
-            xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
-        return xv
-
-    @triton.jit
     def _zero_term(sx, zp, ok, HAS_ZP: tl.constexpr, EVEN: tl.constexpr):
         """sum x times each word's zero point (`zp`'s tile; 8, the symmetric one, without)."""
         if HAS_ZP:
@@ -333,7 +316,7 @@ if HAS_TRITON:
                          PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
                          AHEAD: tl.constexpr = False, HALF2: tl.constexpr = False,
                          r_ptr=None, nw_ptr=None, rout_ptr=None, up_rows=0, eps=0.0, NORM: tl.constexpr = False,
-                         HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False, SILU: tl.constexpr = False):
+                         HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The row
         strides are not specialized (their alignment unknown to the compiler), which keeps
@@ -349,10 +332,7 @@ if HAS_TRITON:
         unfused add is; program 0 writes the sum to rout_ptr) with the weight at nw_ptr: each
         program sums the squares of the x it reads anyway and scales its dot products by the
         row's 1 / rms at the end. GATED: rows n and up_rows + n of a [gate | up] weight, and
-        y = silu(gate) up (each rounded to x's dtype first, as the unfused product writes them).
-        SILU: x is SiLU-and-mul of a [gate | up] row of 2K values (`activation.silu_mul_cols`,
-        rounded to x's dtype as the unfused kernel stores it), each program computing the
-        columns it reads."""
+        y = silu(gate) up (each rounded to x's dtype first, as the unfused product writes them)."""
         act = x_ptr.dtype.element_ty
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j2 = tl.arange(0, BLOCK_W)[None, :]
@@ -396,13 +376,13 @@ if HAS_TRITON:
                     word = tl.load(wp)[:, :, None]
                     if GATED:
                         word_up = tl.load(wp + w_up)[:, :, None]
-                xv = _x_step(x_ptr, xp, w0 * 8 + js * 8 + es, x_ok, n_words * 8, SILU, True)
+                xv = tl.load(xp).to(tl.float32)
                 s_raw = _load_t(sp)[:, :, None]
                 if GATED:
                     s_raw_up = _load_t(sp + s_up)[:, :, None]
             else:
                 word = tl.load(wp, mask=ok, other=0)[:, :, None]
-                xv = _x_step(x_ptr, xp, w0 * 8 + js * 8 + es, x_ok, n_words * 8, SILU, False)
+                xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
                 s_raw = _load_t(sp, ok, 0)[:, :, None]
                 if GATED:
                     word_up = tl.load(wp + w_up, mask=ok, other=0)[:, :, None]
@@ -442,20 +422,17 @@ if HAS_TRITON:
 
 def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor,
                     bias, y: torch.Tensor, fmt_id: int, group: int, cfg: dict, common: dict,
-                    norm: dict | None = None, gated: bool = False, silu: bool = False) -> None:
+                    norm: dict | None = None, gated: bool = False) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages.
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
-    of a [gate | up] weight of 2N rows, y = silu(gate) up; `silu`: x is a [gate | up] row of 2K
-    values, the product's input SiLU-and-mul of it."""
+    of a [gate | up] weight of 2N rows, y = silu(gate) up."""
     cfg = dict(cfg)
     if gated:
         cfg.update(GATED=True, up_rows=words.shape[0] // 2)
         words = words[:words.shape[0] // 2]  # the gate rows: the grid and the masks; up rows at up_rows
     if norm is not None:
         cfg.update(NORM=True, **norm)
-    if silu:
-        cfg["SILU"] = True
     if cfg.get("HALF2") and not half2_applies(x, fmt_id):
         cfg["HALF2"] = False  # the float32 products: fp32 activations, or not an NVIDIA GPU (the interpreter)
     N, n_words = words.shape
@@ -505,28 +482,5 @@ def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: fl
     common = dict(HAS_ZP=zeros is not None, **pdl_args(x))
     norm = dict(r_ptr=r, nw_ptr=norm_weight, rout_ptr=rout, eps=float(eps), HAS_RES=residual is not None)
     w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, y, FORMATS.index(fmt), group,
-                    cfg if cfg is not None else fused_tiles(n, fmt, gated), common, norm=norm, gated=gated)
+                    cfg if cfg is not None else fused_tiles(gated), common, norm=norm, gated=gated)
     return y, rout.view(1, k)
-
-
-def w4_gemv1_silu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str, group: int, k: int,
-                  cfg: dict | None = None) -> torch.Tensor:
-    """One row: `silu(x[:, :K]) * x[:, K:]` (rounded to x's dtype, as `silu_and_mul` stores
-    it), then its product with a 4-bit weight of K inputs (`w4_gemm`'s layouts), in one
-    launch of the one-row GEMV: the gated MLP's down projection reading the gate-up output.
-    `cfg`: the tile (default `tiles`). Returns y [1, N]."""
-    from atom.model_ops.kernels.triton_import import pdl_args
-    from atom.model_ops.kernels.w4_gemm import FORMATS
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != 2 * k:
-        raise ValueError(f"w4_gemv1_silu: x must be one [gate | up] row of {2 * k} values, got {tuple(x.shape)}")
-    if not supports(fmt, group, k):
-        raise ValueError(f"w4_gemv1_silu: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
-                         f"got K={k}, group={group}")
-    x = x.contiguous()
-    n = packed.shape[0]
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    words = packed if fmt == "int4" else packed.view(torch.int32)
-    common = dict(HAS_ZP=zeros is not None, **pdl_args(x))
-    w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, y, FORMATS.index(fmt), group,
-                    cfg if cfg is not None else tiles(n, fmt), common, silu=True)
-    return y
