@@ -237,7 +237,7 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("kind,qmax", KINDS[:2])
-@pytest.mark.parametrize("M", [1, 3, 64])
+@pytest.mark.parametrize("M", [1, 3, 64, 100, 128])
 def test_fused_quantizers_on_gpu_are_the_separate_kernels(kind, qmax, M):
     """Compiled for the GPU, the fused kernels give the separate kernels' bits (the norm's
     sum in the same order: the same jit function, block and warps) at the 8B shapes, for the

@@ -10,7 +10,7 @@ import torch
 
 from atom.model_ops.kernels.act_quant import act_quant_ref
 from atom.model_ops.kernels.quant_gemm import quant_gemm_ref
-from atom.model_ops.kernels.quant_gemv_dot import (DOT_MAX_M, quant_gemv_dot, quant_gemv_dot_fused,
+from atom.model_ops.kernels.quant_gemv_dot import (DOT_MAX_M, MID_MAX_M, quant_gemv_dot, quant_gemv_dot_fused,
                                                     quant_gemv_dot_fused_launch, quant_gemv_dot_launch,
                                                     small_m_config)
 from atom.model_ops.kernels.triton_import import HAS_TRITON
@@ -119,7 +119,15 @@ def test_fused_quantizer_is_act_quant_bit_for_bit():
 
 
 def test_table():
-    assert small_m_config(DOT_MAX_M + 1, 4096, 4096) is None
+    assert small_m_config(DOT_MAX_M + 1, 6144, 4096) is None  # q/k/v: torch._scaled_mm from 65 rows
+    assert small_m_config(DOT_MAX_M + 1, 4096, 4096, kind="int8") is None
+    # ptpc fp8 into narrow outputs from long rows (o_proj, down): one 128-row tile to 128 rows
+    for M, N, K in ((65, 4096, 4096), (128, 4096, 14336)):
+        mid = small_m_config(M, N, K)
+        assert (mid["M_PAD"], mid["BLOCK_N"], mid["BLOCK_K"], mid["SPLIT_K"], mid["FUSE"]) == (128, 64, 128, 4, False)
+    for kw in (dict(M=129), dict(N=4097), dict(K=2048), dict(block_k=128), dict(act="tensor"), dict(big_smem=False)):
+        args = dict(dict(M=100, N=4096, K=4096), **kw)
+        assert small_m_config(args.pop("M"), args.pop("N"), args.pop("K"), **args) is None, kw
     c = small_m_config(1, 4096, 4096)
     assert c["M_PAD"] == 16 and c["SPLIT_K"] > 1 and not c["FUSE"]  # fusing measured slower
     assert small_m_config(1, 28672, 4096)["SPLIT_K"] == 1  # 448 row tiles already fill the GPU
@@ -137,6 +145,23 @@ def test_table():
         for N, K in LLAMA:
             c = small_m_config(M, N, K)
             assert (K // c["BLOCK_K"]) // c["SPLIT_K"] >= 4
+
+
+def test_mid_rows_take_one_128_row_tile():
+    """ptpc fp8 at 65-128 rows into a narrow output from long rows: the table's 128-row tile
+    (the rows past M masked) against the reference, and the product's route: the swap-AB
+    kernel there, torch._scaled_mm from 129 rows."""
+    from atom.model_ops.quant import common
+    M, N, K = 100, 64, 4096
+    dtype = torch.bfloat16
+    x = _x(M, K, dtype)
+    wq, ws, bias = _weights("fp8", N, K, 0)
+    xq, xs = act_quant_ref(x, "fp8", K, 448.0)
+    xs = xs.reshape(-1)
+    _close(quant_gemv_dot_launch(xq, xs, wq, ws, bias, dtype), quant_gemm_ref(xq, xs, wq, ws, bias, dtype), dtype)
+    assert common.product_route("fp8", M, x, N) == "dot"
+    assert common.product_route("fp8", MID_MAX_M + 1, x, N) == "scaled_mm"
+    assert common.product_route("fp8", M, x, N, act="tensor") == "scaled_mm"
 
 
 def test_rejects_bad_input():
@@ -198,6 +223,30 @@ def test_llama_shapes_on_gpu(fmt, N, K, M):
     torch.testing.assert_close(y.float(), ref.float(), **tol)
     y = quant_gemv_dot_fused_launch(x, wq, ws, bias, kind, QMAX[kind], bk)
     torch.testing.assert_close(y.float(), ref.float(), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("M", [65, 80, 128])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 14336)])
+def test_mid_rows_on_gpu(N, K, M):
+    """ptpc fp8 products of 65-128 rows at Llama-3.1-8B's o_proj and down shapes, as the
+    engine runs them (`quantized_product`: the quantizer, then the swap-AB kernel's 128-row
+    tile), against the reference and torch._scaled_mm (the route before)."""
+    from atom.model_ops.quant import common
+    torch.manual_seed(M)
+    x = (torch.randn(M, K, device="cuda") * 0.5).bfloat16()
+    w = torch.randn(N, K, device="cuda") * 0.02
+    ws = w.abs().amax(1) / 448
+    wq = (w / ws[:, None]).to(FP8)
+    assert common.product_route("fp8", M, x, N) == "dot"
+    xq, xs = act_quant_ref(x, "fp8", K, 448.0)
+    ref = quant_gemm_ref(xq, xs.reshape(-1), wq, ws, None, torch.bfloat16)
+    tol = dict(rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+    y = common.quantized_product(x, wq, ws, None, "fp8", "token", 448.0)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+    mm = common._scaled_mm(xq, xs.reshape(-1), wq, ws, None, torch.bfloat16, None)
+    torch.testing.assert_close(y.float(), mm.float(), **tol)
 
 
 def test_kernel_compiles_for_sm90():

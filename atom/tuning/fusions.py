@@ -64,7 +64,7 @@ from atom.model_ops.quant.common import InputQuant
 logger = logging.getLogger(__name__)
 
 
-FUSED_QUANT_MAX_ROWS = 64  # the quantizing fusions' rows at most (see the module docstring)
+FUSED_QUANT_MAX_ROWS = 128  # the quantizing fusions' rows at most (see the module docstring)
 
 
 def default_fusions(backend: str) -> tuple[str, ...]:

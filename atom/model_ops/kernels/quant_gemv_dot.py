@@ -49,8 +49,9 @@ Every program re-reads x (from L2): M * K * 2 bytes a program; measured slower t
 separate quantizer at every M, so the table does not fuse (`FUSE_MAX_M`).
 
 `small_m_config(M, N, K, block_k, kind, act)` is the dispatch table `quant.common` consults
-(None keeps the older kernels for that case), set from the H200 sweep
-(`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot`).
+(None keeps the older kernels for that case), set from the H200 sweeps
+(`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot` up to 64 rows,
+`scripts/fp8_gemm_sweep.py` above).
 """
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ from atom.model_ops.kernels.quant_gemm import _check, check_weight_scales
 from atom.model_ops.kernels.split_k import split_k_sum
 from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, pdl_args, tl, triton
 
-DOT_MAX_M = 64  # the largest M this kernel takes
+DOT_MAX_M = 64  # the largest M this kernel takes for every 8-bit format
+MID_MAX_M = 128  # and for ptpc fp8 into narrow outputs with long rows (MID_MAX_N, MID_MIN_K)
+MID_MAX_N = 4096
+MID_MIN_K = 4096
 FUSE_MAX_M = 0  # up to here the table folds the activation quantizer in (0: never; see small_m_config)
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H200 (132 SMs): SPLIT_K grows until reached
 LONG_K = 8192  # rows at least this long take 128-row tiles at decode sizes (small_m_config)
@@ -195,7 +199,16 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
     - FUSE (activation quantizer folded in) only up to FUSE_MAX_M, now 0: every program
       re-reading and reducing its rows of x cost more than the separate quantizer launch
       plus the unfused kernel, so the table never fuses (the fused kernel stays callable
-      with `FUSE=True` in a config)."""
+      with `FUSE=True` in a config);
+    - 65-128 rows (MID_MAX_M) of ptpc fp8 (row / column scales, per-token activations) into at
+      most MID_MAX_N outputs from rows of at least MID_MIN_K (Llama-3.1-8B's o_proj and down):
+      one 128-row tile, 64 weight rows, BLOCK_K 128, SPLIT_K 4 (`scripts/fp8_gemm_sweep.py`:
+      at 80 / 128 rows 4096 x 4096 11.1 / 11.8 us and 4096 x 14336 24.1 / 25.5 us against
+      torch._scaled_mm's 13.8 / 14.0 and 38.1 / 38.0, whose 128 x 128 tiles give such outputs
+      32 programs; q/k/v and gate-up, and 192-256 rows, stayed faster there)."""
+    if DOT_MAX_M < M <= MID_MAX_M and kind == "fp8" and not block_k and act == "token" and big_smem \
+            and N <= MID_MAX_N and K >= MID_MIN_K:
+        return dict(M_PAD=MID_MAX_M, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4, FUSE=False)
     if M < 1 or M > DOT_MAX_M:
         return None
     bn, bk, warps, stages, target = 64, block_k or 256, 4, 4, TARGET_PROGRAMS
@@ -217,7 +230,8 @@ def table_summary() -> str:
     """What `small_m_config` routes here, in words (the per-layer `kernel` column): edit it
     with the table."""
     fused = f"; activation quantizer folded in for M<={FUSE_MAX_M}" if FUSE_MAX_M else ""
-    return f"quant_gemv_dot (tensor-core swap-AB, M<={DOT_MAX_M}{fused})"
+    return (f"quant_gemv_dot (tensor-core swap-AB, M<={DOT_MAX_M}; ptpc fp8 M<={MID_MAX_M} into N<={MID_MAX_N} "
+            f"with K>={MID_MIN_K}{fused})")
 
 
 def _big_smem(device: torch.device) -> bool:
@@ -230,7 +244,8 @@ def _big_smem(device: torch.device) -> bool:
 def _cfg(M, N, K, block_k, config, kind, device):
     cfg = dict(config or small_m_config(M, N, K, block_k, kind, big_smem=_big_smem(device)) or {})
     if not cfg:
-        raise ValueError(f"quant_gemv_dot takes M <= {DOT_MAX_M} rows, got M={M}")
+        raise ValueError(f"quant_gemv_dot takes M <= {DOT_MAX_M} rows (ptpc fp8: M <= {MID_MAX_M} into N <= "
+                         f"{MID_MAX_N} with K >= {MID_MIN_K}), got M={M}, N={N}, K={K}")
     cfg.pop("FUSE", None)
     if block_k:  # a K step is one scale block
         cfg["BLOCK_K"] = block_k

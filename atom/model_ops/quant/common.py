@@ -310,10 +310,11 @@ def _scaled_mm(xq, xs, w, ws_row, bias, out_dtype, w_scalar):
 def product_route(kind: str, M: int, x2: torch.Tensor | None = None, N: int = 0, block_k: int = 0,
                   rowwise: bool = True, bias: torch.Tensor | None = None, act: str = "token") -> str:
     """Which kernel the 8-bit GPU product runs for M rows:
-    - "scaled_mm": fp8 row / column scales from SCALED_MM_MIN_M rows where cuBLASLt takes them;
     - "dot_fused" / "dot": the tensor-core swap-AB kernel (`kernels.quant_gemv_dot`) where its
-      table `small_m_config(M, N, K, block_k, kind, act)` has an entry, with the activation
-      quantizer folded in ("dot_fused") or in front (`act_quant`, "dot");
+      table `small_m_config(M, N, K, block_k, kind, act)` has an entry (up to 64 rows, and
+      ptpc fp8 into narrow outputs up to 128), with the activation quantizer folded in
+      ("dot_fused") or in front (`act_quant`, "dot");
+    - "scaled_mm": else fp8 row / column scales from SCALED_MM_MIN_M rows where cuBLASLt takes them;
     - else "gemv" (the CUDA-core GEMV, M <= GEMV_MAX_M) or "gemm" (tl.dot tiles)."""
     if x2 is None:
         return route_for(kind, M, 0, N, None, None, block_k, rowwise, act)
@@ -325,13 +326,14 @@ def route_for(kind: str, M: int, K: int, N: int, out_dtype: torch.dtype | None, 
     """`product_route` for a product [M, K] x [K, N] -> `out_dtype` on `device` (None: no
     torch._scaled_mm)."""
     from atom.model_ops.kernels.quant_gemm import GEMV_MAX_M
-    from atom.model_ops.kernels.quant_gemv_dot import small_m_config
+    from atom.model_ops.kernels.quant_gemv_dot import _big_smem, small_m_config
+    big = _big_smem(torch.device(device)) if device is not None else True  # (the table's widest tiles)
+    cfg = small_m_config(M, N, K, block_k, kind, act, big_smem=big)
+    if cfg is not None:
+        return "dot_fused" if cfg.get("FUSE") else "dot"
     if kind == "fp8" and not block_k and M >= SCALED_MM_MIN_M and out_dtype is not None \
             and scaled_mm_problem_for(K, N, out_dtype, device, rowwise) is None:
         return "scaled_mm"
-    cfg = small_m_config(M, N, K, block_k, kind, act)
-    if cfg is not None:
-        return "dot_fused" if cfg.get("FUSE") else "dot"
     return "gemv" if M <= GEMV_MAX_M else "gemm"
 
 
