@@ -18,6 +18,7 @@ from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_launch, small_m
 from atom.model_ops.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from atom.model_ops.kernels.triton_import import HAS_TRITON
 from atom.model_ops.quant import common
+from atom.tuning.fusions import FUSED_QUANT_MAX_ROWS
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (interpreter on CPU)")
 FP8 = torch.float8_e4m3fn
@@ -236,12 +237,13 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("kind,qmax", KINDS[:2])
-@pytest.mark.parametrize("M", [1, 3, 64, 100, 128])
+@pytest.mark.parametrize("kind,qmax,M", [(k, q, m) for k, q in KINDS[:2] for m in (1, 3, 64, 100, 128)
+                                          if m <= FUSED_QUANT_MAX_ROWS[k]])
 def test_fused_quantizers_on_gpu_are_the_separate_kernels(kind, qmax, M):
     """Compiled for the GPU, the fused kernels give the separate kernels' bits (the norm's
     sum in the same order: the same jit function, block and warps) at the 8B shapes, for the
-    rows the fusions take (FUSED_QUANT_MAX_ROWS; at 300 rows int8 differed)."""
+    rows the fusions take (FUSED_QUANT_MAX_ROWS: int8 differed by a step at 128 rows, and at
+    300)."""
     H, I = 4096, 14336
     x, r = _rows(M, H, torch.bfloat16), _rows(M, H, torch.bfloat16, seed=1)
     w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)

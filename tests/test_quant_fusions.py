@@ -171,9 +171,13 @@ def test_fused_pieces_fall_back_where_they_do_not_apply(monkeypatch):
     qkv = layer.self_attn.qkv_proj
     assert fusions.quant_input(fused, "norm+quant", qkv, x) == common.InputQuant("fp8", 448.0, True)
     assert fusions.quant_input(unfused, "norm+quant", qkv, x) is None
-    rows = fusions.FUSED_QUANT_MAX_ROWS
+    rows = fusions.FUSED_QUANT_MAX_ROWS["fp8"]
     assert fusions.quant_input(fused, "norm+quant", qkv, torch.randn(rows, 128, dtype=torch.bfloat16)) is not None
     assert fusions.quant_input(fused, "norm+quant", qkv, torch.randn(rows + 1, 128, dtype=torch.bfloat16)) is None
+    i8 = _decoder_parts("int8").self_attn.qkv_proj  # int8: fewer rows (the GPU test's bits)
+    i8_rows = fusions.FUSED_QUANT_MAX_ROWS["int8"]
+    assert fusions.quant_input(fused, "norm+quant", i8, torch.randn(i8_rows, 128, dtype=torch.bfloat16)) is not None
+    assert fusions.quant_input(fused, "norm+quant", i8, torch.randn(i8_rows + 1, 128, dtype=torch.bfloat16)) is None
     assert fusions.quant_input(None, "norm+quant", qkv, x) is None
     assert fusions.quant_input(KernelPlan(backend="triton", fusions=NEW), "norm+quant", qkv, x) is None  # CPU
     assert fusions.quant_input(fused, "norm+quant", Linear(128, 64), x) is None
