@@ -11,8 +11,6 @@ Each timing replays a CUDA graph over enough weight copies to miss L2 (`w4_sweep
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -20,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from w4_sweep import SHAPES, copies  # noqa: E402
+from w4_sweep import SHAPES, copies, probe_args, write_rows  # noqa: E402
 
 # the Triton GEMM: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 GEMM_TILES = [(64, 128, 128, 4, 4), (64, 64, 128, 4, 4), (128, 128, 128, 8, 3), (128, 64, 128, 4, 4),
@@ -30,13 +28,8 @@ DOT_TILES = [(64, 4, 4, 1), (64, 4, 4, 2), (64, 4, 4, 4), (128, 8, 3, 1), (128, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", type=int, nargs="*", default=[80, 128, 192, 256])
-    ap.add_argument("--iters", type=int, default=20)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("fp8_gemm_sweep: no CUDA GPU here; nothing was timed", file=sys.stderr)
+    args = probe_args(__doc__, argv, ms=dict(type=int, nargs="*", default=[80, 128, 192, 256]))
+    if args is None:
         return 2
     from atom.model_ops.kernels.act_quant import act_quant
     from atom.model_ops.kernels.quant_gemm import quant_gemm_launch
@@ -94,9 +87,7 @@ def main(argv=None) -> int:
             print(f"{N:>6}{K:>6}{M:>5} {t16 * 1e6:>7.1f}{t_q * 1e6:>7.1f}{t_mm * 1e6:>8.1f}{g[0] * 1e6:>7.1f}"
                   f"{d[0] * 1e6:>7.1f}  gemm {g[1]}  dot {d[1]}", flush=True)
         del sets, w16s, w8, w16
-    with open(args.out, "w") as f:
-        json.dump(dict(commit=os.environ.get("ATOM_BENCH_COMMIT", "unknown"), device=torch.cuda.get_device_name(),
-                       rows=rows), f, indent=1)
+    write_rows(args.out, rows)
     return 0
 
 

@@ -12,8 +12,6 @@ Each timing replays a CUDA graph over enough weight copies to miss L2 (`w4_sweep
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -21,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from w4_sweep import HBM_TBS, SHAPES, copies  # noqa: E402
+from w4_sweep import HBM_TBS, SHAPES, copies, probe_args, write_rows  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, num_warps, AHEAD) for the CUDA-core GEMV over fp8
 TILES = [(2, 1024, 4, True), (2, 2048, 4, True), (4, 1024, 4, True), (4, 2048, 8, True), (1, 2048, 4, True),
@@ -29,12 +27,8 @@ TILES = [(2, 1024, 4, True), (2, 2048, 4, True), (4, 1024, 4, True), (4, 2048, 8
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--iters", type=int, default=20)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("fp8_gemv_sweep: no CUDA GPU here; nothing was timed", file=sys.stderr)
+    args = probe_args(__doc__, argv)
+    if args is None:
         return 2
     from atom.model_ops.kernels.act_quant import act_quant
     from atom.model_ops.kernels.gemv import _gemv_kernel
@@ -81,9 +75,7 @@ def main(argv=None) -> int:
               f"{w8.numel() / t / 1e12:>6.2f}{t_dot / t:>6.2f}{t16 * 1e6:>8.1f}  BLOCK_N={cfg[0]} BLOCK_K={cfg[1]} "
               f"warps={cfg[2]} AHEAD={cfg[3]} (rel err {err:.1e}; dot {err_dot:.1e}; HBM {HBM_TBS} TB/s)", flush=True)
         del sets, w8
-    with open(args.out, "w") as f:
-        json.dump(dict(commit=os.environ.get("ATOM_BENCH_COMMIT", "unknown"), device=torch.cuda.get_device_name(),
-                       rows=rows), f, indent=1)
+    write_rows(args.out, rows)
     return 0
 
 

@@ -12,15 +12,13 @@ Each timing replays a CUDA graph over enough weight copies to miss L2 (`w4_sweep
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from w4_sweep import FORMATS, copies, nbytes, packed_weights  # noqa: E402
+from w4_sweep import FORMATS, copies, nbytes, packed_weights, probe_args, write_rows  # noqa: E402
 
 # (layer, N, K, what runs inside: "norm", or "norm+silu" (gated))
 SHAPES = [("qkv", 6144, 4096, "norm"), ("gate_up", 2 * 14336, 4096, "norm"), ("gate_up", 2 * 14336, 4096, "norm+silu")]
@@ -30,13 +28,8 @@ TILES = [(8, 8, True), (4, 8, True), (8, 4, True), (4, 4, True), (16, 4, True), 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--formats", nargs="*", default=["int4", "mxfp4"], choices=list(FORMATS))
-    ap.add_argument("--iters", type=int, default=20)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("w4_fused_sweep: no CUDA GPU here; nothing was timed", file=sys.stderr)
+    args = probe_args(__doc__, argv, formats=dict(nargs="*", default=["int4", "mxfp4"], choices=list(FORMATS)))
+    if args is None:
         return 2
     from atom.model_ops.kernels.activation import silu_and_mul
     from atom.model_ops.kernels.rmsnorm import fused_add_rms_norm
@@ -89,9 +82,7 @@ def main(argv=None) -> int:
                   f"{t * 1e6:>7.1f}{t_un / t:>6.2f}  BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} "
                   f"AHEAD={cfg['AHEAD']} (rel err {err:.1e}; table {t_table * 1e6:.1f})", flush=True)
             del sets, one
-    with open(args.out, "w") as f:
-        json.dump(dict(commit=os.environ.get("ATOM_BENCH_COMMIT", "unknown"), device=torch.cuda.get_device_name(),
-                       rows=rows), f, indent=1)
+    write_rows(args.out, rows)
     return 0
 
 

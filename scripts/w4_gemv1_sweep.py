@@ -9,8 +9,6 @@ Each timing replays a CUDA graph over enough weight copies to miss L2 (`w4_sweep
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -18,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from w4_sweep import FORMATS, HBM_TBS, SHAPES, copies, nbytes, packed_weights  # noqa: E402
+from w4_sweep import FORMATS, HBM_TBS, SHAPES, copies, nbytes, packed_weights, probe_args, write_rows  # noqa: E402
 
 # (BLOCK_N, num_warps, AHEAD, HALF2): BLOCK_W is 32 x num_warps (one word per thread per row);
 # HALF2: fp16 products
@@ -30,13 +28,8 @@ TILES = [(4, 8, False, False), (8, 8, False, False), (8, 4, False, False), (4, 4
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
-    ap.add_argument("--iters", type=int, default=20)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("w4_gemv1_sweep: no CUDA GPU here; nothing was timed", file=sys.stderr)
+    args = probe_args(__doc__, argv, formats=dict(nargs="*", default=list(FORMATS), choices=list(FORMATS)))
+    if args is None:
         return 2
     from atom.model_ops.kernels import w4_gemm
     from atom.model_ops.kernels.w4_gemm import w4_config, w4_linear_launch
@@ -88,9 +81,7 @@ def main(argv=None) -> int:
                 print(f"    best with HALF2={half2}: {b['us']:.1f} us, BLOCK_N={b['cfg']['BLOCK_N']} "
                       f"warps={b['cfg']['num_warps']} AHEAD={b['cfg']['AHEAD']} (rel err {b['rel_err']:.1e})", flush=True)
             del sets, one
-    with open(args.out, "w") as f:
-        json.dump(dict(commit=os.environ.get("ATOM_BENCH_COMMIT", "unknown"), device=torch.cuda.get_device_name(),
-                       rows=rows), f, indent=1)
+    write_rows(args.out, rows)
     return 0
 
 

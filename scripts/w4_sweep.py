@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -72,6 +73,28 @@ def packed_weights(fmt: str, N: int, K: int, g: int, zp: bool):
         scales = torch.randint(118, 126, (N, K // 32), dtype=torch.uint8, device=DEVICE)
         zeros = None
     return packed, scales, zeros
+
+
+def probe_args(doc: str, argv, **extra) -> argparse.Namespace | None:
+    """The probes' command line (--out, --iters, and `extra`: option name -> add_argument
+    keywords); None, after saying so, where there is no CUDA GPU to time on."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    for name, kw in extra.items():
+        ap.add_argument(f"--{name}", **kw)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{sys.argv[0]}: no CUDA GPU here; nothing was timed", file=sys.stderr)
+        return None
+    return args
+
+
+def write_rows(path: str, rows: list) -> None:
+    """The probes' JSON: the commit (ATOM_BENCH_COMMIT), the device and every timing."""
+    with open(path, "w") as f:
+        json.dump(dict(commit=os.environ.get("ATOM_BENCH_COMMIT", "unknown"), device=torch.cuda.get_device_name(),
+                       rows=rows), f, indent=1)
 
 
 def nbytes(*ts) -> int:
