@@ -175,6 +175,39 @@ half2_err = pd.DataFrame(rows).set_index("activations")
 assert (half2_err["HALF2"] < 2e-3).all()
 half2_err.style.format("{:.1e}")
 """),
+    ("md", """
+## Which kernel runs a ptpc FP8 product
+An 8-bit layer's GPU product also depends on the rows of x (`quant.common.route_for`): the
+tensor-core swap-AB kernel (`dot`) up to 64 rows, and for ptpc fp8 into narrow outputs from
+long rows (o_proj, down) up to 128; torch._scaled_mm (cuBLASLt) above. The table needs no GPU.
+"""),
+    ("code", """
+from atom.model_ops.quant.common import route_for
+LLAMA = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+routes = pd.DataFrame([dict(layer=l, M=m, route=route_for("fp8", m, k, n, torch.bfloat16, "cpu"))
+                       for l, (n, k) in LLAMA.items() for m in (1, 8, 64, 80, 128, 192, 512)]
+                      ).pivot(index="layer", columns="M", values="route")
+assert (routes[[1, 64]] == "dot").all().all() and (routes[512] == "scaled_mm").all()
+assert routes.loc["down", 128] == "dot" and routes.loc["gate_up", 128] == "scaled_mm"
+routes
+"""),
+    ("md", "Why: the H200 sweep of those products above 64 rows (`scripts/fp8_gemm_sweep.py`, checked in under `docs/perf/raw`): cuBLASLt's 128 x 128 tiles give a 4096-wide output 32 programs for 132 SMs; the swap-AB kernel's 128-row tile splits K in four instead, until its tile no longer fits the registers (192 rows and up)."),
+    ("code", """
+raw = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw" / "2026-12-04e-h200-fp8-gemm-sweep.json"
+fp8 = pd.DataFrame(json.loads(raw.read_text())["rows"])
+best = fp8.pivot_table(index=["N", "K", "M"], columns="kernel", values="us", aggfunc="min")
+best = best.join(fp8.groupby(["N", "K", "M"]).agg(scaled_mm=("scaled_mm_us", "first"), bf16=("bf16_us", "first")))
+routed = best.reset_index().apply(lambda r: route_for("fp8", int(r.M), int(r.K), int(r.N), torch.bfloat16, "cpu"), axis=1)
+best["route"] = routed.values
+on_dot = best[best["route"] == "dot"]
+assert len(on_dot) and (on_dot["dot"] < on_dot["scaled_mm"]).all()  # the route takes the faster kernel there
+fig = Figure(figsize=(7.0, 3.0), layout="constrained")
+ax = fig.add_subplot()
+best.loc[(4096, 14336), ["scaled_mm", "dot", "gemm", "bf16"]].plot(ax=ax, marker="o")
+ax.set_ylabel("us per product"); ax.set_xlabel("rows (M)"); ax.set_title("down_proj 4096 x 14336, ptpc FP8 on an H200")
+display(best.round(1))
+fig
+"""),
 ]
 
 GRAPHS = [

@@ -36,6 +36,7 @@ def compile_all() -> dict:
         "fp8": (dict(base, HAS_BIAS=True), ops(f8, f8), mark + promote),
         "fp8_bn32": (dict(base, BLOCK_N=32, SPLIT=False), ops(f8, f8), ("mma.sync", "cp.async")),
         "fp8_m64": (dict(base, M_PAD=64, BLOCK_N=128, BLOCK_K=128), ops(f8, f8), mark + promote),
+        "fp8_m128": (dict(base, M_PAD=128, BLOCK_N=64, BLOCK_K=128), ops(f8, f8), mark + promote),  # 65-128 rows
         "fp8_fused": (dict(base, QUANT_X=True), ops("*bf16", f8), mark + ("div.rn.f32", "e4m3x2")),
         "fp8_static": (dict(base, QUANT_X=True, STATIC=True), ops("*bf16", f8), mark + ("e4m3x2",)),
         "fp8_block": (dict(base, BLOCK_K=128, BLOCKS=True), ops(f8, f8), mark),

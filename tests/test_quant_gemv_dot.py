@@ -255,6 +255,6 @@ def test_kernel_compiles_for_sm90():
     counter (tests/quant_gemv_dot_sm90.py in a child process without the interpreter)."""
     from sm90_child import run_sm90_check
     got = run_sm90_check("quant_gemv_dot_sm90.py")
-    assert len(got) == 12
+    assert len(got) == 13
     for name, flags in got.items():
         assert all(flags.values()), (name, flags)
