@@ -191,7 +191,7 @@ assert (routes[[1, 64]] == "dot").all().all() and (routes[512] == "scaled_mm").a
 assert routes.loc["down", 128] == "dot" and routes.loc["gate_up", 128] == "scaled_mm"
 routes
 """),
-    ("md", "Why: the H200 sweep of those products above 64 rows (`scripts/fp8_gemm_sweep.py`, checked in under `docs/perf/raw`): cuBLASLt's 128 x 128 tiles give a 4096-wide output 32 programs for 132 SMs; the swap-AB kernel's 128-row tile splits K in four instead, until its tile no longer fits the registers (192 rows and up)."),
+    ("md", "Why: the H200 sweep of those products above 64 rows (`scripts/fp8_gemm_sweep.py`, checked in under `docs/perf/raw`): cuBLASLt's 128 x 128 tiles give a 4096-wide output 32 programs for 132 SMs; the swap-AB kernel's 128-row tile splits K in four instead; its 256-row tile (192 rows and up) is slower than cuBLASLt."),
     ("code", """
 raw = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw" / "2026-12-04e-h200-fp8-gemm-sweep.json"
 fp8 = pd.DataFrame(json.loads(raw.read_text())["rows"])
