@@ -32,7 +32,7 @@
 # w4_sweep (the one-row 4-bit GEMV's tiles at Llama-3.1-8B's shapes, int4 with and without HALF2, MXFP4),
 # w4_tests (the 4-bit kernels' GPU tests), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
 # the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
-# decode in W4A16, MXFP4 and bf16, ATOM alone), w4_fused (the same 4-bit runs with "w4_norm_gemv" added to
+# decode in W4A16, MXFP4 and bf16, ATOM alone), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
@@ -170,13 +170,14 @@ for st in "$@"; do ts=$(date +%s); case $st in
             run l-lat1-$f 150 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 "${q[@]}" \
               --cache-dir /tmp/lc --out $R/l-lat1-$f.json
           done;;
-  w4_fused) rm -rf /tmp/fz; mkdir -p /tmp/fz; cp -r atom /tmp/fz/  # the tree with "w4_norm_gemv" among the default fusions
-            sed -i 's/return out + ("shared_overlap",)/return out + ("shared_overlap", "w4_norm_gemv")/' /tmp/fz/atom/tuning/fusions.py
-            grep -q '"w4_norm_gemv")' /tmp/fz/atom/tuning/fusions.py || log "w4_fused: the sed found no default_fusions line"
-            for f in w4a16 mxfp4_w4a16; do
-              run l-lat1-fz-$f 150 env -C /tmp/fz PYTHONPATH=/tmp/fz:/tmp/site python3 -m atom.benchmarks.latency $L $LAT --batches 1 \
-                --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-fz-$f.json
-            done;;
+  w4_unfused) rm -rf /tmp/nofz; mkdir -p /tmp/nofz; cp -r atom /tmp/nofz/  # the tree without "w4_norm_gemv" by default
+            sed -i 's/("norm+quant", "silu+quant", "w4_norm_gemv")/("norm+quant", "silu+quant")/' /tmp/nofz/atom/tuning/fusions.py
+            if ! grep -q 'out += ("norm+quant", "silu+quant")$' /tmp/nofz/atom/tuning/fusions.py; then
+              log "w4_unfused: the sed missed default_fusions"
+            else for f in w4a16 mxfp4_w4a16; do
+              run l-lat1-nofz-$f 150 env -C /tmp/nofz PYTHONPATH=/tmp/nofz:/tmp/site python3 -m atom.benchmarks.latency $L $LAT \
+                --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-nofz-$f.json
+            done; fi;;
   prof_fp8w) for f in bf16 fp8_dynamic; do
               run prof-wl-$f 200 python3 scripts/gpu_profile.py $L --quantization $f --no-summary --windows 300:10
             done;;

@@ -180,11 +180,9 @@ def w4_one_row(plan, linear: nn.Module, x: torch.Tensor, gated: bool) -> tuple |
     """The operands of `w4_gemv1_fused` for one row x into a 4-bit layer (its method's
     `one_row_operands`) where the plan has "w4_norm_gemv", the product is not gated, the layer
     has no bias and the 4-bit kernels run for x (NVIDIA CUDA); else None. A gated (gate-up)
-    product keeps the norm kernel, the GEMV and SiLU-and-mul: at Llama-3.1-8B's int4 gate-up
-    (`scripts/w4_fused_sweep.py`) the norm and SiLU inside took 25.7 us against 23.4, the norm
-    alone inside 23.3 against 22.7 (MXFP4: 30.6 / 30.6 and 29.3 / 29.6); a SiLU-and-mul
-    prologue in down's GEMV, each program computing the whole row's activation, took 17.0 us
-    against 13.3 for the SiLU kernel and the GEMV."""
+    product keeps the norm kernel, the GEMV and SiLU-and-mul: the norm and SiLU inside it, the
+    norm alone, and SiLU-and-mul in down's prologue all measured slower
+    (`scripts/w4_fused_sweep.py`; docs/perf has the figures)."""
     if plan is None or not plan.has("w4_norm_gemv") or gated or x.dim() != 2 or x.shape[0] != 1 \
             or linear.bias is not None:
         return None
