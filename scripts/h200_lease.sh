@@ -32,7 +32,8 @@
 # w4_sweep (the one-row 4-bit GEMV's tiles at Llama-3.1-8B's shapes, int4 with and without HALF2, MXFP4),
 # w4_tests (the 4-bit kernels' GPU tests), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
 # the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
-# decode in W4A16, MXFP4 and bf16, ATOM alone), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
+# decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
+# after the stage `before`), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
@@ -170,6 +171,10 @@ for st in "$@"; do ts=$(date +%s); case $st in
             run l-lat1-$f 150 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 "${q[@]}" \
               --cache-dir /tmp/lc --out $R/l-lat1-$f.json
           done;;
+  w4_before) for f in w4a16 mxfp4_w4a16; do  # after the stage `before`: the 4-bit runs of the tree in .before
+              run l-lat1-before-$f 150 "${before[@]}" python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none \
+                --repeat 1 --quantization $f --cache-dir /tmp/bc --out $R/l-lat1-before-$f.json
+            done;;
   w4_unfused) rm -rf /tmp/nofz; mkdir -p /tmp/nofz; cp -r atom /tmp/nofz/  # the tree without "w4_norm_gemv" by default
             sed -i 's/("norm+quant", "silu+quant", "w4_norm_gemv")/("norm+quant", "silu+quant")/' /tmp/nofz/atom/tuning/fusions.py
             if ! grep -q 'out += ("norm+quant", "silu+quant")$' /tmp/nofz/atom/tuning/fusions.py; then

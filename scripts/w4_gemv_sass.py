@@ -47,8 +47,8 @@ def compile_gemv(fmt: str, group: int):
 
 
 def compile_gemv1(fmt: str, group: int, half2: bool = False):
-    """`w4_gemv1._w4_gemv1_kernel` at its table tiles for 4096 outputs, sm90; (kernel, weights per
-    thread a loop step)."""
+    """`w4_gemv1._w4_gemv1_kernel` at its table tiles for a 4096 x 4096 weight, sm90; (kernel,
+    weights per thread a loop step)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -59,14 +59,16 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False):
     tiles = g1.tiles(4096, fmt)
     warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
     tiles.update(HALF2=half2, AHEAD=False)
+    n_scales = 4096 // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
-                 NORM=False, HAS_RES=False, GATED=False, **tiles)
+                 NORM=False, HAS_RES=False, GATED=False, stride_wn=4096 // 8, stride_sn=n_scales, stride_zn=n_scales,
+                 **tiles)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
                  nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32")
     names = kernel.arg_names
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
-    divisible = {"x_ptr", "w_ptr", "s_ptr", "y_ptr", "n_words"}  # the row strides are not specialized
+    divisible = {"x_ptr", "y_ptr", "n_words"}  # the weight and scale pointers are not specialized on alignment
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
