@@ -6,7 +6,7 @@ rate rather than by bytes (the H200 issues 4 warp-instructions per SM per cycle:
 thread-instructions/s over 132 SMs at 1.98 GHz, against ~8.6 T 4-bit weights/s at 4.3 TB/s),
 so fewer instructions per weight is the lever; this prints that count and the rate it allows.
 
-    python scripts/w4_gemv_sass.py            # int4 g128 and MXFP4, the shipped GEMV tiles, both kernels
+    python scripts/w4_gemv_sass.py            # int4 g128 and MXFP4, both kernels (w4_gemv1: a reference tile)
     python scripts/w4_gemv_sass.py --dump d/  # also writes each kernel's SASS into d/
     python scripts/w4_gemv_sass.py --json     # one JSON line: instructions a weight per kernel and format
 """
@@ -47,8 +47,8 @@ def compile_gemv(fmt: str, group: int):
 
 
 def compile_gemv1(fmt: str, group: int, half2: bool = False):
-    """`w4_gemv1._w4_gemv1_kernel` at its table tiles for a 4096 x 4096 weight, sm90; (kernel,
-    weights per thread a loop step)."""
+    """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 4096 weight, sm90, the reference tile below;
+    (kernel, weights per thread a loop step)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -56,13 +56,16 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False):
     from atom.model_ops.kernels import w4_gemv1 as g1
     from atom.model_ops.kernels.w4_gemm import FORMATS
     kernel = g1._w4_gemv1_kernel
-    tiles = g1.tiles(4096, fmt)
-    warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
-    tiles.update(HALF2=half2, AHEAD=False)
+    # one reference tile for both formats: 8 rows over 8 warps, the words ahead (the table's
+    # 4-row tile ties it on the H200 with more instructions a weight: the x of a column is
+    # prepared for fewer rows)
+    tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=True, HALF2=half2)
+    warps, stages = 8, 3
     n_scales = 4096 // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
-                 NORM=False, HAS_RES=False, GATED=False, stride_wn=4096 // 8, stride_sn=n_scales, stride_zn=n_scales,
-                 **tiles)
+                 NORM=False, HAS_RES=False, GATED=False, **tiles)
+    if tiles["AHEAD"]:  # the launcher compiles the row strides in
+        const.update(SW=4096 // 8, SS=n_scales, SZ=n_scales)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
                  nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32")

@@ -2,8 +2,10 @@
 the weight bytes as the checkpoint packs them (layouts in `w4_gemm`'s module docstring).
 
 At one row the product is a weight stream with one multiply-add per weight on the CUDA
-cores, and what bounds it on the H200 is the issue rate: ~33 T thread-instructions/s
-against ~8.6 T packed weights/s at 4.3 TB/s leaves ~4 instructions a weight. This kernel is
+cores, and the H200's issue rate (~33 T thread-instructions/s against ~8.6 T packed
+weights/s at 4.3 TB/s) leaves ~4 instructions a weight: the loop has to stay under it, and
+below it the kernels' speed is set by how many words are in flight (the tiles, the words
+loaded ahead) more than by the count. This kernel is
 `w4_gemm._w4_gemv_kernel` at M = 1 with its loop cut to that budget
 (`scripts/w4_gemv_sass.py` counts the compiled loop):
 - int4: a nibble is masked where it lies (nibbles 0-5; 6 and 7 after one shift of the word
@@ -31,7 +33,7 @@ the work a weight again with fp16 pair arithmetic in inline PTX: a word's nibble
 land in the two halves of one int32 (int4: masked in place as fp16 subnormals, 16 u 2^-24 for
 odd i; MXFP4: e2m1 2^-14, its bits moved to fp16's), one fp16 FMA for both against a pair of x
 scaled per word column into [2^14, 2^15), four FMAs a half-word, the halves added in fp16 and
-widened once: 3.3 (int4) / 4.6 (MXFP4) instructions a weight. Its rounding (`half2_ref`, the
+widened once: 3.1 (int4) / 4.3 (MXFP4) instructions a weight (Triton 3.6, 8-row tile). Its rounding (`half2_ref`, the
 same arithmetic in torch) costs about 1e-3 of the largest output, what rounding the
 dequantized weights to bf16 costs the tensor-core kernels and below bf16's output rounding;
 fp32 activations keep the float32 path.
@@ -45,14 +47,14 @@ import torch
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 #: tiles: BLOCK_N rows a program, BLOCK_W words (8 columns each) a step, one word per thread per
-#: row (BLOCK_W = 32 x num_warps). From the H200 sweep (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B
-#: shapes): layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x 4096) over 8 warps with
-#: the next words loaded a step ahead; wider ones (28672 x 4096) over 4 warps, int4 16 rows a
-#: program, MXFP4 the next words ahead
-TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True),
-         "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True)}
-TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True),
-              "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True)}
+#: row (BLOCK_W = 32 x num_warps), the next step's words loaded ahead (with the row strides
+#: compiled in). From the H200 sweep (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B shapes), both
+#: formats: layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x 4096) 4 rows over 8
+#: warps; wider ones (28672 x 4096) 16 rows over 4 warps
+TILES = {"int4": dict(BLOCK_N=4, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True),
+         "mxfp4": dict(BLOCK_N=4, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True)}
+TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True),
+              "mxfp4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True)}
 WIDE_N = 8192
 
 
@@ -310,22 +312,26 @@ if HAS_TRITON:
             part = (t * 4611686018427387904.0) * _e8m0(s_raw.to(tl.int32))  # 2^62 first: no underflow
         return part
 
-    @triton.jit(do_not_specialize=["up_rows"], do_not_specialize_on_alignment=["w_ptr", "s_ptr", "z_ptr"])
-    def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn: tl.constexpr,
-                         stride_sn: tl.constexpr, stride_zn: tl.constexpr,
+    @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn", "up_rows"],
+                do_not_specialize_on_alignment=["w_ptr", "s_ptr", "z_ptr"])
+    def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
                          FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
                          AHEAD: tl.constexpr = False, HALF2: tl.constexpr = False,
                          r_ptr=None, nw_ptr=None, rout_ptr=None, up_rows=0, eps=0.0, NORM: tl.constexpr = False,
-                         HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False):
+                         HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False, SW: tl.constexpr = 0,
+                         SS: tl.constexpr = 0, SZ: tl.constexpr = 0):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
-        per thread per row, its 8 x values one 16-byte load shared by the rows. The row
-        strides are compile-time constants, so that each row's load is one instruction at an
-        immediate offset from one pointer (runtime strides cost a 64-bit address sum a row and
-        step: ~0.4 instructions a weight); the weight, scale and zero-point pointers are not
-        specialized on alignment, which keeps the word loads one word per thread along the row,
-        the layout x's tile has: aligned, they would be vectorized and converted through shared
-        memory every step. AHEAD (tiles that fit evenly only): the next step's words are
+        per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
+        scale and zero-point pointers and the row strides are not specialized on alignment,
+        which keeps the word loads one word per thread along the row, the layout x's tile has:
+        aligned, they would be vectorized and converted through shared memory every step.
+        SW, SS, SZ (> 0: the row strides of the words, scales and zero points as compile-time
+        constants, for the even loop with the words ahead): each row's load is one instruction
+        at an immediate offset from one pointer, where runtime strides cost a 64-bit address
+        sum a row and step (~0.4 instructions a weight). Without the words ahead the compiler
+        then spreads the word loads through the step, each waited for in turn (slower on the
+        H200), hence runtime strides there. AHEAD (tiles that fit evenly only): the next step's words are
         loaded before this step's are used, two word tiles in flight per thread, and the
         first before waiting for the kernel in front (PDL: the weights do not depend on it).
         HALF2 (NVIDIA only: inline PTX): a word's products in fp16 pairs (`_h2_dot`), x of each
@@ -337,19 +343,27 @@ if HAS_TRITON:
         row's 1 / rms at the end. GATED: rows n and up_rows + n of a [gate | up] weight, and
         y = silu(gate) up (each rounded to x's dtype first, as the unfused product writes them)."""
         act = x_ptr.dtype.element_ty
+        if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`: the even loop, words ahead)
+            stride_w = SW
+            stride_s = SS
+            stride_z = SZ
+        else:
+            stride_w = stride_wn
+            stride_s = stride_sn
+            stride_z = stride_zn
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j2 = tl.arange(0, BLOCK_W)[None, :]
         js = j2[:, :, None]
         es = tl.arange(0, 8)[None, None, :]
-        wp = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + j2  # [BLOCK_N, BLOCK_W]
-        s_row = s_ptr + rows.to(tl.int64)[:, None] * stride_sn
-        z_row = z_ptr + rows.to(tl.int64)[:, None] * stride_zn
+        wp = w_ptr + rows.to(tl.int64)[:, None] * stride_w + j2  # [BLOCK_N, BLOCK_W]
+        s_row = s_ptr + rows.to(tl.int64)[:, None] * stride_s
+        z_row = z_ptr + rows.to(tl.int64)[:, None] * stride_z
         sp = s_row + (j2 * 8) // GROUP
         zp = z_row + (j2 * 8) // GROUP
         # GATED: the up rows' words, scales and zero points are these pointers plus a row offset
-        w_up = up_rows.to(tl.int64) * stride_wn
-        s_up = up_rows.to(tl.int64) * stride_sn
-        z_up = up_rows.to(tl.int64) * stride_zn
+        w_up = up_rows.to(tl.int64) * stride_w
+        s_up = up_rows.to(tl.int64) * stride_s
+        z_up = up_rows.to(tl.int64) * stride_z
         # groups that tile a step advance the scale pointers by a constant; others (e.g. 96, or
         # channel-wise groups wider than a step) index each word's group
         GROUP_STEPS: tl.constexpr = (BLOCK_W * 8) % GROUP == 0
@@ -448,6 +462,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     even = N % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0 and n_words > 0
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
+    elif cfg.get("AHEAD"):  # row strides compiled in (one compile per weight shape)
+        cfg.update(SW=words.stride(0), SS=scales.stride(0), SZ=z.stride(0))
     pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
     b = bias if bias is not None else y
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
