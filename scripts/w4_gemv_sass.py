@@ -63,8 +63,8 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False):
     warps, stages = 8, 3
     n_scales = 4096 // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
-                 NORM=False, HAS_RES=False, GATED=False, **tiles)
-    if tiles["AHEAD"]:  # the launcher compiles the row strides in
+                 NORM=False, HAS_RES=False, GATED=False, SW=0, SS=0, SZ=0, **tiles)
+    if g1.FIXED_STRIDES[fmt]:  # the launcher compiles the row strides in
         const.update(SW=4096 // 8, SS=n_scales, SZ=n_scales)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",

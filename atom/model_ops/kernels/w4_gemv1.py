@@ -33,7 +33,8 @@ the work a weight again with fp16 pair arithmetic in inline PTX: a word's nibble
 land in the two halves of one int32 (int4: masked in place as fp16 subnormals, 16 u 2^-24 for
 odd i; MXFP4: e2m1 2^-14, its bits moved to fp16's), one fp16 FMA for both against a pair of x
 scaled per word column into [2^14, 2^15), four FMAs a half-word, the halves added in fp16 and
-widened once: 3.1 (int4) / 4.3 (MXFP4) instructions a weight (Triton 3.6, 8-row tile). Its rounding (`half2_ref`, the
+widened once: 3.6 (int4) / 4.3 (MXFP4, row strides compiled in) instructions a weight
+(Triton 3.6, 8-row tile with the words ahead). Its rounding (`half2_ref`, the
 same arithmetic in torch) costs about 1e-3 of the largest output, what rounding the
 dequantized weights to bf16 costs the tensor-core kernels and below bf16's output rounding;
 fp32 activations keep the float32 path.
@@ -47,14 +48,19 @@ import torch
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
 #: tiles: BLOCK_N rows a program, BLOCK_W words (8 columns each) a step, one word per thread per
-#: row (BLOCK_W = 32 x num_warps), the next step's words loaded ahead (with the row strides
-#: compiled in). From the H200 sweep (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B shapes), both
-#: formats: layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x 4096) 4 rows over 8
-#: warps; wider ones (28672 x 4096) 16 rows over 4 warps
-TILES = {"int4": dict(BLOCK_N=4, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True),
-         "mxfp4": dict(BLOCK_N=4, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True)}
-TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True),
-              "mxfp4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True)}
+#: row (BLOCK_W = 32 x num_warps). From the H200 sweep (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B
+#: shapes): layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x 4096) over 8 warps with
+#: the next words loaded a step ahead; wider ones (28672 x 4096) over 4 warps, int4 16 rows a
+#: program, MXFP4 the next words ahead. Batch-1 decode picked these over 4-row tiles, which the
+#: sweep alone had tied or preferred
+TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True),
+         "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True)}
+TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True),
+              "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True)}
+#: formats whose even loop with the words ahead compiles the row strides in (the kernel's SW,
+#: SS, SZ): MXFP4 batch-1 decode ~4% faster on the H200; int4 was ~1.5% slower with the same
+#: tiles (its loop has fewer instructions to save, and the loads land later in the step)
+FIXED_STRIDES = {"int4": False, "mxfp4": True}
 WIDE_N = 8192
 
 
@@ -327,7 +333,7 @@ if HAS_TRITON:
         which keeps the word loads one word per thread along the row, the layout x's tile has:
         aligned, they would be vectorized and converted through shared memory every step.
         SW, SS, SZ (> 0: the row strides of the words, scales and zero points as compile-time
-        constants, for the even loop with the words ahead): each row's load is one instruction
+        constants, for the even loop with the words ahead, `FIXED_STRIDES`): each row's load is one instruction
         at an immediate offset from one pointer, where runtime strides cost a 64-bit address
         sum a row and step (~0.4 instructions a weight). Without the words ahead the compiler
         then spreads the word loads through the step, each waited for in turn (slower on the
@@ -384,14 +390,21 @@ if HAS_TRITON:
             x_ok = (w0 + js < n_words) & (es < 8)
             if EVEN:
                 if AHEAD:
-                    # the next step's words; the last step reloads the first step's (in bounds, unused):
-                    # a scalar select in place of a mask a thread
-                    nxt = tl.where(w0 + BLOCK_W < n_words, BLOCK_W, -w0)
                     word = word_next[:, :, None]
-                    word_next = tl.load(wp + nxt)
                     if GATED:
                         word_up = up_next[:, :, None]
-                        up_next = tl.load(wp + w_up + nxt)
+                    if SW > 0:
+                        # the next step's words; the last step reloads the first step's (in bounds,
+                        # unused): a scalar select in place of a mask a thread (with runtime strides
+                        # the moved pointer costs an address sum a row, slower than the mask)
+                        nxt = tl.where(w0 + BLOCK_W < n_words, BLOCK_W, -w0)
+                        word_next = tl.load(wp + nxt)
+                        if GATED:
+                            up_next = tl.load(wp + w_up + nxt)
+                    else:
+                        word_next = tl.load(wp + BLOCK_W, mask=w0 + BLOCK_W + j2 < n_words, other=0)
+                        if GATED:
+                            up_next = tl.load(wp + w_up + BLOCK_W, mask=w0 + BLOCK_W + j2 < n_words, other=0)
                 else:
                     word = tl.load(wp)[:, :, None]
                     if GATED:
@@ -447,6 +460,7 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages.
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
     of a [gate | up] weight of 2N rows, y = silu(gate) up."""
+    from atom.model_ops.kernels.w4_gemm import FORMATS
     cfg = dict(cfg)
     if gated:
         cfg.update(GATED=True, up_rows=words.shape[0] // 2)
@@ -462,7 +476,7 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     even = N % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0 and n_words > 0
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
-    elif cfg.get("AHEAD"):  # row strides compiled in (one compile per weight shape)
+    elif cfg.get("AHEAD") and FIXED_STRIDES[FORMATS[fmt_id]]:  # one compile per weight shape
         cfg.update(SW=words.stride(0), SS=scales.stride(0), SZ=z.stride(0))
     pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
     b = bias if bias is not None else y
