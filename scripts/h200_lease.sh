@@ -35,8 +35,7 @@
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
 # after the stage `before`), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
 # tree and the one in .before), w4_ab (W4A16 batch-1 decode: this tree (A), with runtime row strides (B),
-# with 8-row tiles up to 8192 outputs (D), the tree in .before (C)), w4_far (W4A16 and MXFP4 batch-1
-# decode with the words two steps ahead: this tree (A), in the narrow tiles (E), in every tile (F)), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
+# with 8-row tiles up to 8192 outputs (D), the tree in .before (C)), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
@@ -194,26 +193,6 @@ for st in "$@"; do ts=$(date +%s); case $st in
            run l-lat1-ab$v-w4a16 150 "${pre[@]}" python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 \
              --quantization w4a16 --cache-dir /tmp/ab$v --out $R/l-lat1-ab$v-w4a16.json
          done;;
-  w4_far) G=atom/model_ops/kernels/w4_gemv1.py  # batch-1 decode, the words two steps ahead: E narrow tiles, F every tile
-         rm -rf /tmp/vE /tmp/vF; mkdir -p /tmp/vE /tmp/vF; cp -r atom /tmp/vE/; cp -r atom /tmp/vF/
-         python3 - /tmp/vE/$G /tmp/vF/$G <<'PY'
-import sys
-for path, wide in ((sys.argv[1], False), (sys.argv[2], True)):
-    s = open(path).read()
-    a, b = s.index("TILES = {"), s.index("#: formats whose even loop")
-    t = s[a:b]
-    head, tail = t.split("TILES_WIDE")
-    head = head.replace("AHEAD=True", "AHEAD=2")
-    if wide:
-        tail = tail.replace("AHEAD=True", "AHEAD=2").replace("num_stages=3, HALF2=True)", "num_stages=3, AHEAD=2, HALF2=True)")
-    open(path, "w").write(s[:a] + head + "TILES_WIDE" + tail + s[b:])
-PY
-         diff atom/model_ops/kernels/w4_gemv1.py /tmp/vE/$G; diff atom/model_ops/kernels/w4_gemv1.py /tmp/vF/$G
-         for f in w4a16 mxfp4_w4a16; do for v in A E F; do
-           case $v in A) pre=();; E) pre=(env -C /tmp/vE PYTHONPATH=/tmp/vE:/tmp/site);; F) pre=(env -C /tmp/vF PYTHONPATH=/tmp/vF:/tmp/site);; esac
-           run l-lat1-far$v-$f 150 "${pre[@]}" python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 \
-             --quantization $f --cache-dir /tmp/far$v --out $R/l-lat1-far$v-$f.json
-         done; done;;
   w4_unfused) rm -rf /tmp/nofz; mkdir -p /tmp/nofz; cp -r atom /tmp/nofz/  # the tree without "w4_norm_gemv" by default
             sed -i 's/("norm+quant", "silu+quant", "w4_norm_gemv")/("norm+quant", "silu+quant")/' /tmp/nofz/atom/tuning/fusions.py
             if ! grep -q 'out += ("norm+quant", "silu+quant")$' /tmp/nofz/atom/tuning/fusions.py; then

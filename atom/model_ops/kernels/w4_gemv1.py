@@ -337,10 +337,9 @@ if HAS_TRITON:
         at an immediate offset from one pointer, where runtime strides cost a 64-bit address
         sum a row and step (~0.4 instructions a weight). Without the words ahead the compiler
         then spreads the word loads through the step, each waited for in turn (slower on the
-        H200), hence runtime strides there. AHEAD (tiles that fit evenly only): the next step's
-        words are loaded before this step's are used, two word tiles in flight per thread, and
-        the first before waiting for the kernel in front (PDL: the weights do not depend on
-        it); AHEAD = 2: the step after next too, three tiles in flight.
+        H200), hence runtime strides there. AHEAD (tiles that fit evenly only): the next step's words are
+        loaded before this step's are used, two word tiles in flight per thread, and the
+        first before waiting for the kernel in front (PDL: the weights do not depend on it).
         HALF2 (NVIDIA only: inline PTX): a word's products in fp16 pairs (`_h2_dot`), x of each
         word column scaled by a power of two that puts its largest |x| in [2^14, 2^15) so that
         the fp16 products keep 11 bits.
@@ -382,10 +381,6 @@ if HAS_TRITON:
             word_next = tl.load(wp)
             if GATED:
                 up_next = tl.load(wp + w_up)
-            if AHEAD > 1:  # the step after it too (masked: K may be one step)
-                word_far = tl.load(wp + BLOCK_W, mask=BLOCK_W + j2 < n_words, other=0)
-                if GATED:
-                    up_far = tl.load(wp + w_up + BLOCK_W, mask=BLOCK_W + j2 < n_words, other=0)
         pdl_start(PDL)
         for w0 in range(0, n_words, BLOCK_W):
             if not GROUP_STEPS:
@@ -394,23 +389,7 @@ if HAS_TRITON:
             ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W] (unused when EVEN)
             x_ok = (w0 + js < n_words) & (es < 8)
             if EVEN:
-                if AHEAD > 1:  # words two steps ahead: the next step's are already in flight
-                    word = word_next[:, :, None]
-                    word_next = word_far
-                    if GATED:
-                        word_up = up_next[:, :, None]
-                        up_next = up_far
-                    if SW > 0:  # the step after next, or the first step's again (in bounds, unused)
-                        far = tl.where(w0 + 2 * BLOCK_W < n_words, 2 * BLOCK_W, -w0)
-                        word_far = tl.load(wp + far)
-                        if GATED:
-                            up_far = tl.load(wp + w_up + far)
-                    else:
-                        word_far = tl.load(wp + 2 * BLOCK_W, mask=w0 + 2 * BLOCK_W + j2 < n_words, other=0)
-                        if GATED:
-                            up_far = tl.load(wp + w_up + 2 * BLOCK_W, mask=w0 + 2 * BLOCK_W + j2 < n_words,
-                                             other=0)
-                elif AHEAD:
+                if AHEAD:
                     word = word_next[:, :, None]
                     if GATED:
                         word_up = up_next[:, :, None]
