@@ -34,8 +34,7 @@
 # the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
 # after the stage `before`), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
-# tree and the one in .before), w4_ab (W4A16 batch-1 decode: this tree (A), with runtime row strides (B),
-# with 8-row tiles up to 8192 outputs (D), the tree in .before (C)), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
+# tree and the one in .before), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
@@ -182,17 +181,6 @@ for st in "$@"; do ts=$(date +%s); case $st in
             run prof-bs1-before-$f 150 "${before[@]}" python3 $PWD/scripts/gpu_profile.py $L --scenario bs1 --quantization $f \
               --no-summary --windows 100:20 --sequence 40
           done;;
-  w4_ab) G=atom/model_ops/kernels/w4_gemv1.py  # W4A16 batch-1 decode: this tree, runtime row strides, 8-row narrow tiles, .before's
-         rm -rf /tmp/vB /tmp/vD; mkdir -p /tmp/vB /tmp/vD; cp -r atom /tmp/vB/; cp -r atom /tmp/vD/
-         sed -i 's/    elif cfg.get("AHEAD"):  # row strides compiled in.*/    elif False:/' /tmp/vB/$G
-         sed -i 's/^TILES = {"int4": dict(BLOCK_N=4,/TILES = {"int4": dict(BLOCK_N=8,/; s/^         "mxfp4": dict(BLOCK_N=4,/         "mxfp4": dict(BLOCK_N=8,/' /tmp/vD/$G
-         diff -r atom /tmp/vB/atom | head -5; diff -r atom /tmp/vD/atom | head -9
-         for v in A B D C; do
-           case $v in A) pre=();; B) pre=(env -C /tmp/vB PYTHONPATH=/tmp/vB:/tmp/site);; D) pre=(env -C /tmp/vD PYTHONPATH=/tmp/vD:/tmp/site);;
-                      C) pre=("${before[@]}");; esac
-           run l-lat1-ab$v-w4a16 150 "${pre[@]}" python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 \
-             --quantization w4a16 --cache-dir /tmp/ab$v --out $R/l-lat1-ab$v-w4a16.json
-         done;;
   w4_unfused) rm -rf /tmp/nofz; mkdir -p /tmp/nofz; cp -r atom /tmp/nofz/  # the tree without "w4_norm_gemv" by default
             sed -i 's/("norm+quant", "silu+quant", "w4_norm_gemv")/("norm+quant", "silu+quant")/' /tmp/nofz/atom/tuning/fusions.py
             if ! grep -q 'out += ("norm+quant", "silu+quant")$' /tmp/nofz/atom/tuning/fusions.py; then

@@ -56,9 +56,8 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False):
     from atom.model_ops.kernels import w4_gemv1 as g1
     from atom.model_ops.kernels.w4_gemm import FORMATS
     kernel = g1._w4_gemv1_kernel
-    # one reference tile for both formats: 8 rows over 8 warps, the words ahead (the table's
-    # 4-row tile ties it on the H200 with more instructions a weight: the x of a column is
-    # prepared for fewer rows)
+    # one reference tile for both formats: the table's up to 8192 outputs (8 rows over 8 warps,
+    # the words ahead)
     tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=True, HALF2=half2)
     warps, stages = 8, 3
     n_scales = 4096 // group

@@ -132,6 +132,12 @@ def _compile_all() -> dict:
                                                               BLOCK_N=8, BLOCK_W=128, EVEN=False, AHEAD=False,
                                                               HALF2=True),
                                  dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("fma.rn.f16x2", "cvt.rn.f16x2.f32")),
+        # MXFP4's even loop with the words ahead and its row strides compiled in
+        "w4_gemv1_mxfp4_fixed_strides": (w4g1._w4_gemv1_kernel,
+                                         dict(NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32, HAS_ZP=False,
+                                              HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
+                                              BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True),
+                                         dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("fma.rn.f16x2",)),
         # the norm prologue (with the residual) and the SiLU-gated [gate | up] epilogue
         "w4_gemv1_int4_norm_gated": (w4g1._w4_gemv1_kernel, dict(NORM=True, HAS_RES=True, GATED=True, FMT=0,
                                                                  GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0,
@@ -191,7 +197,7 @@ def test_kernels_compile_for_sm90():
                         "moe_gemv_unsorted", "attention_3_stages_rows_ahead_False",
                         "attention_3_stages_rows_ahead_True", "attention_fp8_f16_dots", "w4_gemv1_int4_masked",
                         "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2",
-                        "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated"}
+                        "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

@@ -333,13 +333,14 @@ if HAS_TRITON:
         which keeps the word loads one word per thread along the row, the layout x's tile has:
         aligned, they would be vectorized and converted through shared memory every step.
         SW, SS, SZ (> 0: the row strides of the words, scales and zero points as compile-time
-        constants, for the even loop with the words ahead, `FIXED_STRIDES`): each row's load is one instruction
-        at an immediate offset from one pointer, where runtime strides cost a 64-bit address
-        sum a row and step (~0.4 instructions a weight). Without the words ahead the compiler
-        then spreads the word loads through the step, each waited for in turn (slower on the
-        H200), hence runtime strides there. AHEAD (tiles that fit evenly only): the next step's words are
-        loaded before this step's are used, two word tiles in flight per thread, and the
-        first before waiting for the kernel in front (PDL: the weights do not depend on it).
+        constants, for the even loop with the words ahead of the `FIXED_STRIDES` formats):
+        each row's load is one instruction at an immediate offset from one pointer, where
+        runtime strides cost a 64-bit address sum a row and step (~0.4 instructions a weight).
+        Without the words ahead the compiler then spreads the word loads through the step,
+        each waited for in turn (slower on the H200), hence runtime strides there. AHEAD
+        (tiles that fit evenly only): the next step's words are loaded before this step's are
+        used, two word tiles in flight per thread, and the first before waiting for the kernel
+        in front (PDL: the weights do not depend on it).
         HALF2 (NVIDIA only: inline PTX): a word's products in fp16 pairs (`_h2_dot`), x of each
         word column scaled by a power of two that puts its largest |x| in [2^14, 2^15) so that
         the fp16 products keep 11 bits.
@@ -349,7 +350,7 @@ if HAS_TRITON:
         row's 1 / rms at the end. GATED: rows n and up_rows + n of a [gate | up] weight, and
         y = silu(gate) up (each rounded to x's dtype first, as the unfused product writes them)."""
         act = x_ptr.dtype.element_ty
-        if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`: the even loop, words ahead)
+        if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
             stride_w = SW
             stride_s = SS
             stride_z = SZ
