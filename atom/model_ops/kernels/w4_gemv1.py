@@ -58,8 +58,8 @@ TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=T
 TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True),
               "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True)}
 #: formats whose even loop with the words ahead compiles the row strides in (the kernel's SW,
-#: SS, SZ): MXFP4 batch-1 decode ~4% faster on the H200; int4 was ~1.5% slower with the same
-#: tiles (its loop has fewer instructions to save, and the loads land later in the step)
+#: SS, SZ): faster batch-1 decode for MXFP4, slower for int4 with the same tiles (its loop has
+#: fewer instructions to save); the figures are in docs/perf
 FIXED_STRIDES = {"int4": False, "mxfp4": True}
 WIDE_N = 8192
 
