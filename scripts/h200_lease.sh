@@ -35,7 +35,8 @@
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
 # after the stage `before`), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
 # tree and the one in .before), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
-# the default fusions, in a copy of the tree), w4_fsweep (that GEMV with the norm inside against the norm
+# the default fusions, in a copy of the tree), w4_var (the same 4-bit runs for each .variants/NAME.py appended to
+# w4_gemv1.py in a copy of the tree: tile-table variants), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
 # GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,
@@ -189,6 +190,14 @@ for st in "$@"; do ts=$(date +%s); case $st in
               run l-lat1-nofz-$f 150 env -C /tmp/nofz PYTHONPATH=/tmp/nofz:/tmp/site python3 -m atom.benchmarks.latency $L $LAT \
                 --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-nofz-$f.json
             done; fi;;
+  w4_var) for v in .variants/*.py; do  # each variant file appended to a copy's w4_gemv1.py (e.g. table edits), 4-bit decode
+            n=$(basename $v .py); rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
+            cat $v >> /tmp/var-$n/atom/model_ops/kernels/w4_gemv1.py
+            for f in w4a16 mxfp4_w4a16; do
+              run l-lat1-var$n-$f 150 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.latency \
+                $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
+            done
+          done;;
   prof_fp8w) for f in bf16 fp8_dynamic; do
               run prof-wl-$f 200 python3 scripts/gpu_profile.py $L --quantization $f --no-summary --windows 300:10
             done;;

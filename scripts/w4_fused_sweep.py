@@ -22,9 +22,10 @@ from w4_sweep import FORMATS, copies, nbytes, packed_weights, probe_args, write_
 
 # (layer, N, K, what runs inside: "norm", or "norm+silu" (gated))
 SHAPES = [("qkv", 6144, 4096, "norm"), ("gate_up", 2 * 14336, 4096, "norm"), ("gate_up", 2 * 14336, 4096, "norm+silu")]
-# (BLOCK_N, num_warps, AHEAD); HALF2 always, BLOCK_W = 32 x num_warps
-TILES = [(8, 8, True), (4, 8, True), (8, 4, True), (4, 4, True), (16, 4, True), (16, 4, False),
-         (8, 4, False), (8, 8, False), (16, 8, True)]
+# (BLOCK_N, num_warps, AHEAD, DW); HALF2 always, BLOCK_W = 32 x num_warps, DW words a thread's load
+TILES = [(8, 8, True, 1), (4, 8, True, 1), (8, 4, True, 1), (4, 4, True, 1), (16, 4, True, 1), (16, 4, False, 1),
+         (8, 4, False, 1), (8, 8, False, 1), (8, 8, False, 2), (8, 4, False, 2), (8, 4, True, 2), (8, 2, True, 2),
+         (4, 4, True, 2), (16, 4, False, 2), (16, 2, True, 2)]
 
 
 def main(argv=None) -> int:
@@ -68,8 +69,9 @@ def main(argv=None) -> int:
             table = fused_tiles(gated)
             t_table = graph_time([lambda s=s: fused(s) for s in sets], iters=args.iters)
             best = None
-            for bn, warps, ahead in TILES:
-                cfg = dict(BLOCK_N=bn, BLOCK_W=32 * warps, num_warps=warps, num_stages=3, AHEAD=ahead, HALF2=True)
+            for bn, warps, ahead, dw in TILES:
+                cfg = dict(BLOCK_N=bn, BLOCK_W=32 * warps, num_warps=warps, num_stages=3, AHEAD=ahead, HALF2=True,
+                           DW=dw)
                 err = ((fused(one, cfg).float() - ref).abs().max() / ref.abs().max()).item()
                 t = graph_time([lambda s=s, c=cfg: fused(s, c) for s in sets], iters=args.iters)
                 rows.append(dict(format=name, layer=layer, inside=inside, N=N, K=K, cfg=cfg, us=t * 1e6, rel_err=err,
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
             t, cfg, err = best
             print(f"{name:<7}{layer:<8}{inside:<10}{N:>6}{K:>6} {t_norm * 1e6:>6.1f}{t_gemv * 1e6:>6.1f}{t_un * 1e6:>8.1f}"
                   f"{t * 1e6:>7.1f}{t_un / t:>6.2f}  BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} "
-                  f"AHEAD={cfg['AHEAD']} (rel err {err:.1e}; table {t_table * 1e6:.1f})", flush=True)
+                  f"AHEAD={cfg['AHEAD']} DW={cfg['DW']} (rel err {err:.1e}; table {t_table * 1e6:.1f})", flush=True)
             del sets, one
     write_rows(args.out, rows)
     return 0

@@ -46,9 +46,9 @@ def compile_gemv(fmt: str, group: int):
     return compiled, weights_per_step // (32 * warps)  # per thread
 
 
-def compile_gemv1(fmt: str, group: int, half2: bool = False):
-    """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 4096 weight, sm90, the reference tile below;
-    (kernel, weights per thread a loop step)."""
+def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1):
+    """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 4096 weight, sm90, the reference tile below
+    (dw: words a thread's load, the kernel's DW); (kernel, weights per thread a loop step)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,7 +58,7 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False):
     kernel = g1._w4_gemv1_kernel
     # one reference tile for both formats: the table's up to 8192 outputs (8 rows over 8 warps,
     # the words ahead)
-    tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=True, HALF2=half2)
+    tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=True, HALF2=half2, DW=dw)
     warps, stages = 8, 3
     n_scales = 4096 // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
@@ -74,7 +74,7 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False):
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-    return compiled, const["BLOCK_N"] * const["BLOCK_W"] * 8 // (32 * warps)
+    return compiled, const["BLOCK_N"] * const["BLOCK_W"] * 8 * dw // (32 * warps)
 
 
 def loop_mix(sass: str) -> collections.Counter:
@@ -100,9 +100,12 @@ def main() -> None:
     from triton.tools.disasm import get_sass
     result = {}
     half2 = functools.partial(compile_gemv1, half2=True)
+    pairs = functools.partial(compile_gemv1, half2=True, dw=2)
     for name, compile_fn, fmt, group in (("w4_gemv1", compile_gemv1, "int4", 128),
                                          ("w4_gemv1 HALF2", half2, "int4", 128),
                                          ("w4_gemv1 HALF2", half2, "mxfp4", 32),
+                                         ("w4_gemv1 HALF2 DW2", pairs, "int4", 128),
+                                         ("w4_gemv1 HALF2 DW2", pairs, "mxfp4", 32),
                                          ("w4_gemv1", compile_gemv1, "mxfp4", 32),
                                          ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32)):
         compiled, per_thread = compile_fn(fmt, group)

@@ -121,6 +121,48 @@ def test_one_row_gemv_even_and_ragged_tiles(fmt, N, K, g, zp, dtype, ahead):
     assert rel_err(y, ref) < TOL.get(dtype, 1e-5)
 
 
+PAIR_CASES = [("int4", 8, 1024, 128, False), ("int4", 4, 2048, 32, True), ("int4", 8, 1536, 512, False),
+              ("int4", 8, 1024, 1024, True), ("mxfp4", 8, 1024, 32, False)]
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt, N, K, g, zp", PAIR_CASES)
+def test_one_row_gemv_with_two_words_a_load(fmt, N, K, g, zp, dtype, ahead):
+    """DW = 2 (two adjacent words of a row in one 8-byte load) against the reference, with the
+    words ahead or not, groups of 32-1024 columns, zero points; the launcher runs it only
+    where the words pair up (and the kernel's DW is 2 there: `pairs_words`)."""
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=K + N + 1)
+    torch.manual_seed(N + 1)
+    x = (torch.randn(1, K) * 3).to(dtype)
+    bias = torch.randn(N).to(dtype)
+    cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1, AHEAD=ahead, DW=2)
+    words = packed if fmt == "int4" else packed.view(torch.int32)
+    assert w4_gemv1.pairs_words(words, 2, 32, g)
+    y = w4_linear_launch(x, packed, scales, zeros, bias, fmt, g, K, config=cfg)
+    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)) < TOL.get(dtype, 1e-5)
+
+
+def test_two_words_a_load_only_where_the_words_pair_up():
+    """`pairs_words`: an odd row stride, a start off 8 bytes, steps that do not tile the row or
+    groups of 8 columns keep one word a load (the launcher falls back to DW = 1 and the result
+    is still right)."""
+    packed, scales, zeros = random_w4("int4", 8, 1024, 128, False, seed=3)
+    assert w4_gemv1.pairs_words(packed, 2, 32, 128)
+    assert not w4_gemv1.pairs_words(packed, 2, 32, 8)  # a group of one word
+    assert not w4_gemv1.pairs_words(packed, 2, 128, 128)  # 128 words a row: not a whole 256-word step
+    assert not w4_gemv1.pairs_words(packed, 3, 32, 128)  # 8 rows in tiles of 3
+    wide = torch.zeros(8, 129, dtype=torch.int32)
+    assert not w4_gemv1.pairs_words(wide[:, :128], 2, 32, 128)  # row stride 129 words
+    assert not w4_gemv1.pairs_words(wide.view(-1)[1:1 + 8 * 128].view(8, 128), 2, 32, 128)  # 4-byte aligned start
+    x = torch.randn(1, 1024)
+    odd = torch.zeros(8, 129, dtype=torch.int32)
+    odd[:, :128] = packed
+    cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1, DW=2)
+    y = w4_linear_launch(x, odd[:, :128], scales, zeros, None, "int4", 128, 1024, config=cfg)
+    assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, None, "int4", 128, 1024)) < 1e-5
+
+
 def test_one_row_gemv_loop_fits_the_issue_budget():
     """The one-row GEMV compiled for sm90 (`scripts/w4_gemv_sass.py`, in a child process
     without the interpreter, a reference tile with the words ahead): its loop issues under 4.5
@@ -476,15 +518,18 @@ def test_gpu_llama_shapes(fmt, g, zp, N, K, M):
 @pytest.mark.parametrize("fmt, N, K, g, zp", [("int4",) + c for c in HALF2_CASES + [(28672, 4096, 128, False)]] +
                          [("mxfp4", 64, 4096, 32, False), ("mxfp4", 28672, 4096, 32, False),
                           ("mxfp4", 24, 1280, 32, False)])
-def test_gpu_half2_gemv_computes_its_reference_arithmetic(fmt, N, K, g, zp, kind, dtype):
+@pytest.mark.parametrize("dw", [1, 2], ids=["", "dw2"])
+def test_gpu_half2_gemv_computes_its_reference_arithmetic(fmt, N, K, g, zp, kind, dtype, dw):
     """The HALF2 one-row GEMV (the table's int4 kernel at M = 1) on the GPU against
     `half2_ref`, the same roundings in torch: equal up to the output's rounding (fp16: 2^-11
     of a value) and float32 sums in another order; and within the bf16 tolerance of the
-    exact product."""
+    exact product. dw: the table's tile with one or two words a load (DW)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=K + g)
     x = half2_x(K, kind, dtype, "cuda")
     bias = torch.randn(N, device="cuda").to(dtype)
-    cfg = dict(w4_gemv1.tiles(N, fmt), kernel="w4_gemv1")
+    cfg = dict(w4_gemv1.tiles(N, fmt), kernel="w4_gemv1", DW=dw)
+    if dw == 2 and (K // 8) % (2 * cfg["BLOCK_W"]) and (K // 8) % 256 == 0:
+        cfg.update(BLOCK_W=128, num_warps=4)  # K = 14336: word pairs over 4 warps tile the row
     if N % cfg["BLOCK_N"] or (K // 8) % cfg["BLOCK_W"]:
         cfg.update(BLOCK_N=4, BLOCK_W=64, num_warps=2)  # the masked loop
     assert cfg["HALF2"] and w4_config(1, N, K, dtype, g, fmt)[1]["HALF2"]

@@ -318,6 +318,17 @@ if HAS_TRITON:
             part = (t * 4611686018427387904.0) * _e8m0(s_raw.to(tl.int32))  # 2^62 first: no underflow
         return part
 
+    @triton.jit
+    def _half(word, h: tl.constexpr, DW: tl.constexpr):
+        """Word h of each thread's load: the load itself (DW = 1), or the low (h = 0: the
+        earlier word in memory) or high int32 of an int64 (DW = 2)."""
+        if DW == 1:
+            return word
+        elif h == 0:
+            return word.to(tl.int32)
+        else:
+            return (word >> 32).to(tl.int32)
+
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn", "up_rows"],
                 do_not_specialize_on_alignment=["w_ptr", "s_ptr", "z_ptr"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
@@ -326,7 +337,7 @@ if HAS_TRITON:
                          AHEAD: tl.constexpr = False, HALF2: tl.constexpr = False,
                          r_ptr=None, nw_ptr=None, rout_ptr=None, up_rows=0, eps=0.0, NORM: tl.constexpr = False,
                          HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False, SW: tl.constexpr = 0,
-                         SS: tl.constexpr = 0, SZ: tl.constexpr = 0):
+                         SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -348,33 +359,43 @@ if HAS_TRITON:
         unfused add is; program 0 writes the sum to rout_ptr) with the weight at nw_ptr: each
         program sums the squares of the x it reads anyway and scales its dot products by the
         row's 1 / rms at the end. GATED: rows n and up_rows + n of a [gate | up] weight, and
-        y = silu(gate) up (each rounded to x's dtype first, as the unfused product writes them)."""
+        y = silu(gate) up (each rounded to x's dtype first, as the unfused product writes them).
+        DW = 2 (even tiles only; the launcher checks that the words pair up): each thread reads
+        two adjacent words of a row as one 8-byte load (an int64 split into its two int32
+        halves), so a load and a row's address sum and scale load serve 16 weights instead
+        of 8; x's 16 columns are two 16-byte loads."""
         act = x_ptr.dtype.element_ty
+        tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
-            stride_w = SW
+            stride_w = SW // DW
             stride_s = SS
             stride_z = SZ
         else:
-            stride_w = stride_wn
+            stride_w = stride_wn // DW  # in loads (DW words)
             stride_s = stride_sn
             stride_z = stride_zn
+        STEP: tl.constexpr = BLOCK_W * DW  # words a row a step
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j2 = tl.arange(0, BLOCK_W)[None, :]
         js = j2[:, :, None]
         es = tl.arange(0, 8)[None, None, :]
-        wp = w_ptr + rows.to(tl.int64)[:, None] * stride_w + j2  # [BLOCK_N, BLOCK_W]
+        if DW == 2:
+            w_base = w_ptr.to(tl.pointer_type(tl.int64))
+        else:
+            w_base = w_ptr
+        wp = w_base + rows.to(tl.int64)[:, None] * stride_w + j2  # [BLOCK_N, BLOCK_W]
         s_row = s_ptr + rows.to(tl.int64)[:, None] * stride_s
         z_row = z_ptr + rows.to(tl.int64)[:, None] * stride_z
-        sp = s_row + (j2 * 8) // GROUP
-        zp = z_row + (j2 * 8) // GROUP
+        sp = s_row + (j2 * 8 * DW) // GROUP
+        zp = z_row + (j2 * 8 * DW) // GROUP
         # GATED: the up rows' words, scales and zero points are these pointers plus a row offset
         w_up = up_rows.to(tl.int64) * stride_w
         s_up = up_rows.to(tl.int64) * stride_s
         z_up = up_rows.to(tl.int64) * stride_z
         # groups that tile a step advance the scale pointers by a constant; others (e.g. 96, or
         # channel-wise groups wider than a step) index each word's group
-        GROUP_STEPS: tl.constexpr = (BLOCK_W * 8) % GROUP == 0
-        xp = x_ptr + js * 8 + es
+        GROUP_STEPS: tl.constexpr = (STEP * 8) % GROUP == 0
+        xp = x_ptr + js * (8 * DW) + es
         acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         sq = tl.zeros([1, BLOCK_W, 8], tl.float32)
@@ -383,12 +404,12 @@ if HAS_TRITON:
             if GATED:
                 up_next = tl.load(wp + w_up)
         pdl_start(PDL)
-        for w0 in range(0, n_words, BLOCK_W):
+        for w0 in range(0, n_words, STEP):
             if not GROUP_STEPS:
-                sp = s_row + ((w0 + j2) * 8) // GROUP
-                zp = z_row + ((w0 + j2) * 8) // GROUP
+                sp = s_row + ((w0 + j2 * DW) * 8) // GROUP
+                zp = z_row + ((w0 + j2 * DW) * 8) // GROUP
             ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W] (unused when EVEN)
-            x_ok = (w0 + js < n_words) & (es < 8)
+            x_ok = (w0 + js * DW < n_words) & (es < 8)
             if EVEN:
                 if AHEAD:
                     word = word_next[:, :, None]
@@ -398,47 +419,51 @@ if HAS_TRITON:
                         # the next step's words; the last step reloads the first step's (in bounds,
                         # unused): a scalar select in place of a mask a thread (with runtime strides
                         # the moved pointer costs an address sum a row, slower than the mask)
-                        nxt = tl.where(w0 + BLOCK_W < n_words, BLOCK_W, -w0)
+                        nxt = tl.where(w0 + STEP < n_words, BLOCK_W, -(w0 // DW))
                         word_next = tl.load(wp + nxt)
                         if GATED:
                             up_next = tl.load(wp + w_up + nxt)
                     else:
-                        word_next = tl.load(wp + BLOCK_W, mask=w0 + BLOCK_W + j2 < n_words, other=0)
+                        word_next = tl.load(wp + BLOCK_W, mask=w0 + STEP + j2 * DW < n_words, other=0)
                         if GATED:
-                            up_next = tl.load(wp + w_up + BLOCK_W, mask=w0 + BLOCK_W + j2 < n_words, other=0)
+                            up_next = tl.load(wp + w_up + BLOCK_W, mask=w0 + STEP + j2 * DW < n_words, other=0)
                 else:
                     word = tl.load(wp)[:, :, None]
                     if GATED:
                         word_up = tl.load(wp + w_up)[:, :, None]
-                xv = tl.load(xp).to(tl.float32)
                 s_raw = _load_t(sp)[:, :, None]
                 if GATED:
                     s_raw_up = _load_t(sp + s_up)[:, :, None]
             else:
                 word = tl.load(wp, mask=ok, other=0)[:, :, None]
-                xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
                 s_raw = _load_t(sp, ok, 0)[:, :, None]
                 if GATED:
                     word_up = tl.load(wp + w_up, mask=ok, other=0)[:, :, None]
                     s_raw_up = _load_t(sp + s_up, ok, 0)[:, :, None]
-            if NORM:
-                xo = w0 * 8 + js * 8 + es  # x's columns this step, for the residual and the norm weight
-                if HAS_RES:
-                    xs = (xv + tl.load(r_ptr + xo, mask=x_ok, other=0.0).to(tl.float32)).to(act)
-                    if tl.program_id(0) == 0:
-                        tl.store(rout_ptr + xo, xs, mask=x_ok)
-                    xv = xs.to(tl.float32)
-                sq += xv * xv
-                xv = xv * tl.load(nw_ptr + xo, mask=x_ok, other=0.0).to(tl.float32)
-            acc += _word_sums(word, s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N, BLOCK_W)
-            if GATED:
-                acc_up += _word_sums(word_up, s_raw_up, zp + z_up, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
-                                     BLOCK_W)
+            for h in tl.static_range(DW):  # the words of a load: columns h 8 .. h 8 + 7 of each thread's 8 DW
+                if EVEN:
+                    xv = tl.load(xp + h * 8).to(tl.float32)
+                else:
+                    xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
+                if NORM:
+                    xo = w0 * 8 + js * (8 * DW) + h * 8 + es  # x's columns, for the residual and the norm weight
+                    if HAS_RES:
+                        xs = (xv + tl.load(r_ptr + xo, mask=x_ok, other=0.0).to(tl.float32)).to(act)
+                        if tl.program_id(0) == 0:
+                            tl.store(rout_ptr + xo, xs, mask=x_ok)
+                        xv = xs.to(tl.float32)
+                    sq += xv * xv
+                    xv = xv * tl.load(nw_ptr + xo, mask=x_ok, other=0.0).to(tl.float32)
+                acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
+                                  BLOCK_W)
+                if GATED:
+                    acc_up += _word_sums(_half(word_up, h, DW), s_raw_up, zp + z_up, ok, xv, es, FMT, HALF2, HAS_ZP,
+                                         EVEN, BLOCK_N, BLOCK_W)
             wp += BLOCK_W
-            xp += BLOCK_W * 8
+            xp += STEP * 8
             if GROUP_STEPS:
-                sp += (BLOCK_W * 8) // GROUP
-                zp += (BLOCK_W * 8) // GROUP
+                sp += (STEP * 8) // GROUP
+                zp += (STEP * 8) // GROUP
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
         if NORM:  # the row's 1 / rms scales every dot product
             rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0) / (n_words * 8) + eps)
@@ -452,6 +477,15 @@ if HAS_TRITON:
             g = y.to(act).to(tl.float32)
             y = g / (1.0 + tl.exp(-g)) * y_up.to(act).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+def pairs_words(words: torch.Tensor, block_n: int, block_w: int, group: int) -> bool:
+    """Whether the kernel's two-words-a-thread loads (DW = 2) apply: even tiles of 2 BLOCK_W
+    words a step, 8-byte aligned rows (an even row stride and an aligned start), and groups of
+    whole word pairs (16 columns)."""
+    n, n_words = words.shape
+    return (n % block_n == 0 and n_words > 0 and n_words % (2 * block_w) == 0 and words.stride(0) % 2 == 0
+            and words.stride(1) == 1 and words.data_ptr() % 8 == 0 and group % 16 == 0)
 
 
 def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor,
@@ -474,7 +508,9 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     if cfg["BLOCK_W"] != 32 * cfg["num_warps"]:
         raise ValueError(f"w4_linear: the one-row GEMV needs BLOCK_W={cfg['BLOCK_W']} = 32 x num_warps "
                          f"({cfg['num_warps']})")
-    even = N % cfg["BLOCK_N"] == 0 and n_words % cfg["BLOCK_W"] == 0 and n_words > 0
+    if cfg.get("DW", 1) == 2 and not pairs_words(words, cfg["BLOCK_N"], cfg["BLOCK_W"], group):
+        cfg["DW"] = 1  # words that do not pair into aligned 8-byte loads over even tiles
+    even = N % cfg["BLOCK_N"] == 0 and n_words % (cfg["BLOCK_W"] * cfg.get("DW", 1)) == 0 and n_words > 0
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
     elif cfg.get("AHEAD") and FIXED_STRIDES[FORMATS[fmt_id]]:  # one compile per weight shape
