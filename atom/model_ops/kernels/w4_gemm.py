@@ -143,7 +143,7 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
                     cfg["ORDER"] = 1
                 return "w4_dot", cfg
     if M == 1 and gemv1_supports(fmt, group, K):
-        return "w4_gemv1", gemv1_tiles(N, fmt)
+        return "w4_gemv1", gemv1_tiles(N, fmt, K)
     if M <= GEMV_MAX_M:
         tiles = GEMV_TILES_NARROW if N <= NARROW_N else GEMV_TILES
         return "w4_gemv", dict(tiles, BLOCK_M=max(1, triton.next_power_of_2(M)) if HAS_TRITON else 1)

@@ -61,12 +61,16 @@ TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, H
 #: SS, SZ): faster batch-1 decode for MXFP4, slower for int4 with the same tiles (its loop has
 #: fewer instructions to save); the figures are in docs/perf
 FIXED_STRIDES = {"int4": False, "mxfp4": True}
+#: layers of up to WIDE_N outputs from more than DEEP_K inputs (Llama's down product, 4096 x 14336)
+TILES_DEEP = {"int4": dict(TILES["int4"]), "mxfp4": dict(TILES["mxfp4"])}
 WIDE_N = 8192
+DEEP_K = 8192
 
 
-def tiles(n: int, fmt: str = "int4") -> dict:
-    """The tile config for a layer of n outputs of format `fmt`."""
-    return dict((TILES_WIDE if n > WIDE_N else TILES)[fmt])
+def tiles(n: int, fmt: str = "int4", k: int = 0) -> dict:
+    """The tile config for a layer of n outputs from k inputs of format `fmt`."""
+    table = TILES_WIDE if n > WIDE_N else TILES_DEEP if k > DEEP_K else TILES
+    return dict(table[fmt])
 
 
 FUSED_TILES = {False: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True),
