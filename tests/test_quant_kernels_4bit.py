@@ -169,7 +169,8 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     instructions a weight for int4 g128 (the H200's issue rate allows ~4 at its byte rate)
     and under 6 for MXFP4, each well below the M = 2-4 GEMV's count for the same format; MXFP4's
     fp16 pair products (HALF2) with the row strides compiled in under 4.75 (~4.85 with runtime
-    strides, Triton 3.6 and 3.9: a 64-bit address sum a row and step)."""
+    strides, Triton 3.6 and 3.9: a 64-bit address sum a row and step); word pairs a load (DW = 2)
+    under 0.9x (int4) / 0.95x (MXFP4) of one word a load."""
     import json
     import os
     import subprocess
@@ -186,6 +187,9 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     assert per_weight["w4_gemv1 HALF2 int4"] < 0.92 * per_weight["w4_gemv1 int4"], per_weight
     assert per_weight["w4_gemv1 HALF2 mxfp4"] < 0.9 * per_weight["w4_gemv1 mxfp4"], per_weight
     assert per_weight["w4_gemv1 HALF2 mxfp4"] < 4.75, per_weight
+    # word pairs (DW = 2): one load, address sum and scale load for 16 weights
+    assert per_weight["w4_gemv1 HALF2 DW2 int4"] < 0.9 * per_weight["w4_gemv1 HALF2 int4"], per_weight
+    assert per_weight["w4_gemv1 HALF2 DW2 mxfp4"] < 0.95 * per_weight["w4_gemv1 HALF2 mxfp4"], per_weight
     assert per_weight["w4_gemv int4"] > 1.5 * per_weight["w4_gemv1 int4"], per_weight
     assert per_weight["w4_gemv mxfp4"] > 1.5 * per_weight["w4_gemv1 mxfp4"], per_weight
 

@@ -34,7 +34,7 @@ land in the two halves of one int32 (int4: masked in place as fp16 subnormals, 1
 odd i; MXFP4: e2m1 2^-14, its bits moved to fp16's), one fp16 FMA for both against a pair of x
 scaled per word column into [2^14, 2^15), four FMAs a half-word, the halves added in fp16 and
 widened once: 3.6 (int4) / 4.3 (MXFP4, row strides compiled in) instructions a weight
-(Triton 3.6, 8-row tile with the words ahead). Its rounding (`half2_ref`, the
+(Triton 3.6, 8-row tile with the words ahead), 3.0 / 3.9 with two words a load (DW = 2). Its rounding (`half2_ref`, the
 same arithmetic in torch) costs about 1e-3 of the largest output, what rounding the
 dequantized weights to bf16 costs the tensor-core kernels and below bf16's output rounding;
 fp32 activations keep the float32 path.
@@ -47,22 +47,25 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
-#: tiles: BLOCK_N rows a program, BLOCK_W words (8 columns each) a step, one word per thread per
-#: row (BLOCK_W = 32 x num_warps). From the H200 sweep (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B
-#: shapes): layers of up to WIDE_N outputs (4096 x 4096 / 14336, 6144 x 4096) over 8 warps with
-#: the next words loaded a step ahead; wider ones (28672 x 4096) over 4 warps, int4 16 rows a
-#: program, MXFP4 the next words ahead. Batch-1 decode picked these over 4-row tiles, which the
-#: sweep alone had tied or preferred
+#: tiles: BLOCK_N rows a program, BLOCK_W loads a step (DW words each, 8 columns a word), one
+#: load per thread per row (BLOCK_W = 32 x num_warps). From the H200 sweep
+#: (`scripts/w4_gemv1_sweep.py`, Llama-3.1-8B shapes), kept where batch-1 decode agreed: layers
+#: of up to WIDE_N outputs (4096 x 4096, 6144 x 4096) over 8 warps with the next words loaded a
+#: step ahead; wider ones (28672 x 4096) int4 16 rows over 4 warps, MXFP4 8 rows over 2 warps
+#: ahead; MXFP4 from more than DEEP_K inputs (4096 x 14336) 8 rows over 4 warps ahead. MXFP4
+#: reads word pairs (DW = 2) everywhere, int4 single words: its sweep gains from pairs (at
+#: 28672 x 4096) did not carry into decode (docs/perf has both)
 TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True),
-         "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True)}
+         "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True, DW=2)}
 TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True),
-              "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True)}
+              "mxfp4": dict(BLOCK_N=8, BLOCK_W=64, num_warps=2, num_stages=3, AHEAD=True, HALF2=True, DW=2)}
+#: layers of up to WIDE_N outputs from more than DEEP_K inputs (Llama's down product, 4096 x 14336)
+TILES_DEEP = {"int4": dict(TILES["int4"]),
+              "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True, DW=2)}
 #: formats whose even loop with the words ahead compiles the row strides in (the kernel's SW,
 #: SS, SZ): faster batch-1 decode for MXFP4, slower for int4 with the same tiles (its loop has
 #: fewer instructions to save); the figures are in docs/perf
 FIXED_STRIDES = {"int4": False, "mxfp4": True}
-#: layers of up to WIDE_N outputs from more than DEEP_K inputs (Llama's down product, 4096 x 14336)
-TILES_DEEP = {"int4": dict(TILES["int4"]), "mxfp4": dict(TILES["mxfp4"])}
 WIDE_N = 8192
 DEEP_K = 8192
 
