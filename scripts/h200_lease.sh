@@ -36,7 +36,8 @@
 # after the stage `before`), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
 # tree and the one in .before), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_var (the same 4-bit runs for each .variants/NAME.py appended to
-# w4_gemv1.py in a copy of the tree: tile-table variants), w4_fsweep (that GEMV with the norm inside against the norm
+# w4_gemv1.py in a copy of the tree: tile-table variants), ab (batch-1 decode of the formats in AB_FORMATS,
+# this tree and .before's in turn, after the stage `before`), attn_tests (the attention kernels' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
 # GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,
@@ -190,6 +191,15 @@ for st in "$@"; do ts=$(date +%s); case $st in
               run l-lat1-nofz-$f 150 env -C /tmp/nofz PYTHONPATH=/tmp/nofz:/tmp/site python3 -m atom.benchmarks.latency $L $LAT \
                 --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-nofz-$f.json
             done; fi;;
+  ab) for f in ${AB_FORMATS:-bf16 w4a16}; do  # after the stage `before`: batch-1 decode, this tree and .before's in turn
+        q=(--quantization $f); [ $f = bf16 ] && q=()
+        run l-lat1-$f 150 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 "${q[@]}" \
+          --cache-dir /tmp/lc --out $R/l-lat1-$f.json
+        run l-lat1-before-$f 150 "${before[@]}" python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none \
+          --repeat 1 "${q[@]}" --cache-dir /tmp/bc --out $R/l-lat1-before-$f.json
+      done;;
+  attn_tests) run attn-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_triton_kernels.py \
+                tests/test_gpu_attention_fp8.py -k "attention or attn";;
   w4_var) for v in .variants/*.py; do  # each variant file appended to a copy's w4_gemv1.py (e.g. table edits), 4-bit decode
             n=$(basename $v .py); rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
             cat $v >> /tmp/var-$n/atom/model_ops/kernels/w4_gemv1.py
