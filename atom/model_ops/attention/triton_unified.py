@@ -32,10 +32,8 @@ sequences of 900-2048; `scripts/attention_order.py`).
 
 Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
 sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
-partial output and its log-sum-exp, and the last segment of each (query block,
-kv head) to finish combines them (an arrival counter; ``fold_merge``, the
-default) or ``_merge_kernel`` does in a second launch.  The scratch buffers and
-counters come from an :class:`AttentionWorkspace` allocated once.
+partial output and its log-sum-exp, and ``_merge_kernel`` combines them.  The
+scratch buffers come from an :class:`AttentionWorkspace` allocated once.
 
 Per layer (:class:`AttentionOptions`): a sliding window W narrows each row to keys
 ``position - W < j <= position`` (tiles wholly before every row's window are skipped, the
@@ -246,8 +244,6 @@ if HAS_TRITON:
         EXACT_ROUND: tl.constexpr,
         ROWS_AHEAD: tl.constexpr = False,
         KV_F16: tl.constexpr = False,
-        cnt_ptr=None,
-        FOLD_MERGE: tl.constexpr = False,
     ):
         pdl_start(PDL)
         # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
@@ -371,43 +367,6 @@ if HAS_TRITON:
             base = tok * stride_pot + head * stride_poh + split * stride_pos
             tl.store(po_ptr + base[:, None] + offs_d[None, :], o, mask=st_mask)
             tl.store(plse_ptr + tok * stride_plt + head * stride_plh + split, lse, mask=row_ok)
-            if FOLD_MERGE:
-                # the last of the NUM_SPLITS programs of this (query block, kv head) to finish
-                # merges the segments (`_merge_kernel`'s arithmetic) instead of a second launch:
-                # every thread's stores issued (barrier), then one counter increment that
-                # releases them and acquires the other programs'; the counter goes back to 0
-                # for the next launch (CUDA graph replays)
-                tl.debug_barrier()
-                count = cnt_ptr + tl.program_id(0)
-                if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                    tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-                    _merge_rows(out_ptr, po_ptr, plse_ptr, tok, head, row_ok, offs_d, d_ok, stride_ot, stride_oh,
-                                stride_pot, stride_poh, stride_pos, stride_plt, stride_plh, NUM_SPLITS)
-
-    @triton.jit
-    def _merge_rows(out_ptr, po_ptr, plse_ptr, tok, head, row_ok, offs_d, d_ok, stride_ot, stride_oh,
-                    stride_pot, stride_poh, stride_pos, stride_plt, stride_plh, NUM_SPLITS: tl.constexpr):
-        """`_merge_kernel` for a program's rows (tokens `tok`, query heads `head`): the
-        segments' partial outputs weighted by exp2 of their log-sum-exp over the largest;
-        loads bypass L1 (`.cg`: the partials were written by other SMs)."""
-        offs_s = tl.arange(0, NUM_SPLITS)
-        lse_row = plse_ptr + tok * stride_plt + head * stride_plh
-        lse = tl.load(lse_row[:, None] + offs_s[None, :], mask=row_ok[:, None], other=float("-inf"),
-                      cache_modifier=".cg")
-        m = tl.max(lse, 1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        base = tok * stride_pot + head * stride_poh
-        o = tl.zeros([tok.shape[0], offs_d.shape[0]], tl.float32)
-        denom = tl.zeros([tok.shape[0]], tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
-            w = tl.exp2(tl.load(lse_row + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m)
-            po = tl.load(po_ptr + base[:, None] + s * stride_pos + offs_d[None, :],
-                         mask=(row_ok & (w > 0.0))[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            o += po * w[:, None]
-            denom += w
-        denom = tl.where(denom == 0.0, 1.0, denom)
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 (o / denom[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _merge_kernel(
@@ -514,7 +473,7 @@ def pick_attention_config(
     return dict(
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, HEAD_PAD=head_pad,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        num_q_blocks=num_q_blocks, fold_merge=True,
+        num_q_blocks=num_q_blocks,
     )
 
 
@@ -539,9 +498,6 @@ class AttentionWorkspace:
             dtype=torch.float32, device=device)
         self.partial_lse = torch.empty(
             (self.max_num_tokens, num_q_heads, max_splits), dtype=torch.float32, device=device)
-        # one arrival counter per (query block, kv head) program row of the split grid, for the
-        # merge folded into the kernel: at most 2 T query blocks x Hq kv heads; zero between launches
-        self.counters = torch.zeros(2 * self.max_num_tokens * num_q_heads, dtype=torch.int32, device=device)
 
     def buffers(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
         """Views for this batch, or ``None`` if it does not fit."""
@@ -552,7 +508,7 @@ class AttentionWorkspace:
 
     @property
     def nbytes(self) -> int:
-        return (self.partial_out.numel() + self.partial_lse.numel() + self.counters.numel()) * 4
+        return (self.partial_out.numel() + self.partial_lse.numel()) * 4
 
     def __repr__(self) -> str:
         return (f"AttentionWorkspace(max_num_tokens={self.max_num_tokens}, "
@@ -680,7 +636,7 @@ def unified_attention(
     (``TILE_N``, ``BLOCK_M``, ``num_warps``, ``num_stages``; ``maxnreg`` caps the registers
     per thread, so that more programs fit on an SM; ``rows_ahead`` loads each tile's
     block-table entries one tile ahead, which lets ``num_stages`` >= 3 keep several K / V
-    tiles in flight; ``fold_merge`` False merges the KV segments in a second launch) for tuning.
+    tiles in flight) for tuning.
     Tokens past ``cu_seqlens_q[-1]`` (graph padding) are left untouched.
     """
     if not HAS_TRITON:
@@ -716,17 +672,10 @@ def unified_attention(
                     torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device))
         if bufs is None:
             splits = 1
-    fold = splits > 1 and bool(cfg.get("fold_merge", True))
     if splits > 1:
         po, plse = bufs
-        counters = None
-        if fold:
-            counters = workspace.counters if workspace is not None else None
-            if counters is None or counters.numel() < Hkv * cfg["num_q_blocks"]:
-                counters = torch.zeros(Hkv * cfg["num_q_blocks"], dtype=torch.int32, device=q.device)
     else:
         po = plse = out  # unused placeholders
-        counters = None
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
     grid = (Hkv * cfg["num_q_blocks"], splits)
@@ -752,9 +701,8 @@ def unified_attention(
         KV_F16=k_cache.dtype in FP8_CACHE_DTYPES and q.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
-        cnt_ptr=counters if fold else seq_lens, FOLD_MERGE=fold,
     )
-    if splits > 1 and not fold:
+    if splits > 1:
         _merge_kernel[(T, Hq)](
             out, po, plse, cu_seqlens_q, B,
             out.stride(0), out.stride(1),
