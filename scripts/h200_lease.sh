@@ -164,7 +164,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
   kv_tests) run kv-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu_attention_fp8.py \
               tests/test_mla_decode_knobs.py
             run w4-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
-  w4_sweep) run w4-gemv1-sweep 300 python3 scripts/w4_gemv1_sweep.py --formats int4 mxfp4 --out $R/w4-gemv1-sweep.json;;
+  w4_sweep) run w4-gemv1-sweep 300 python3 scripts/w4_gemv1_sweep.py --formats ${SWEEP_FORMATS:-int4 mxfp4} --out $R/w4-gemv1-sweep.json;;
   fp8_gemm) run fp8-gemm-sweep 400 python3 scripts/fp8_gemm_sweep.py --out $R/fp8-gemm-sweep.json;;
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
@@ -203,7 +203,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
   w4_var) for v in .variants/*.py; do  # each variant file appended to a copy's w4_gemv1.py (e.g. table edits), 4-bit decode
             n=$(basename $v .py); rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
             cat $v >> /tmp/var-$n/atom/model_ops/kernels/w4_gemv1.py
-            for f in w4a16 mxfp4_w4a16; do
+            for f in ${VAR_FORMATS:-w4a16 mxfp4_w4a16}; do
               run l-lat1-var$n-$f 150 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.latency \
                 $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
             done
