@@ -18,17 +18,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_sweep import FORMATS, HBM_TBS, SHAPES, copies, nbytes, packed_weights, probe_args, write_rows  # noqa: E402
 
-# (BLOCK_N, num_warps, AHEAD, HALF2, DW[, stages of TMA loads]): BLOCK_W is 32 x num_warps (DW words a
-# thread a row, one load); HALF2: fp16 products (the float32 products once, for reference); with a
-# sixth entry the word tiles come through TMA, that many stages (w4_gemv1's TMA, PREFETCH 2)
+# (BLOCK_N, num_warps, AHEAD, HALF2, DW): BLOCK_W is 32 x num_warps (DW words a thread a row, one
+# load); HALF2: fp16 products (the float32 products once, for reference)
 TILES = [(8, 8, True, False, 1),
          (8, 8, False, True, 1), (16, 4, False, True, 1), (4, 8, True, True, 1), (8, 8, True, True, 1),
          (8, 4, True, True, 1), (16, 4, True, True, 1),
          (8, 8, False, True, 2), (4, 8, False, True, 2), (8, 4, False, True, 2), (16, 4, False, True, 2),
-         (8, 8, True, True, 2), (4, 8, True, True, 2), (8, 4, True, True, 2),
-         (4, 4, True, True, 2), (16, 4, True, True, 2), (8, 2, True, True, 2), (16, 2, True, True, 2),
-         (8, 8, False, True, 1, 3), (8, 8, False, True, 1, 4), (8, 4, False, True, 1, 4), (8, 4, False, True, 1, 6),
-         (16, 4, False, True, 1, 4), (4, 8, False, True, 1, 4), (16, 2, False, True, 1, 4), (8, 2, False, True, 1, 5)]
+         (32, 2, False, True, 2), (8, 8, True, True, 2), (4, 8, True, True, 2), (8, 4, True, True, 2),
+         (4, 4, True, True, 2), (16, 4, True, True, 2), (8, 2, True, True, 2), (16, 2, True, True, 2)]
 
 
 def main(argv=None) -> int:
@@ -63,17 +60,15 @@ def main(argv=None) -> int:
             t_old = timed(old)
             best = None
             table = w4_config(1, N, K, torch.bfloat16, g, fmt)[1]
-            for bn, warps, ahead, half2, dw, *tma in TILES:
-                cfg = dict(kernel="w4_gemv1", BLOCK_N=bn, BLOCK_W=32 * warps, num_warps=warps,
-                           num_stages=tma[0] if tma else 3, AHEAD=ahead, HALF2=half2, DW=dw)
-                if tma:
-                    cfg.update(TMA=True, PREFETCH=2)
+            for bn, warps, ahead, half2, dw in TILES:
+                cfg = dict(kernel="w4_gemv1", BLOCK_N=bn, BLOCK_W=32 * warps, num_warps=warps, num_stages=3,
+                           AHEAD=ahead, HALF2=half2, DW=dw)
                 y = w4_linear_launch(x, *one, None, fmt, g, K, config=cfg)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 t = timed(cfg)
                 rows.append(dict(format=name, N=N, K=K, cfg=cfg, us=t * 1e6, tbs=wbytes / t / 1e12, rel_err=err,
                                  old_us=t_old * 1e6, bf16_us=t16 * 1e6,
-                                 is_table=all(cfg[k] == table.get(k, {"DW": 1, "PREFETCH": 0}.get(k, False))
+                                 is_table=all(cfg[k] == table.get(k, 1 if k == "DW" else False)
                                               for k in cfg if k != "kernel")))
                 if best is None or t < best[0]:
                     best = (t, cfg, err)
@@ -81,15 +76,13 @@ def main(argv=None) -> int:
             print(f"{name:<10}{N:>6}{K:>6} {t * 1e6:>8.1f}{wbytes / t / 1e12:>6.2f}{wbytes / t / 1e12 / HBM_TBS:>5.0%}"
                   f"{t_old * 1e6:>8.1f}{t_old / t:>6.2f}{t16 * 1e6:>8.1f}{t16 / t:>7.2f}  "
                   f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} AHEAD={cfg['AHEAD']} HALF2={cfg['HALF2']} DW={cfg['DW']} "
-                  f"TMA={cfg.get('TMA', False)} stages={cfg['num_stages']} "
                   f"(rel err {err:.1e})", flush=True)
-            for half2, dw, tma in ((False, 1, False), (True, 1, False), (True, 2, False), (True, 1, True)):
-                mine = [r for r in rows if (r["format"], r["N"], r["K"], r["cfg"]["HALF2"], r["cfg"]["DW"],
-                                            r["cfg"].get("TMA", False)) == (name, N, K, half2, dw, tma)]
+            for half2, dw in ((False, 1), (True, 1), (True, 2)):
+                mine = [r for r in rows if (r["format"], r["N"], r["K"], r["cfg"]["HALF2"], r["cfg"]["DW"])
+                        == (name, N, K, half2, dw)]
                 b = min(mine, key=lambda r: r["us"])
-                print(f"    best with HALF2={half2} DW={dw} TMA={tma}: {b['us']:.1f} us, BLOCK_N={b['cfg']['BLOCK_N']} "
-                      f"warps={b['cfg']['num_warps']} AHEAD={b['cfg']['AHEAD']} stages={b['cfg']['num_stages']} "
-                      f"(rel err {b['rel_err']:.1e})", flush=True)
+                print(f"    best with HALF2={half2} DW={dw}: {b['us']:.1f} us, BLOCK_N={b['cfg']['BLOCK_N']} "
+                      f"warps={b['cfg']['num_warps']} AHEAD={b['cfg']['AHEAD']} (rel err {b['rel_err']:.1e})", flush=True)
             del sets, one
     write_rows(args.out, rows)
     return 0

@@ -87,15 +87,11 @@ def fused_tiles(gated: bool) -> dict:
     return dict(FUSED_TILES[gated])
 
 
-def ptx_applies(x: torch.Tensor) -> bool:
-    """Inline PTX runs: x on an NVIDIA GPU, not under the interpreter."""
-    return x.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
 def half2_applies(x: torch.Tensor, fmt_id: int) -> bool:
     """The HALF2 path (fp16 products, inline PTX) runs 16-bit activations (fp16 rounding
     would cost fp32 activations bits they have) on NVIDIA GPUs, not under the interpreter."""
-    return fmt_id in (0, 1) and x.dtype in (torch.bfloat16, torch.float16) and ptx_applies(x)
+    return (fmt_id in (0, 1) and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+            and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
 def supports(fmt: str, group: int, k: int) -> bool:
@@ -340,12 +336,6 @@ if HAS_TRITON:
         else:
             return (word >> 32).to(tl.int32)
 
-    @triton.jit
-    def _l2_prefetch(ptr):
-        """prefetch.global.L2 of each address of a pointer tile (no value)."""
-        return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn", "up_rows"],
                 do_not_specialize_on_alignment=["w_ptr", "s_ptr", "z_ptr"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
@@ -354,9 +344,7 @@ if HAS_TRITON:
                          AHEAD: tl.constexpr = False, HALF2: tl.constexpr = False,
                          r_ptr=None, nw_ptr=None, rout_ptr=None, up_rows=0, eps=0.0, NORM: tl.constexpr = False,
                          HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False, SW: tl.constexpr = 0,
-                         SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1, wd=None,
-                         TMA: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                         NUM_STAGES: tl.constexpr = 3):
+                         SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -382,15 +370,9 @@ if HAS_TRITON:
         DW = 2 (even tiles only; the launcher checks that the words pair up): each thread reads
         two adjacent words of a row as one 8-byte load (an int64 split into its two int32
         halves), so a load and a row's address sum and scale load serve 16 weights instead
-        of 8; x's 16 columns are two 16-byte loads.
-        TMA (even tiles, one word a load, NVIDIA sm90+ or the interpreter): the word tiles come
-        through `wd`, a tensor descriptor of the words with [BLOCK_N, BLOCK_W] boxes, which the
-        loop's pipeline (NUM_STAGES - 1 tiles ahead; x's loads are pipelined with them) copies
-        into shared memory: tiles in flight cost shared memory instead of registers. PREFETCH (NVIDIA): the first PREFETCH steps'
-        words are prefetched into L2 before waiting for the kernel in front."""
+        of 8; x's 16 columns are two 16-byte loads."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
-        tl.static_assert(not TMA or (EVEN and DW == 1 and not AHEAD), "TMA runs even tiles of single words")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
             stride_w = SW // DW
             stride_s = SS
@@ -428,26 +410,14 @@ if HAS_TRITON:
             word_next = tl.load(wp)
             if GATED:
                 up_next = tl.load(wp + w_up)
-        for i in tl.static_range(PREFETCH):  # the weights do not depend on the kernel in front
-            _l2_prefetch(wp + i * BLOCK_W)
-            if GATED:
-                _l2_prefetch(wp + w_up + i * BLOCK_W)
         pdl_start(PDL)
-        row0 = tl.program_id(0) * BLOCK_N
-        for w0 in tl.range(0, n_words, STEP, num_stages=NUM_STAGES if TMA else None):
+        for w0 in range(0, n_words, STEP):
             if not GROUP_STEPS:
                 sp = s_row + ((w0 + j2 * DW) * 8) // GROUP
                 zp = z_row + ((w0 + j2 * DW) * 8) // GROUP
             ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W] (unused when EVEN)
             x_ok = (w0 + js * DW < n_words) & (es < 8)
-            if TMA:
-                word = wd.load([row0, w0])[:, :, None]
-                if GATED:
-                    word_up = wd.load([row0 + up_rows, w0])[:, :, None]
-                s_raw = _load_t(sp)[:, :, None]
-                if GATED:
-                    s_raw_up = _load_t(sp + s_up)[:, :, None]
-            elif EVEN:
+            if EVEN:
                 if AHEAD:
                     word = word_next[:, :, None]
                     if GATED:
@@ -525,18 +495,6 @@ def pairs_words(words: torch.Tensor, block_n: int, block_w: int, group: int) -> 
             and words.stride(1) == 1 and words.data_ptr() % 8 == 0 and group % 16 == 0)
 
 
-def tma_fits(words: torch.Tensor, block_w: int) -> bool:
-    """Whether the word tiles can come through TMA: this triton has host tensor descriptors,
-    the words are laid out for them (unit last stride, 16-byte aligned base and rows) and a
-    box of block_w words is within TMA's 256 elements."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:  # pragma: no cover - older triton
-        return False
-    return (words.stride(1) == 1 and (words.stride(0) * 4) % 16 == 0 and words.data_ptr() % 16 == 0
-            and block_w <= 256)
-
-
 def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor,
                     bias, y: torch.Tensor, fmt_id: int, group: int, cfg: dict, common: dict,
                     norm: dict | None = None, gated: bool = False) -> None:
@@ -546,7 +504,6 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     of a [gate | up] weight of 2N rows, y = silu(gate) up."""
     from atom.model_ops.kernels.w4_gemm import FORMATS
     cfg = dict(cfg)
-    full = words
     if gated:
         cfg.update(GATED=True, up_rows=words.shape[0] // 2)
         words = words[:words.shape[0] // 2]  # the gate rows: the grid and the masks; up rows at up_rows
@@ -563,14 +520,6 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     even = N % cfg["BLOCK_N"] == 0 and n_words % (cfg["BLOCK_W"] * cfg.get("DW", 1)) == 0 and n_words > 0
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
-    if cfg.get("TMA") and (not even or cfg.get("DW", 1) != 1 or not tma_fits(full, cfg["BLOCK_W"])):
-        cfg["TMA"] = False
-    if cfg.get("TMA"):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        cfg.update(AHEAD=False, NUM_STAGES=cfg["num_stages"],
-                   wd=TensorDescriptor.from_tensor(full, [cfg["BLOCK_N"], cfg["BLOCK_W"]]))
-    if cfg.get("PREFETCH") and not ptx_applies(x):
-        cfg["PREFETCH"] = 0  # inline PTX: NVIDIA only, not the interpreter
     elif cfg.get("AHEAD") and FIXED_STRIDES[FORMATS[fmt_id]]:  # one compile per weight shape
         cfg.update(SW=words.stride(0), SS=scales.stride(0), SZ=z.stride(0))
     pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
