@@ -146,6 +146,30 @@ display(best.round(2))
 fig
 """),
     ("md", """
+Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
+load, an address sum and a scale load serve 16 weights): the best tile each way from a later
+H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in
+batch-1 decode); int4 keeps single words (its pair tiles were slower in decode, docs/perf).
+"""),
+    ("code", """
+from atom.model_ops.kernels import w4_gemv1
+raw = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw" / "2026-12-04g-h200-call1-w4-gemv1-sweep.json"
+pairs = pd.DataFrame(json.loads(raw.read_text())["rows"])
+pairs = pairs[pairs["cfg"].map(lambda c: c["HALF2"])]
+pairs["DW"] = pairs["cfg"].map(lambda c: c.get("DW", 1))
+by_dw = pairs.pivot_table(index=["format", "N", "K"], columns="DW", values="us", aggfunc="min")
+by_dw.columns = ["one word a load", "two words a load"]
+by_dw["table loads"] = [w4_gemv1.tiles(n, f, k).get("DW", 1) for f, n, k in by_dw.index]
+assert (by_dw.loc["mxfp4", "two words a load"] < by_dw.loc["mxfp4", "one word a load"]).all()
+assert (by_dw.loc["mxfp4", "table loads"] == 2).all() and (by_dw.loc["int4", "table loads"] == 1).all()
+fig = Figure(figsize=(7.0, 3.0), layout="constrained")
+ax = fig.add_subplot()
+by_dw[["one word a load", "two words a load"]].plot.bar(ax=ax, rot=30)
+ax.set_ylabel("us per product (M = 1)"); ax.set_title("one-row GEMV, HALF2: words a load (H200)")
+display(by_dw.round(2))
+fig
+"""),
+    ("md", """
 What the fp16 pair products cost in accuracy, on the CPU: `w4_gemv1.half2_ref` repeats the
 HALF2 path's roundings in torch (each word column's x scaled by a power of two into
 [2^14, 2^15) and rounded to fp16, four fp16 FMAs a half-word, the halves added in fp16).
