@@ -37,7 +37,8 @@
 # tree and the one in .before), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_var (the same 4-bit runs for each .variants/NAME.py appended to
 # w4_gemv1.py in a copy of the tree: tile-table variants), ab (batch-1 decode of the formats in AB_FORMATS,
-# this tree and .before's in turn, after the stage `before`), attn_tests (the attention kernels' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
+# this tree and .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each
+# format in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests (the attention kernels' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
 # GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,
@@ -208,6 +209,13 @@ for st in "$@"; do ts=$(date +%s); case $st in
                 $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
             done
           done;;
+  prof_nopdl) rm -rf /tmp/nopdl; mkdir -p /tmp/nopdl; cp -r atom /tmp/nopdl/  # kernel times without PDL's overlapped waits
+            sed -i 's/^USE_PDL = True$/USE_PDL = False/' /tmp/nopdl/atom/model_ops/kernels/triton_import.py
+            if ! grep -q '^USE_PDL = False$' /tmp/nopdl/atom/model_ops/kernels/triton_import.py; then log "prof_nopdl: the sed missed USE_PDL"
+            else for f in ${PROF_FORMATS:-bf16 fp8_dynamic w4a16 mxfp4_w4a16}; do
+              run prof-nopdl-bs1-$f 150 env -C /tmp/nopdl PYTHONPATH=/tmp/nopdl:/tmp/site python3 $PWD/scripts/gpu_profile.py $L \
+                --scenario bs1 --quantization $f --no-summary --windows 100:20
+            done; fi;;
   prof_fp8w) for f in bf16 fp8_dynamic; do
               run prof-wl-$f 200 python3 scripts/gpu_profile.py $L --quantization $f --no-summary --windows 300:10
             done;;
