@@ -161,29 +161,6 @@ def _check_fused_pieces(fmt, device, gpu_routes, monkeypatch):
     assert not layer.self_attn.o_proj.split_k_lock.any()
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="CPU cases need Triton's interpreter (TRITON_INTERPRET=1)")
-def test_few_rows_of_a_wide_mlp_keep_the_separate_silu(monkeypatch):
-    """"silu+quant" steps aside for up to SILU_QUANT_FEW_ROWS rows of an MLP wider than
-    SILU_QUANT_WIDE (here 160 > 128): the separate SiLU kernel and the layer's own quantizer
-    run, with the unfused layers' bits; more rows take the fused kernel again."""
-    layer = _decoder_parts("fp8_channel")
-    monkeypatch.setattr(fusions, "SILU_QUANT_WIDE", 128)
-    calls = []
-    from atom.model_ops.kernels import act_quant_fused
-    real = act_quant_fused.silu_quant
-    monkeypatch.setattr(act_quant_fused, "silu_quant", lambda *a, **k: calls.append(1) or real(*a, **k))
-    unfused, fused = _plans()
-    g = torch.Generator().manual_seed(1)
-    for M in (1, fusions.SILU_QUANT_FEW_ROWS, fusions.SILU_QUANT_FEW_ROWS + 1):
-        x, res = (torch.randn(M, 128, generator=g).to(torch.bfloat16) for _ in range(2))
-        a = torch.randn(M, 2048, generator=g).to(torch.bfloat16)
-        calls.clear()
-        got = _run_parts(layer, fused, x, res, a)
-        assert len(calls) == (M > fusions.SILU_QUANT_FEW_ROWS), M
-        for g_, w_ in zip(got, _run_parts(layer, unfused, x, res, a)):
-            assert torch.equal(g_, w_), M
-
-
 def test_fused_pieces_fall_back_where_they_do_not_apply(monkeypatch):
     """Unquantized layers, weight-only or static 8-bit layers, plans without the fusions and
     a torch-backend plan, more rows than the fusions take: `quant_input` says no and the

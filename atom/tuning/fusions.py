@@ -23,9 +23,8 @@ which computes the same thing with fewer kernels where the plan says so:
   row) get it from the kernel in front, up to `FUSED_QUANT_MAX_ROWS` rows (decode batches,
   where the fused kernels give the separate kernels' bits; above, the separate norm runs
   another kernel): add + RMSNorm + quantize before the q/k/v and gate-up products,
-  SiLU-and-mul + quantize before down (`kernels.act_quant_fused`; not for a few rows of a
-  wide MLP, `SILU_QUANT_FEW_ROWS`), the product then reading q (`Linear.forward_quantized`, the
-  method's usual routes);
+  SiLU-and-mul + quantize before down (`kernels.act_quant_fused`), the product then reading q
+  (`Linear.forward_quantized`, the method's usual routes);
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
@@ -68,12 +67,6 @@ logger = logging.getLogger(__name__)
 # the quantizing fusions' rows at most, by kind: where their GPU test found the separate kernels'
 # bits (int8 differed by a step at 128 rows; fp8 matched at 128)
 FUSED_QUANT_MAX_ROWS = {"fp8": 128, "int8": 64}
-# "silu+quant" runs one program a row, the row's SiLU in it: for few rows of wide activations
-# (up to SILU_QUANT_FEW_ROWS rows wider than SILU_QUANT_WIDE) the separate SiLU-and-mul kernel
-# (many programs a row) and the layer's quantizer are faster (H200, Llama-3.1-8B's 14,336 at
-# one row: 6.8 us fused against 1.2 + 2.1, kernel times without PDL; docs/perf)
-SILU_QUANT_FEW_ROWS = 8
-SILU_QUANT_WIDE = 8192
 
 
 def default_fusions(backend: str) -> tuple[str, ...]:
@@ -239,8 +232,6 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
         hidden, residual = norm(hidden, residual)
         return mlp(hidden), residual
     iq = quant_input(plan, "silu+quant", mlp.down_proj, hidden)
-    if iq is not None and hidden.shape[0] <= SILU_QUANT_FEW_ROWS and mlp.down_proj.in_features > SILU_QUANT_WIDE:
-        iq = None  # the separate SiLU kernel and the layer's quantizer (SILU_QUANT_FEW_ROWS says why)
     if iq is None:
         act, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual, gated=True)
         return project(plan, mlp.down_proj, act), residual
