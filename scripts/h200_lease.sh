@@ -29,16 +29,18 @@
 # thr_moe (both MoE workloads, ATOM alone, with the split of the run into prompt and decode steps),
 # prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order),
 # overlap (DeepSeek-V2-Lite's MoE block with the shared experts on a second stream against one),
-# w4_sweep (the one-row 4-bit GEMV's tiles at Llama-3.1-8B's shapes, int4 with and without HALF2, MXFP4),
+# w4_sweep (the one-row 4-bit GEMV's tiles at Llama-3.1-8B's shapes, the formats in SWEEP_FORMATS),
 # w4_tests (the 4-bit kernels' GPU tests), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
 # the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
 # after the stage `before`), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
 # tree and the one in .before), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
-# the default fusions, in a copy of the tree), w4_var (the same 4-bit runs for each .variants/NAME.py appended to
-# w4_gemv1.py in a copy of the tree: tile-table variants), ab (batch-1 decode of the formats in AB_FORMATS,
-# this tree and .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each
-# format in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests (the attention kernels' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
+# the default fusions, in a copy of the tree), w4_var (the same 4-bit runs, formats in VAR_FORMATS, for each
+# .variants/NAME.py appended to w4_gemv1.py in a copy of the tree: tile-table variants, untracked files
+# that travel with the working tree), ab (batch-1 decode of the formats in AB_FORMATS, this tree and
+# .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each format
+# in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests
+# (the attention kernels' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
 # GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,

@@ -75,8 +75,8 @@ def main(argv=None) -> int:
             t, cfg, err = best
             print(f"{name:<10}{N:>6}{K:>6} {t * 1e6:>8.1f}{wbytes / t / 1e12:>6.2f}{wbytes / t / 1e12 / HBM_TBS:>5.0%}"
                   f"{t_old * 1e6:>8.1f}{t_old / t:>6.2f}{t16 * 1e6:>8.1f}{t16 / t:>7.2f}  "
-                  f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} AHEAD={cfg['AHEAD']} HALF2={cfg['HALF2']} DW={cfg['DW']} "
-                  f"(rel err {err:.1e})", flush=True)
+                  f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} AHEAD={cfg['AHEAD']} HALF2={cfg['HALF2']} "
+                  f"DW={cfg['DW']} (rel err {err:.1e})", flush=True)
             for half2, dw in ((False, 1), (True, 1), (True, 2)):
                 mine = [r for r in rows if (r["format"], r["N"], r["K"], r["cfg"]["HALF2"], r["cfg"]["DW"])
                         == (name, N, K, half2, dw)]

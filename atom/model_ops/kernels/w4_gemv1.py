@@ -34,10 +34,10 @@ land in the two halves of one int32 (int4: masked in place as fp16 subnormals, 1
 odd i; MXFP4: e2m1 2^-14, its bits moved to fp16's), one fp16 FMA for both against a pair of x
 scaled per word column into [2^14, 2^15), four FMAs a half-word, the halves added in fp16 and
 widened once: 3.6 (int4) / 4.3 (MXFP4, row strides compiled in) instructions a weight
-(Triton 3.6, 8-row tile with the words ahead), 3.0 / 3.9 with two words a load (DW = 2). Its rounding (`half2_ref`, the
-same arithmetic in torch) costs about 1e-3 of the largest output, what rounding the
-dequantized weights to bf16 costs the tensor-core kernels and below bf16's output rounding;
-fp32 activations keep the float32 path.
+(Triton 3.6, 8-row tile with the words ahead), 3.0 / 3.9 with two words a load (DW = 2).
+Its rounding (`half2_ref`, the same arithmetic in torch) costs about 1e-3 of the largest
+output, what rounding the dequantized weights to bf16 costs the tensor-core kernels and below
+bf16's output rounding; fp32 activations keep the float32 path.
 """
 from __future__ import annotations
 
