@@ -531,7 +531,7 @@ def test_gpu_half2_gemv_computes_its_reference_arithmetic(fmt, N, K, g, zp, kind
     packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=K + g)
     x = half2_x(K, kind, dtype, "cuda")
     bias = torch.randn(N, device="cuda").to(dtype)
-    cfg = dict(w4_gemv1.tiles(N, fmt), kernel="w4_gemv1", DW=dw)
+    cfg = dict(w4_gemv1.tiles(N, fmt, K), kernel="w4_gemv1", DW=dw)
     if dw == 2 and (K // 8) % (2 * cfg["BLOCK_W"]) and (K // 8) % 256 == 0:
         cfg.update(BLOCK_W=128, num_warps=4)  # K = 14336: word pairs over 4 warps tile the row
     if N % cfg["BLOCK_N"] or (K // 8) % cfg["BLOCK_W"]:
