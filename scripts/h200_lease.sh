@@ -40,7 +40,7 @@
 # that travel with the working tree), ab (batch-1 decode of the formats in AB_FORMATS, this tree and
 # .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each format
 # in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests
-# (the attention kernels' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
+# (the attention kernels' GPU tests), act_tests (the fused activation quantizers' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
 # kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
 # GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,
@@ -201,6 +201,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
         run l-lat1-before-$f 150 "${before[@]}" python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none \
           --repeat 1 "${q[@]}" --cache-dir /tmp/bc --out $R/l-lat1-before-$f.json
       done;;
+  act_tests) run act-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_act_quant_fused.py;;
   attn_tests) run attn-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_triton_kernels.py \
                 tests/test_gpu_attention_fp8.py -k "attention or attn";;
   w4_var) for v in .variants/*.py; do  # each variant file appended to a copy's w4_gemv1.py (e.g. table edits), 4-bit decode

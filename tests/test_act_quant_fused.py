@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from atom.model_ops.kernels.act_quant import act_quant, act_quant_ref
-from atom.model_ops.kernels.act_quant_fused import (norm_quant, norm_quant_ref, silu_quant, silu_quant_config,
-                                                    silu_quant_ref)
+from atom.model_ops.kernels.act_quant_fused import (SPLIT_BLOCK, SPLIT_MAX_ROWS, norm_quant, norm_quant_ref,
+                                                    silu_quant, silu_quant_config, silu_quant_ref)
 from atom.model_ops.kernels.activation import silu_and_mul
 from atom.model_ops.kernels.quant_gemm import quant_gemm_ref
 from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_launch, small_m_config, split_k_lock
@@ -124,6 +124,21 @@ def test_silu_quant_chunked_rows(kind, qmax):
     _same(silu_quant(x, kind, qmax, config=cfg), silu_quant(x, kind, qmax))
     assert silu_quant_config(14336) == dict(BLOCK=16384, SINGLE=True, num_warps=16)
     assert not silu_quant_config(28672)["SINGLE"]
+
+
+@pytest.mark.parametrize("kind,qmax", KINDS)
+@pytest.mark.parametrize("M,I", [(1, 14336), (2, 1500), (8, 4096)])
+def test_silu_quant_split_rows(kind, qmax, M, I):
+    """Few wide rows run over programs of SPLIT_BLOCK columns (the row's amax from their
+    partials): the same values as one program a row (a config keeps that path), a zero row
+    included."""
+    assert M <= SPLIT_MAX_ROWS and I > SPLIT_BLOCK
+    x = _rows(M, 2 * I, torch.bfloat16, scale=2.0)
+    x[-1, :I] = 0  # silu(0) * up = 0: the floor scale
+    q, s = silu_quant(x, kind, qmax)
+    _same((q, s), silu_quant(x, kind, qmax, config=silu_quant_config(I)))
+    _same((q, s), act_quant(silu_and_mul(x), kind, I, qmax))
+    assert s[-1, 0] == torch.tensor(1e-12) / qmax
 
 
 def test_empty_and_bad_input():

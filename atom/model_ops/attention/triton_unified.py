@@ -64,7 +64,7 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, trito
 
 if HAS_TRITON:
     from atom.model_ops.kernels.kv_cache import fp8_saturate, interpreted, slot_offset
-    from atom.model_ops.kernels.triton_import import pdl_start
+    from atom.model_ops.kernels.triton_import import pdl_launch, pdl_wait, prefetch_l2
 
 __all__ = [
     "AttentionOptions",
@@ -99,6 +99,25 @@ if HAS_TRITON:
         past the sequence's blocks)."""
         kpos = t * TILE_N + offs_n
         return tl.load(bt_row + kpos // BLOCK_SIZE, mask=kpos < kv_end, other=0).to(tl.int64)
+
+    @triton.jit
+    def _prefetch_tile(bt_row, t, t_end, kv_end, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                       HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+        """Tile t's keys and values (if t < t_end) into L2: one prefetch per 128-byte line of
+        each row. Issued before the kernel waits for the one in front (the block table is
+        host-copied; a line of the cache fetched early is never stale, see `prefetch_l2`), so
+        that the tile's loads after the wait find it in L2 instead of HBM."""
+        BITS: tl.constexpr = k_head.dtype.element_ty.primitive_bitwidth
+        LINES: tl.constexpr = (HEAD_PAD * BITS + 1023) // 1024  # 128-byte lines a row (a power of two)
+        offs_n = tl.arange(0, TILE_N)
+        kpos = t * TILE_N + offs_n
+        ok = (kpos < kv_end) & (offs_n * 0 + t < t_end)
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = kpos % BLOCK_SIZE
+        line = (tl.arange(0, LINES) * (1024 // BITS))[None, :]
+        m = ok[:, None] & (line >= 0)
+        prefetch_l2(k_head + (blk * stride_kb + slot * stride_ks)[:, None] + line, m)
+        prefetch_l2(v_head + (blk * stride_vb + slot * stride_vs)[:, None] + line, m)
 
     @triton.jit
     def _tile_step(
@@ -245,7 +264,10 @@ if HAS_TRITON:
         ROWS_AHEAD: tl.constexpr = False,
         KV_F16: tl.constexpr = False,
     ):
-        pdl_start(PDL)
+        # Before the wait (PDL): only the host-copied batch description (cu_seqlens, seq_lens,
+        # block table) is read, and the first tile of the cache prefetched into L2; q, this
+        # step's k / v and every write come after it.
+        pdl_launch(PDL)
         # (kv head, query block) flattened on axis 0, kv head fastest; axis 0 has no 65535 cap
         kvh = tl.program_id(0) % NUM_KV_HEADS
         qblock = tl.program_id(0) // NUM_KV_HEADS
@@ -271,12 +293,6 @@ if HAS_TRITON:
         tok = (q_start + q_idx).to(tl.int64)
         q_pos = ctx_len + q_idx
 
-        q = tl.load(
-            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-
         # keys this query block needs: [0, kv_end), from tile t_first with a window
         kv_end = ctx_len + tl.minimum(q_len, (local + 1) * BLOCK_Q)
         n_tiles = tl.cdiv(kv_end, TILE_N)
@@ -292,6 +308,18 @@ if HAS_TRITON:
         else:
             t_lo = t_first
             t_hi = n_tiles
+        bt_row = bt_ptr + b * stride_bt
+        k_head = k_ptr + kvh * stride_kh
+        v_head = v_ptr + kvh * stride_vh
+        if PDL:
+            _prefetch_tile(bt_row, t_lo, t_hi, kv_end, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                           HEAD_PAD, BLOCK_SIZE, TILE_N)
+        pdl_wait(PDL)
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         if ROPE:  # decode (one token per sequence): q arrives unrotated, k / v not yet cached
             q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
             q = _rope_rows(q_rows, q, q_pos, row_ok[:, None] & d_ok[None, :], offs_d, cs_ptr, stride_cs,
@@ -322,9 +350,6 @@ if HAS_TRITON:
             # (softmax weights in [0, 1]) keep 3 more mantissa bits than in bf16; q saturates at
             # fp16's largest value instead of becoming inf (once per program, not per tile)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        bt_row = bt_ptr + b * stride_bt
-        k_head = k_ptr + kvh * stride_kh
-        v_head = v_ptr + kvh * stride_vh
 
         # Tiles wholly below the causal diagonal of every row in the block (and, with a
         # window, wholly inside every row's window) need no masks at all; only the tiles
@@ -379,11 +404,12 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        pdl_start(PDL)
+        pdl_launch(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
-        if t >= tl.load(cu_ptr + num_seqs):
+        if t >= tl.load(cu_ptr + num_seqs):  # (host-copied: read before the wait)
             return  # padding token, left untouched like the one-pass path
+        pdl_wait(PDL)
         offs_s = tl.arange(0, NUM_SPLITS)
         offs_d = tl.arange(0, HEAD_PAD)
         d_ok = offs_d < HEAD_DIM
@@ -394,13 +420,15 @@ if HAS_TRITON:
         w = tl.exp2(lse - m)  # empty segments: exp2(-inf) = 0
         denom = tl.sum(w, 0)
         denom = tl.where(denom == 0.0, 1.0, denom)
+        # every segment of a real token wrote its partial (an empty one zeros), so the partials
+        # load beside the log-sum-exps, not after them; the where keeps an empty one out
         po = tl.load(
             po_ptr + t64 * stride_pot + h * stride_poh
             + offs_s[:, None] * stride_pos + offs_d[None, :],
-            mask=(w > 0.0)[:, None] & d_ok[None, :],
+            mask=d_ok[None, :],
             other=0.0,
         )
-        o = tl.sum(po * w[:, None], 0) / denom
+        o = tl.sum(tl.where((w > 0.0)[:, None], po * w[:, None], 0.0), 0) / denom
         tl.store(
             out_ptr + t64 * stride_ot + h * stride_oh + offs_d,
             o.to(out_ptr.dtype.element_ty),

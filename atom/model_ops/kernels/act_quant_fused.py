@@ -22,6 +22,13 @@ by one step).
 One program per row, the whole row in registers (`silu_quant` rows wider than
 `act_quant.SINGLE_PASS_MAX` are walked twice in chunks, amax then quantize, recomputing the
 activation: the same values). Both take part in programmatic dependent launch.
+
+Few wide rows (`silu_quant` at M <= SPLIT_MAX_ROWS, I > SPLIT_BLOCK: Llama's 14336 at batch 1)
+leave one program per row with the whole row's arithmetic (an exp and two IEEE divisions a
+value) on one SM, most of the GPU idle. There the row is split over programs of SPLIT_BLOCK
+columns in two launches: the first writes its columns of silu(gate) * up (as `silu_and_mul`
+stores them) and their amax; the second takes the row's amax from those partials (the same
+max in every program), the scale, and quantizes its columns. The same values as one program.
 """
 from __future__ import annotations
 
@@ -89,6 +96,42 @@ if HAS_TRITON:
                 tl.store(q_row + cols, _quantize(h, scale, INT8).to(q_ptr.dtype.element_ty), mask=ok)
 
 
+    @triton.jit
+    def _silu_amax_kernel(x_ptr, h_ptr, pmax_ptr, stride_x, stride_h, stride_p, I, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+        """Program (row, c): h[row, columns c] = silu(gate) * up in h's dtype, and their amax."""
+        pdl_start(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        cols = c * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < I
+        h = silu_mul_cols(x_ptr + row * stride_x, cols, ok, I).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
+        tl.store(pmax_ptr + row * stride_p + c, tl.max(tl.abs(h.to(tl.float32)), 0))
+
+    @triton.jit
+    def _quant_split_kernel(h_ptr, pmax_ptr, q_ptr, s_ptr, stride_h, stride_p, stride_q, I, n_parts, qmax,
+                            BLOCK: tl.constexpr, PARTS: tl.constexpr, INT8: tl.constexpr, PDL: tl.constexpr):
+        """Program (row, c): the row's scale from its n_parts partial amaxes, columns c quantized."""
+        pdl_start(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        parts = tl.arange(0, PARTS)
+        amax = tl.max(tl.load(pmax_ptr + row * stride_p + parts, mask=parts < n_parts, other=0.0), 0)
+        cols = c * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < I
+        h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), qmax)
+        if c == 0:
+            tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * stride_q + cols, _quantize(h, scale, INT8).to(q_ptr.dtype.element_ty), mask=ok)
+
+
+#: `silu_quant` splits rows over programs of SPLIT_BLOCK columns at up to SPLIT_MAX_ROWS rows
+SPLIT_MAX_ROWS = 8
+SPLIT_BLOCK = 1024
+
+
 def _check_kind(kind: str, qmax: float) -> None:
     if kind not in _KINDS:
         raise ValueError(f"kind={kind!r}: allowed {sorted(_KINDS)}")
@@ -138,8 +181,9 @@ def silu_quant_config(I: int, single_pass_max: int = SINGLE_PASS_MAX) -> dict:
 def silu_quant(x: torch.Tensor, kind: str, qmax: float, config: Optional[dict] = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, 2I] ([gate | up]) -> (q [M, I], scales [M, 1] fp32): silu(gate) * up quantized
-    per row as `act_quant` would quantize `silu_and_mul(x)`; `config` overrides
-    `silu_quant_config`."""
+    per row as `act_quant` would quantize `silu_and_mul(x)`. Up to SPLIT_MAX_ROWS rows wider
+    than SPLIT_BLOCK are split over programs (module docstring); `config` (overriding
+    `silu_quant_config`) keeps one program a row."""
     _need_triton("silu_quant")
     _check_kind(kind, qmax)
     if x.dim() != 2 or x.shape[1] % 2:
@@ -148,10 +192,27 @@ def silu_quant(x: torch.Tensor, kind: str, qmax: float, config: Optional[dict] =
     x2 = as_rows(x)
     q = torch.empty(M, I, dtype=_KINDS[kind], device=x.device)
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
-    if M and I:
+    if M and I and config is None and M <= SPLIT_MAX_ROWS and I > SPLIT_BLOCK:
+        _silu_quant_split(x2, q, s, kind, qmax, SPLIT_BLOCK)
+    elif M and I:
         _silu_quant_kernel[(M,)](x2, q, s, x2.stride(0), q.stride(0), I, float(qmax), INT8=kind == "int8",
                                  **(config or silu_quant_config(I)), **pdl_args(x2))
     return q, s
+
+
+def _silu_quant_split(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, kind: str, qmax: float,
+                      block: int) -> None:
+    """`silu_quant` over programs of `block` columns a row, in two launches (module docstring)."""
+    M, I = q.shape
+    parts = triton.cdiv(I, block)
+    h = torch.empty(M, I, dtype=x2.dtype, device=x2.device)
+    pmax = torch.empty(M, parts, dtype=torch.float32, device=x2.device)
+    warps = 4 if block <= 2048 else 8
+    _silu_amax_kernel[(M, parts)](x2, h, pmax, x2.stride(0), h.stride(0), pmax.stride(0), I, BLOCK=block,
+                                  num_warps=warps, **pdl_args(x2))
+    _quant_split_kernel[(M, parts)](h, pmax, q, s, h.stride(0), pmax.stride(0), q.stride(0), I, parts, float(qmax),
+                                    BLOCK=block, PARTS=triton.next_power_of_2(parts), INT8=kind == "int8",
+                                    num_warps=warps, **pdl_args(x2))
 
 
 def norm_quant_ref(x, residual, weight, eps, kind, qmax):

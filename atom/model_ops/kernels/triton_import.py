@@ -56,10 +56,43 @@ if HAS_TRITON:
     FP8_PROMOTE = tl.constexpr(FP8_PROMOTE_K)
 
     @triton.jit
-    def pdl_start(PDL: tl.constexpr):
+    def pdl_launch(PDL: tl.constexpr):
+        """The next kernel may be scheduled once all our programs have run this."""
         if PDL:
-            gdc_launch_dependents()  # the next kernel may be scheduled once all our programs run
-            gdc_wait()  # every kernel before this one has finished and its writes are visible
+            gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """Every kernel before this one has finished and its writes are visible. What comes
+        before it may read only what no kernel in the stream writes (host-copied inputs, the
+        weights); its writes wait."""
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def prefetch_rows_l2(base_ptr, rows, row_ok, stride_row, lo, hi, LINES: tl.constexpr):
+        """Prefetch into L2 bytes [lo, hi) of each row (`base_ptr` + row x `stride_row`,
+        strides and offsets in bytes), LINES 128-byte lines a row per step. For weight rows
+        before `pdl_wait`: the weights stream from HBM while the kernel in front finishes,
+        instead of after it."""
+        row_base = base_ptr.to(tl.pointer_type(tl.int8)) + rows.to(tl.int64)[:, None] * stride_row
+        for c in range(lo, hi, LINES * 128):
+            off = c + tl.arange(0, LINES)[None, :] * 128
+            prefetch_l2(row_base + off, row_ok[:, None] & (off < hi))
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        pdl_launch(PDL)
+        pdl_wait(PDL)
+
+    @triton.jit
+    def prefetch_l2(ptrs, mask):
+        """prefetch.global.L2 of each address where mask holds (a hint: L2 is where the GPU's
+        memory is coherent, so a line fetched early is never stale; safe before `pdl_wait`).
+        NVIDIA only (inline PTX); returns nothing useful."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def pdl_args(t: torch.Tensor) -> dict:
