@@ -37,7 +37,8 @@
 # tree and the one in .before), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_var (the same 4-bit runs, formats in VAR_FORMATS, for each
 # .variants/NAME.py appended to w4_gemv1.py in a copy of the tree: tile-table variants, untracked files
-# that travel with the working tree), ab (batch-1 decode of the formats in AB_FORMATS, this tree and
+# that travel with the working tree), var (the same for each .variants/NAME.sh run inside a copy of the
+# tree), new (batch-1 decode of the formats in AB_FORMATS, this tree only), ab (batch-1 decode of the formats in AB_FORMATS, this tree and
 # .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each format
 # in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests
 # (the attention kernels' GPU tests), act_tests (the fused activation quantizers' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
@@ -212,6 +213,19 @@ for st in "$@"; do ts=$(date +%s); case $st in
                 $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
             done
           done;;
+  var) for v in .variants/*.sh; do  # each variant script run inside a copy of the tree (e.g. a sed of a constant), batch-1 decode
+        n=$(basename $v .sh); va=$PWD/$v; rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
+        (cd /tmp/var-$n && bash $va) || { log "variant $n failed"; continue; }
+        for f in ${VAR_FORMATS:-w4a16 mxfp4_w4a16}; do
+          run l-lat1-var$n-$f 150 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.latency \
+            $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
+        done
+      done;;
+  new) for f in ${AB_FORMATS:-bf16 w4a16}; do  # batch-1 decode of this tree only
+        q=(--quantization $f); [ $f = bf16 ] && q=()
+        run l-lat1-$f 150 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 "${q[@]}" \
+          --cache-dir /tmp/lc --out $R/l-lat1-$f.json
+      done;;
   prof_nopdl) rm -rf /tmp/nopdl; mkdir -p /tmp/nopdl; cp -r atom /tmp/nopdl/  # kernel times without PDL's overlapped waits
             sed -i 's/^USE_PDL = True$/USE_PDL = False/' /tmp/nopdl/atom/model_ops/kernels/triton_import.py
             if ! grep -q '^USE_PDL = False$' /tmp/nopdl/atom/model_ops/kernels/triton_import.py; then log "prof_nopdl: the sed missed USE_PDL"

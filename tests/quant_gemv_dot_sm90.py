@@ -2,7 +2,7 @@
 without a GPU and reports marks of its PTX, as one JSON line (run as a child process by
 tests/test_quant_gemv_dot.py, without TRITON_INTERPRET): tensor-core instructions (wgmma
 at 64+ weight rows a program, mma below), asynchronous copies (the pipelined weight loads),
-PDL's griddepcontrol and the weight prefetch in front of its wait, the e4m3 conversion of the fused quantizer, its correctly rounded
+PDL's griddepcontrol, the e4m3 conversion of the fused quantizer, its correctly rounded
 division, the folded split K's barrier, GPU-scope acq_rel counter and L2 reads; and the split
 reduction; and that fp8 sums are carried into fp32 every 128 of K.
 
@@ -30,7 +30,7 @@ def compile_all() -> dict:
                 QUANT_X=False, STATIC=False, FOLD=False, PDL=True)
     # the folded split K: a block barrier, one thread's acq_rel counter at GPU scope, L2 reads
     fold = ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg", "atom.global.gpu.acq_rel.exch")
-    mark = ("wgmma", "cp.async", "griddepcontrol.wait", "prefetch.global.L2")  # (weights into L2 before the wait)
+    mark = ("wgmma", "cp.async", "griddepcontrol.wait")
     promote = ("ttgir:maxNumImpreciseAcc = 128",)  # fp8 sums carried into fp32 every 128 of K (triton_import)
     cases = {
         "fp8": (dict(base, HAS_BIAS=True), ops(f8, f8), mark + promote),

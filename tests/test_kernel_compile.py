@@ -9,7 +9,7 @@ griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler
 Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path;
 the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants;
 how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
-its FP8-cache dots in fp16 for bf16 queries; its first tile, and the one-row 4-bit GEMV's weight rows, prefetched before the PDL wait).
+its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait).
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -160,12 +160,10 @@ def _compile_all() -> dict:
         ptxs[name] = ptx
     # the decode attention prefetches its first K / V tile into L2 before it waits for the
     # kernel in front (PDL), and the merge reads the partials only after its wait
-    # (and the one-row 4-bit GEMV its weight rows)
-    for name in ("attention_decode_split", "w4_gemv1_int4_ahead", "w4_gemv1_mxfp4_masked"):
-        p = ptxs[name]
-        out[f"{name}_prefetch_before_wait"] = {
-            "prefetch.global.L2": "prefetch.global.L2" in p,
-            "before the wait": 0 <= p.find("prefetch.global.L2") < p.find("griddepcontrol.wait")}
+    p = ptxs["attention_decode_split"]
+    out["attention_prefetch_before_wait"] = {
+        "prefetch.global.L2": "prefetch.global.L2" in p,
+        "before the wait": 0 <= p.find("prefetch.global.L2") < p.find("griddepcontrol.wait")}
     # the attention's K / V tiles in flight (the depth of their shared-memory buffers, TTGIR) at
     # 3 stages: one with the block-table entries loaded in the tile's own iteration, two with
     # them loaded a tile ahead (`rows_ahead`)
@@ -213,8 +211,7 @@ def test_kernels_compile_for_sm90():
                         "attention_3_stages_rows_ahead_True", "attention_fp8_f16_dots", "w4_gemv1_int4_masked",
                         "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2",
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
-                        "w4_gemv1_mxfp4_pairs", "attention_decode_split_prefetch_before_wait",
-                        "w4_gemv1_int4_ahead_prefetch_before_wait", "w4_gemv1_mxfp4_masked_prefetch_before_wait"}
+                        "w4_gemv1_mxfp4_pairs", "attention_prefetch_before_wait"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

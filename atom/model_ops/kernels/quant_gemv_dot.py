@@ -71,14 +71,11 @@ FUSE_MAX_M = 0  # up to here the table folds the activation quantizer in (0: nev
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H200 (132 SMs): SPLIT_K grows until reached
 LONG_K = 8192  # rows at least this long take 128-row tiles at decode sizes (small_m_config)
 LONG_K_PROGRAMS = 128  # and split K only to about one program per SM (a power of two of programs)
-#: weight bytes of a product prefetched into L2 before the programs' PDL wait (each program its
-#: slice's first PREFETCH_BUDGET / (N x SPLIT_K) bytes a row): as `w4_gemv1.PREFETCH_BUDGET`
-PREFETCH_BUDGET = 16 << 20
 _KINDS = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 if HAS_TRITON:
     from atom.model_ops.kernels.act_quant import _quantize
-    from atom.model_ops.kernels.triton_import import FP8_PROMOTE, pdl_launch, pdl_wait, prefetch_rows_l2
+    from atom.model_ops.kernels.triton_import import FP8_PROMOTE, pdl_start
 
     # M and SPLIT_K are run-time values (M = 1 not specialized apart): fewer compiled variants
     # for a sweep over M and SPLIT_K; SPLIT (SPLIT_K > 1) picks the store.
@@ -87,14 +84,12 @@ if HAS_TRITON:
                      stride_ym, stride_xs, stride_ws, qmax, SPLIT_K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCKS: tl.constexpr, INT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, STATIC: tl.constexpr, FOLD: tl.constexpr,
-                     PDL: tl.constexpr, pf_bytes=0):
+                     PDL: tl.constexpr):
         """Program (n tile, K split). QUANT_X: x is unquantized and quantized here (STATIC: the
         scale is xs_ptr[0], row / column scales only; else per row over K, or per chunk with
         BLOCKS). FOLD (with SPLIT): the last split of each n tile to finish sums the partials
         (see the module docstring); lock_ptr: one int32 counter per n tile, zero on entry and
-        left zero. pf_bytes > 0 (with PDL): before the wait the first pf_bytes of the program's
-        slice of each weight row are prefetched into L2 (`prefetch_rows_l2`), so that the
-        weights start streaming while the kernel in front ends."""
+        left zero."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,13 +103,7 @@ if HAS_TRITON:
         last = tl.minimum(first + per_split, steps)
         w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
         x_ptrs = x_ptr + ms.to(tl.int64)[:, None] * stride_xm + rk[None, :]
-        pdl_launch(PDL)
-        if PDL:
-            E: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            lo = first * BLOCK_K * E
-            hi = tl.minimum(tl.minimum(last * BLOCK_K, K) * E, lo + pf_bytes)
-            prefetch_rows_l2(w_ptr, rn, n_ok, stride_wn * E, lo, hi, 2)
-        pdl_wait(PDL)
+        pdl_start(PDL)
         qdt = w_ptr.dtype.element_ty
         if QUANT_X and not BLOCKS:
             if STATIC:
@@ -290,8 +279,6 @@ def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax, loc
     if fold:
         check_lock(lock, tiles, x.device)
     pdl = pdl_args(x)
-    if pdl.get("PDL"):
-        cfg.setdefault("pf_bytes", PREFETCH_BUDGET // (N * split) // 128 * 128)
     _qdot_kernel[(tiles, split)](
         x, xs, w, ws, b, y, part, lock if fold else part, M, N, K, x.stride(0), w.stride(0), y.stride(0),
         stride_xs, stride_ws, float(qmax), split, SPLIT=split > 1, BLOCKS=bool(block_k), INT=w.dtype == torch.int8,

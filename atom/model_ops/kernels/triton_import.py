@@ -70,17 +70,6 @@ if HAS_TRITON:
             gdc_wait()
 
     @triton.jit
-    def prefetch_rows_l2(base_ptr, rows, row_ok, stride_row, lo, hi, LINES: tl.constexpr):
-        """Prefetch into L2 bytes [lo, hi) of each row (`base_ptr` + row x `stride_row`,
-        strides and offsets in bytes), LINES 128-byte lines a row per step. For weight rows
-        before `pdl_wait`: the weights stream from HBM while the kernel in front finishes,
-        instead of after it."""
-        row_base = base_ptr.to(tl.pointer_type(tl.int8)) + rows.to(tl.int64)[:, None] * stride_row
-        for c in range(lo, hi, LINES * 128):
-            off = c + tl.arange(0, LINES)[None, :] * 128
-            prefetch_l2(row_base + off, row_ok[:, None] & (off < hi))
-
-    @triton.jit
     def pdl_start(PDL: tl.constexpr):
         pdl_launch(PDL)
         pdl_wait(PDL)

@@ -68,10 +68,6 @@ TILES_DEEP = {"int4": dict(TILES["int4"]),
 FIXED_STRIDES = {"int4": False, "mxfp4": True}
 WIDE_N = 8192
 DEEP_K = 8192
-#: bytes of a layer's words the programs prefetch into L2 before their PDL wait (each row's
-#: first PREFETCH_BUDGET / N bytes): the weights start streaming while the kernel in front
-#: ends, without filling the H200's 50 MB L2 with words evicted before their use
-PREFETCH_BUDGET = 16 << 20
 
 
 def tiles(n: int, fmt: str = "int4", k: int = 0) -> dict:
@@ -147,7 +143,7 @@ def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros,
     return y.float()[None, :]
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.triton_import import pdl_launch, pdl_wait, prefetch_rows_l2
+    from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemm import _e8m0
 
     @triton.jit
@@ -348,7 +344,7 @@ if HAS_TRITON:
                          AHEAD: tl.constexpr = False, HALF2: tl.constexpr = False,
                          r_ptr=None, nw_ptr=None, rout_ptr=None, up_rows=0, eps=0.0, NORM: tl.constexpr = False,
                          HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False, SW: tl.constexpr = 0,
-                         SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1, pf_bytes=0):
+                         SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -374,10 +370,7 @@ if HAS_TRITON:
         DW = 2 (even tiles only; the launcher checks that the words pair up): each thread reads
         two adjacent words of a row as one 8-byte load (an int64 split into its two int32
         halves), so a load and a row's address sum and scale load serve 16 weights instead
-        of 8; x's 16 columns are two 16-byte loads.
-        pf_bytes > 0 (with PDL): before the wait each row's words from pf_lo to pf_bytes
-        bytes are prefetched into L2 (`prefetch_rows_l2`; `w4_gemv1_launch` caps the total at
-        `PREFETCH_BUDGET`), past the step loaded ahead."""
+        of 8; x's 16 columns are two 16-byte loads."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
@@ -413,18 +406,11 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         sq = tl.zeros([1, BLOCK_W, 8], tl.float32)
-        pdl_launch(PDL)
         if AHEAD:
             word_next = tl.load(wp)
             if GATED:
                 up_next = tl.load(wp + w_up)
-        if PDL:
-            pf_lo = STEP * 4 if AHEAD else 0  # bytes of a row the loads ahead already asked for
-            rows_ok = rows < N
-            prefetch_rows_l2(w_ptr, rows, rows_ok, stride_wn * 4, pf_lo, pf_bytes, 2)
-            if GATED:
-                prefetch_rows_l2(w_ptr, rows + up_rows, rows_ok, stride_wn * 4, pf_lo, pf_bytes, 2)
-        pdl_wait(PDL)
+        pdl_start(PDL)
         for w0 in range(0, n_words, STEP):
             if not GROUP_STEPS:
                 sp = s_row + ((w0 + j2 * DW) * 8) // GROUP
@@ -537,9 +523,6 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     elif cfg.get("AHEAD") and FIXED_STRIDES[FORMATS[fmt_id]]:  # one compile per weight shape
         cfg.update(SW=words.stride(0), SS=scales.stride(0), SZ=z.stride(0))
     pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
-    if pdl.get("PDL") and "pf_bytes" not in cfg:
-        rows = N * (2 if gated else 1)
-        cfg["pf_bytes"] = min(n_words * 4, PREFETCH_BUDGET // rows // 128 * 128)
     b = bias if bias is not None else y
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
     _w4_gemv1_kernel[grid](x, words, scales, z, b, y, N, n_words, words.stride(0), scales.stride(0), z.stride(0),
