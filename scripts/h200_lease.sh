@@ -38,7 +38,7 @@
 # the default fusions, in a copy of the tree), w4_var (the same 4-bit runs, formats in VAR_FORMATS, for each
 # .variants/NAME.py appended to w4_gemv1.py in a copy of the tree: tile-table variants, untracked files
 # that travel with the working tree), var (the same for each .variants/NAME.sh run inside a copy of the
-# tree), new (batch-1 decode of the formats in AB_FORMATS, this tree only), ab (batch-1 decode of the formats in AB_FORMATS, this tree and
+# tree), var_thr (the same variants' Llama-3.1-8B workload, formats in VAR_FORMATS), new (batch-1 decode of the formats in AB_FORMATS, this tree only), ab (batch-1 decode of the formats in AB_FORMATS, this tree and
 # .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each format
 # in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests
 # (the attention kernels' GPU tests), act_tests (the fused activation quantizers' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
@@ -219,6 +219,14 @@ for st in "$@"; do ts=$(date +%s); case $st in
         for f in ${VAR_FORMATS:-w4a16 mxfp4_w4a16}; do
           run l-lat1-var$n-$f 150 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.latency \
             $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
+        done
+      done;;
+  var_thr) for v in .variants/*.sh; do  # the same variants, the Llama-3.1-8B workload in VAR_FORMATS
+        n=$(basename $v .sh); va=$PWD/$v; rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
+        (cd /tmp/var-$n && bash $va) || { log "variant $n failed"; continue; }
+        for f in ${VAR_FORMATS:-fp8_dynamic}; do
+          run l-thr-var$n-$f 300 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.throughput \
+            $L --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-thr-var$n-$f.json
         done
       done;;
   new) for f in ${AB_FORMATS:-bf16 w4a16}; do  # batch-1 decode of this tree only
