@@ -48,6 +48,12 @@ and is rotated in registers (after Qwen3's per-head q norm), and the one program
 (sequence, kv head) whose tiles end with this step's token rotates that token's key and
 writes it and the value into the cache before reading its tiles; the rotary kernel with
 its cache write then does not run.
+
+With programmatic dependent launch a program reads the batch description (host-copied) and
+prefetches its first K / V tile into L2 before it waits for the kernel in front (the q/k/v
+product), so that at small batches, where a program has one or two tiles, the cache's HBM
+latency overlaps that kernel's tail; q and every write come after the wait. The merge loads
+the partial outputs beside their log-sum-exps.
 """
 
 from __future__ import annotations
