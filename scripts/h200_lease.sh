@@ -37,12 +37,13 @@
 # tree and the one in .before), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_var (the same 4-bit runs, formats in VAR_FORMATS, for each
 # .variants/NAME.py appended to w4_gemv1.py in a copy of the tree: tile-table variants, untracked files
-# that travel with the working tree), var (the same for each .variants/NAME.sh run inside a copy of the
-# tree), var_thr (the same variants' Llama-3.1-8B workload, formats in VAR_FORMATS), new (batch-1 decode of the formats in AB_FORMATS, this tree only), ab (batch-1 decode of the formats in AB_FORMATS, this tree and
+# that travel with the working tree), var (the same for each .variants/NAME.sh run inside a copy
+# of the tree), var_thr (those variants' Llama-3.1-8B workload, formats in VAR_FORMATS), new
+# (batch-1 decode of the formats in AB_FORMATS, this tree only), ab (the same, this tree and
 # .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each format
 # in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests
-# (the attention kernels' GPU tests), act_tests (the fused activation quantizers' GPU tests), w4_fsweep (that GEMV with the norm inside against the norm
-# kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
+# (the attention kernels' GPU tests), act_tests (the fused activation quantizers' GPU tests),
+# w4_fsweep (that GEMV with the norm inside against the norm kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
 # GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,
 # and the 4-bit kernels' GPU tests), attn_ahead (the unified attention's decode tilings with and

@@ -129,9 +129,9 @@ def test_silu_quant_chunked_rows(kind, qmax):
 @pytest.mark.parametrize("kind,qmax", KINDS)
 @pytest.mark.parametrize("M,I", [(1, 14336), (2, 1500), (8, 4096)])
 def test_silu_quant_split_rows(kind, qmax, M, I):
-    """Few wide rows run over programs of SPLIT_BLOCK columns (the row's amax from their
-    partials): the same values as one program a row (a config keeps that path), a zero row
-    included."""
+    """Wide rows at up to SPLIT_MAX_ROWS rows run over programs of SPLIT_BLOCK columns (the
+    row's amax from their partials): the same values as one program a row (a config keeps
+    that path), a zero row included."""
     assert M <= SPLIT_MAX_ROWS and I > SPLIT_BLOCK
     x = _rows(M, 2 * I, torch.bfloat16, scale=2.0)
     x[-1, :I] = 0  # silu(0) * up = 0: the floor scale

@@ -97,7 +97,6 @@ if HAS_TRITON:
                 h = silu_mul_cols(x_row, cols, ok, I).to(dt).to(tl.float32)
                 tl.store(q_row + cols, _quantize(h, scale, INT8).to(q_ptr.dtype.element_ty), mask=ok)
 
-
     @triton.jit
     def _silu_amax_kernel(x_ptr, h_ptr, pmax_ptr, stride_x, stride_h, stride_p, I, BLOCK: tl.constexpr,
                           PDL: tl.constexpr):
