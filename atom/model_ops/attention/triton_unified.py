@@ -107,18 +107,18 @@ if HAS_TRITON:
         return tl.load(bt_row + kpos // BLOCK_SIZE, mask=kpos < kv_end, other=0).to(tl.int64)
 
     @triton.jit
-    def _prefetch_tile(bt_row, t, t_end, kv_end, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+    def _prefetch_tile(bt_row, t, kv_end, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                        HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-        """Tile t's keys and values (if t < t_end) into L2: one prefetch per 128-byte line of
-        each row. Issued before the kernel waits for the one in front (the block table is
+        """Tile t's keys and values (those before kv_end: none for a segment past the
+        context) into L2: one prefetch per 128-byte line of each row. Issued before the kernel waits for the one in front (the block table is
         host-copied; a line of the cache fetched early is never stale, see `prefetch_l2`), so
         that the tile's loads after the wait find it in L2 instead of HBM."""
         BITS: tl.constexpr = k_head.dtype.element_ty.primitive_bitwidth
         LINES: tl.constexpr = (HEAD_PAD * BITS + 1023) // 1024  # 128-byte lines a row (a power of two)
         offs_n = tl.arange(0, TILE_N)
         kpos = t * TILE_N + offs_n
-        ok = (kpos < kv_end) & (offs_n * 0 + t < t_end)
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        ok = kpos < kv_end
+        blk = _tile_blocks(bt_row, t, kv_end, offs_n, BLOCK_SIZE, TILE_N)
         slot = kpos % BLOCK_SIZE
         line = (tl.arange(0, LINES) * (1024 // BITS))[None, :]
         m = ok[:, None] & (line >= 0)
@@ -318,7 +318,7 @@ if HAS_TRITON:
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_vh
         if PDL:
-            _prefetch_tile(bt_row, t_lo, t_hi, kv_end, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+            _prefetch_tile(bt_row, t_lo, kv_end, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                            HEAD_PAD, BLOCK_SIZE, TILE_N)
         pdl_wait(PDL)
         q = tl.load(

@@ -29,6 +29,7 @@ from atom.model_ops.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.rmsnorm import add_norm_cols
     from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
@@ -60,13 +61,7 @@ if HAS_TRITON:
                 wu_next = tl.load(w_up + (ks + BLOCK_K)[None, :], mask=nxt_mask & GATED, other=0.0)
             x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             if NORM:
-                if HAS_RES:
-                    s = (x + tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(act)
-                    if tl.program_id(0) == 0:
-                        tl.store(rout_ptr + ks, s, mask=k_ok)
-                    x = s.to(tl.float32)
-                sq += x * x
-                x = x * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                x, sq = add_norm_cols(x, ks, k_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
             acc += w.to(tl.float32) * x[None, :]
             if GATED:
                 acc_up += wu.to(tl.float32) * x[None, :]

@@ -43,6 +43,19 @@ if HAS_TRITON:
         return x * rstd * w
 
     @triton.jit
+    def add_norm_cols(x, cols, mask, r_ptr, w_ptr, rout_ptr, sq, ACT: tl.constexpr, HAS_RES: tl.constexpr):
+        """The norm prologue of the one-row GEMVs, for the columns `cols` of x (fp32) that a
+        step reads: with HAS_RES x + r rounded to ACT (the unfused add's dtype; program 0 stores
+        it to rout) replaces x. Returns (x w, sq + x^2): the caller scales its dot products by
+        the row's 1 / rms once sq holds the whole row."""
+        if HAS_RES:
+            s = (x + tl.load(r_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(ACT)
+            if tl.program_id(0) == 0:
+                tl.store(rout_ptr + cols, s, mask=mask)
+            x = s.to(tl.float32)
+        return x * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32), sq + x * x
+
+    @triton.jit
     def _rmsnorm_kernel(
         x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr,
         stride_x, stride_r, stride_o, stride_ro,

@@ -143,6 +143,7 @@ def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros,
     return y.float()[None, :]
 
 if HAS_TRITON:
+    from atom.model_ops.kernels.rmsnorm import add_norm_cols
     from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemm import _e8m0
 
@@ -454,13 +455,7 @@ if HAS_TRITON:
                     xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
                 if NORM:
                     xo = w0 * 8 + js * (8 * DW) + h * 8 + es  # x's columns, for the residual and the norm weight
-                    if HAS_RES:
-                        xs = (xv + tl.load(r_ptr + xo, mask=x_ok, other=0.0).to(tl.float32)).to(act)
-                        if tl.program_id(0) == 0:
-                            tl.store(rout_ptr + xo, xs, mask=x_ok)
-                        xv = xs.to(tl.float32)
-                    sq += xv * xv
-                    xv = xv * tl.load(nw_ptr + xo, mask=x_ok, other=0.0).to(tl.float32)
+                    xv, sq = add_norm_cols(xv, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
                 acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
                                   BLOCK_W)
                 if GATED:
