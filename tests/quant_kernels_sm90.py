@@ -31,7 +31,7 @@ def compile_all() -> dict:
 
     f8, i8 = "*fp8e4nv", "*i8"
     PROMOTE = "ttgir:maxNumImpreciseAcc = 128"  # fp8 sums carried into fp32 every 128 of K (triton_import)
-    gemm = dict(GROUP_M=8, HAS_BIAS=False)
+    gemm = dict(GROUP_M=8, HAS_BIAS=False, IMPRECISE=0)
     cases = {
         "act_quant_fp8": (aq._act_quant_kernel, dict(STATIC=False, INT8=False, BLOCK=4096, SINGLE=True, PDL=True),
                           dict(x_ptr="*bf16", q_ptr=f8, s_ptr="*fp32", static_ptr="*fp32", qmax="fp32"),

@@ -182,15 +182,20 @@ def w4_one_row(plan, linear: nn.Module, x: torch.Tensor, gated: bool) -> tuple |
     has no bias and the 4-bit kernels run for x (NVIDIA CUDA); else None. A gated (gate-up)
     product keeps the norm kernel, the GEMV and SiLU-and-mul: the norm and SiLU inside it, the
     norm alone, and SiLU-and-mul in down's prologue all measured slower
-    (`scripts/w4_fused_sweep.py`; docs/perf has the figures)."""
+    (`scripts/w4_fused_sweep.py`; docs/perf has the figures). Nor where the tensor-core one-row
+    product (`kernels.w4_mma1`) takes the layer: the norm kernel then runs before it."""
     if plan is None or not plan.has("w4_norm_gemv") or gated or x.dim() != 2 or x.shape[0] != 1 \
             or linear.bias is not None:
         return None
     operands = getattr(linear.method, "one_row_operands", None)
     if operands is None:
         return None
+    from atom.model_ops.kernels import w4_mma1
     from atom.model_ops.kernels.w4_gemm import use_w4_kernel
-    return operands(linear) if use_w4_kernel(x) else None
+    ops = operands(linear) if use_w4_kernel(x) else None
+    if ops is not None and w4_mma1.supports(ops[3], ops[4], ops[0].shape[0], ops[5], ops[2] is not None, x):
+        return None  # the tensor-core one-row product takes the layer (after the norm kernel)
+    return ops
 
 
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False):

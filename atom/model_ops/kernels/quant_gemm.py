@@ -89,7 +89,10 @@ if HAS_TRITON:
     @triton.jit
     def _qgemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       stride_xs, stride_ws, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, BLOCKS: tl.constexpr, INT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                      GROUP_M: tl.constexpr, BLOCKS: tl.constexpr, INT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      IMPRECISE: tl.constexpr = 0):
+        """IMPRECISE < 0: fp8 products summed in the tensor cores' accumulator over all of K
+        (never promoted into fp32; 0: every FP8_PROMOTE, or BLOCK_K if smaller)."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -116,7 +119,10 @@ if HAS_TRITON:
             elif INT:  # int8 x int8 accumulates exactly in int32 (tl.dot's default is fp32)
                 acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             else:  # partial sums carried into fp32 every FP8_PROMOTE products (triton_import)
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE if BLOCK_K > FP8_PROMOTE else BLOCK_K)
+                if IMPRECISE < 0:
+                    acc = tl.dot(a, b, acc)
+                else:
+                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE if BLOCK_K > FP8_PROMOTE else BLOCK_K)
             xp += BLOCK_K
             wp += BLOCK_K
         if BLOCKS:
