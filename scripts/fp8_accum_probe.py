@@ -1,7 +1,8 @@
 """What the fp8 tensor-core accumulation costs at workload batch sizes: ptpc FP8 products on
 the Llama-3.1-8B linear shapes at M rows, torch._scaled_mm with and without cuBLASLt's fast
 accumulation, and the Triton tl.dot GEMM (`kernels.quant_gemm`) with its partial sums added
-into fp32 every 128 of K (the engine's), every 256, or never (IMPRECISE 2^30), beside bf16
+into fp32 every 128 of K (the engine's) or never (IMPRECISE -1: the tensor cores' accumulator
+over all of K, as Triton does by default on sm90), beside bf16
 `F.linear`. Each timing's error is the largest |y - ref| over the largest |ref| (ref: the
 dequantized operands' product in float64). A probe, not a benchmark: JSON to --out.
 
@@ -18,10 +19,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_sweep import SHAPES, copies, probe_args, write_rows  # noqa: E402
 
-NEVER = 1 << 30
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 TILES = [(64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4)]
-PROMOTE = [0, 256, NEVER]  # 0: the kernel's default (every 128 of K, or BLOCK_K if smaller)
+PROMOTE = [0, -1]  # 0: the kernel's default (every 128 of K, or BLOCK_K if smaller); -1: never
 
 
 def main(argv=None) -> int:

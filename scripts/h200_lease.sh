@@ -171,9 +171,6 @@ for st in "$@"; do ts=$(date +%s); case $st in
             run w4-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
   w4_sweep) run w4-gemv1-sweep 300 python3 scripts/w4_gemv1_sweep.py --formats ${SWEEP_FORMATS:-int4 mxfp4} --out $R/w4-gemv1-sweep.json;;
   fp8_gemm) run fp8-gemm-sweep 400 python3 scripts/fp8_gemm_sweep.py --out $R/fp8-gemm-sweep.json;;
-  mma_tests) run w4-mma1-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_w4_mma1.py \
-               tests/test_quant_kernels_4bit.py;;
-  w4_mma) run w4-mma1-sweep 400 python3 scripts/w4_mma1_sweep.py --out $R/w4-mma1-sweep.json;;
   fp8_accum) run fp8-accum-probe 400 python3 scripts/fp8_accum_probe.py --out $R/fp8-accum-probe.json;;
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
@@ -207,7 +204,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
         run l-lat1-before-$f 150 "${before[@]}" python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none \
           --repeat 1 "${q[@]}" --cache-dir /tmp/bc --out $R/l-lat1-before-$f.json
       done;;
-  act_tests) run act-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_act_quant_fused.py;;
+  act_tests) run act-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_act_quant_fused.py \
+               tests/test_quant_fusions.py;;
   attn_tests) run attn-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_triton_kernels.py \
                 tests/test_gpu_attention_fp8.py -k "attention or attn";;
   w4_var) for v in .variants/*.py; do  # each variant file appended to a copy's w4_gemv1.py (e.g. table edits), 4-bit decode

@@ -31,10 +31,17 @@ def compile_all() -> dict:
         return dict(x_ptr=x, q_ptr=q, s_ptr="*fp32", qmax="fp32")
 
     cases = {
-        "norm_quant_fp8": (aqf._norm_quant_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=True, INT8=False, PDL=True),
+        "norm_quant_fp8": (aqf._norm_quant_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=True, INT8=False, PDL=True,
+                                                        SUM=False, HAS_BIAS=False, b_ptr=None),
                            norm_types("*bf16", f8), norm["num_warps"], marks + ("e4m3x2",)),
-        "norm_quant_int8": (aqf._norm_quant_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=False, INT8=True, PDL=True),
+        "norm_quant_int8": (aqf._norm_quant_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=False, INT8=True, PDL=True,
+                                                         SUM=False, HAS_BIAS=False, b_ptr=None),
                             norm_types("*fp16", i8), norm["num_warps"], marks),
+        # o_proj's split-K partials summed in front of the norm ("sum+norm+quant")
+        "norm_quant_sum_fp8": (aqf._norm_quant_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=True, INT8=False, PDL=True,
+                                                            SUM=True, HAS_BIAS=True, ACT=triton.language.bfloat16),
+                               dict(norm_types("*bf16", f8), x_ptr="*fp32", b_ptr="*bf16"), norm["num_warps"],
+                               marks + ("e4m3x2",)),
         "silu_quant_fp8": (aqf._silu_quant_kernel, dict(BLOCK=silu["BLOCK"], SINGLE=True, INT8=False, PDL=True),
                            silu_types("*bf16", f8), silu["num_warps"], marks + ("e4m3x2",)),
         "silu_quant_fp8_chunks": (aqf._silu_quant_kernel, dict(BLOCK=4096, SINGLE=False, INT8=False, PDL=True),

@@ -65,6 +65,27 @@ def _one_step_apart(q, qr, kind):
     assert (d > 0).float().mean() < 2e-3
 
 
+@pytest.mark.parametrize("kind,qmax", KINDS[:2])
+@pytest.mark.parametrize("M,N,split,bias", [(1, 4096, 4, False), (3, 896, 2, True), (2, 100, 3, True)])
+def test_norm_quant_of_a_pending_split_k_sum(kind, qmax, M, N, split, bias):
+    """A split-K product's partials left unsummed (`split_k.PendingSum`): norm_quant adds them
+    as the reduction kernel stores them, then norms and quantizes: the bits of the reduction
+    kernel followed by norm_quant of its output; `result()` is that output."""
+    from atom.model_ops.kernels.split_k import PendingSum, split_k_sum
+    g = torch.Generator().manual_seed(3)
+    part = (torch.randn(split, M, N, generator=g) * 0.3).to(DEV)
+    b = (torch.randn(N, generator=g)).to(torch.bfloat16).to(DEV) if bias else None
+    r = _rows(M, N, torch.bfloat16, seed=4)
+    w = (torch.rand(N, generator=g) + 0.5).to(torch.bfloat16).to(DEV)
+    y = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
+    split_k_sum(part, b, y, {"PDL": False})
+    pending = PendingSum(part, b, torch.bfloat16)
+    assert torch.equal(pending.result(), y) and pending.shape == (M, N) and "splits=" in repr(pending)
+    _same(norm_quant(pending, r, w, 1e-5, kind, qmax), norm_quant(y, r, w, 1e-5, kind, qmax))
+    with pytest.raises(ValueError, match="needs a residual"):
+        norm_quant(pending, None, w, 1e-5, kind, qmax)
+
+
 @pytest.mark.parametrize("kind,qmax", KINDS)
 @pytest.mark.parametrize("M,N", [(1, 896), (3, 14336), (64, 4096), (3, 100)])
 def test_norm_quant_is_the_separate_kernels(kind, qmax, M, N):
@@ -237,11 +258,12 @@ def test_folded_split_k_with_uneven_splits(split):
 
 
 def test_kernels_compile_for_sm90():
-    """The fused kernels build for sm90 with the quantizer's correctly rounded division and
-    e4m3 conversion, and PDL's wait (tests/act_quant_fused_sm90.py, a child process)."""
+    """The fused kernels build for sm90 (the norm-quantizer also summing a pending split-K
+    product) with the quantizer's correctly rounded division and e4m3 conversion, and PDL's
+    wait (tests/act_quant_fused_sm90.py, a child process)."""
     from sm90_child import run_sm90_check
     got = run_sm90_check("act_quant_fused_sm90.py")
-    assert len(got) == 5
+    assert len(got) == 6 and "norm_quant_sum_fp8" in got
     for name, flags in got.items():
         assert all(flags.values()), (name, flags)
 

@@ -38,7 +38,7 @@ def _plans():
 
 
 def test_the_plan_has_shows_and_keeps_the_fusions(tmp_path):
-    assert {"norm+quant", "silu+quant"} <= set(default_fusions("triton"))
+    assert {"norm+quant", "silu+quant", "sum+norm+quant"} <= set(default_fusions("triton"))
     assert "split_k_fold" not in default_fusions("triton")  # opt-in (tuning/fusions.py says why)
     assert "w4_norm_gemv" in default_fusions("triton") and "w4_norm_gemv" not in default_fusions("aiter")
     assert not set(NEW) & set(default_fusions("aiter")) and default_fusions("torch") == ()
@@ -74,13 +74,13 @@ def _loaded(layer, fmt, seed):
     return layer
 
 
-def _decoder_parts(fmt, H=128, I=160, K_o=2048, device="cpu"):
+def _decoder_parts(fmt, H=128, I=160, K_o=2048, device="cpu", o_out=64):
     """The projections and norms of a decoder layer in `fmt` on `device` (o_proj 2048 wide:
     its K splits in two, so that the folded split K runs), as `fusions` reads them."""
     qc = OneSpec(_spec(fmt))
     attn = types.SimpleNamespace(
         qkv_proj=_loaded(QKVLinear(H, 32, 4, 2, quant_config=qc, prefix="l.qkv_proj"), fmt, 1),
-        o_proj=_loaded(RowParallelLinear(K_o, 64, quant_config=qc, prefix="l.o_proj"), fmt, 2))
+        o_proj=_loaded(RowParallelLinear(K_o, o_out, quant_config=qc, prefix="l.o_proj"), fmt, 2))
     mlp = types.SimpleNamespace(
         gate_up_proj=_loaded(MergedLinear(H, [I, I], quant_config=qc, prefix="l.gate_up_proj"), fmt, 3),
         down_proj=_loaded(RowParallelLinear(I, H, quant_config=qc, prefix="l.down_proj"), fmt, 4))
@@ -159,6 +159,65 @@ def _check_fused_pieces(fmt, device, gpu_routes, monkeypatch):
         if gpu_routes and fused_here:  # o_proj: 2048 / 256 = 8 K steps, split in two; folded when fused
             assert splits_unfused >= 1 and calls.count("split_k_sum") == splits_unfused - 1
     assert not layer.self_attn.o_proj.split_k_lock.any()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU cases need Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("fmt", ["fp8_channel", "int8"])
+def test_o_proj_partials_summed_by_the_norm_quantizer(fmt, monkeypatch):
+    """"sum+norm+quant": o_proj's swap-AB product (K 2048 split in two, GPU routes forced)
+    comes back as a `PendingSum` and the MLP's norm-quantizer adds its partials: the bits of
+    the plan without it (the reduction kernel, then the norm-quantizer), one reduction launch
+    fewer; a norm that does not quantize (an unquantized gate-up) settles the sum first."""
+    monkeypatch.setattr(common, "use_kernels", lambda t: True)
+    _check_pending_o_proj(fmt, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fmt", ["fp8_channel", "int8"])
+def test_o_proj_partials_summed_by_the_norm_quantizer_on_gpu(fmt, monkeypatch):
+    """The same on CUDA tensors and compiled kernels."""
+    _check_pending_o_proj(fmt, "cuda", monkeypatch)
+
+
+def _check_pending_o_proj(fmt, device, monkeypatch):
+    from atom.model_ops.kernels import quant_gemv_dot, split_k
+    calls = []
+    real = split_k.split_k_sum
+    monkeypatch.setattr(quant_gemv_dot, "split_k_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layer = _decoder_parts(fmt, o_out=128, device=device)
+    base = default_fusions("triton")
+    assert "sum+norm+quant" in base and "split_k_fold" not in base
+    unfused = KernelPlan(backend="triton", fusions=[f for f in base if f != "sum+norm+quant"], force_kernels=True)
+    fused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
+    g = torch.Generator().manual_seed(7)
+    for M in (1, 3):
+        res = torch.randn(M, 128, generator=g).to(torch.bfloat16).to(device)
+        a = torch.randn(M, 2048, generator=g).to(torch.bfloat16).to(device)
+        got = {}
+        for name, plan in (("unfused", unfused), ("fused", fused)):
+            for lin in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.plan = plan
+            calls.clear()
+            with forward_context(_meta(plan)):
+                h = fusions.project_pending(plan, layer.self_attn.o_proj, a)
+                assert isinstance(h, split_k.PendingSum) == (name == "fused")
+                got[name] = fusions._mlp(layer, plan, h, res), len(calls)
+        (out_u, r_u), n_u = got["unfused"]
+        (out_f, r_f), n_f = got["fused"]
+        assert torch.equal(out_f, out_u) and torch.equal(r_f, r_u) and n_f == n_u - 1 >= 0
+    # a norm that does not quantize (an unquantized gate-up) takes the summed product
+    pending = fusions.project_pending(fused, layer.self_attn.o_proj, a)
+    plain = types.SimpleNamespace(self_attn=layer.self_attn, post_attention_layernorm=layer.post_attention_layernorm,
+                                  mlp=types.SimpleNamespace(gate_up_proj=Linear(128, 320).to(torch.bfloat16).to(device),
+                                                           down_proj=Linear(160, 128).to(torch.bfloat16).to(device)))
+    for lin in (plain.mlp.gate_up_proj, plain.mlp.down_proj):
+        lin.weight.data = (torch.randn(lin.weight.shape, generator=g) * 0.05).to(lin.weight)
+        lin.plan = fused
+    with forward_context(_meta(fused)):
+        out, r = fusions._mlp(plain, fused, pending, res)
+        want, rw = fusions._mlp(plain, fused, pending.result(), res)
+    assert torch.equal(out, want) and torch.equal(r, rw)
 
 
 def test_fused_pieces_fall_back_where_they_do_not_apply(monkeypatch):

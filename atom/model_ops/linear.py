@@ -114,10 +114,11 @@ class Linear(nn.Module):
         return self.method.apply(self, x)
 
     def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype,
-                          lock: torch.Tensor | None = None) -> torch.Tensor:
+                          lock: torch.Tensor | None = None, defer_sum: bool = False):
         """The layer on an input a kernel in front already quantized as `method.input_quant`
-        says (a kernel-plan fusion): q [M, K], scales [M, 1] -> [M, N] in `out_dtype`."""
-        return self.method.apply_quantized(self, xq, xs, out_dtype, lock)
+        says (a kernel-plan fusion): q [M, K], scales [M, 1] -> [M, N] in `out_dtype`
+        (`defer_sum`: a split-K product may come back as a `kernels.split_k.PendingSum`)."""
+        return self.method.apply_quantized(self, xq, xs, out_dtype, lock, defer_sum)
 
     def extra_repr(self) -> str:
         tp = f", tp={self.tp_mode}:{self.tp.rank}/{self.tp.world_size}" if self.tp.world_size > 1 else ""
@@ -179,8 +180,10 @@ class RowParallelLinear(Linear):
         y = self.method.apply(self, x)
         return self.tp.all_reduce(y) if self.reduce_results else y
 
-    def forward_quantized(self, xq, xs, out_dtype, lock=None):
-        y = self.method.apply_quantized(self, xq, xs, out_dtype, lock)
+    def forward_quantized(self, xq, xs, out_dtype, lock=None, defer_sum=False):
+        if self.reduce_results and self.tp.world_size > 1:
+            defer_sum = False  # the all-reduce takes the summed product
+        y = self.method.apply_quantized(self, xq, xs, out_dtype, lock, defer_sum)
         return self.tp.all_reduce(y) if self.reduce_results else y
 
 

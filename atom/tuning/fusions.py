@@ -25,6 +25,10 @@ which computes the same thing with fewer kernels where the plan says so:
   another kernel): add + RMSNorm + quantize before the q/k/v and gate-up products,
   SiLU-and-mul + quantize before down (`kernels.act_quant_fused`), the product then reading q
   (`Linear.forward_quantized`, the method's usual routes);
+- "sum+norm+quant": under "norm+quant", an 8-bit o_proj whose swap-AB product splits K
+  (decode batches) leaves its partials unsummed (`kernels.split_k.PendingSum`): the
+  norm-quantizer in front of gate-up adds them (`act_quant_fused.norm_quant`), one launch
+  fewer a layer, the same bits;
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
@@ -58,6 +62,7 @@ from torch import nn
 
 from atom.model_ops.activation import silu_and_mul
 from atom.model_ops.attention import get_forward_context
+from atom.model_ops.kernels.split_k import PendingSum, settle
 from atom.model_ops.quant import common, is_unquantized
 from atom.model_ops.quant.common import InputQuant
 
@@ -77,7 +82,7 @@ def default_fusions(backend: str) -> tuple[str, ...]:
     if torch.version.hip is None:
         out += ("rope_in_attention",)
     if backend == "triton":  # the 8-bit and 4-bit products' kernels (NVIDIA; ROCm's run the reference)
-        out += ("norm+quant", "silu+quant", "w4_norm_gemv")
+        out += ("norm+quant", "sum+norm+quant", "silu+quant", "w4_norm_gemv")
     return out + ("shared_overlap",)
 
 
@@ -167,6 +172,18 @@ def project(plan, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear.forward_quantized(q, s, x.dtype, lock)
 
 
+def project_pending(plan, linear: nn.Module, x: torch.Tensor):
+    """`project`, except that with "sum+norm+quant" an 8-bit layer that takes a quantized
+    input runs its quantizer, then its product with a split K left unsummed: a
+    `split_k.PendingSum` where the product splits K, else the product."""
+    iq = quant_input(plan, "sum+norm+quant", linear, x)
+    if iq is None or not plan.has("norm+quant") or _lock(plan, linear) is not None:
+        return project(plan, linear, x)
+    from atom.model_ops.kernels.act_quant import act_quant
+    q, s = act_quant(x, iq.kind, x.shape[-1], iq.qmax)
+    return linear.forward_quantized(q, s, x.dtype, defer_sum=True)
+
+
 def uninstall(model: nn.Module) -> None:
     for m in model.modules():
         if "forward" in m.__dict__ and matches(m):
@@ -182,20 +199,15 @@ def w4_one_row(plan, linear: nn.Module, x: torch.Tensor, gated: bool) -> tuple |
     has no bias and the 4-bit kernels run for x (NVIDIA CUDA); else None. A gated (gate-up)
     product keeps the norm kernel, the GEMV and SiLU-and-mul: the norm and SiLU inside it, the
     norm alone, and SiLU-and-mul in down's prologue all measured slower
-    (`scripts/w4_fused_sweep.py`; docs/perf has the figures). Nor where the tensor-core one-row
-    product (`kernels.w4_mma1`) takes the layer: the norm kernel then runs before it."""
+    (`scripts/w4_fused_sweep.py`; docs/perf has the figures)."""
     if plan is None or not plan.has("w4_norm_gemv") or gated or x.dim() != 2 or x.shape[0] != 1 \
             or linear.bias is not None:
         return None
     operands = getattr(linear.method, "one_row_operands", None)
     if operands is None:
         return None
-    from atom.model_ops.kernels import w4_mma1
     from atom.model_ops.kernels.w4_gemm import use_w4_kernel
-    ops = operands(linear) if use_w4_kernel(x) else None
-    if ops is not None and w4_mma1.supports(ops[3], ops[4], ops[0].shape[0], ops[5], ops[2] is not None, x):
-        return None  # the tensor-core one-row product takes the layer (after the norm kernel)
-    return ops
+    return operands(linear) if use_w4_kernel(x) else None
 
 
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False):
@@ -205,8 +217,13 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, ga
     an unquantized layer, where the plan chose a Triton GEMV for the shape, runs as one fused
     kernel."""
     plan = linear.plan
-    iq = quant_input(plan, "norm+quant", linear, x)
-    if iq is not None:  # the norm's kernel quantizes the row for the 8-bit product
+    if isinstance(x, PendingSum):  # a split-K product left unsummed ("sum+norm+quant")
+        iq = quant_input(plan, "norm+quant", linear, x.part[0])
+        if iq is None or residual is None:
+            x, iq = x.result(), None
+    else:
+        iq = quant_input(plan, "norm+quant", linear, x)
+    if iq is not None:  # the norm's kernel quantizes the row for the 8-bit product (and sums a pending product)
         from atom.model_ops.kernels.act_quant_fused import norm_quant
         q, s, residual = norm_quant(x, residual, norm.weight, norm.eps, iq.kind, iq.qmax)
         y = linear.forward_quantized(q, s, x.dtype, _lock(plan, linear))
@@ -234,9 +251,9 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
     (an 8-bit down that takes a quantized input) the SiLU kernel quantizes for down."""
     mlp, norm = layer.mlp, layer.post_attention_layernorm
     if not dense_mlp(layer):  # a MoE block: its own router and experts after the norm
-        hidden, residual = norm(hidden, residual)
+        hidden, residual = norm(settle(hidden), residual)
         return mlp(hidden), residual
-    iq = quant_input(plan, "silu+quant", mlp.down_proj, hidden)
+    iq = quant_input(plan, "silu+quant", mlp.down_proj, hidden.part[0] if isinstance(hidden, PendingSum) else hidden)
     if iq is None:
         act, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual, gated=True)
         return project(plan, mlp.down_proj, act), residual
@@ -272,14 +289,14 @@ def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.
         norms = _qk_norms(attn)
         rotary = (attn.rotary_emb.cos_sin_cache,) + ((norms[0].weight, norms[1].weight, norms[0].eps)
                                                      if norms else ())
-        return project(plan, attn.o_proj, attn.attn(q, k, v, rotary))
+        return project_pending(plan, attn.o_proj, attn.attn(q, k, v, rotary))
     target = attn.attn.backend.cache_target(attn.attn, meta) if plan.has("rope+kv_write") else None
     if target is not None:  # (None: the backend writes this cache itself, e.g. FP8)
         # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
         attn.rotary_emb(positions, q, k, *_qk_norms(attn), kv_cache=(v, *target))
-        return project(plan, attn.o_proj, attn.attn(q, None, None))
+        return project_pending(plan, attn.o_proj, attn.attn(q, None, None))
     q, k = attn.rotary_emb(positions, q, k, *_qk_norms(attn))
-    return project(plan, attn.o_proj, attn.attn(q, k, v))
+    return project_pending(plan, attn.o_proj, attn.attn(q, k, v))
 
 
 def _qk_norms(attn) -> tuple:
@@ -318,7 +335,7 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
                                      attn.rotary_emb.cos_sin_cache, *target)
     if fused is not None:  # q rotated, k and v in the cache
         qkv, residual = fused
-        hidden = project(plan, attn.o_proj, attn.attn(qkv[:, :attn.qkv_proj.q_size], None, None))
+        hidden = project_pending(plan, attn.o_proj, attn.attn(qkv[:, :attn.qkv_proj.q_size], None, None))
     else:
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
         hidden = _attention(attn, plan, positions, qkv)

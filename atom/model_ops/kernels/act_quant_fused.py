@@ -41,14 +41,17 @@ import torch
 from atom.model_ops.kernels.act_quant import SINGLE_PASS_MAX, act_quant_ref
 from atom.model_ops.kernels.rmsnorm import (as_rows, check_norm_args, fused_add_rms_norm_ref, norm_row_config,
                                            rms_norm_ref)
+from atom.model_ops.kernels.split_k import PendingSum
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
 _KINDS = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if HAS_TRITON else {}
 
 if HAS_TRITON:
     from atom.model_ops.kernels.act_quant import _quantize
     from atom.model_ops.kernels.activation import silu_mul_cols
-    from atom.model_ops.kernels.rmsnorm import add_rms_norm_row
+    from atom.model_ops.kernels.rmsnorm import add_rms_norm_row, add_rms_norm_vals
+    from atom.model_ops.kernels.split_k import split_sum_cols
     from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
@@ -58,16 +61,25 @@ if HAS_TRITON:
         tl.store(s_ptr, scale)
         tl.store(q_row + cols, _quantize(h, scale, INT8).to(q_row.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _norm_quant_kernel(x_ptr, r_ptr, w_ptr, rout_ptr, q_ptr, s_ptr, stride_x, stride_r, stride_ro, stride_q,
                            N, eps, qmax, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, INT8: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, b_ptr=None, M=0, SPLIT_K=1, SUM: tl.constexpr = False,
+                           HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = tl.bfloat16):
+        """SUM: x_ptr is a split-K product's partials [SPLIT_K, M, N] (+ the bias at b_ptr),
+        summed here as the reduction kernel would store them in ACT."""
         pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
-        h = add_rms_norm_row(x_ptr, r_ptr, w_ptr, rout_ptr, row, stride_x, stride_r, stride_ro, N, eps,
-                             BLOCK, HAS_RES)
-        h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # the normed row as the norm kernel stores it
         cols = tl.arange(0, BLOCK)
+        if SUM:
+            x = split_sum_cols(x_ptr, b_ptr, row, cols, cols < N, M, N, SPLIT_K, ACT, HAS_BIAS)
+            h = add_rms_norm_vals(x, r_ptr, w_ptr, rout_ptr, row, cols, cols < N, stride_r, stride_ro, N, eps,
+                                  HAS_RES)
+            h = h.to(ACT).to(tl.float32)
+        else:
+            h = add_rms_norm_row(x_ptr, r_ptr, w_ptr, rout_ptr, row, stride_x, stride_r, stride_ro, N, eps,
+                                 BLOCK, HAS_RES)
+            h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # the normed row as the norm kernel stores it
         _quantize_row(h, q_ptr + row * stride_q, s_ptr + row, cols, cols < N, qmax, INT8)
 
     @triton.jit
@@ -145,13 +157,17 @@ def _need_triton(name: str) -> None:
         raise RuntimeError(f"{name} needs triton; use {name}_ref without it")
 
 
-def norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, kind: str,
+def norm_quant(x, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, kind: str,
                qmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, N] (+ residual) -> (q [M, N], scales [M, 1] fp32, x + residual): RMSNorm of the
     sum quantized per row as `act_quant` would quantize the normed row. Without a residual the
-    third output is x itself (the first decoder layer, as the norm returns it)."""
+    third output is x itself (the first decoder layer, as the norm returns it). x may be a
+    split-K product's `split_k.PendingSum` (with a residual): its partials are summed here as
+    the reduction kernel would store them (the same bits as norm_quant of `x.result()`)."""
     _need_triton("norm_quant")
     _check_kind(kind, qmax)
+    if isinstance(x, PendingSum):
+        return _sum_norm_quant(x, residual, weight, eps, kind, qmax)
     check_norm_args(x, weight, residual)
     if x.dim() != 2:
         raise ValueError(f"norm_quant takes x [M, N], got shape {tuple(x.shape)}")
@@ -168,6 +184,29 @@ def norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.
         _norm_quant_kernel[(M,)](x2, r2, weight, rout, q, s, x2.stride(0), r2.stride(0), rout.stride(0), q.stride(0),
                                  N, float(eps), float(qmax), HAS_RES=residual is not None, INT8=kind == "int8",
                                  **norm_row_config(N), **pdl_args(x2))
+    return q, s, rout
+
+
+def _sum_norm_quant(x: PendingSum, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, kind: str,
+                    qmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm_quant` of a pending split-K sum (one launch: sum, add, norm, quantize)."""
+    split, M, N = x.part.shape
+    if residual is None or tuple(residual.shape) != (M, N):
+        raise ValueError(f"norm_quant of a pending split-K sum needs a residual [{M}, {N}], got "
+                         f"{None if residual is None else tuple(residual.shape)}")
+    if weight.shape != (N,):
+        raise ValueError(f"norm_quant: weight shape {tuple(weight.shape)} != ({N},)")
+    part = x.part.contiguous()
+    r2 = as_rows(residual)
+    q = torch.empty(M, N, dtype=_KINDS[kind], device=part.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=part.device)
+    rout = torch.empty(M, N, dtype=residual.dtype, device=part.device)
+    if M:
+        _norm_quant_kernel[(M,)](part, r2, weight, rout, q, s, N, r2.stride(0), rout.stride(0), q.stride(0), N,
+                                 float(eps), float(qmax), HAS_RES=True, INT8=kind == "int8",
+                                 b_ptr=x.bias if x.bias is not None else part, M=M, SPLIT_K=split, SUM=True,
+                                 HAS_BIAS=x.bias is not None, ACT=_TL_DTYPES[x.dtype],
+                                 **norm_row_config(N), **pdl_args(part))
     return q, s, rout
 
 

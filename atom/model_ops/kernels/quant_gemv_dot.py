@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 
 from atom.model_ops.kernels.quant_gemm import _check, check_weight_scales
-from atom.model_ops.kernels.split_k import split_k_sum
+from atom.model_ops.kernels.split_k import PendingSum, split_k_sum
 from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, pdl_args, tl, triton
 
 DOT_MAX_M = 64  # the largest M this kernel takes for every 8-bit format
@@ -256,9 +256,10 @@ def _cfg(M, N, K, block_k, config, kind, device):
     return cfg
 
 
-def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax, lock=None):
+def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax, lock=None, defer_sum=False):
     """Both launches (the product, then the split reduction when SPLIT_K > 1 and no `lock`
-    folds it into the product)."""
+    folds it into the product); `defer_sum`: a split K's partials returned unsummed, as a
+    `split_k.PendingSum` (the kernel after the product adds them)."""
     M, K = x.shape
     N = w.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -284,6 +285,8 @@ def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax, loc
         stride_xs, stride_ws, float(qmax), split, SPLIT=split > 1, BLOCKS=bool(block_k), INT=w.dtype == torch.int8,
         HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static, FOLD=fold, **pdl, **cfg)
     if split > 1 and not fold:
+        if defer_sum:
+            return PendingSum(part, bias, out_dtype)
         split_k_sum(part, bias, y, pdl)
     return y
 
@@ -301,15 +304,16 @@ def check_lock(lock: torch.Tensor, tiles: int, device) -> None:
                          f"{lock.dtype} {tuple(lock.shape)} on {lock.device}")
 
 
-def quant_gemv_dot_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None, lock=None):
+def quant_gemv_dot_launch(xq, xs, w, ws, bias, out_dtype, block_k=0, config=None, lock=None, defer_sum=False):
     """Pre-quantized operands (`quant_gemm`'s layouts) -> [M, N] in `out_dtype`; `config`
     overrides `small_m_config`. `lock` (`split_k_lock(N)`): a split K is summed inside the
-    product, not by the separate reduction (the same bits)."""
+    product, not by the separate reduction (the same bits). `defer_sum`: a split K comes back
+    as a `split_k.PendingSum` (no reduction launched)."""
     M, N, K = _check(xq, xs, w, ws, bias, block_k)
     if block_k and xq.dtype == torch.int8:
         raise ValueError("block scales are an fp8 format; int8 runs with row / column scales")
     cfg = _cfg(M, N, K, block_k, config, "int8" if xq.dtype == torch.int8 else "fp8", xq.device)
-    return _run(xq, xs, w, ws, bias, out_dtype, block_k, cfg, False, False, 1.0, lock)
+    return _run(xq, xs, w, ws, bias, out_dtype, block_k, cfg, False, False, 1.0, lock, defer_sum)
 
 
 def _check_fused(x, w, ws, bias, kind, block_k, static_scale):

@@ -32,6 +32,12 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        return add_rms_norm_vals(x, r_ptr, w_ptr, rout_ptr, row, cols, mask, stride_r, stride_ro, N, eps, HAS_RES)
+
+    @triton.jit
+    def add_rms_norm_vals(x, r_ptr, w_ptr, rout_ptr, row, cols, mask, stride_r, stride_ro, N, eps,
+                          HAS_RES: tl.constexpr):
+        """`add_rms_norm_row` of the row's values x (fp32 [BLOCK] at `cols`, zero where masked)."""
         if HAS_RES:
             r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
             s = (x + r).to(rout_ptr.dtype.element_ty)

@@ -430,10 +430,6 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    if config is None and M == 1:
-        from atom.model_ops.kernels import w4_mma1
-        if w4_mma1.supports(fmt, group, N, k, zeros is not None, x):  # one row on the tensor cores
-            return w4_mma1.w4_mma1_launch(x, packed, scales, bias, y, group)
     name, cfg = w4_config(M, N, k, x.dtype, group, fmt)
     if config is not None:
         cfg = dict(config)
@@ -510,8 +506,7 @@ def w4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
 
 
 #: what the 4-bit methods report as their GPU kernel (`kernel` attribute, `kernel_for(layer)`)
-KERNEL_DESCRIPTION = (f"atom::w4_linear (gluon w4_mma1 at M=1 for bf16 symmetric int4 where its table has a tile, "
-                      f"else triton w4_gemv1 at M=1, w4_gemv for M<={GEMV_MAX_M}; w4_dot, "
+KERNEL_DESCRIPTION = (f"atom::w4_linear (triton w4_gemv1 at M=1, w4_gemv for M<={GEMV_MAX_M}; w4_dot, "
                       f"tensor-core swap-AB, for bf16/fp16 activations above (int4 up to M={DOT_MAX_M['int4']}); else w4_gemm)")
 REFERENCE_DESCRIPTION = "torch reference (dequantize to fp32, F.linear)"
 

@@ -37,9 +37,10 @@ class LinearMethod:
         return None
 
     def apply_quantized(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype,
-                        lock: torch.Tensor | None = None) -> torch.Tensor:
+                        lock: torch.Tensor | None = None, defer_sum: bool = False):
         """`apply` of an input quantized as `input_quant` says: q [M, K] and its scales
-        [M, 1] fp32 -> [M, N] in `out_dtype`; `lock`: see `quant.common.prequantized_product`."""
+        [M, 1] fp32 -> [M, N] in `out_dtype`; `lock`, `defer_sum` (a split-K product may come
+        back as a `kernels.split_k.PendingSum`): see `quant.common.prequantized_product`."""
         raise NotImplementedError(f"{type(self).__name__} takes no pre-quantized input (its input_quant is None)")
 
     def format(self, layer: nn.Module) -> str:

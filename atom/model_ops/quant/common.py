@@ -370,16 +370,17 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
     return _product_on_route(route, xq, xs, w, ws, bias, x.dtype, block_k, w_scalar).reshape(*lead, N)
 
 
-def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_scalar, lock=None) -> torch.Tensor:
+def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_scalar, lock=None, defer_sum=False):
     """The product of quantized activations (`act_quant`'s layouts) on `route`
     (`product_route`; "dot_fused" runs "dot": x is quantized already). `lock`: the swap-AB
-    kernel folds a split K into itself (`quant_gemv_dot.split_k_lock`)."""
+    kernel folds a split K into itself (`quant_gemv_dot.split_k_lock`); `defer_sum`: its split
+    K comes back unsummed (`split_k.PendingSum`; other routes return the product)."""
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
     from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot, quant_gemv_dot_launch
     ws_k = ws if block_k else ws.reshape(-1)
     if route in ("dot", "dot_fused"):
-        if lock is not None:  # the launch itself (the custom op declares no mutated counters)
-            return quant_gemv_dot_launch(xq, xs, w, ws_k, bias, out_dtype, block_k, lock=lock)
+        if lock is not None or defer_sum:  # the launch itself (the custom op returns a tensor, mutates nothing)
+            return quant_gemv_dot_launch(xq, xs, w, ws_k, bias, out_dtype, block_k, lock=lock, defer_sum=defer_sum)
         return quant_gemv_dot(xq, xs, w, ws_k, bias, out_dtype, block_k)
     if route == "gemv":
         return quant_gemv(xq, xs, w, ws_k, bias, out_dtype, block_k)
@@ -410,14 +411,15 @@ def _check_prequantized(xq: torch.Tensor, xs: torch.Tensor, K: int) -> None:
 
 def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                          bias: Optional[torch.Tensor], out_dtype: torch.dtype, w_scalar: Optional[torch.Tensor] = None,
-                         lock: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         lock: Optional[torch.Tensor] = None, defer_sum: bool = False):
     """xq [M, K] already quantized (float8_e4m3fn / int8 like w, by a kernel in front: one
     scale a row, xs [M] or [M, 1] fp32, or one scale for every row) times the 8-bit weight
     w [N, K] with its row scales ws [N, 1] -> [M, N] in `out_dtype`: `quantized_product`'s
     routes for M rows (the same table: swap-AB to 64 rows, then torch._scaled_mm or the
     Triton GEMM), without its quantizer. `lock`: the split-K sum folded into the swap-AB
-    kernel. Eager only (the fused decoder forward; under torch.compile the layers run
-    `quantized_product`)."""
+    kernel; `defer_sum`: a split K's partials returned unsummed, a `split_k.PendingSum` (for
+    the kernel after the product to add). Eager only (the fused decoder forward; under
+    torch.compile the layers run `quantized_product`)."""
     _check_prequantized(xq, xs, w.shape[1])
     if xq.dtype != w.dtype:
         raise ValueError(f"pre-quantized x dtype {xq.dtype} != the weight's {w.dtype}")
@@ -427,7 +429,7 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
     one_scale = xs.numel() == 1 and w_scalar is not None  # both single: cuBLASLt's tensor-wise scales
     route = route_for("int8" if xq.dtype == torch.int8 else "fp8", M, K, N, out_dtype, xq.device,
                       rowwise=not one_scale)
-    return _product_on_route(route, xq, xs, w, ws, bias, out_dtype, 0, w_scalar, lock)
+    return _product_on_route(route, xq, xs, w, ws, bias, out_dtype, 0, w_scalar, lock, defer_sum)
 
 
 def prequantized_ref(xq: torch.Tensor, xs: torch.Tensor, w32: torch.Tensor, bias: Optional[torch.Tensor],

@@ -136,10 +136,10 @@ class Fp8LinearMethod(QuantLinearMethod):
         return InputQuant("fp8", FP8_MAX, per_token=self.act == "token")
 
     def apply_quantized(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype,
-                        lock: torch.Tensor | None = None) -> torch.Tensor:
+                        lock: torch.Tensor | None = None, defer_sum: bool = False):
         if common.use_kernels(xq):
             return prequantized_product(xq, xs, layer.weight, layer.row_scale, layer.bias, out_dtype,
-                                        getattr(layer, "w_scalar", None), lock)
+                                        getattr(layer, "w_scalar", None), lock, defer_sum)
         return prequantized_ref(xq, xs, self.dequantized_weight(layer), layer.bias, out_dtype)
 
     def format_spec(self) -> str:

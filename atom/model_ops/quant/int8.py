@@ -67,9 +67,10 @@ class Int8LinearMethod(QuantLinearMethod):
         return InputQuant("int8", self.act_qmax) if self.act == "token" else None
 
     def apply_quantized(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype,
-                        lock: torch.Tensor | None = None) -> torch.Tensor:
+                        lock: torch.Tensor | None = None, defer_sum: bool = False):
         if common.use_kernels(xq):
-            return prequantized_product(xq, xs, layer.weight, layer.weight_scale, layer.bias, out_dtype, lock=lock)
+            return prequantized_product(xq, xs, layer.weight, layer.weight_scale, layer.bias, out_dtype, lock=lock,
+                                        defer_sum=defer_sum)
         return prequantized_ref(xq, xs, self.dequantized_weight(layer), layer.bias, out_dtype)
 
     def format_spec(self) -> str:
