@@ -30,7 +30,8 @@
 # prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order),
 # overlap (DeepSeek-V2-Lite's MoE block with the shared experts on a second stream against one),
 # w4_sweep (the one-row 4-bit GEMV's tiles at Llama-3.1-8B's shapes, the formats in SWEEP_FORMATS),
-# w4_tests (the 4-bit kernels' GPU tests), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
+# w4_tests (the 4-bit kernels' GPU tests), fp8_accum (ptpc FP8 products at 128-1024 rows: cuBLASLt with and
+# without fast accumulation, the Triton GEMM promoting its sums or not), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
 # the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
 # after the stage `before`), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
