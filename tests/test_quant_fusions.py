@@ -170,6 +170,7 @@ def test_o_proj_partials_summed_by_the_norm_quantizer(fmt, monkeypatch):
     fewer; a norm that does not quantize (an unquantized gate-up) settles the sum first."""
     monkeypatch.setattr(common, "use_kernels", lambda t: True)
     _check_pending_o_proj(fmt, "cpu", monkeypatch)
+    _check_pending_down(fmt, "cpu")
 
 
 @pytest.mark.gpu
@@ -178,6 +179,32 @@ def test_o_proj_partials_summed_by_the_norm_quantizer(fmt, monkeypatch):
 def test_o_proj_partials_summed_by_the_norm_quantizer_on_gpu(fmt, monkeypatch):
     """The same on CUDA tensors and compiled kernels."""
     _check_pending_o_proj(fmt, "cuda", monkeypatch)
+    _check_pending_down(fmt, "cuda")
+
+
+def _check_pending_down(fmt, device):
+    """down's product (K 2048 split in two) of a layer marked `defer_output` comes back
+    unsummed and the next layer's norm-quantizer in front of q/k/v adds it: the unfused
+    plan's bits; `fused_forward`'s settling rule sums it where the next q/k/v is not 8-bit."""
+    from atom.model_ops.kernels import split_k
+    layer = _decoder_parts(fmt, I=2048, device=device)
+    layer.defer_output = True
+    base = default_fusions("triton")
+    unfused = KernelPlan(backend="triton", fusions=[f for f in base if f != "sum+norm+quant"], force_kernels=True)
+    fused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
+    g = torch.Generator().manual_seed(9)
+    for M in (1, 3):
+        x, res = (torch.randn(M, 128, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
+        got = {}
+        for name, plan in (("unfused", unfused), ("fused", fused)):
+            for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.plan = plan
+            with forward_context(_meta(plan)):
+                out, r = fusions._mlp(layer, plan, x, res)
+                assert isinstance(out, split_k.PendingSum) == (name == "fused")
+                got[name] = fusions.norm_linear(layer.input_layernorm, layer.self_attn.qkv_proj, out, r)
+        for g_, w_ in zip(got["fused"], got["unfused"]):
+            assert torch.equal(g_, w_)
 
 
 def _check_pending_o_proj(fmt, device, monkeypatch):
@@ -289,8 +316,13 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
         out[name] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         assert ("norm_quant" in calls and "silu_quant" in calls) == (name == "fused")
     assert out["fused"] == out["unfused"]
-    layer = runner.model.model.layers[0]
+    layers = runner.model.model.layers
+    layer = layers[0]
     assert "forward" in layer.__dict__ and layer.self_attn.o_proj.split_k_lock.dtype == torch.int32
+    # every layer but the last may leave its output's split-K sum to the next one's norm
+    assert all(m.__dict__.get("defer_output") for m in layers[:-1]) and "defer_output" not in layers[-1].__dict__
+    fusions.uninstall(runner.model)
+    assert not any("defer_output" in m.__dict__ for m in layers)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="CPU cases need Triton's interpreter (TRITON_INTERPRET=1)")

@@ -27,8 +27,10 @@ which computes the same thing with fewer kernels where the plan says so:
   (`Linear.forward_quantized`, the method's usual routes);
 - "sum+norm+quant": under "norm+quant", an 8-bit o_proj whose swap-AB product splits K
   (decode batches) leaves its partials unsummed (`kernels.split_k.PendingSum`): the
-  norm-quantizer in front of gate-up adds them (`act_quant_fused.norm_quant`), one launch
-  fewer a layer, the same bits;
+  norm-quantizer in front of gate-up adds them (`act_quant_fused.norm_quant`); so does down's
+  product for the next decoder layer's norm-quantizer (`install` marks each layer followed by
+  another in its list, `defer_output`; the last one's output is summed for the model's final
+  norm): two launches fewer a layer, the same bits;
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
@@ -127,6 +129,11 @@ def install(model: nn.Module, plan) -> int:
                 _give_locks(m)
             m.forward = types.MethodType(fused_forward, m)
             n += 1
+    for layers in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
+        items = list(layers)
+        for layer, after in zip(items, items[1:]):  # the next layer reads this one's output directly
+            if matches(layer) and matches(after):
+                layer.defer_output = True
     logger.info("fusions %s installed on %d decoder layers", list(plan.fusions), n)
     return n
 
@@ -186,6 +193,7 @@ def project_pending(plan, linear: nn.Module, x: torch.Tensor):
 
 def uninstall(model: nn.Module) -> None:
     for m in model.modules():
+        m.__dict__.pop("defer_output", None)
         if "forward" in m.__dict__ and matches(m):
             del m.forward
             m.self_attn.qkv_proj.one_row = "plain"
@@ -260,7 +268,10 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
     from atom.model_ops.kernels.act_quant_fused import silu_quant
     y, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual)
     q, s = silu_quant(y, iq.kind, iq.qmax)
-    return mlp.down_proj.forward_quantized(q, s, y.dtype, _lock(plan, mlp.down_proj)), residual
+    lock = _lock(plan, mlp.down_proj)
+    defer = getattr(layer, "defer_output", False) and lock is None and plan.has("sum+norm+quant") \
+        and plan.has("norm+quant")  # the next layer's norm-quantizer sums a split K
+    return mlp.down_proj.forward_quantized(q, s, y.dtype, lock, defer_sum=defer), residual
 
 
 def norm_linear_rope(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -320,7 +331,12 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     back to the architecture's forward on the torch backend."""
     attn = self.self_attn
     plan = attn.qkv_proj.plan
-    on_triton = plan is not None and plan.runs_kernels(hidden) and attn.attn.backend.name == "triton"
+    if isinstance(hidden, PendingSum):  # the layer before left its down product unsummed
+        if torch.compiler.is_compiling() or attn.attn.backend.name != "triton" \
+                or quant_input(plan, "norm+quant", attn.qkv_proj, hidden.part[0]) is None:
+            hidden = hidden.result()
+    like = hidden.part[0] if isinstance(hidden, PendingSum) else hidden
+    on_triton = plan is not None and plan.runs_kernels(like) and attn.attn.backend.name == "triton"
     if torch.compiler.is_compiling():
         if on_triton and plan.has("rope+kv_write") and dense_mlp(self):
             return compiled_forward(self, positions, hidden, residual)
