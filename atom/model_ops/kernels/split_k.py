@@ -9,7 +9,8 @@ and it waits for the product through programmatic dependent launch.
 A `PendingSum` is such a product whose sum has not run yet: the kernel that reads the product
 next can add the partials itself (`split_sum_cols`, the same order and rounding, so the same
 bits) instead of a launch of its own in between (the kernel plan's "sum+norm+quant": o_proj's
-partials read by the norm-quantizer in front of gate-up, `act_quant_fused.norm_quant`).
+partials read by the norm-quantizer in front of gate-up, down's by the next decoder layer's in
+front of q/k/v, `act_quant_fused.norm_quant`).
 """
 from __future__ import annotations
 
