@@ -24,7 +24,8 @@ from test_quant_kernels_fp8 import INT8_SPEC
 from test_quant_methods import FORMATS, OneSpec, fill, q_int4, q_int8_channel
 
 triton = pytest.importorskip("triton")
-NEW = ("norm+quant", "silu+quant", "split_k_fold")
+NEW = ("norm+quant", "silu+quant", "split_k_fold", "sum+norm+quant")
+OPT_IN = ("split_k_fold", "sum+norm+quant")
 # CPU tensors through the kernels need the interpreter (set by conftest where there is no GPU)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -32,14 +33,14 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 def _plans():
     """(unfused, fused): the Triton plan without and with the 8-bit fusions (the opt-in fold
     included), kernels forced onto CPU tensors (the interpreter)."""
-    every = default_fusions("triton") + ("split_k_fold",)
+    every = default_fusions("triton") + OPT_IN
     return (KernelPlan(backend="triton", fusions=[f for f in every if f not in NEW], force_kernels=True),
             KernelPlan(backend="triton", fusions=every, force_kernels=True))
 
 
 def test_the_plan_has_shows_and_keeps_the_fusions(tmp_path):
-    assert {"norm+quant", "silu+quant", "sum+norm+quant"} <= set(default_fusions("triton"))
-    assert "split_k_fold" not in default_fusions("triton")  # opt-in (tuning/fusions.py says why)
+    assert {"norm+quant", "silu+quant"} <= set(default_fusions("triton"))
+    assert not set(OPT_IN) & set(default_fusions("triton"))  # opt-in (tuning/fusions.py says why)
     assert "w4_norm_gemv" in default_fusions("triton") and "w4_norm_gemv" not in default_fusions("aiter")
     assert not set(NEW) & set(default_fusions("aiter")) and default_fusions("torch") == ()
     plan = KernelPlan(backend="triton", fusions=NEW)
@@ -190,8 +191,8 @@ def _check_pending_down(fmt, device):
     layer = _decoder_parts(fmt, I=2048, device=device)
     layer.defer_output = True
     base = default_fusions("triton")
-    unfused = KernelPlan(backend="triton", fusions=[f for f in base if f != "sum+norm+quant"], force_kernels=True)
-    fused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
+    unfused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
+    fused = KernelPlan(backend="triton", fusions=base + ("sum+norm+quant",), force_kernels=True)
     g = torch.Generator().manual_seed(9)
     for M in (1, 3):
         x, res = (torch.randn(M, 128, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
@@ -214,9 +215,8 @@ def _check_pending_o_proj(fmt, device, monkeypatch):
     monkeypatch.setattr(quant_gemv_dot, "split_k_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
     layer = _decoder_parts(fmt, o_out=128, device=device)
     base = default_fusions("triton")
-    assert "sum+norm+quant" in base and "split_k_fold" not in base
-    unfused = KernelPlan(backend="triton", fusions=[f for f in base if f != "sum+norm+quant"], force_kernels=True)
-    fused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
+    unfused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
+    fused = KernelPlan(backend="triton", fusions=base + ("sum+norm+quant",), force_kernels=True)
     g = torch.Generator().manual_seed(7)
     for M in (1, 3):
         res = torch.randn(M, 128, generator=g).to(torch.bfloat16).to(device)

@@ -30,7 +30,9 @@ which computes the same thing with fewer kernels where the plan says so:
   norm-quantizer in front of gate-up adds them (`act_quant_fused.norm_quant`); so does down's
   product for the next decoder layer's norm-quantizer (`install` marks each layer followed by
   another in its list, `defer_output`; the last one's output is summed for the model's final
-  norm): two launches fewer a layer, the same bits;
+  norm): two launches fewer a layer, the same bits. Opt-in, not in `default_fusions`: its CPU
+  tests (the interpreter) give the unfused bits, but it has not been timed or run on a GPU
+  yet (no device was lent when it was written; its GPU tests are marked `gpu`);
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
@@ -84,7 +86,7 @@ def default_fusions(backend: str) -> tuple[str, ...]:
     if torch.version.hip is None:
         out += ("rope_in_attention",)
     if backend == "triton":  # the 8-bit and 4-bit products' kernels (NVIDIA; ROCm's run the reference)
-        out += ("norm+quant", "sum+norm+quant", "silu+quant", "w4_norm_gemv")
+        out += ("norm+quant", "silu+quant", "w4_norm_gemv")
     return out + ("shared_overlap",)
 
 
@@ -129,7 +131,7 @@ def install(model: nn.Module, plan) -> int:
                 _give_locks(m)
             m.forward = types.MethodType(fused_forward, m)
             n += 1
-    for layers in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
+    for layers in (m for m in model.modules() if isinstance(m, nn.ModuleList) and plan.has("sum+norm+quant")):
         items = list(layers)
         for layer, after in zip(items, items[1:]):  # the next layer reads this one's output directly
             if matches(layer) and matches(after):

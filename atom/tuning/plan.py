@@ -46,7 +46,7 @@ FUSIONS = (
     "rope_in_attention",  # decode: the attention kernel rotates q/k and writes K/V itself
     "norm+quant",        # 8-bit layers: add + RMSNorm + the activation quantizer in one kernel (q/k/v, gate-up)
     "silu+quant",        # 8-bit layers: SiLU-and-mul + the activation quantizer in one kernel (down)
-    "sum+norm+quant",    # 8-bit o_proj's split-K partials summed by the norm-quantizer in front of gate-up
+    "sum+norm+quant",    # 8-bit o_proj's / down's split-K partials summed by the next norm-quantizer (opt-in)
     "split_k_fold",      # 8-bit small-M products sum their split K themselves (no reduction launch)
     "moe+shared",        # MoE: shared experts stacked after the routed ones, run in the grouped GEMM (opt-in)
     "shared_overlap",    # MoE: shared experts on a second CUDA stream, beside the routed experts
