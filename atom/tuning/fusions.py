@@ -181,6 +181,12 @@ def project(plan, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear.forward_quantized(q, s, x.dtype, lock)
 
 
+def _rows(x) -> torch.Tensor:
+    """A tensor with x's rows, device and rank for the fusions' checks: x, or a `PendingSum`'s
+    first partial."""
+    return x.part[0] if isinstance(x, PendingSum) else x
+
+
 def project_pending(plan, linear: nn.Module, x: torch.Tensor):
     """`project`, except that with "sum+norm+quant" an 8-bit layer that takes a quantized
     input runs its quantizer, then its product with a split K left unsummed: a
@@ -228,7 +234,7 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, ga
     kernel."""
     plan = linear.plan
     if isinstance(x, PendingSum):  # a split-K product left unsummed ("sum+norm+quant")
-        iq = quant_input(plan, "norm+quant", linear, x.part[0])
+        iq = quant_input(plan, "norm+quant", linear, _rows(x))
         if iq is None or residual is None:
             x, iq = x.result(), None
     else:
@@ -263,7 +269,7 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
     if not dense_mlp(layer):  # a MoE block: its own router and experts after the norm
         hidden, residual = norm(settle(hidden), residual)
         return mlp(hidden), residual
-    iq = quant_input(plan, "silu+quant", mlp.down_proj, hidden.part[0] if isinstance(hidden, PendingSum) else hidden)
+    iq = quant_input(plan, "silu+quant", mlp.down_proj, _rows(hidden))
     if iq is None:
         act, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual, gated=True)
         return project(plan, mlp.down_proj, act), residual
@@ -335,10 +341,9 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     plan = attn.qkv_proj.plan
     if isinstance(hidden, PendingSum):  # the layer before left its down product unsummed
         if torch.compiler.is_compiling() or attn.attn.backend.name != "triton" \
-                or quant_input(plan, "norm+quant", attn.qkv_proj, hidden.part[0]) is None:
+                or quant_input(plan, "norm+quant", attn.qkv_proj, _rows(hidden)) is None:
             hidden = hidden.result()
-    like = hidden.part[0] if isinstance(hidden, PendingSum) else hidden
-    on_triton = plan is not None and plan.runs_kernels(like) and attn.attn.backend.name == "triton"
+    on_triton = plan is not None and plan.runs_kernels(_rows(hidden)) and attn.attn.backend.name == "triton"
     if torch.compiler.is_compiling():
         if on_triton and plan.has("rope+kv_write") and dense_mlp(self):
             return compiled_forward(self, positions, hidden, residual)

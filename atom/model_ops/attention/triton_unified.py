@@ -110,9 +110,10 @@ if HAS_TRITON:
     def _prefetch_tile(bt_row, t, kv_end, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                        HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
         """Tile t's keys and values (those before kv_end: none for a segment past the
-        context) into L2: one prefetch per 128-byte line of each row. Issued before the kernel waits for the one in front (the block table is
-        host-copied; a line of the cache fetched early is never stale, see `prefetch_l2`), so
-        that the tile's loads after the wait find it in L2 instead of HBM."""
+        context) into L2: one prefetch per 128-byte line of each row. Issued before the kernel
+        waits for the one in front (the block table is host-copied; a line of the cache fetched
+        early is never stale, see `prefetch_l2`), so that the tile's loads after the wait find
+        it in L2 instead of HBM."""
         BITS: tl.constexpr = k_head.dtype.element_ty.primitive_bitwidth
         LINES: tl.constexpr = (HEAD_PAD * BITS + 1023) // 1024  # 128-byte lines a row (a power of two)
         offs_n = tl.arange(0, TILE_N)

@@ -25,16 +25,22 @@ if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
-    def split_sum_cols(p_ptr, b_ptr, row, cols, mask, M, N, SPLIT_K, OUT: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Columns `cols` of row `row` of the sum of part [SPLIT_K, M, N] (+ b) rounded to OUT,
-        as fp32: the splits added in order, then the bias (what `split_k_sum` stores)."""
-        i = row * N + cols
+    def split_sum_at(p_ptr, b_ptr, i, n, mask, MN, SPLIT_K, HAS_BIAS: tl.constexpr):
+        """The fp32 sum of part [SPLIT_K, M, N] (+ b) at flat outputs i (columns n; MN = M N):
+        the splits added in order, then the bias. The one copy of the reduction's arithmetic,
+        for `_split_k_sum_kernel` and the kernels that sum a `PendingSum` themselves."""
         acc = tl.load(p_ptr + i, mask=mask, other=0.0)
         for s in range(1, SPLIT_K):
-            acc += tl.load(p_ptr + s * M * N + i, mask=mask, other=0.0)
+            acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        return acc.to(OUT).to(tl.float32)
+            acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+        return acc
+
+    @triton.jit
+    def split_sum_cols(p_ptr, b_ptr, row, cols, mask, M, N, SPLIT_K, OUT: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Columns `cols` of row `row` of that sum rounded to OUT, as fp32: what `split_k_sum`
+        stores."""
+        return split_sum_at(p_ptr, b_ptr, row * N + cols, cols, mask, M * N, SPLIT_K, HAS_BIAS).to(OUT).to(tl.float32)
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _split_k_sum_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K, BLOCK: tl.constexpr,
@@ -43,12 +49,8 @@ if HAS_TRITON:
         pdl_start(PDL)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = i < M * N
-        acc = tl.load(p_ptr + i, mask=ok, other=0.0)
-        for s in range(1, SPLIT_K):
-            acc += tl.load(p_ptr + s * M * N + i, mask=ok, other=0.0)
         n = i % N
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        acc = split_sum_at(p_ptr, b_ptr, i, n, ok, M * N, SPLIT_K, HAS_BIAS)
         tl.store(y_ptr + (i // N) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
