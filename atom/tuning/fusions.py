@@ -30,9 +30,8 @@ which computes the same thing with fewer kernels where the plan says so:
   norm-quantizer in front of gate-up adds them (`act_quant_fused.norm_quant`); so does down's
   product for the next decoder layer's norm-quantizer (`install` marks each layer followed by
   another in its list, `defer_output`; the last one's output is summed for the model's final
-  norm): two launches fewer a layer, the same bits. Opt-in, not in `default_fusions`: its CPU
-  tests (the interpreter) give the unfused bits, but it has not been timed or run on a GPU
-  yet (no device was lent when it was written; its GPU tests are marked `gpu`);
+  norm): two launches fewer a layer, the same bits. Opt-in, not in `default_fusions`, until
+  its decode timing is in docs/perf (its GPU tests are marked `gpu`);
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
