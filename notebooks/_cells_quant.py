@@ -66,6 +66,32 @@ print(summary.to_string())
 assert cfg["exclude_layer"] == top2 and summary["layers_quantized"].tolist() == [120, 112]
 assert summary["kl"].iloc[1] < summary["kl"].iloc[0]
 """),
+    ("md", """
+## A format per layer, at the size of a uniform one
+Leaving layers out costs bytes. At a fixed size the explorer can do better than one format
+everywhere: with a table per candidate format (one layer at a time), `choose_formats` picks a
+format for each layer so that the summed KL is least within a byte budget — the upgrades that
+save the most KL per added byte first. Here the budget is what uniform int4 with groups of 32
+(`w4a16_g32`) takes, and the candidates are the two formats `--online_quant_config` accepts:
+MXFP4 (4.25 bits a weight) and per-channel FP8.
+"""),
+    ("code", """
+from atom.quant import choose_formats, mixed_config, plot_choice
+tables = [ex.run(fmt) for fmt in ("mxfp4", "ptpc_fp8")]          # 2 x 120 rows
+uniform = {fmt: ex.evaluate({"global_quant_config": fmt}) for fmt in ("mxfp4", "w4a16_g32", "ptpc_fp8")}
+choice = choose_formats(tables, budget_bytes=uniform["w4a16_g32"]["linear_bytes"])
+print(choice["format"].value_counts().to_string())
+plot_choice(choice)
+"""),
+    ("code", """
+mix = mixed_config(choice)                  # an online_quant_config: a global format, the others by name
+rows = {**{f"everything {fmt}": r for fmt, r in uniform.items()}, "the mix (w4a16_g32's size)": ex.evaluate(mix)}
+same_size = pd.DataFrame(rows).T[["kl", "top1", "ppl", "linear_bytes"]]
+print(same_size.to_string())
+assert mix["global_quant_config"] in ("mxfp4", "ptpc_fp8") and len(mix["layer_quant_config"]) > 0
+assert same_size["linear_bytes"].iloc[-1] <= same_size["linear_bytes"].loc["everything w4a16_g32"]
+assert same_size["kl"].iloc[-1] < 0.8 * same_size["kl"].loc["everything w4a16_g32"]
+"""),
 ]
 
 NOTEBOOKS = {"09_quant_sensitivity": SENSITIVITY}

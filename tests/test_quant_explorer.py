@@ -10,7 +10,8 @@ from matplotlib.figure import Figure
 
 from atom import LLM
 from atom.benchmarks.quant_accuracy import compare, table
-from atom.quant import SensitivityExplorer, most_sensitive, online_config, plot_sensitivity, write_online_config
+from atom.quant import (SensitivityExplorer, choose_formats, mixed_config, most_sensitive, online_config,
+                        plot_sensitivity, write_online_config)
 from atom.viz import linear_methods_frame
 from tiny_quant import BLOCK_SHAPE, make_fragile
 from conftest import make_tiny_model
@@ -82,6 +83,54 @@ def test_online_config_leaves_the_sensitive_layers_out_and_loads(fragile, tmp_pa
     llm = LLM(ex.llm.config.model, num_kvcache_blocks=16, enable_log_stats=False, online_quant_config=cfg)
     methods = dict(zip(*linear_methods_frame(llm)[["layer", "method"]].T.values))
     assert methods[name] == "unquantized" and methods["model.layers.0.mlp.down_proj"] == "fp8"
+
+
+def test_a_format_per_layer_beats_uniform_at_the_same_size(fragile, tmp_path, monkeypatch):
+    """Within uniform ptpc_fp8's bytes the choice leaves the fragile layer to MXFP4 (its
+    groups of 32 confine the outlier) and the rest in fp8; within uniform w4a16_g32's it
+    spends the bytes on the layers that gain most. Both measure better than the uniform
+    configuration of that size, and the written config loads with those formats."""
+    ex, name = fragile
+    tables = [ex.run(f) for f in ("mxfp4", "ptpc_fp8")]
+    for size in ("ptpc_fp8", "w4a16_g32"):
+        uniform = ex.evaluate({"global_quant_config": size})
+        choice = choose_formats(tables, uniform["linear_bytes"])
+        mixed = ex.evaluate(mixed_config(choice))
+        assert mixed["linear_bytes"] == choice.attrs["bytes"] <= uniform["linear_bytes"]
+        assert mixed["layers_quantized"] == 8 and set(choice["format"]) == {"mxfp4", "ptpc_fp8"}
+        assert mixed["kl"] < 0.6 * uniform["kl"] and mixed["top1"] > uniform["top1"], (size, mixed, uniform)
+    fp8_size = choose_formats(tables, ex.evaluate({"global_quant_config": "ptpc_fp8"})["linear_bytes"])
+    assert fp8_size.set_index("group")["format"].to_dict() == {g: "mxfp4" if g == name else "ptpc_fp8"
+                                                               for g in ex.layers}
+    cfg = mixed_config(fp8_size)
+    assert cfg == {"global_quant_config": "ptpc_fp8", "layer_quant_config": {name: "mxfp4"}}
+    monkeypatch.chdir(tmp_path)
+    llm = LLM(ex.llm.config.model, num_kvcache_blocks=16, enable_log_stats=False, online_quant_config=cfg)
+    methods = dict(zip(*linear_methods_frame(llm)[["layer", "method"]].T.values))
+    assert {n: methods[n] for n in ex.layers} == {n: "mxfp4" if n == name else "fp8" for n in ex.layers}
+
+
+def test_quant_mix_benchmark(fragile, capsys):
+    """`atom.benchmarks.quant_mix` on the fragile model: per size, the mix within the uniform
+    configuration's bytes, better on the fitted text, figures for the held-out one, a config
+    that loads as it is; bad flags name themselves before any model loads."""
+    from atom.benchmarks.quant_mix import compare_mix, main, table as mix_table
+    ex, name = fragile
+    result = compare_mix(ex.llm, IDS[:80], IDS[80:], sizes=("ptpc_fp8", "w4a16_g32"))
+    assert result["tokens"] == {"fit": 80, "held_out": 40} and result["config_loads_as_is"] and "commit" in result
+    for row in result["sizes"]:
+        mix, uniform = row["mix"], row["uniform"]
+        assert mix["fit"]["linear_bytes"] <= row["budget_bytes"] == uniform["fit"]["linear_bytes"]
+        assert mix["held_out"]["linear_bytes"] == mix["fit"]["linear_bytes"]
+        assert mix["fit"]["kl"] < uniform["fit"]["kl"] and 0 <= mix["held_out"]["top1"] <= 1
+        assert sum(row["formats"].values()) == 8 and set(row["formats"]) <= {"mxfp4", "ptpc_fp8"}
+    assert result["sizes"][0]["config"]["layer_quant_config"] == {name: "mxfp4"}
+    json.dumps(result)
+    assert "w4a16_g32" in mix_table(result)
+    for argv, flag in ((["--candidates", "int3"], "--candidates"), (["--tokens", "1"], "--tokens 1")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert flag in capsys.readouterr().err
 
 
 def test_bad_arguments_name_the_field(fragile):

@@ -27,3 +27,23 @@ def plot_sensitivity(df: pd.DataFrame, ax: Axes | None = None, top: int | None =
     fmt, by = df.attrs.get("format", "?"), df.attrs.get("by", "?")
     ax.set_title(f"sensitivity to {fmt}, one {by} at a time")
     return fig
+
+
+def plot_choice(choice: pd.DataFrame, ax: Axes | None = None) -> Figure:
+    """A `choose_formats` table as bars, one per group in model order: its table KL (log
+    scale) coloured by the format chosen for it; the title gives the bytes against the budget."""
+    fig, ax = _axes(ax, figsize=(max(6.4, 0.18 * len(choice)), 4.0))
+    colours: dict[str, str] = {}
+    for i, row in enumerate(choice.itertuples(index=False)):
+        first = row.format not in colours
+        c = colours.setdefault(row.format, f"C{len(colours)}")
+        ax.bar(i, max(row.kl, 1e-12), color=c, label=row.format if first else None)
+    ax.set_yscale("log")
+    ax.set_ylabel("the group's own KL in its format (nats)")
+    labels = [g.replace("model.layers.", "L").replace("self_attn.", "").replace("mlp.", "") for g in choice["group"]]
+    ax.set_xticks(range(len(choice)), labels, rotation=90, fontsize=7)
+    ax.legend(fontsize=8)
+    a = choice.attrs
+    if "budget" in a:
+        ax.set_title(f"formats chosen within {a['budget'] / 2**20:.1f} MiB ({a['bytes'] / 2**20:.1f} MiB used)")
+    return fig

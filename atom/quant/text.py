@@ -1,4 +1,6 @@
-"""A default evaluation text (written for ATOM; plain English prose, ~400 tokens)."""
+"""Evaluation texts, written for ATOM: `TEXT` (plain English prose, ~360 SmolLM2 tokens), the
+default, and `HELD_OUT` (expository prose on another subject, ~290 tokens) for checking a
+choice fitted on `TEXT` against text it has not seen."""
 
 TEXT = """\
 The lighthouse stood at the end of a narrow spit of land, where the river met the sea. For more than a \
@@ -21,4 +23,23 @@ paying attention, every day, to something that mattered only on the rare day whe
 
 Today the lighthouse is a small museum of its own. Children climb the stairs and look out over the water, \
 and on clear nights the light still turns, steady and patient, as it has for as long as anyone can remember.
+"""
+
+HELD_OUT = """\
+A bicycle wheel looks simple, but it is a careful piece of engineering. The rim is held to the hub by \
+thirty or more thin steel spokes, and none of them is stiff enough to hold up a rider on its own. The \
+trick is tension. Each spoke is pulled tight, so that the rim is squeezed evenly from every side, and when \
+the rider sits down the spokes at the bottom lose a little of their tension while the others carry on as \
+before. The wheel does not stand on its lower spokes; it hangs from all of them.
+
+Building a wheel by hand takes patience. The builder laces the spokes in a pattern, usually crossing each \
+one over three others, then turns the small nipples at the rim a quarter turn at a time. Too much tension \
+on one side pulls the rim sideways; too little anywhere lets it wobble. A good builder checks the wheel \
+against a gauge after every pass, listening as well as looking, because a spoke that is too loose sounds \
+dull when plucked, like a string on an old guitar.
+
+Modern factories build most wheels with machines, and they do it well. Yet many riders who race or travel \
+long distances still ask for wheels built by hand. They are not paying for speed. They are paying for a \
+wheel whose every spoke someone has touched, measured and trusted, so that on a fast descent far from \
+home they never have to think about it at all.
 """
