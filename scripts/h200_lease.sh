@@ -34,7 +34,8 @@
 # without fast accumulation, the Triton GEMM promoting its sums or not), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
 # the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
-# after the stage `before`), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
+# after the stage `before`), sum_fused (batch-1 decode in SUM_FORMATS with the opt-in "sum+norm+quant" added
+# to the default fusions, in a copy of the tree; beside `new` with AB_FORMATS the same), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
 # tree and the one in .before), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_var (the same 4-bit runs, formats in VAR_FORMATS, for each
 # .variants/NAME.py appended to w4_gemv1.py in a copy of the tree: tile-table variants, untracked files
@@ -197,6 +198,15 @@ for st in "$@"; do ts=$(date +%s); case $st in
             else for f in w4a16 mxfp4_w4a16; do
               run l-lat1-nofz-$f 150 env -C /tmp/nofz PYTHONPATH=/tmp/nofz:/tmp/site python3 -m atom.benchmarks.latency $L $LAT \
                 --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-nofz-$f.json
+            done; fi;;
+  sum_fused) rm -rf /tmp/sumf; mkdir -p /tmp/sumf; cp -r atom /tmp/sumf/  # the tree with the opt-in "sum+norm+quant" a default
+            sed -i 's/out += ("norm+quant", "silu+quant", "w4_norm_gemv")$/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "sum+norm+quant")/' \
+              /tmp/sumf/atom/tuning/fusions.py
+            if ! grep -q '"sum+norm+quant")$' /tmp/sumf/atom/tuning/fusions.py; then
+              log "sum_fused: the sed missed default_fusions"
+            else for f in ${SUM_FORMATS:-fp8_dynamic w8a8_int8}; do  # batch-1 decode; `new` with the same formats is the tree without it
+              run l-lat1-sumf-$f 150 env -C /tmp/sumf PYTHONPATH=/tmp/sumf:/tmp/site python3 -m atom.benchmarks.latency $L $LAT \
+                --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-sumf-$f.json
             done; fi;;
   ab) for f in ${AB_FORMATS:-bf16 w4a16}; do  # after the stage `before`: batch-1 decode, this tree and .before's in turn
         q=(--quantization $f); [ $f = bf16 ] && q=()
