@@ -34,8 +34,8 @@
 # without fast accumulation, the Triton GEMM promoting its sums or not), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
 # the bf16 GEMV reading fp8), w4_new (Llama-3.1-8B batch-1
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
-# after the stage `before`), sum_fused (batch-1 decode in SUM_FORMATS with the opt-in "sum+norm+quant" added
-# to the default fusions, in a copy of the tree; beside `new` with AB_FORMATS the same), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
+# after the stage `before`), fz_add (batch-1 decode in FZ_FORMATS for each set in FZ_SETS, '|'-separated, of opt-in
+# fusions added to the defaults in a copy of the tree, set i's files named fz<i>; beside `new` with AB_FORMATS the same), w4_prof (the kernels of 20 batch-1 decode steps in W4A16 and MXFP4, this
 # tree and the one in .before), w4_unfused (the same 4-bit runs with "w4_norm_gemv" taken out of
 # the default fusions, in a copy of the tree), w4_var (the same 4-bit runs, formats in VAR_FORMATS, for each
 # .variants/NAME.py appended to w4_gemv1.py in a copy of the tree: tile-table variants, untracked files
@@ -199,15 +199,19 @@ for st in "$@"; do ts=$(date +%s); case $st in
               run l-lat1-nofz-$f 150 env -C /tmp/nofz PYTHONPATH=/tmp/nofz:/tmp/site python3 -m atom.benchmarks.latency $L $LAT \
                 --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-nofz-$f.json
             done; fi;;
-  sum_fused) rm -rf /tmp/sumf; mkdir -p /tmp/sumf; cp -r atom /tmp/sumf/  # the tree with the opt-in "sum+norm+quant" a default
-            sed -i 's/out += ("norm+quant", "silu+quant", "w4_norm_gemv")$/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "sum+norm+quant")/' \
-              /tmp/sumf/atom/tuning/fusions.py
-            if ! grep -q '"sum+norm+quant")$' /tmp/sumf/atom/tuning/fusions.py; then
-              log "sum_fused: the sed missed default_fusions"
-            else for f in ${SUM_FORMATS:-fp8_dynamic w8a8_int8}; do  # batch-1 decode; `new` with the same formats is the tree without it
-              run l-lat1-sumf-$f 150 env -C /tmp/sumf PYTHONPATH=/tmp/sumf:/tmp/site python3 -m atom.benchmarks.latency $L $LAT \
-                --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-sumf-$f.json
-            done; fi;;
+  fz_add) i=0; IFS='|' read -ra sets <<< "${FZ_SETS:-sum+norm+quant|split_k_fold|sum+norm+quant split_k_fold}"
+          for set in "${sets[@]}"; do  # each set of opt-in fusions added to the defaults in a copy of the tree
+            i=$((i+1)); rm -rf /tmp/fz$i; mkdir -p /tmp/fz$i; cp -r atom /tmp/fz$i/
+            add=$(printf ', "%s"' $set)
+            sed -i "s/out += (\"norm+quant\", \"silu+quant\", \"w4_norm_gemv\")\$/out += (\"norm+quant\", \"silu+quant\", \"w4_norm_gemv\"$add)/" \
+              /tmp/fz$i/atom/tuning/fusions.py
+            if ! grep -qF "\"w4_norm_gemv\"$add)" /tmp/fz$i/atom/tuning/fusions.py; then log "fz_add: the sed missed default_fusions ($set)"; continue; fi
+            log "fz_add set $i: $set"
+            for f in ${FZ_FORMATS:-fp8_dynamic w8a8_int8}; do  # batch-1 decode; `new` with the same AB_FORMATS is the tree without
+              run l-lat1-fz$i-$f 150 env -C /tmp/fz$i PYTHONPATH=/tmp/fz$i:/tmp/site python3 -m atom.benchmarks.latency $L $LAT \
+                --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-fz$i-$f.json
+            done
+          done;;
   ab) for f in ${AB_FORMATS:-bf16 w4a16}; do  # after the stage `before`: batch-1 decode, this tree and .before's in turn
         q=(--quantization $f); [ $f = bf16 ] && q=()
         run l-lat1-$f 150 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 "${q[@]}" \
