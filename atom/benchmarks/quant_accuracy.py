@@ -17,7 +17,6 @@ the model (a refusal) gets the reference's figures and the engine's reason.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from typing import Any
@@ -102,26 +101,17 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from atom import LLM
+    from atom.benchmarks.text_cli import add_text_args, engine_for_text, report
+    from atom.model_ops.quant.online import FORMATS
     from atom.quant.text import TEXT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from atom.model_ops.quant.online import FORMATS
-    ap.add_argument("--model", default="embedded")
     ap.add_argument("--formats", nargs="+", default=list(DEFAULT_FORMATS), choices=FORMATS, metavar="FORMAT",
                     help=f"formats to compare (default: all): {', '.join(FORMATS)}")
-    ap.add_argument("--tokens", type=int, default=256, help="tokens of the text (teacher forced), >= 2")
-    ap.add_argument("--out")
+    add_text_args(ap)
     args = ap.parse_args(argv)
-    if args.tokens < 2:
-        ap.error(f"--tokens {args.tokens}: must be >= 2 (one token predicted from the ones before it)")
-    llm = LLM(args.model, enable_log_stats=False, num_kvcache_blocks=-(-args.tokens // 16) + 1)
-    ids = llm.tokenizer.encode(TEXT)[:args.tokens]
-    result = compare(llm, ids, args.formats)
-    print(table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
+    llm = engine_for_text(ap, args)
+    result = compare(llm, llm.tokenizer.encode(TEXT)[:args.tokens], args.formats)
+    report(result, table(result), args.out)
 
 
 if __name__ == "__main__":

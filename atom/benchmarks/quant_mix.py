@@ -15,7 +15,6 @@ mean KL and perplexity, teacher forced, on `TEXT` (where the choice was fitted) 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from typing import Any
@@ -79,30 +78,20 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from atom import LLM
+    from atom.benchmarks.text_cli import add_text_args, engine_for_text, report
     from atom.model_ops.quant.online import FORMATS
     from atom.quant.text import HELD_OUT, TEXT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded")
     ap.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES), choices=FORMATS, metavar="FORMAT",
                     help=f"formats a layer may get (default: the online_quant_config ones): {', '.join(FORMATS)}")
     ap.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), choices=FORMATS, metavar="FORMAT",
                     help="uniform formats whose size each mix gets (default: %(default)s)")
-    ap.add_argument("--tokens", type=int, default=256, help="tokens of each text (teacher forced), >= 2")
-    ap.add_argument("--out")
+    add_text_args(ap)
     args = ap.parse_args(argv)
-    if args.tokens < 2:
-        ap.error(f"--tokens {args.tokens}: must be >= 2 (one token predicted from the ones before it)")
-    llm = LLM(args.model, enable_log_stats=False, num_kvcache_blocks=-(-args.tokens // 16) + 1)
-    if llm.tokenizer is None:
-        ap.error(f"--model {args.model}: has no tokenizer (the texts are strings)")
-    result = compare_mix(llm, llm.tokenizer.encode(TEXT)[:args.tokens], llm.tokenizer.encode(HELD_OUT)[:args.tokens],
-                         args.candidates, args.sizes)
-    print(table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
+    llm = engine_for_text(ap, args)
+    encode = llm.tokenizer.encode
+    result = compare_mix(llm, encode(TEXT)[:args.tokens], encode(HELD_OUT)[:args.tokens], args.candidates, args.sizes)
+    report(result, table(result), args.out)
 
 
 if __name__ == "__main__":
