@@ -5,13 +5,15 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
+import torch
 from matplotlib.figure import Figure
 
 from atom.model_loader.online_quant import OnlineQuantPlan
 from atom.quant import choose_formats, mixed_config, plot_choice
-from atom.quant.budget import UNQUANTIZED, _hull
+from atom.quant.budget import AS_LOADED, _hull
 
 
 def table(fmt: str, rows: dict[str, tuple[int, float]], by: str = "layer", before: int = 100) -> pd.DataFrame:
@@ -56,6 +58,26 @@ def test_greedy_equals_brute_force_on_unit_steps(budget):
     assert list(choice["group"]) == ["a", "b", "c", "d"]
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_greedy_within_one_upgrade_of_brute_force(seed):
+    """Random sizes and KLs: never below the optimum (it is one), never above it by more than
+    one upgrade's saving (the bound the module docstring states, taken loosely: the largest)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = [f"g{i}" for i in range(5)]
+    tables = []
+    for fmt in ("f1", "f2", "f3"):
+        b = torch.randint(1, 20, (5,), generator=g).tolist()
+        k = (torch.rand(5, generator=g) * 10).tolist()
+        tables.append(table(fmt, {grp: (b[i], k[i]) for i, grp in enumerate(groups)}))
+    smallest = sum(min(t.set_index("group").loc[grp, "bytes_after"] for t in tables) for grp in groups)
+    for budget in (smallest, smallest + 7, smallest + 20, smallest + 60):
+        choice = choose_formats(tables, budget, allow_unquantized=False)
+        best = brute_force(tables, budget)
+        spread = max(t.set_index("group").loc[grp, "kl"] for t in tables for grp in groups)
+        assert choice.attrs["bytes"] <= budget
+        assert best - 1e-9 <= choice.attrs["kl_sum"] <= best + spread
+
+
 def test_budget_extremes_and_monotone():
     tables = unit_tables()
     smallest = choose_formats(tables, 4, allow_unquantized=False)
@@ -63,7 +85,7 @@ def test_budget_extremes_and_monotone():
     largest = choose_formats(tables, 10**6, allow_unquantized=False)
     assert set(largest["format"]) == {"f4"}
     with_loaded = choose_formats(tables, 10**6)  # the loaded layer (KL 0) is the best of all
-    assert set(with_loaded["format"]) == {UNQUANTIZED} and with_loaded["kl"].sum() == 0
+    assert set(with_loaded["format"]) == {AS_LOADED} and with_loaded["kl"].sum() == 0
     kls = [choose_formats(tables, b, allow_unquantized=False).attrs["kl_sum"] for b in range(4, 17)]
     assert all(x >= y for x, y in zip(kls, kls[1:])) and kls[0] > kls[-1]
 
@@ -88,7 +110,8 @@ def test_bad_input_names_the_field():
     tables = unit_tables()
     with pytest.raises(ValueError, match="budget_bytes=3 is invalid: the smallest option of every group already takes 4"):
         choose_formats(tables, 3, allow_unquantized=False)
-    for bad in (0, -5, True, "10"):
+    assert choose_formats(tables, np.int64(4), allow_unquantized=False).attrs["bytes"] == 4  # numpy sums too
+    for bad in (0, -5, True, "10", np.nan):
         with pytest.raises(ValueError, match="budget_bytes=.* is invalid: must be a positive"):
             choose_formats(tables, bad)
     with pytest.raises(ValueError, match="tables is empty"):

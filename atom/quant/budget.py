@@ -6,31 +6,33 @@
     ex.evaluate(mixed_config(choice))                        # the mix's own figures
 
 Each group's options are the formats whose table holds it (status "ok") and, unless
-`allow_unquantized=False`, leaving it as loaded. The KL of quantizing several groups is taken
-as the sum of each group's own KL (the first-order picture the tables give; `evaluate`
-measures the real one). The choice minimises that sum within the budget, greedily: every
-group starts at its smallest option, then the upgrade with the most KL saved per added byte
-is taken while it fits, along each group's lower convex hull of (bytes, KL). That is the
-optimum of the relaxed problem and, in practice, within one upgrade of the exact one.
+`allow_unquantized=False`, leaving it as loaded ("as loaded": unquantized for a bf16
+checkpoint). The KL of quantizing several groups is taken as the sum of each group's own KL
+(the first-order picture the tables give; `evaluate` measures the real one). The choice
+minimises that sum within the budget, greedily: every group starts at its smallest option,
+then the upgrade with the most KL saved per added byte is taken while it fits, along each
+group's lower convex hull of (bytes, KL). Where every step along the hulls adds the same
+bytes this is the exact optimum; otherwise the sum is above the optimum by at most the KL that the first
+upgrade which did not fit would have saved (the greedy solves the relaxed problem up to it).
 """
 from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from typing import Iterable, Optional
 
 import pandas as pd
 
 from atom.quant_spec import ONLINE_QUANT_FORMATS
 
-UNQUANTIZED = "unquantized"
+AS_LOADED = "as loaded"  # a group left as the checkpoint has it (KL 0 against the base)
 CHOICE_COLUMNS = ["group", "layers", "format", "kl", "bytes", "bytes_smallest"]
 
 
 def _options(tables: Iterable[pd.DataFrame], allow_unquantized: bool) -> dict[str, list[tuple[int, float, str]]]:
     """group -> [(bytes, kl, format)] over the tables' usable rows (and the loaded layer)."""
     out: dict[str, list[tuple[int, float, str]]] = {}
-    layers: dict[str, int] = {}
     seen_by = set()
     for df in tables:
         fmt = df.attrs.get("format")
@@ -38,10 +40,9 @@ def _options(tables: Iterable[pd.DataFrame], allow_unquantized: bool) -> dict[st
             raise ValueError("tables must be SensitivityExplorer.run() tables (their attrs name the format)")
         seen_by.add(df.attrs.get("by"))
         for row in df.itertuples(index=False):
-            layers[row.group] = int(row.layers)
             opts = out.setdefault(row.group, [])
-            if allow_unquantized and not any(o[2] == UNQUANTIZED for o in opts):
-                opts.append((int(row.bytes_before), 0.0, UNQUANTIZED))
+            if allow_unquantized and not any(o[2] == AS_LOADED for o in opts):
+                opts.append((int(row.bytes_before), 0.0, AS_LOADED))
             if row.status == "ok" and not math.isnan(row.kl):
                 opts.append((int(row.bytes_after), float(row.kl), fmt))
     if len(seen_by) > 1:
@@ -75,7 +76,7 @@ def _hull(opts: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]:
 
 
 def choose_formats(tables: Iterable[pd.DataFrame], budget_bytes: int, allow_unquantized: bool = True) -> pd.DataFrame:
-    """One row per group: the chosen `format` (or "unquantized"), its table KL and bytes,
+    """One row per group: the chosen `format` (or "as loaded"), its table KL and bytes,
     and the group's smallest option's bytes. attrs: budget, bytes (the total), kl_sum (the
     predicted KL) and the formats considered. `budget_bytes`: the most weight bytes the
     groups may take together (e.g. a uniform configuration's `linear_bytes` minus the bytes
@@ -83,7 +84,7 @@ def choose_formats(tables: Iterable[pd.DataFrame], budget_bytes: int, allow_unqu
     tables = list(tables)
     if not tables:
         raise ValueError("tables is empty: pass at least one SensitivityExplorer.run() table")
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real) or not budget_bytes > 0:
         raise ValueError(f"budget_bytes={budget_bytes!r} is invalid: must be a positive number of bytes")
     options = _options(tables, allow_unquantized)
     hulls = {g: _hull(o) for g, o in options.items()}
@@ -127,11 +128,11 @@ def _pattern(group: str, by: Optional[str]) -> str:
 
 def mixed_config(choice: pd.DataFrame, guide_formats: bool = True) -> dict:
     """The `online_quant_config` of a `choose_formats` table: its most common format global,
-    the others per layer (`layer_quant_config`), the unquantized groups in `exclude_layer`.
+    the others per layer (`layer_quant_config`), the groups left as loaded in `exclude_layer`.
     `guide_formats`: refuse formats that `--online_quant_config` does not take (the guide's
     ptpc_fp8 and mxfp4); False keeps the explorer's others (for `SensitivityExplorer.evaluate`)."""
     by = choice.attrs.get("by")
-    quantized = choice[choice["format"] != UNQUANTIZED]
+    quantized = choice[choice["format"] != AS_LOADED]
     if guide_formats:
         bad = sorted(set(quantized["format"]) - set(ONLINE_QUANT_FORMATS))
         if bad:
@@ -145,7 +146,7 @@ def mixed_config(choice: pd.DataFrame, guide_formats: bool = True) -> dict:
         others = quantized[quantized["format"] != glob]
         if len(others):
             cfg["layer_quant_config"] = {_pattern(r.group, by): r.format for r in others.itertuples(index=False)}
-    left = choice[choice["format"] == UNQUANTIZED]
+    left = choice[choice["format"] == AS_LOADED]
     if len(left):
         cfg["exclude_layer"] = [_pattern(g, by) for g in left["group"]]
     return cfg
