@@ -2,9 +2,10 @@
 without a GPU and reports marks of its PTX, as one JSON line (run as a child process by
 tests/test_quant_gemv_dot.py, without TRITON_INTERPRET): tensor-core instructions (wgmma
 at 64+ weight rows a program, mma below), asynchronous copies (the pipelined weight loads),
-PDL's griddepcontrol, the e4m3 conversion of the fused quantizer, its correctly rounded
-division, the folded split K's barrier, GPU-scope acq_rel counter and L2 reads; and the split
-reduction; and that fp8 sums are carried into fp32 every 128 of K.
+PDL's griddepcontrol, the e4m3 conversion of the fused quantizer (also on load, with the
+scale from partial amaxes), its correctly rounded division, the folded split K's barrier,
+GPU-scope acq_rel counter and L2 reads; and the split reduction; and that fp8 sums are
+carried into fp32 every 128 of K.
 
     python tests/quant_gemv_dot_sm90.py
 """
@@ -27,7 +28,7 @@ def compile_all() -> dict:
                     lock_ptr="*i32", qmax="fp32")
 
     base = dict(M_PAD=16, BLOCK_N=64, BLOCK_K=256, SPLIT=True, BLOCKS=False, INT=False, HAS_BIAS=False,
-                QUANT_X=False, STATIC=False, FOLD=False, PDL=True)
+                QUANT_X=False, STATIC=False, PARTS=0, X1=False, FOLD=False, PDL=True)
     # the folded split K: a block barrier, one thread's acq_rel counter at GPU scope, L2 reads
     fold = ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg", "atom.global.gpu.acq_rel.exch")
     mark = ("wgmma", "cp.async", "griddepcontrol.wait")
@@ -47,6 +48,11 @@ def compile_all() -> dict:
         "int8_fold": (dict(base, INT=True, FOLD=True), ops(i8, i8), mark + fold),
         "int8_fused": (dict(base, M_PAD=32, INT=True, QUANT_X=True), ops("*fp16", i8, "*fp16"),
                        mark + ("div.rn.f32",)),
+        # rows quantized on load with the scale from partial amaxes (pending_quant): one row / several
+        "fp8_pending1": (dict(base, QUANT_X=True, PARTS=16, X1=True), ops("*bf16", f8), mark + ("div.rn.f32", "e4m3x2")),
+        "fp8_pending": (dict(base, QUANT_X=True, PARTS=16), ops("*bf16", f8), mark + ("div.rn.f32", "e4m3x2")),
+        "int8_pending1": (dict(base, INT=True, QUANT_X=True, PARTS=16, X1=True), ops("*bf16", i8),
+                          mark + ("div.rn.f32", ".s8")),
     }
     divisible = {"x_ptr", "w_ptr", "y_ptr", "p_ptr", "K", "stride_xm", "stride_wn", "stride_ym"}
     out = {}

@@ -11,7 +11,8 @@ import torch
 
 from atom.model_ops.kernels.act_quant import act_quant, act_quant_ref
 from atom.model_ops.kernels.act_quant_fused import (SPLIT_BLOCK, SPLIT_MAX_ROWS, norm_quant, norm_quant_ref,
-                                                    silu_quant, silu_quant_config, silu_quant_ref)
+                                                    silu_amax, silu_quant, silu_quant_config, silu_quant_ref,
+                                                    splits_rows)
 from atom.model_ops.kernels.activation import silu_and_mul
 from atom.model_ops.kernels.quant_gemm import quant_gemm_ref
 from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_launch, small_m_config, split_k_lock
@@ -160,6 +161,14 @@ def test_silu_quant_split_rows(kind, qmax, M, I):
     _same((q, s), silu_quant(x, kind, qmax, config=silu_quant_config(I)))
     _same((q, s), act_quant(silu_and_mul(x), kind, I, qmax))
     assert s[-1, 0] == torch.tensor(1e-12) / qmax
+    # its first launch alone: the rows as silu_and_mul stores them and partials whose max is
+    # each row's amax (what a product quantizing on load reads); the second launch on them
+    pending = silu_amax(x, kind, qmax)
+    assert torch.equal(pending.h, silu_and_mul(x)) and pending.pmax.shape == (M, -(-I // SPLIT_BLOCK))
+    assert torch.equal(pending.pmax.amax(1), pending.h.float().abs().amax(1))
+    _same(pending.quantize(), (q, s))
+    assert splits_rows(M, I) and not splits_rows(M, SPLIT_BLOCK) and not splits_rows(SPLIT_MAX_ROWS + 1, I)
+    assert "PendingQuant(" in repr(pending) and pending.shape == (M, I) and pending.dtype == torch.bfloat16
 
 
 def test_empty_and_bad_input():

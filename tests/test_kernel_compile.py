@@ -86,6 +86,19 @@ def _compile_all() -> dict:
         "silu_and_mul": (activation._silu_and_mul_kernel, dict(BLOCK=1024, PDL=True), {}),
         "merge": (attn._merge_kernel, dict(HEAD_DIM=128, HEAD_PAD=128, NUM_SPLITS=16, PDL=True),
                   dict(idx, po_ptr="*fp32", plse_ptr="*fp32")),
+        # each head's amax stored beside the output (a product quantizing it on load): the merge
+        # and the one-pass decode kernel
+        "merge_amax": (attn._merge_kernel, dict(HEAD_DIM=128, HEAD_PAD=128, NUM_SPLITS=16, PDL=True, HAS_AMAX=True),
+                       dict(idx, po_ptr="*fp32", plse_ptr="*fp32", amax_ptr="*fp32"),
+                       ("griddepcontrol.wait", "abs.bf16")),
+        "attention_one_pass_amax": (attn._unified_attn_kernel,
+                                    dict(QPKV=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16,
+                                         BLOCK_M=16, BLOCK_Q=4, TILE_N=64, NUM_SPLITS=1, DOT_PREC="tf32", PDL=True,
+                                         ROPE=True, QK_NORM=False, HAS_SINKS=False, SLIDING=False, KV_FP8=False,
+                                         EXACT_ROUND=False, ROWS_AHEAD=False, KV_F16=False, HAS_AMAX=True),
+                                    dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32", slot_ptr="*i64",
+                                         cs_ptr="*fp32", norm_eps="fp32", amax_ptr="*fp32"),
+                                    ("griddepcontrol.wait", "abs.bf16")),
         # the Triton GEMM's TMA path: tiles through the copy engine into the tensor cores
         "gemm_tma": (gemm._gemm_kernel, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True,
                                              HAS_BIAS=False, DOT_PREC="tf32"),
@@ -211,7 +224,8 @@ def test_kernels_compile_for_sm90():
                         "attention_3_stages_rows_ahead_True", "attention_fp8_f16_dots", "w4_gemv1_int4_masked",
                         "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2",
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
-                        "w4_gemv1_mxfp4_pairs", "attention_prefetch_before_wait"}
+                        "w4_gemv1_mxfp4_pairs", "attention_prefetch_before_wait", "merge_amax",
+                        "attention_one_pass_amax"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

@@ -24,8 +24,8 @@ from test_quant_kernels_fp8 import INT8_SPEC
 from test_quant_methods import FORMATS, OneSpec, fill, q_int4, q_int8_channel
 
 triton = pytest.importorskip("triton")
-NEW = ("norm+quant", "silu+quant", "split_k_fold", "sum+norm+quant")
-OPT_IN = ("split_k_fold", "sum+norm+quant")
+NEW = ("norm+quant", "silu+quant", "split_k_fold", "sum+norm+quant", "quant_on_load")
+OPT_IN = ("split_k_fold", "sum+norm+quant", "quant_on_load")
 # CPU tensors through the kernels need the interpreter (set by conftest where there is no GPU)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -183,6 +183,50 @@ def test_o_proj_partials_summed_by_the_norm_quantizer_on_gpu(fmt, monkeypatch):
     _check_pending_down(fmt, "cuda")
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="CPU cases need Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("fmt", ["fp8_channel", "int8"])
+def test_down_quantizes_silu_rows_on_load(fmt, monkeypatch):
+    """"quant_on_load": where SiLU-and-mul's quantizer splits rows (I 2048 > 1024), down's
+    swap-AB product (GPU routes forced) reads the rows and their partial amaxes and
+    quantizes them itself: the bits of the plan without it, without the quantizer's second
+    launch; where down takes another route (fp8 at 80 rows) the rows are quantized first."""
+    monkeypatch.setattr(common, "use_kernels", lambda t: True)
+    _check_quant_on_load(fmt, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fmt", ["fp8_channel", "int8"])
+def test_down_quantizes_silu_rows_on_load_on_gpu(fmt, monkeypatch):
+    """The same on CUDA tensors and compiled kernels."""
+    _check_quant_on_load(fmt, "cuda", monkeypatch)
+
+
+def _check_quant_on_load(fmt, device, monkeypatch):
+    from atom.model_ops.kernels import act_quant_fused
+    calls = []
+    real = act_quant_fused.quant_from_partials
+    monkeypatch.setattr(act_quant_fused, "quant_from_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layer = _decoder_parts(fmt, I=2048, device=device)
+    base = default_fusions("triton")
+    unfused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
+    fused = KernelPlan(backend="triton", fusions=base + ("quant_on_load",), force_kernels=True)
+    g = torch.Generator().manual_seed(11)
+    for M in (1, 3) + ((80,) if fmt == "fp8_channel" else ()):
+        x, res = (torch.randn(M, 128, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
+        got = {}
+        for name, plan in (("unfused", unfused), ("fused", fused)):
+            for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.plan = plan
+            calls.clear()
+            with forward_context(_meta(plan)):
+                got[name] = fusions._mlp(layer, plan, x, res), len(calls)
+        (out_u, r_u), n_u = got["unfused"]
+        (out_f, r_f), n_f = got["fused"]
+        assert torch.equal(out_f, out_u) and torch.equal(r_f, r_u), M
+        assert n_u == 1 and n_f == (1 if M == 80 else 0), (M, n_u, n_f)
+
+
 def _check_pending_down(fmt, device):
     """down's product (K 2048 split in two) of a layer marked `defer_output` comes back
     unsummed and the next layer's norm-quantizer in front of q/k/v adds it: the unfused
@@ -290,7 +334,8 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
     """The engine on the Triton backend (attention, norms, SiLU and the 8-bit GPU routes
     under the interpreter): the decoder layers' fused forward with the 8-bit fusions gives
     the unfused forward's greedy tokens (a prefill of two requests, a two-row decode step,
-    one-row steps), and the fused kernels ran. (int8 W8A8 goes through the same pieces:
+    one-row steps), and the fused kernels ran (o_proj quantizing the attention's output on
+    load among them: "quant_on_load"). (int8 W8A8 goes through the same pieces:
     `test_fused_pieces_give_the_unfused_layers_bits`.)"""
     from atom import LLM, SamplingParams
     from atom.model_ops.attention.triton_backend import TritonAttentionBackend
@@ -299,10 +344,12 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
     path = str(tmp_path / scheme)
     quantize_checkpoint(base128, path, scheme)
     monkeypatch.setattr(common, "use_kernels", lambda t: True)
+    from atom.model_ops.kernels import quant_gemv_dot
     calls = []
-    for name in ("norm_quant", "silu_quant"):
-        real = getattr(act_quant_fused, name)
-        monkeypatch.setattr(act_quant_fused, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    for mod, name in ((act_quant_fused, "norm_quant"), (act_quant_fused, "silu_quant"),
+                      (quant_gemv_dot, "quant_gemv_dot_pending_launch")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32, enforce_eager=True)
     runner = llm.engine.runner
     runner.set_attention_backend(TritonAttentionBackend(runner.attn_layers, 64, runner.device))
@@ -315,6 +362,8 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
         calls.clear()
         out[name] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         assert ("norm_quant" in calls and "silu_quant" in calls) == (name == "fused")
+        # "quant_on_load": o_proj quantized the attention's output on load in the decode steps
+        assert ("quant_gemv_dot_pending_launch" in calls) == (name == "fused")
     assert out["fused"] == out["unfused"]
     layers = runner.model.model.layers
     layer = layers[0]

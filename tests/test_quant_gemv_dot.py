@@ -10,9 +10,11 @@ import torch
 
 from atom.model_ops.kernels.act_quant import act_quant_ref
 from atom.model_ops.kernels.quant_gemm import quant_gemm_ref
+from atom.model_ops.kernels.pending_quant import PendingQuant
 from atom.model_ops.kernels.quant_gemv_dot import (DOT_MAX_M, MID_MAX_M, quant_gemv_dot, quant_gemv_dot_fused,
                                                     quant_gemv_dot_fused_launch, quant_gemv_dot_launch,
-                                                    small_m_config)
+                                                    quant_gemv_dot_pending_launch, small_m_config)
+from atom.model_ops.kernels.split_k import PendingSum
 from atom.model_ops.kernels.triton_import import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (interpreter on CPU)")
@@ -116,6 +118,49 @@ def test_fused_quantizer_is_act_quant_bit_for_bit():
         q, s = act_quant_ref(x, kind, bk or K, QMAX[kind])
         deq = (q.float().reshape(M, -1, bk or K) * s.unsqueeze(-1)).reshape(M, K)
         assert torch.equal(y, deq), kind
+
+
+def _pending(x, kind, chunk):
+    """x's rows with one partial amax per `chunk` columns (as the kernel in front writes them)."""
+    M, K = x.shape
+    cols = torch.arange(K, device=x.device)
+    pmax = torch.stack([x.float().abs().masked_fill((cols // chunk != p)[None, :], 0).amax(1)
+                        for p in range(-(-K // chunk))], 1)
+    return PendingQuant(x, pmax.contiguous(), kind, QMAX[kind])
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("M,N,K", CASES)
+def test_rows_quantized_on_load_are_the_prequantized_product(kind, M, N, K, split):
+    """Rows quantized inside the product with the scale from their partial amaxes (one row
+    quantized alone and placed in the padded operand, X1; or every row): the bits of
+    act_quant's q and scales through the same tiles; a split K left pending sums to them too.
+    The fused quantizer (its own amax walk) gives them as well."""
+    x = _x(M, K, torch.bfloat16)
+    wq, ws, bias = _weights(kind, N, K, 0)
+    pending = _pending(x, kind, 48)
+    q, s = act_quant_ref(x, kind, K, QMAX[kind])
+    _same_bits = lambda a, b: a.dtype == b.dtype and torch.equal(a, b)  # noqa: E731
+    assert all(_same_bits(a, b) for a, b in zip(pending.quantize(), (q, s)))
+    cfg = _cfg(M, split)
+    want = quant_gemv_dot_launch(q, s.reshape(-1), wq, ws, bias, torch.bfloat16, config=cfg)
+    assert _same_bits(quant_gemv_dot_pending_launch(pending, wq, ws, bias, torch.bfloat16, config=cfg), want)
+    assert _same_bits(quant_gemv_dot_fused_launch(x, wq, ws, bias, kind, QMAX[kind], config=cfg), want)
+    later = quant_gemv_dot_pending_launch(pending, wq, ws, bias, torch.bfloat16, config=cfg, defer_sum=True)
+    assert isinstance(later, PendingSum) == (split > 1)
+    assert _same_bits(later.result() if split > 1 else later, want)
+
+
+def test_pending_rows_refuse_what_they_cannot_be():
+    x = _x(2, 64, torch.bfloat16)
+    wq, ws, _ = _weights("fp8", 16, 64, 0)
+    with pytest.raises(ValueError, match="pending rows quantize to int8, the weight is torch.float8_e4m3fn"):
+        quant_gemv_dot_pending_launch(_pending(x, "int8", 32), wq, ws, None, torch.bfloat16)
+    bad = _pending(x, "fp8", 32)
+    bad.pmax = bad.pmax[:1]
+    with pytest.raises(ValueError, match=r"partial amaxes: fp32 \[M=2, P\] wanted"):
+        quant_gemv_dot_pending_launch(bad, wq, ws, None, torch.bfloat16)
 
 
 def test_table():
@@ -252,9 +297,10 @@ def test_mid_rows_on_gpu(N, K, M):
 def test_kernel_compiles_for_sm90():
     """The compiled (not interpreted) kernel builds for sm90 with tensor-core instructions and
     pipelined (asynchronous) weight copies, fused and not, fp8 and int8, the folded split K's
-    counter (tests/quant_gemv_dot_sm90.py in a child process without the interpreter)."""
+    counter, rows quantized on load from partial amaxes (tests/quant_gemv_dot_sm90.py in a
+    child process without the interpreter)."""
     from sm90_child import run_sm90_check
     got = run_sm90_check("quant_gemv_dot_sm90.py")
-    assert len(got) == 13
+    assert len(got) == 16
     for name, flags in got.items():
         assert all(flags.values()), (name, flags)

@@ -282,6 +282,29 @@ def test_attention_workspace_and_padding(device):
     _run_attention(batch, dtype, "ws overflow", num_kv_splits=8, workspace=ws)
 
 
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_stores_each_heads_amax(device, splits):
+    """`amax`: each token's and head's largest |value| of the output as stored, from the
+    one-pass kernel and from the split merge (a product quantizing the output on load reads
+    them as partial amaxes); padding tokens' entries are left as they were; a bad buffer is
+    refused by name."""
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    batch = _make_batch(["decode", "decode", (1, 1)], 8, 2, 64, 16, dtype, device, 70, seed=3, pad_tokens=2)
+    q = batch["q"]
+    args = {k: v for k, v in batch.items() if k != "q"}
+    out = torch.full_like(q, float("nan"))
+    amax = torch.full(q.shape[:2], -1.0, dtype=torch.float32, device=q.device)
+    unified_attention(q, out=out, num_kv_splits=splits, amax=amax, **args)
+    n = int(batch["cu_seqlens_q"][-1])
+    assert torch.equal(amax[:n], out[:n].float().abs().amax(-1)) and (amax[n:] == -1).all()
+    plain = torch.full_like(q, float("nan"))
+    unified_attention(q, out=plain, num_kv_splits=splits, **args)
+    assert torch.equal(plain[:n], out[:n])  # the amax changes nothing else
+    with pytest.raises(ValueError, match=r"amax must be fp32 \[T, Hq\]"):
+        unified_attention(q, out=out, num_kv_splits=splits, amax=amax[:, :4], **args)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or _INTERPRET, reason="needs CUDA")
 def test_attention_long_context_gpu():

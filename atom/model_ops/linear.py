@@ -117,7 +117,8 @@ class Linear(nn.Module):
                           lock: torch.Tensor | None = None, defer_sum: bool = False):
         """The layer on an input a kernel in front already quantized as `method.input_quant`
         says (a kernel-plan fusion): q [M, K], scales [M, 1] -> [M, N] in `out_dtype`
-        (`defer_sum`: a split-K product may come back as a `kernels.split_k.PendingSum`)."""
+        (`defer_sum`: a split-K product may come back as a `kernels.split_k.PendingSum`). xq
+        may be a `kernels.pending_quant.PendingQuant` (xs None): rows the product quantizes."""
         return self.method.apply_quantized(self, xq, xs, out_dtype, lock, defer_sum)
 
     def extra_repr(self) -> str:

@@ -32,6 +32,14 @@ which computes the same thing with fewer kernels where the plan says so:
   another in its list, `defer_output`; the last one's output is summed for the model's final
   norm): two launches fewer a layer, the same bits. Opt-in, not in `default_fusions`, until
   its decode timing is in docs/perf (its GPU tests are marked `gpu`);
+- "quant_on_load": 8-bit products that take a per-token quantized input on the swap-AB route
+  quantize it as they load it, from rows stored unquantized beside partial amaxes
+  (`kernels.pending_quant.PendingQuant`), instead of a quantizer launch in front: down, where
+  SiLU-and-mul's quantizer splits rows over programs (`act_quant_fused.splits_rows`: decode
+  batches of Llama's 14,336-wide MLP; its first launch, `silu_amax`, stays), and o_proj, whose
+  attention (the one-pass kernel or the split merge) stores each head's amax beside its
+  output (under "norm+quant"). Two launches fewer a layer, the same bits; other routes
+  quantize first. Opt-in until its decode timing is in docs/perf;
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
@@ -272,9 +280,12 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
     if iq is None:
         act, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual, gated=True)
         return project(plan, mlp.down_proj, act), residual
-    from atom.model_ops.kernels.act_quant_fused import silu_quant
+    from atom.model_ops.kernels.act_quant_fused import silu_amax, silu_quant, splits_rows
     y, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual)
-    q, s = silu_quant(y, iq.kind, iq.qmax)
+    if plan.has("quant_on_load") and iq.per_token and splits_rows(y.shape[0], y.shape[1] // 2):
+        q, s = silu_amax(y, iq.kind, iq.qmax), None  # rows left for down's product to quantize on load
+    else:
+        q, s = silu_quant(y, iq.kind, iq.qmax)
     lock = _lock(plan, mlp.down_proj)
     defer = getattr(layer, "defer_output", False) and lock is None and plan.has("sum+norm+quant") \
         and plan.has("norm+quant")  # the next layer's norm-quantizer sums a split K
@@ -307,14 +318,33 @@ def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.
         norms = _qk_norms(attn)
         rotary = (attn.rotary_emb.cos_sin_cache,) + ((norms[0].weight, norms[1].weight, norms[0].eps)
                                                      if norms else ())
-        return project_pending(plan, attn.o_proj, attn.attn(q, k, v, rotary))
+        return _attend_project(attn, plan, q, k, v, rotary)
     target = attn.attn.backend.cache_target(attn.attn, meta) if plan.has("rope+kv_write") else None
     if target is not None:  # (None: the backend writes this cache itself, e.g. FP8)
         # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
         attn.rotary_emb(positions, q, k, *_qk_norms(attn), kv_cache=(v, *target))
-        return project_pending(plan, attn.o_proj, attn.attn(q, None, None))
+        return _attend_project(attn, plan, q, None, None)
     q, k = attn.rotary_emb(positions, q, k, *_qk_norms(attn))
-    return project_pending(plan, attn.o_proj, attn.attn(q, k, v))
+    return _attend_project(attn, plan, q, k, v)
+
+
+def _attend_project(attn, plan, q, k, v, rotary=None):
+    """o_proj(attention(q, k, v)); with "quant_on_load", for an 8-bit o_proj that takes a
+    per-token quantized input on the swap-AB route, the attention also stores each head's
+    amax of its output and o_proj quantizes the output on load (`pending_quant.PendingQuant`)
+    instead of a quantizer launch in between."""
+    o_proj = attn.o_proj
+    iq = quant_input(plan, "quant_on_load", o_proj, q)
+    if iq is None or not iq.per_token or not plan.has("norm+quant") or \
+            common.route_for(iq.kind, q.shape[0], q.shape[1], o_proj.weight.shape[0], q.dtype, q.device) \
+            not in ("dot", "dot_fused"):
+        return project_pending(plan, o_proj, attn.attn(q, k, v, rotary))
+    from atom.model_ops.kernels.pending_quant import PendingQuant
+    amax = torch.empty(q.shape[0], attn.attn.num_heads, dtype=torch.float32, device=q.device)
+    pending = PendingQuant(attn.attn(q, k, v, rotary, amax=amax), amax, iq.kind, iq.qmax)
+    lock = _lock(plan, o_proj)
+    defer = plan.has("sum+norm+quant") and lock is None  # the next norm-quantizer sums a split K
+    return o_proj.forward_quantized(pending, None, q.dtype, lock, defer_sum=defer)
 
 
 def _qk_norms(attn) -> tuple:

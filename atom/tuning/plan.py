@@ -48,6 +48,7 @@ FUSIONS = (
     "silu+quant",        # 8-bit layers: SiLU-and-mul + the activation quantizer in one kernel (down)
     "sum+norm+quant",    # 8-bit o_proj's / down's split-K partials summed by the next norm-quantizer (opt-in)
     "split_k_fold",      # 8-bit small-M products sum their split K themselves (no reduction launch)
+    "quant_on_load",     # 8-bit down: SiLU-and-mul's split rows quantized by the product as it loads them (opt-in)
     "moe+shared",        # MoE: shared experts stacked after the routed ones, run in the grouped GEMM (opt-in)
     "shared_overlap",    # MoE: shared experts on a second CUDA stream, beside the routed experts
     "w4_norm_gemv",      # batch 1, 4-bit layers: the RMSNorm inside the q/k/v product's one-row 4-bit GEMV

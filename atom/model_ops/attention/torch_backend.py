@@ -25,14 +25,18 @@ class TorchAttentionBackend:
         torch_native.write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, meta.step_cache,
                                     layer.k_scale, layer.v_scale)
 
-    def forward(self, layer, q, k, v, rotary=None) -> torch.Tensor:
+    def forward(self, layer, q, k, v, rotary=None, amax=None) -> torch.Tensor:
+        """`amax` (fp32 [T, Hq]): also filled with each row's and head's amax of the output."""
         if rotary is not None:
             raise ValueError("the rotary embedding folds into the Triton attention kernel only")
         if k is None:
             raise ValueError("the torch attention backend needs this step's k and v")
         meta = get_forward_context()
         self.write_kv(layer, k, v, meta)
-        return torch_native.paged_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale, layer.options)
+        out = torch_native.paged_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale, layer.options)
+        if amax is not None:
+            amax.copy_(out.float().abs().amax(-1))
+        return out
 
     def __repr__(self) -> str:
         return "TorchAttentionBackend()"

@@ -56,10 +56,12 @@ class TritonAttentionBackend:
             return None
         return layer.k_cache, layer.v_cache, meta.slot_mapping
 
-    def forward(self, layer, q, k, v, rotary=None) -> torch.Tensor:
-        """Opaque to torch.compile: the op reads the forward context, this method does not."""
+    def forward(self, layer, q, k, v, rotary=None, amax=None) -> torch.Tensor:
+        """Opaque to torch.compile: the op reads the forward context, this method does not.
+        `amax` (fp32 [T, Hq]): also each row's and head's amax of the output as stored."""
         out = torch.empty_like(q)
-        torch.ops.atom.unified_attention_with_output(q, k, v, out, layer.layer_idx, *(rotary or ()))
+        rot = tuple(rotary or ()) + (None, None, None, 1e-6)[len(rotary or ()):]
+        torch.ops.atom.unified_attention_with_output(q, k, v, out, layer.layer_idx, *rot, amax)
         return out
 
     def forward_rope(self, layer, qkv: torch.Tensor, q_size: int, positions: torch.Tensor,
@@ -77,12 +79,13 @@ class TritonAttentionBackend:
         return f"TritonAttentionBackend(layers={len(self.layers)}, workspace={self.workspace!r})"
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("output",))
+@torch.library.custom_op(OP_NAME, mutates_args=("output", "amax"))
 def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                                   output: torch.Tensor, layer_idx: int,
                                   cos_sin_cache: Optional[torch.Tensor] = None,
                                   q_norm_weight: Optional[torch.Tensor] = None,
-                                  k_norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 1e-6) -> None:
+                                  k_norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 1e-6,
+                                  amax: Optional[torch.Tensor] = None) -> None:
     meta = get_forward_context()
     backend = meta.attn_backend
     layer = backend.layers[layer_idx]
@@ -93,12 +96,12 @@ def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v:
         backend.write_kv(layer, k, v, meta)
     unified_attention(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q, meta.seq_lens,
                       meta.block_tables, layer.scale, meta.max_query_len, workspace=backend.workspace, rope=rope,
-                      options=layer.options)
+                      options=layer.options, amax=amax)
 
 
 @unified_attention_with_output.register_fake
 def _(q, k, v, output, layer_idx, cos_sin_cache=None, q_norm_weight=None, k_norm_weight=None,
-      norm_eps=1e-6) -> None:
+      norm_eps=1e-6, amax=None) -> None:
     return None
 
 

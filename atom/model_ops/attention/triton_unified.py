@@ -251,6 +251,7 @@ if HAS_TRITON:
         cs_ptr, kn_ptr, vn_ptr, slot_ptr, qw_ptr, kw_ptr, norm_eps,
         stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
         sinks_ptr, ks_ptr, vs_ptr, window,
+        amax_ptr, stride_am,
         QPKV: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -270,6 +271,7 @@ if HAS_TRITON:
         EXACT_ROUND: tl.constexpr,
         ROWS_AHEAD: tl.constexpr = False,
         KV_F16: tl.constexpr = False,
+        HAS_AMAX: tl.constexpr = False,
     ):
         # Before the wait (PDL): only the host-copied batch description (cu_seqlens, seq_lens,
         # block table) is read, and the first tile of the cache prefetched into L2; q, this
@@ -394,6 +396,9 @@ if HAS_TRITON:
                 o.to(out_ptr.dtype.element_ty),
                 mask=st_mask,
             )
+            if HAS_AMAX:  # each (token, head) row's amax as stored, for a product quantizing on load
+                stored = tl.where(st_mask, tl.abs(o.to(out_ptr.dtype.element_ty).to(tl.float32)), 0.0)
+                tl.store(amax_ptr + tok * stride_am + head, tl.max(stored, 1), mask=row_ok)
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             base = tok * stride_pot + head * stride_poh + split * stride_pos
@@ -406,10 +411,12 @@ if HAS_TRITON:
         stride_ot, stride_oh,
         stride_pot, stride_poh, stride_pos,
         stride_plt, stride_plh,
+        amax_ptr, stride_am,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         PDL: tl.constexpr,
+        HAS_AMAX: tl.constexpr = False,
     ):
         pdl_launch(PDL)
         t = tl.program_id(0)
@@ -436,11 +443,10 @@ if HAS_TRITON:
             other=0.0,
         )
         o = tl.sum(tl.where((w > 0.0)[:, None], po * w[:, None], 0.0), 0) / denom
-        tl.store(
-            out_ptr + t64 * stride_ot + h * stride_oh + offs_d,
-            o.to(out_ptr.dtype.element_ty),
-            mask=d_ok,
-        )
+        o = o.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d, o, mask=d_ok)
+        if HAS_AMAX:  # the head's amax as stored, for a product quantizing on load
+            tl.store(amax_ptr + t64 * stride_am + h, tl.max(tl.where(d_ok, tl.abs(o.to(tl.float32)), 0.0), 0))
 
 
 def _next_pow2(x: int) -> int:
@@ -658,8 +664,12 @@ def unified_attention(
     config: Optional[dict] = None,
     rope: Optional[DecodeRope] = None,
     options: Optional[AttentionOptions] = None,
+    amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; writes ``out`` in place and returns it.
+    ``amax`` (fp32 [T, Hq]): also each token's and head's largest |value| of ``out`` as
+    stored, written by whichever kernel stores that row (the one-pass kernel or the merge):
+    the partial amaxes of a product that quantizes ``out`` on load (`pending_quant`).
     With ``rope`` (decode steps only) q is unrotated and this step's k / v are not in the
     cache yet: the kernel rotates and writes them (:class:`DecodeRope`). ``options``: the
     layer's sinks, sliding window and FP8 scales (:class:`AttentionOptions`); an FP8 cache
@@ -677,6 +687,10 @@ def unified_attention(
     if not HAS_TRITON:
         raise RuntimeError("unified_attention needs triton; use paged_attention_ref on CPU")
     _check(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables)
+    if amax is not None and (amax.dtype != torch.float32 or tuple(amax.shape) != tuple(q.shape[:2])
+                             or amax.stride(1) != 1):
+        raise ValueError(f"amax must be fp32 [T, Hq] = {tuple(q.shape[:2])} with unit column stride, got "
+                         f"{amax.dtype} {tuple(amax.shape)}")
     options = AttentionOptions() if options is None else options
     _check_options(options, q, k_cache)
     if rope is not None:
@@ -726,6 +740,7 @@ def unified_attention(
         po.stride(0), po.stride(1), po.stride(2) if splits > 1 else 0,
         plse.stride(0), plse.stride(1),
         *_rope_args(rope, q), *_options_args(options, q, k_cache),
+        amax if amax is not None else out, amax.stride(0) if amax is not None else 0,
         QPKV=Hq // Hkv, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
@@ -734,6 +749,7 @@ def unified_attention(
         KV_FP8=k_cache.dtype in FP8_CACHE_DTYPES, EXACT_ROUND=k_cache.dtype in FP8_CACHE_DTYPES and interpreted(),
         ROWS_AHEAD=bool(cfg.get("rows_ahead", False)),
         KV_F16=k_cache.dtype in FP8_CACHE_DTYPES and q.dtype == torch.bfloat16,
+        HAS_AMAX=amax is not None and splits == 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
@@ -743,7 +759,8 @@ def unified_attention(
             out.stride(0), out.stride(1),
             po.stride(0), po.stride(1), po.stride(2),
             plse.stride(0), plse.stride(1),
-            HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], NUM_SPLITS=splits,
+            amax if amax is not None else out, amax.stride(0) if amax is not None else 0,
+            HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], NUM_SPLITS=splits, HAS_AMAX=amax is not None,
             num_warps=4 if cfg["HEAD_PAD"] >= 128 else 2, **pdl_args(q),
         )
     return out

@@ -41,6 +41,7 @@ import torch
 from atom.model_ops.kernels.act_quant import SINGLE_PASS_MAX, act_quant_ref
 from atom.model_ops.kernels.rmsnorm import (as_rows, check_norm_args, fused_add_rms_norm_ref, norm_row_config,
                                            rms_norm_ref)
+from atom.model_ops.kernels.pending_quant import PendingQuant
 from atom.model_ops.kernels.split_k import PendingSum
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
@@ -230,29 +231,57 @@ def silu_quant(x: torch.Tensor, kind: str, qmax: float, config: Optional[dict] =
         raise ValueError(f"silu_quant takes x [M, 2I], got shape {tuple(x.shape)}")
     M, I = x.shape[0], x.shape[1] // 2
     x2 = as_rows(x)
+    if config is None and splits_rows(M, I):
+        return silu_amax(x2, kind, qmax).quantize()
     q = torch.empty(M, I, dtype=_KINDS[kind], device=x.device)
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
-    if M and I and config is None and M <= SPLIT_MAX_ROWS and I > SPLIT_BLOCK:
-        _silu_quant_split(x2, q, s, kind, qmax, SPLIT_BLOCK)
-    elif M and I:
+    if M and I:
         _silu_quant_kernel[(M,)](x2, q, s, x2.stride(0), q.stride(0), I, float(qmax), INT8=kind == "int8",
                                  **(config or silu_quant_config(I)), **pdl_args(x2))
     return q, s
 
 
-def _silu_quant_split(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, kind: str, qmax: float,
-                      block: int) -> None:
-    """`silu_quant` over programs of `block` columns a row, in two launches (module docstring)."""
-    M, I = q.shape
-    parts = triton.cdiv(I, block)
+def splits_rows(M: int, I: int) -> bool:
+    """Whether `silu_quant` splits rows of I activations over programs at M rows (the module
+    docstring): two launches, the first `silu_amax`."""
+    return 0 < M <= SPLIT_MAX_ROWS and I > SPLIT_BLOCK
+
+
+def silu_amax(x: torch.Tensor, kind: str, qmax: float, block: int = SPLIT_BLOCK) -> PendingQuant:
+    """x [M, 2I] -> silu(gate) * up as `silu_and_mul` stores it, with one partial amax per
+    `block` columns of a row: the first launch of `silu_quant`'s split, its rows left for the
+    8-bit product to quantize on load (`pending_quant.PendingQuant`)."""
+    _need_triton("silu_amax")
+    _check_kind(kind, qmax)
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_amax takes x [M, 2I], got shape {tuple(x.shape)}")
+    x2 = as_rows(x)
+    M, I = x.shape[0], x.shape[1] // 2
+    parts = triton.cdiv(I, block) if I else 0
     h = torch.empty(M, I, dtype=x2.dtype, device=x2.device)
     pmax = torch.empty(M, parts, dtype=torch.float32, device=x2.device)
-    warps = 4 if block <= 2048 else 8
-    _silu_amax_kernel[(M, parts)](x2, h, pmax, x2.stride(0), h.stride(0), pmax.stride(0), I, BLOCK=block,
-                                  num_warps=warps, **pdl_args(x2))
-    _quant_split_kernel[(M, parts)](h, pmax, q, s, h.stride(0), pmax.stride(0), q.stride(0), I, parts, float(qmax),
-                                    BLOCK=block, PARTS=triton.next_power_of_2(parts), INT8=kind == "int8",
-                                    num_warps=warps, **pdl_args(x2))
+    if M and I:
+        _silu_amax_kernel[(M, parts)](x2, h, pmax, x2.stride(0), h.stride(0), pmax.stride(0), I, BLOCK=block,
+                                      num_warps=4 if block <= 2048 else 8, **pdl_args(x2))
+    return PendingQuant(h, pmax, kind, float(qmax))
+
+
+def quant_from_partials(h: torch.Tensor, pmax: torch.Tensor, kind: str, qmax: float,
+                        block: int = SPLIT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, I] quantized per row with the scale from its partial amaxes pmax [M, P] (the
+    second launch of `silu_quant`'s split) -> (q [M, I], scales [M, 1] fp32)."""
+    _need_triton("quant_from_partials")
+    _check_kind(kind, qmax)
+    M, I = h.shape
+    q = torch.empty(M, I, dtype=_KINDS[kind], device=h.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=h.device)
+    parts = pmax.shape[1]
+    if M and I:
+        _quant_split_kernel[(M, triton.cdiv(I, block))](
+            h, pmax, q, s, h.stride(0), pmax.stride(0), q.stride(0), I, parts, float(qmax), BLOCK=block,
+            PARTS=triton.next_power_of_2(parts), INT8=kind == "int8", num_warps=4 if block <= 2048 else 8,
+            **pdl_args(h))
+    return q, s
 
 
 def norm_quant_ref(x, residual, weight, eps, kind, qmax):

@@ -48,6 +48,13 @@ rounded division), so one launch replaces two:
 Every program re-reads x (from L2): M * K * 2 bytes a program; measured slower than the
 separate quantizer at every M, so the table does not fuse (`FUSE_MAX_M`).
 
+Rows quantized on load (`quant_gemv_dot_pending_launch`, a `pending_quant.PendingQuant`): the
+kernel in front stored x unquantized with partial amaxes of each row, so the per-token scale
+is the max of a few partials (PARTS), not a walk over K, and each K step is quantized as it
+is loaded (the kernel plan's "quant_on_load": SiLU-and-mul's split kernel in front of down).
+With one row (X1) a step quantizes the row's BLOCK_K values alone and places them in row 0 of
+the zero-padded operand instead of quantizing all M_PAD rows (also the fused quantizer's case).
+
 `small_m_config(M, N, K, block_k, kind, act)` is the dispatch table `quant.common` consults
 (None keeps the older kernels for that case), set from the H200 sweeps
 (`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot` up to 64 rows,
@@ -59,6 +66,7 @@ from typing import Optional
 
 import torch
 
+from atom.model_ops.kernels.pending_quant import PendingQuant
 from atom.model_ops.kernels.quant_gemm import _check, check_weight_scales
 from atom.model_ops.kernels.split_k import PendingSum, split_k_sum
 from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, pdl_args, tl, triton
@@ -81,15 +89,18 @@ if HAS_TRITON:
     # for a sweep over M and SPLIT_K; SPLIT (SPLIT_K > 1) picks the store.
     @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _qdot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, p_ptr, lock_ptr, M, N, K, stride_xm, stride_wn,
-                     stride_ym, stride_xs, stride_ws, qmax, SPLIT_K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCKS: tl.constexpr, INT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, STATIC: tl.constexpr, FOLD: tl.constexpr,
-                     PDL: tl.constexpr):
+                     stride_ym, stride_xs, stride_ws, qmax, SPLIT_K, n_parts, M_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCKS: tl.constexpr,
+                     INT: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, STATIC: tl.constexpr,
+                     PARTS: tl.constexpr, X1: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr):
         """Program (n tile, K split). QUANT_X: x is unquantized and quantized here (STATIC: the
-        scale is xs_ptr[0], row / column scales only; else per row over K, or per chunk with
-        BLOCKS). FOLD (with SPLIT): the last split of each n tile to finish sums the partials
-        (see the module docstring); lock_ptr: one int32 counter per n tile, zero on entry and
-        left zero."""
+        scale is xs_ptr[0], row / column scales only; PARTS > 0: each row's amax is the max of
+        its n_parts partials xs_ptr[m, :] (`pending_quant`); else per row over K, or per chunk
+        with BLOCKS). X1 (QUANT_X, one row, no BLOCKS): each step quantizes the row's BLOCK_K
+        values alone and places them in row 0 of the zero-padded operand, rather than
+        quantizing all M_PAD rows of it (the same values). FOLD (with SPLIT): the last split
+        of each n tile to finish sums the partials (see the module docstring); lock_ptr: one
+        int32 counter per n tile, zero on entry and left zero."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,12 +119,19 @@ if HAS_TRITON:
         if QUANT_X and not BLOCKS:
             if STATIC:
                 xsc = tl.load(xs_ptr).to(tl.float32) + tl.zeros([M_PAD], tl.float32)
+            elif PARTS > 0:  # the amax from the kernel in front's partials (act_quant's formula)
+                parts = tl.arange(0, PARTS)
+                pm = tl.load(xs_ptr + ms[:, None] * stride_xs + parts[None, :],
+                             mask=m_ok[:, None] & (parts[None, :] < n_parts), other=0.0)
+                xsc = tl.math.div_rn(tl.maximum(tl.max(pm, 1), 1e-12), qmax)
             else:  # per-token scale: the amax over the whole row (act_quant's formula)
                 amax = tl.zeros([M_PAD, BLOCK_K], tl.float32)
                 for k0 in range(0, K, BLOCK_K):
                     v = tl.load(x_ptrs + k0, mask=m_ok[:, None] & (rk[None, :] + k0 < K), other=0.0)
                     amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
                 xsc = tl.math.div_rn(tl.maximum(tl.max(amax, 1), 1e-12), qmax)
+            if X1:
+                xsc1 = tl.max(tl.where(ms == 0, xsc, 0.0), 0)  # row 0's scale (every scale is > 0)
         if INT:
             acc = tl.zeros([BLOCK_N, M_PAD], tl.int32)
         else:
@@ -122,7 +140,11 @@ if HAS_TRITON:
             k0 = step * BLOCK_K
             k_ok = rk + k0 < K
             w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if X1:
+                xr = _quantize(tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32), xsc1, INT)
+                x = tl.where(ms[:, None] == 0, xr[None, :], 0.0).to(qdt)
+            else:
+                x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if BLOCKS:
                 if QUANT_X:  # the chunk is the 1 x block_k group: its scale from its own amax
                     xf = x.to(tl.float32)
@@ -133,7 +155,7 @@ if HAS_TRITON:
                 wsb = tl.load(ws_ptr + rn * stride_ws + step, mask=n_ok, other=0.0)
                 acc += tl.dot(w, tl.trans(x)) * wsb[:, None] * xsb[None, :]
             else:
-                if QUANT_X:
+                if QUANT_X and not X1:
                     x = _quantize(x.to(tl.float32), xsc[:, None], INT).to(qdt)
                 if INT:  # int8 x int8 accumulates exactly in int32 (tl.dot's default is fp32)
                     acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.int32)
@@ -256,17 +278,19 @@ def _cfg(M, N, K, block_k, config, kind, device):
     return cfg
 
 
-def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax, lock=None, defer_sum=False):
+def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax, lock=None, defer_sum=False,
+         parts=False):
     """Both launches (the product, then the split reduction when SPLIT_K > 1 and no `lock`
     folds it into the product); `defer_sum`: a split K's partials returned unsummed, as a
-    `split_k.PendingSum` (the kernel after the product adds them)."""
+    `split_k.PendingSum` (the kernel after the product adds them). `parts` (with `quant_x`):
+    xs is [M, P] partial amaxes of x's rows."""
     M, K = x.shape
     N = w.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     ws = ws.float().contiguous()
     xs = xs.float().contiguous()
-    stride_xs = (xs.shape[-1] if block_k and not quant_x else (0 if xs.numel() == 1 else 1))
+    stride_xs = (xs.shape[-1] if (block_k and not quant_x) or parts else (0 if xs.numel() == 1 else 1))
     stride_ws = ws.shape[-1] if block_k else 1
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
@@ -282,8 +306,10 @@ def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax, loc
     pdl = pdl_args(x)
     _qdot_kernel[(tiles, split)](
         x, xs, w, ws, b, y, part, lock if fold else part, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        stride_xs, stride_ws, float(qmax), split, SPLIT=split > 1, BLOCKS=bool(block_k), INT=w.dtype == torch.int8,
-        HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static, FOLD=fold, **pdl, **cfg)
+        stride_xs, stride_ws, float(qmax), split, xs.shape[-1] if parts else 0, SPLIT=split > 1,
+        BLOCKS=bool(block_k), INT=w.dtype == torch.int8, HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static,
+        PARTS=triton.next_power_of_2(xs.shape[-1]) if parts else 0, X1=quant_x and not block_k and M == 1,
+        FOLD=fold, **pdl, **cfg)
     if split > 1 and not fold:
         if defer_sum:
             return PendingSum(part, bias, out_dtype)
@@ -349,6 +375,22 @@ def quant_gemv_dot_fused_launch(x, w, ws, bias, kind, qmax, block_k=0, static_sc
     static = static_scale is not None
     xs = static_scale.reshape(1) if static else ws  # unread without a static scale
     return _run(x, xs, w, ws, bias, x.dtype, block_k, cfg, True, static, qmax)
+
+
+def quant_gemv_dot_pending_launch(x: PendingQuant, w, ws, bias, out_dtype, config=None, lock=None, defer_sum=False):
+    """Rows waiting for their quantization (`pending_quant.PendingQuant`: x.h and its
+    partial amaxes) times the 8-bit w: each K step quantized on load with the row's scale
+    from the partials, as `x.quantize()` then `quant_gemv_dot_launch` would compute, in one
+    launch (and the split reduction unless `lock` / `defer_sum`, as there)."""
+    kind = "int8" if w.dtype == torch.int8 else "fp8"
+    if x.kind != kind:
+        raise ValueError(f"pending rows quantize to {x.kind}, the weight is {w.dtype}")
+    M, N, K = _check_fused(x.h, w, ws, bias, kind, 0, None)
+    if x.pmax.dim() != 2 or x.pmax.shape[0] != M or x.pmax.dtype != torch.float32:
+        raise ValueError(f"pending rows' partial amaxes: fp32 [M={M}, P] wanted, got {x.pmax.dtype} "
+                         f"{tuple(x.pmax.shape)}")
+    cfg = _cfg(M, N, K, 0, config, kind, x.h.device)
+    return _run(x.h, x.pmax, w, ws, bias, out_dtype, 0, cfg, True, False, x.qmax, lock, defer_sum, parts=True)
 
 
 @torch.library.custom_op("atom::quant_gemv_dot", mutates_args=())

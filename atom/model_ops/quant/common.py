@@ -419,7 +419,19 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
     Triton GEMM), without its quantizer. `lock`: the split-K sum folded into the swap-AB
     kernel; `defer_sum`: a split K's partials returned unsummed, a `split_k.PendingSum` (for
     the kernel after the product to add). Eager only (the fused decoder forward; under
-    torch.compile the layers run `quantized_product`)."""
+    torch.compile the layers run `quantized_product`).
+
+    xq may be a `kernels.pending_quant.PendingQuant` (xs None): rows whose quantization has
+    not run; the swap-AB route quantizes them on load (one launch), the others quantize first."""
+    from atom.model_ops.kernels.pending_quant import PendingQuant
+    if isinstance(xq, PendingQuant):
+        M, K = xq.shape
+        route = route_for(xq.kind, M, K, w.shape[0], out_dtype, xq.device)
+        if route in ("dot", "dot_fused"):
+            from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_pending_launch
+            return quant_gemv_dot_pending_launch(xq, w, ws.reshape(-1), bias, out_dtype, lock=lock,
+                                                 defer_sum=defer_sum)
+        xq, xs = xq.quantize()
     _check_prequantized(xq, xs, w.shape[1])
     if xq.dtype != w.dtype:
         raise ValueError(f"pre-quantized x dtype {xq.dtype} != the weight's {w.dtype}")
@@ -436,7 +448,10 @@ def prequantized_ref(xq: torch.Tensor, xs: torch.Tensor, w32: torch.Tensor, bias
                      out_dtype: torch.dtype) -> torch.Tensor:
     """The torch reference of `prequantized_product` with the weight dequantized to fp32
     (w32): x = q * scale exactly (what `fake_quant_act` gives for the same q and scale),
-    times w32 in fp32."""
+    times w32 in fp32. A `PendingQuant` xq is quantized first (its kernel)."""
+    from atom.model_ops.kernels.pending_quant import PendingQuant
+    if isinstance(xq, PendingQuant):
+        xq, xs = xq.quantize()
     _check_prequantized(xq, xs, w32.shape[1])
     x32 = xq.float() * xs.float().reshape(-1, 1)
     return F.linear(x32, w32, bias.float() if bias is not None else None).to(out_dtype)
