@@ -272,6 +272,23 @@ def test_llama_shapes_on_gpu(fmt, N, K, M):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 14336)])
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_rows_quantized_on_load_on_gpu(kind, N, K, M):
+    """o_proj's and down's shapes with the table's tiles: rows quantized on load from partial
+    amaxes (X1 at one row) give the prequantized product's bits."""
+    x = (torch.randn(M, K, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 0.5).to(torch.bfloat16)
+    wq, ws, bias = _weights(kind, N, K, 0)
+    pending = _pending(x, kind, 1024)
+    q, s = pending.quantize()
+    want = quant_gemv_dot_launch(q, s.reshape(-1), wq, ws, bias.to(torch.bfloat16), torch.bfloat16)
+    got = quant_gemv_dot_pending_launch(pending, wq, ws, bias.to(torch.bfloat16), torch.bfloat16)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("M", [65, 80, 128])
 @pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 14336)])
 def test_mid_rows_on_gpu(N, K, M):
