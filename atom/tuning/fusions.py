@@ -32,14 +32,15 @@ which computes the same thing with fewer kernels where the plan says so:
   another in its list, `defer_output`; the last one's output is summed for the model's final
   norm): two launches fewer a layer, the same bits. Opt-in, not in `default_fusions`, until
   its decode timing is in docs/perf (its GPU tests are marked `gpu`);
-- "quant_on_load": 8-bit products that take a per-token quantized input on the swap-AB route
-  quantize it as they load it, from rows stored unquantized beside partial amaxes
-  (`kernels.pending_quant.PendingQuant`), instead of a quantizer launch in front: down, where
-  SiLU-and-mul's quantizer splits rows over programs (`act_quant_fused.splits_rows`: decode
-  batches of Llama's 14,336-wide MLP; its first launch, `silu_amax`, stays), and o_proj, whose
-  attention (the one-pass kernel or the split merge) stores each head's amax beside its
-  output (under "norm+quant"). Two launches fewer a layer, the same bits; other routes
-  quantize first. Opt-in until its decode timing is in docs/perf;
+- "quant_on_load": at one row (`QUANT_ON_LOAD_MAX_ROWS`: batch-1 decode), 8-bit products
+  that take a per-token quantized input on the swap-AB route quantize it as they load it,
+  from rows stored unquantized beside partial amaxes (`kernels.pending_quant.PendingQuant`),
+  instead of a quantizer launch in front: down, where SiLU-and-mul's quantizer splits rows
+  over programs (`act_quant_fused.splits_rows`: Llama's 14,336-wide MLP; its first launch,
+  `silu_amax`, stays), and o_proj, whose attention (the one-pass kernel or the split merge)
+  stores each head's amax beside its output (under "norm+quant"). Two launches fewer a
+  layer, the same bits; other routes quantize first. Opt-in until its decode timing is in
+  docs/perf;
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
@@ -83,6 +84,10 @@ logger = logging.getLogger(__name__)
 # the quantizing fusions' rows at most, by kind: where their GPU test found the separate kernels'
 # bits (int8 differed by a step at 128 rows; fp8 matched at 128)
 FUSED_QUANT_MAX_ROWS = {"fp8": 128, "int8": 64}
+# "quant_on_load" rows at most: one row is quantized alone on load (quant_gemv_dot's X1); more
+# rows quantize the product's whole padded operand every K step, the cost that kept the fused
+# quantizer out of the table (quant_gemv_dot.FUSE_MAX_M)
+QUANT_ON_LOAD_MAX_ROWS = 1
 
 
 def default_fusions(backend: str) -> tuple[str, ...]:
@@ -282,7 +287,8 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
         return project(plan, mlp.down_proj, act), residual
     from atom.model_ops.kernels.act_quant_fused import silu_amax, silu_quant, splits_rows
     y, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual)
-    if plan.has("quant_on_load") and iq.per_token and splits_rows(y.shape[0], y.shape[1] // 2):
+    if plan.has("quant_on_load") and iq.per_token and y.shape[0] <= QUANT_ON_LOAD_MAX_ROWS \
+            and splits_rows(y.shape[0], y.shape[1] // 2):
         q, s = silu_amax(y, iq.kind, iq.qmax), None  # rows left for down's product to quantize on load
     else:
         q, s = silu_quant(y, iq.kind, iq.qmax)
@@ -335,7 +341,7 @@ def _attend_project(attn, plan, q, k, v, rotary=None):
     instead of a quantizer launch in between."""
     o_proj = attn.o_proj
     iq = quant_input(plan, "quant_on_load", o_proj, q)
-    if iq is None or not iq.per_token or not plan.has("norm+quant") or \
+    if iq is None or not iq.per_token or q.shape[0] > QUANT_ON_LOAD_MAX_ROWS or not plan.has("norm+quant") or \
             common.route_for(iq.kind, q.shape[0], q.shape[1], o_proj.weight.shape[0], q.dtype, q.device) \
             not in ("dot", "dot_fused"):
         return project_pending(plan, o_proj, attn.attn(q, k, v, rotary))
