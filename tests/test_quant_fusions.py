@@ -203,7 +203,7 @@ def test_down_quantizes_silu_rows_on_load_on_gpu(fmt, monkeypatch):
 
 
 def _check_quant_on_load(fmt, device, monkeypatch):
-    from atom.model_ops.kernels import act_quant_fused
+    from atom.model_ops.kernels import act_quant_fused, split_k
     calls = []
     real = act_quant_fused.quant_from_partials
     monkeypatch.setattr(act_quant_fused, "quant_from_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -225,6 +225,17 @@ def _check_quant_on_load(fmt, device, monkeypatch):
         (out_f, r_f), n_f = got["fused"]
         assert torch.equal(out_f, out_u) and torch.equal(r_f, r_u), M
         assert n_u == 1 and n_f == (0 if M <= fusions.QUANT_ON_LOAD_MAX_ROWS else 1), (M, n_u, n_f)
+        # with "sum+norm+quant", down's product on load also leaves its split K to the next norm
+        both = KernelPlan(backend="triton", fusions=base + ("quant_on_load", "sum+norm+quant"), force_kernels=True)
+        for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            lin.plan = both
+        layer.defer_output = True
+        calls.clear()
+        with forward_context(_meta(both)):
+            out_b, r_b = fusions._mlp(layer, both, x, res)
+        del layer.defer_output
+        summed = out_b.result() if isinstance(out_b, split_k.PendingSum) else out_b
+        assert torch.equal(summed, out_u) and torch.equal(r_b, r_u) and len(calls) == n_f
 
 
 def _check_pending_down(fmt, device):
@@ -357,14 +368,19 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
     prompts = [[5, 6, 7, 8, 9], list(range(10, 22))]
     greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 4)]
     out = {}
-    for name, plan in zip(("unfused", "fused"), _plans()):
+    unfused, fused = _plans()
+    # also without the fold: o_proj quantizing on load leaves its split K to the MLP's norm
+    summed = KernelPlan(backend="triton", fusions=[f for f in fused.fusions if f != "split_k_fold"],
+                        force_kernels=True)
+    for name, plan in (("unfused", unfused), ("fused", fused), ("summed", summed)):
         runner.install_plan(plan)
         calls.clear()
         out[name] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        assert ("norm_quant" in calls and "silu_quant" in calls) == (name == "fused")
-        # "quant_on_load": o_proj quantized the attention's output on load in the decode steps
-        assert ("quant_gemv_dot_pending_launch" in calls) == (name == "fused")
-    assert out["fused"] == out["unfused"]
+        assert ("norm_quant" in calls and "silu_quant" in calls) == (name != "unfused")
+        # "quant_on_load": o_proj quantized the attention's output on load in the one-row steps
+        assert ("quant_gemv_dot_pending_launch" in calls) == (name != "unfused")
+    assert out["fused"] == out["unfused"] == out["summed"]
+    runner.install_plan(fused)
     layers = runner.model.model.layers
     layer = layers[0]
     assert "forward" in layer.__dict__ and layer.self_attn.o_proj.split_k_lock.dtype == torch.int32
