@@ -11,6 +11,7 @@ from test_triton_kernels import CPU, GPU, _check_close, _make_batch  # noqa: E40
 
 from atom.model_ops.attention.triton_unified import DecodeRope, paged_attention_ref, unified_attention  # noqa: E402
 from atom.model_ops.kernels import rotary_embedding_ref  # noqa: E402
+from atom.model_ops.kernels.split_k import split_k_sum  # noqa: E402
 
 
 def _cos_sin(max_pos, D):
@@ -94,3 +95,64 @@ def test_decode_rope_refuses_bad_input(device):
                      (good._replace(q_norm_weight=torch.ones(64)), "both q_norm_weight and k_norm_weight")):
         with pytest.raises(ValueError, match=msg):
             unified_attention(q, out=out, rope=bad, **batch)
+
+
+def _summed_case(device, dtype, splits, qk_norm, S=3, seed=11):
+    """q / k / v given as a split-K product's fp32 partials [S, T, N] (`qkv_sum`) against the
+    same attention over their reduction (`split_k_sum`: summed in split order, rounded to
+    dtype): the same output and caches, bit for bit."""
+    D, Hkv, qpkv, bs = 64, 2, 2, 16
+    Hq = Hkv * qpkv
+    kinds = ["decode", "decode", (1, 1), "decode", (1, 70)]
+    batch = _make_batch(kinds, Hq, Hkv, D, bs, dtype, device, 90, seed=seed)
+    T = batch["q"].shape[0]
+    N = (Hq + 2 * Hkv) * D
+    g = torch.Generator().manual_seed(seed)
+    part = torch.randn(S, T, N, generator=g).to(device)
+    qkv = torch.empty(T, N, dtype=dtype, device=device)
+    split_k_sum(part, None, qkv, {"PDL": False})  # the reduction the fold replaces
+
+    def views(t):
+        return [x.view(T, -1, D) for x in t.split([Hq * D, Hkv * D, Hkv * D], dim=-1)]
+
+    cu, sl, bt = (batch[n].cpu() for n in ("cu_seqlens_q", "seq_lens", "block_tables"))
+    slots = torch.zeros(T, dtype=torch.int64)
+    for b in range(len(sl)):
+        p = int(sl[b]) - 1
+        slots[int(cu[b])] = int(bt[b, p // bs]) * bs + p % bs
+    cs = _cos_sin(91, D).to(device)
+    qw, kw = ((torch.rand(D, generator=g) + 0.5).to(dtype).to(device) for _ in range(2)) if qk_norm else (None, None)
+    args = dict(cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"], block_tables=batch["block_tables"],
+                softmax_scale=batch["softmax_scale"], max_query_len=1, num_kv_splits=splits)
+    got = {}
+    for name, src, extra in (("reduced", qkv, {}), ("on load", part[0], {"qkv_sum": (S, T * N)})):
+        kc, vc = batch["k_cache"].clone(), batch["v_cache"].clone()
+        q, k, v = views(src)
+        out = torch.full((T, Hq, D), float("nan"), dtype=dtype, device=device)
+        unified_attention(q, kc, vc, out, rope=DecodeRope(cs, k, v, slots.to(device), qw, kw, 1e-6), **args, **extra)
+        got[name] = (out[:int(cu[-1])], kc, vc)
+    for a, b in zip(got["on load"], got["reduced"]):
+        assert torch.equal(a, b), (dtype, splits, qk_norm)
+    return batch, part, views, cs, slots, args
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype,qk_norm", [(torch.float16, False), (torch.bfloat16, True), (torch.float32, False)])
+def test_decode_rope_sums_split_qkv_on_load(device, dtype, qk_norm, splits):
+    batch, part, views, cs, slots, args = _summed_case(device, dtype, splits, qk_norm)
+    q, k, v = views(part[0])
+    out = torch.empty(q.shape, dtype=dtype, device=device)
+    rope = DecodeRope(cs, k, v, slots.to(device))
+    for bad in ((1, 10), (3, 0)):
+        with pytest.raises(ValueError, match="qkv_sum=.* is invalid"):
+            unified_attention(q, batch["k_cache"], batch["v_cache"], out, rope=rope, qkv_sum=bad, **args)
+    with pytest.raises(ValueError, match="qkv_sum=.* is invalid"):  # no rope: not a decode step's fold
+        unified_attention(q, batch["k_cache"], batch["v_cache"], out, qkv_sum=(3, 10), **args)
+
+
+@pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_rope_sums_split_qkv_on_load_gpu(device, splits):
+    for dtype, qk_norm in ((torch.bfloat16, False), (torch.bfloat16, True)):
+        _summed_case(device, dtype, splits, qk_norm)

@@ -99,6 +99,14 @@ def _compile_all() -> dict:
                                     dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32", slot_ptr="*i64",
                                          cs_ptr="*fp32", norm_eps="fp32", amax_ptr="*fp32"),
                                     ("griddepcontrol.wait", "abs.bf16")),
+        # q / k / v as a split-K product's fp32 partials summed as they load (decode, rotary inside)
+        "attention_qkv_sum": (attn._unified_attn_kernel,
+                              dict(QPKV=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16,
+                                   BLOCK_M=16, BLOCK_Q=4, TILE_N=64, NUM_SPLITS=16, DOT_PREC="tf32", PDL=True,
+                                   ROPE=True, QK_NORM=True, HAS_SINKS=False, SLIDING=False, KV_FP8=False,
+                                   EXACT_ROUND=False, ROWS_AHEAD=False, KV_F16=False, HAS_AMAX=False, QKV_SPLITS=4),
+                              dict(f32, **idx, q_ptr="*fp32", kn_ptr="*fp32", vn_ptr="*fp32", po_ptr="*fp32",
+                                   plse_ptr="*fp32", slot_ptr="*i64", cs_ptr="*fp32", norm_eps="fp32")),
         # the Triton GEMM's TMA path: tiles through the copy engine into the tensor cores
         "gemm_tma": (gemm._gemm_kernel, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, TMA=True,
                                              HAS_BIAS=False, DOT_PREC="tf32"),
@@ -225,7 +233,7 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2",
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
                         "w4_gemv1_mxfp4_pairs", "attention_prefetch_before_wait", "merge_amax",
-                        "attention_one_pass_amax"}
+                        "attention_one_pass_amax", "attention_qkv_sum"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

@@ -24,8 +24,8 @@ from test_quant_kernels_fp8 import INT8_SPEC
 from test_quant_methods import FORMATS, OneSpec, fill, q_int4, q_int8_channel
 
 triton = pytest.importorskip("triton")
-NEW = ("norm+quant", "silu+quant", "split_k_fold", "sum+norm+quant", "quant_on_load")
-OPT_IN = ("split_k_fold", "sum+norm+quant", "quant_on_load")
+NEW = ("norm+quant", "silu+quant", "split_k_fold", "sum+norm+quant", "quant_on_load", "qkv_sum_in_attention")
+OPT_IN = ("split_k_fold", "sum+norm+quant", "quant_on_load", "qkv_sum_in_attention")
 # CPU tensors through the kernels need the interpreter (set by conftest where there is no GPU)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -346,7 +346,8 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
     under the interpreter): the decoder layers' fused forward with the 8-bit fusions gives
     the unfused forward's greedy tokens (a prefill of two requests, a two-row decode step,
     one-row steps), and the fused kernels ran (o_proj quantizing the attention's output on
-    load among them: "quant_on_load"). (int8 W8A8 goes through the same pieces:
+    load among them: "quant_on_load"); with every small product's K split, the attention
+    summing q/k/v's partials ("qkv_sum_in_attention") gives them too. (int8 W8A8 goes through the same pieces:
     `test_fused_pieces_give_the_unfused_layers_bits`.)"""
     from atom import LLM, SamplingParams
     from atom.model_ops.attention.triton_backend import TritonAttentionBackend
@@ -380,6 +381,26 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
         # "quant_on_load": o_proj quantized the attention's output on load in the one-row steps
         assert ("quant_gemv_dot_pending_launch" in calls) == (name != "unfused")
     assert out["fused"] == out["unfused"] == out["summed"]
+    # every small product's K split in two (the tiny layers' K does not split by the table):
+    # q/k/v's partials summed by the attention kernel in the one-row steps, the same tokens
+    from atom.model_ops.attention import triton_backend
+    table = quant_gemv_dot.small_m_config
+
+    def split_table(M, N, K, block_k=0, kind="fp8", act="token", big_smem=True):
+        cfg = table(M, N, K, block_k, kind, act, big_smem)
+        return dict(cfg, BLOCK_K=32, SPLIT_K=2) if cfg is not None and not block_k else cfg
+
+    monkeypatch.setattr(quant_gemv_dot, "small_m_config", split_table)
+    attend = triton_backend.unified_attention
+    monkeypatch.setattr(triton_backend, "unified_attention",
+                        lambda *a, **k: calls.append("qkv_sum" if k.get("qkv_sum") else "attn") or attend(*a, **k))
+    for name, plan in (("unfused split", unfused), ("summed split", summed)):
+        runner.install_plan(plan)
+        calls.clear()
+        out[name] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert ("qkv_sum" in calls) == (name == "summed split")
+    assert out["summed split"] == out["unfused split"] == out["unfused"]
+    monkeypatch.setattr(quant_gemv_dot, "small_m_config", table)
     runner.install_plan(fused)
     layers = runner.model.model.layers
     layer = layers[0]

@@ -41,6 +41,11 @@ which computes the same thing with fewer kernels where the plan says so:
   stores each head's amax beside its output (under "norm+quant"). Two launches fewer a
   layer, the same bits; other routes quantize first. Opt-in until its decode timing is in
   docs/perf;
+- "qkv_sum_in_attention": under "norm+quant" and "rope_in_attention", in decode steps, an
+  8-bit q/k/v product without a bias whose K splits leaves its partials unsummed
+  (`split_k.PendingSum`) and the attention kernel sums q, k and v as it loads them (the
+  reduction's order and rounding: the same bits): one launch fewer a layer. Opt-in until its
+  decode timing is in docs/perf;
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
@@ -238,12 +243,14 @@ def w4_one_row(plan, linear: nn.Module, x: torch.Tensor, gated: bool) -> tuple |
     return operands(linear) if use_w4_kernel(x) else None
 
 
-def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False):
+def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False,
+                defer_sum: bool = False):
     """`linear(norm(x + residual))`, then SiLU-and-mul when `gated`; returns (y, x + residual)
     like the norm (no add when `residual` is None: the residual is then x). An 8-bit layer
-    under "norm+quant" reads its input quantized by the norm's kernel (any batch); one row of
-    an unquantized layer, where the plan chose a Triton GEMV for the shape, runs as one fused
-    kernel."""
+    under "norm+quant" reads its input quantized by the norm's kernel (any batch), and with
+    `defer_sum` (not gated) may return its split-K product unsummed (`split_k.PendingSum`);
+    one row of an unquantized layer, where the plan chose a Triton GEMV for the shape, runs
+    as one fused kernel."""
     plan = linear.plan
     if isinstance(x, PendingSum):  # a split-K product left unsummed ("sum+norm+quant")
         iq = quant_input(plan, "norm+quant", linear, _rows(x))
@@ -254,7 +261,8 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, ga
     if iq is not None:  # the norm's kernel quantizes the row for the 8-bit product (and sums a pending product)
         from atom.model_ops.kernels.act_quant_fused import norm_quant
         q, s, residual = norm_quant(x, residual, norm.weight, norm.eps, iq.kind, iq.qmax)
-        y = linear.forward_quantized(q, s, x.dtype, _lock(plan, linear))
+        lock = _lock(plan, linear)
+        y = linear.forward_quantized(q, s, x.dtype, lock, defer_sum=defer_sum and not gated and lock is None)
         return (silu_and_mul(y) if gated else y), residual
     ops = w4_one_row(plan, linear, x, gated)
     if ops is not None:  # a 4-bit layer's one-row GEMV with the norm (and SiLU-and-mul) inside
@@ -317,14 +325,21 @@ def norm_linear_rope(norm, linear, x: torch.Tensor, residual: torch.Tensor | Non
 def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
     """Rotate, write the cache and attend with the fused kernels; o_proj of the result."""
     q_size, kv_size = attn.qkv_proj.q_size, attn.qkv_proj.kv_size
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     meta = get_forward_context()
-    if plan.has("rope_in_attention") and meta.max_query_len == 1:
+    rope_in = plan.has("rope_in_attention") and meta.max_query_len == 1
+    qkv_sum = None
+    if isinstance(qkv, PendingSum):  # a split-K product left to the attention kernel to sum
+        if rope_in:
+            qkv_sum, qkv = (qkv.part.shape[0], qkv.part.stride(0), qkv.dtype), qkv.part[0]
+        else:
+            qkv = qkv.result()
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    if rope_in:
         # decode: the attention kernel rotates q and k (after the q / k norms) and writes k, v
         norms = _qk_norms(attn)
         rotary = (attn.rotary_emb.cos_sin_cache,) + ((norms[0].weight, norms[1].weight, norms[0].eps)
                                                      if norms else ())
-        return _attend_project(attn, plan, q, k, v, rotary)
+        return _attend_project(attn, plan, q, k, v, rotary, qkv_sum)
     target = attn.attn.backend.cache_target(attn.attn, meta) if plan.has("rope+kv_write") else None
     if target is not None:  # (None: the backend writes this cache itself, e.g. FP8)
         # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
@@ -334,23 +349,25 @@ def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.
     return _attend_project(attn, plan, q, k, v)
 
 
-def _attend_project(attn, plan, q, k, v, rotary=None):
-    """o_proj(attention(q, k, v)); with "quant_on_load", for an 8-bit o_proj that takes a
+def _attend_project(attn, plan, q, k, v, rotary=None, qkv_sum=None):
+    """o_proj(attention(q, k, v)) (`qkv_sum`: q, k, v are split-K partials the attention
+    sums, `Attention.forward`); with "quant_on_load", for an 8-bit o_proj that takes a
     per-token quantized input on the swap-AB route, the attention also stores each head's
     amax of its output and o_proj quantizes the output on load (`pending_quant.PendingQuant`)
     instead of a quantizer launch in between."""
     o_proj = attn.o_proj
+    dtype = qkv_sum[2] if qkv_sum is not None else q.dtype
     iq = quant_input(plan, "quant_on_load", o_proj, q)
     if iq is None or not iq.per_token or q.shape[0] > QUANT_ON_LOAD_MAX_ROWS or not plan.has("norm+quant") or \
-            common.route_for(iq.kind, q.shape[0], q.shape[1], o_proj.weight.shape[0], q.dtype, q.device) \
+            common.route_for(iq.kind, q.shape[0], q.shape[1], o_proj.weight.shape[0], dtype, q.device) \
             not in ("dot", "dot_fused"):
-        return project_pending(plan, o_proj, attn.attn(q, k, v, rotary))
+        return project_pending(plan, o_proj, attn.attn(q, k, v, rotary, qkv_sum=qkv_sum))
     from atom.model_ops.kernels.pending_quant import PendingQuant
     amax = torch.empty(q.shape[0], attn.attn.num_heads, dtype=torch.float32, device=q.device)
-    pending = PendingQuant(attn.attn(q, k, v, rotary, amax=amax), amax, iq.kind, iq.qmax)
+    pending = PendingQuant(attn.attn(q, k, v, rotary, amax=amax, qkv_sum=qkv_sum), amax, iq.kind, iq.qmax)
     lock = _lock(plan, o_proj)
     defer = plan.has("sum+norm+quant") and lock is None  # the next norm-quantizer sums a split K
-    return o_proj.forward_quantized(pending, None, q.dtype, lock, defer_sum=defer)
+    return o_proj.forward_quantized(pending, None, dtype, lock, defer_sum=defer)
 
 
 def _qk_norms(attn) -> tuple:
@@ -395,6 +412,14 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
         qkv, residual = fused
         hidden = project_pending(plan, attn.o_proj, attn.attn(qkv[:, :attn.qkv_proj.q_size], None, None))
     else:
-        qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
+        qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual,
+                                    defer_sum=_qkv_sum_in_attention(attn, plan))
         hidden = _attention(attn, plan, positions, qkv)
     return _mlp(self, plan, hidden, residual)
+
+
+def _qkv_sum_in_attention(attn, plan) -> bool:
+    """Whether this step's q/k/v product may leave a split K to the attention kernel
+    ("qkv_sum_in_attention": a decode step the kernel rotates, q/k/v without a bias)."""
+    return plan.has("qkv_sum_in_attention") and plan.has("rope_in_attention") \
+        and get_forward_context().max_query_len == 1 and attn.qkv_proj.bias is None

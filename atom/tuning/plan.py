@@ -48,7 +48,8 @@ FUSIONS = (
     "silu+quant",        # 8-bit layers: SiLU-and-mul + the activation quantizer in one kernel (down)
     "sum+norm+quant",    # 8-bit o_proj's / down's split-K partials summed by the next norm-quantizer (opt-in)
     "split_k_fold",      # 8-bit small-M products sum their split K themselves (no reduction launch)
-    "quant_on_load",     # 8-bit down: SiLU-and-mul's split rows quantized by the product as it loads them (opt-in)
+    "quant_on_load",     # batch 1, 8-bit o_proj / down: the input quantized by the product as it loads it (opt-in)
+    "qkv_sum_in_attention",  # decode, 8-bit q/k/v: its split-K partials summed by the attention kernel (opt-in)
     "moe+shared",        # MoE: shared experts stacked after the routed ones, run in the grouped GEMM (opt-in)
     "shared_overlap",    # MoE: shared experts on a second CUDA stream, beside the routed experts
     "w4_norm_gemv",      # batch 1, 4-bit layers: the RMSNorm inside the q/k/v product's one-row 4-bit GEMV

@@ -91,21 +91,25 @@ class Attention(nn.Module):
         return self.backend.kv_cache_spec(self, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                rotary: tuple | None = None, amax: torch.Tensor | None = None) -> torch.Tensor:
+                rotary: tuple | None = None, amax: torch.Tensor | None = None,
+                qkv_sum: tuple | None = None) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]. k = v = None: this step's keys and values
         are in the cache already (a fused kernel wrote them; Triton backend only).
         `rotary` = (cos_sin_cache, q norm weight, k norm weight, eps) (decode steps, Triton
         backend only): q and k are unrotated; the attention kernel rotates them, after the
         norms where their weights are not None, and writes k and v into the cache.
         `amax` (fp32 [T, Hq]): filled with each token's and head's largest |value| of the
-        output as stored (the partial amaxes of an 8-bit o_proj quantizing it on load)."""
+        output as stored (the partial amaxes of an 8-bit o_proj quantizing it on load).
+        `qkv_sum` = (splits, split_stride, dtype) (with `rotary`, Triton backend only): q, k
+        and v are fp32 views into the first split of a split-K q/k/v product's partials, which
+        the kernel sums as it loads them (`split_k.PendingSum`); the output is in `dtype`."""
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         if k is not None:
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.view(T, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(self, q, k, v, rotary, amax) if amax is not None else \
-            self.backend.forward(self, q, k, v, rotary)
+        extra = {name: t for name, t in (("amax", amax), ("qkv_sum", qkv_sum)) if t is not None}
+        out = self.backend.forward(self, q, k, v, rotary, **extra)
         return out.view(T, -1)
 
     def forward_rope(self, qkv: torch.Tensor, q_size: int, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

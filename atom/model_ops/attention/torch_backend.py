@@ -25,8 +25,10 @@ class TorchAttentionBackend:
         torch_native.write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, meta.step_cache,
                                     layer.k_scale, layer.v_scale)
 
-    def forward(self, layer, q, k, v, rotary=None, amax=None) -> torch.Tensor:
+    def forward(self, layer, q, k, v, rotary=None, amax=None, qkv_sum=None) -> torch.Tensor:
         """`amax` (fp32 [T, Hq]): also filled with each row's and head's amax of the output."""
+        if qkv_sum is not None:
+            raise ValueError("a split-K q/k/v product summed on load folds into the Triton attention kernel only")
         if rotary is not None:
             raise ValueError("the rotary embedding folds into the Triton attention kernel only")
         if k is None:

@@ -56,12 +56,15 @@ class TritonAttentionBackend:
             return None
         return layer.k_cache, layer.v_cache, meta.slot_mapping
 
-    def forward(self, layer, q, k, v, rotary=None, amax=None) -> torch.Tensor:
+    def forward(self, layer, q, k, v, rotary=None, amax=None, qkv_sum=None) -> torch.Tensor:
         """Opaque to torch.compile: the op reads the forward context, this method does not.
-        `amax` (fp32 [T, Hq]): also each row's and head's amax of the output as stored."""
-        out = torch.empty_like(q)
+        `amax` (fp32 [T, Hq]): also each row's and head's amax of the output as stored;
+        `qkv_sum` = (splits, split_stride, dtype): q, k, v are a split-K product's partials
+        (`Attention.forward`)."""
+        splits, stride, dtype = qkv_sum if qkv_sum is not None else (0, 0, q.dtype)
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
         rot = tuple(rotary or ()) + (None, None, None, 1e-6)[len(rotary or ()):]
-        torch.ops.atom.unified_attention_with_output(q, k, v, out, layer.layer_idx, *rot, amax)
+        torch.ops.atom.unified_attention_with_output(q, k, v, out, layer.layer_idx, *rot, amax, splits, stride)
         return out
 
     def forward_rope(self, layer, qkv: torch.Tensor, q_size: int, positions: torch.Tensor,
@@ -85,7 +88,8 @@ def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v:
                                   cos_sin_cache: Optional[torch.Tensor] = None,
                                   q_norm_weight: Optional[torch.Tensor] = None,
                                   k_norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 1e-6,
-                                  amax: Optional[torch.Tensor] = None) -> None:
+                                  amax: Optional[torch.Tensor] = None, qkv_splits: int = 0,
+                                  qkv_split_stride: int = 0) -> None:
     meta = get_forward_context()
     backend = meta.attn_backend
     layer = backend.layers[layer_idx]
@@ -96,12 +100,13 @@ def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v:
         backend.write_kv(layer, k, v, meta)
     unified_attention(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q, meta.seq_lens,
                       meta.block_tables, layer.scale, meta.max_query_len, workspace=backend.workspace, rope=rope,
-                      options=layer.options, amax=amax)
+                      options=layer.options, amax=amax,
+                      qkv_sum=(qkv_splits, qkv_split_stride) if qkv_splits else None)
 
 
 @unified_attention_with_output.register_fake
 def _(q, k, v, output, layer_idx, cos_sin_cache=None, q_norm_weight=None, k_norm_weight=None,
-      norm_eps=1e-6, amax=None) -> None:
+      norm_eps=1e-6, amax=None, qkv_splits=0, qkv_split_stride=0) -> None:
     return None
 
 

@@ -189,16 +189,29 @@ if HAS_TRITON:
         return acc, m_new, l_i, blk_ahead
 
     @triton.jit
+    def _load_sum(ptrs, mask, SPLITS: tl.constexpr, split_stride, OUT: tl.constexpr):
+        """The values at `ptrs`; with SPLITS > 0 those are a split-K product's fp32 partials,
+        `split_stride` apart: their sum in split order, rounded to OUT, as the reduction
+        kernel stores it (`split_k.split_sum_at` without a bias; the same bits)."""
+        x = tl.load(ptrs, mask=mask, other=0.0)
+        if SPLITS > 0:  # (one return: Triton 3.6 cannot inline two under a run-time branch)
+            for s in range(1, SPLITS):
+                x += tl.load(ptrs + s * split_stride, mask=mask, other=0.0)
+            x = x.to(OUT)
+        return x
+
+    @triton.jit
     def _rope_rows(row_ptrs, x, pos, mask, offs_d, cs_ptr, stride_cs, w_ptr, eps,
-                   HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
-        """Rows x [R, HEAD_PAD] of heads (read at `row_ptrs` [R, 1]) rotated at positions
-        `pos` [R] (NeoX halves, fp32), after a per-head RMSNorm with weight `w_ptr` when NORM:
-        the rotary kernel's math, so both paths give the same values."""
+                   HEAD_DIM: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr, split_stride,
+                   OUT: tl.constexpr):
+        """Rows x [R, HEAD_PAD] of heads (read at `row_ptrs` [R, 1], through `_load_sum`)
+        rotated at positions `pos` [R] (NeoX halves, fp32), after a per-head RMSNorm with
+        weight `w_ptr` when NORM: the rotary kernel's math, so both paths give the same values."""
         HALF: tl.constexpr = HEAD_DIM // 2
         low = offs_d < HALF
         partner = tl.where(low, offs_d + HALF, offs_d - HALF)
         x = x.to(tl.float32)
-        xp = tl.load(row_ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        xp = _load_sum(row_ptrs + partner[None, :], mask, SPLITS, split_stride, OUT).to(tl.float32)
         if NORM:
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
             d_ok = offs_d < HEAD_DIM
@@ -213,18 +226,19 @@ if HAS_TRITON:
     @triton.jit
     def _write_new_kv(kn_ptr, vn_ptr, slot_ptr, tok, pos, k_head, v_head,
                       stride_knt, stride_vnt, stride_kb, stride_ks, stride_vb, stride_vs,
-                      offs_d, cs_ptr, stride_cs, kw_ptr, eps, ks_ptr, vs_ptr,
+                      offs_d, cs_ptr, stride_cs, kw_ptr, eps, ks_ptr, vs_ptr, split_stride,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
-                      KV_FP8: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                      KV_FP8: tl.constexpr, EXACT_ROUND: tl.constexpr, SPLITS: tl.constexpr, OUT: tl.constexpr):
         """Decode with the rotary embedding folded in: this step's key (rotated) and value of
-        token `tok` (at `kn_ptr` / `vn_ptr` for this kv head), into the paged caches at the
-        token's slot (none if < 0); into an FP8 cache as x / scale, saturated at +-448."""
+        token `tok` (at `kn_ptr` / `vn_ptr` for this kv head; with SPLITS, a split-K product's
+        partials summed on load), into the paged caches at the token's slot (none if < 0);
+        into an FP8 cache as x / scale, saturated at +-448."""
         d_ok = (offs_d < HEAD_DIM)[None, :]
         k_row = kn_ptr + tok * stride_knt + tl.zeros([1, 1], tl.int64)
-        k = tl.load(k_row + offs_d[None, :], mask=d_ok, other=0.0)
+        k = _load_sum(k_row + offs_d[None, :], d_ok, SPLITS, split_stride, OUT)
         k = _rope_rows(k_row, k, tl.zeros([1], tl.int32) + pos, d_ok, offs_d, cs_ptr, stride_cs, kw_ptr, eps,
-                       HEAD_DIM, NORM)
-        v = tl.load(vn_ptr + tok * stride_vnt + offs_d[None, :], mask=d_ok, other=0.0).to(tl.float32)
+                       HEAD_DIM, NORM, SPLITS, split_stride, OUT)
+        v = _load_sum(vn_ptr + tok * stride_vnt + offs_d[None, :], d_ok, SPLITS, split_stride, OUT).to(tl.float32)
         if KV_FP8:
             k = fp8_saturate(k, ks_ptr, EXACT_ROUND)
             v = fp8_saturate(v, vs_ptr, EXACT_ROUND)
@@ -251,7 +265,7 @@ if HAS_TRITON:
         cs_ptr, kn_ptr, vn_ptr, slot_ptr, qw_ptr, kw_ptr, norm_eps,
         stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
         sinks_ptr, ks_ptr, vs_ptr, window,
-        amax_ptr, stride_am,
+        amax_ptr, stride_am, qkv_split_stride,
         QPKV: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -272,6 +286,7 @@ if HAS_TRITON:
         ROWS_AHEAD: tl.constexpr = False,
         KV_F16: tl.constexpr = False,
         HAS_AMAX: tl.constexpr = False,
+        QKV_SPLITS: tl.constexpr = 0,
     ):
         # Before the wait (PDL): only the host-copied batch description (cu_seqlens, seq_lens,
         # block table) is read, and the first tile of the cache prefetched into L2; q, this
@@ -324,22 +339,21 @@ if HAS_TRITON:
             _prefetch_tile(bt_row, t_lo, kv_end, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                            HEAD_PAD, BLOCK_SIZE, TILE_N)
         pdl_wait(PDL)
-        q = tl.load(
-            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        # (QKV_SPLITS: q, k and v are a split-K product's partials, summed here as they load)
+        act = out_ptr.dtype.element_ty
+        q = _load_sum(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                      row_ok[:, None] & d_ok[None, :], QKV_SPLITS, qkv_split_stride, act)
         if ROPE:  # decode (one token per sequence): q arrives unrotated, k / v not yet cached
             q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
             q = _rope_rows(q_rows, q, q_pos, row_ok[:, None] & d_ok[None, :], offs_d, cs_ptr, stride_cs,
-                           qw_ptr, norm_eps, HEAD_DIM, QK_NORM).to(q.dtype)
+                           qw_ptr, norm_eps, HEAD_DIM, QK_NORM, QKV_SPLITS, qkv_split_stride, act).to(q.dtype)
             # the one program of (sequence, kv head) whose tiles end with the token writes it
             if (t_lo < n_tiles) & (t_hi == n_tiles):
                 _write_new_kv(kn_ptr + kvh * stride_knh, vn_ptr + kvh * stride_vnh, slot_ptr,
                               q_start.to(tl.int64), seq_len - 1, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
                               stride_knt, stride_vnt, stride_kb, stride_ks, stride_vb, stride_vs,
-                              offs_d, cs_ptr, stride_cs, kw_ptr, norm_eps, ks_ptr, vs_ptr,
-                              HEAD_DIM, BLOCK_SIZE, QK_NORM, KV_FP8, EXACT_ROUND)
+                              offs_d, cs_ptr, stride_cs, kw_ptr, norm_eps, ks_ptr, vs_ptr, qkv_split_stride,
+                              HEAD_DIM, BLOCK_SIZE, QK_NORM, KV_FP8, EXACT_ROUND, QKV_SPLITS, act)
                 tl.debug_barrier()  # the block's stores are visible to its loads below
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -665,11 +679,16 @@ def unified_attention(
     rope: Optional[DecodeRope] = None,
     options: Optional[AttentionOptions] = None,
     amax: Optional[torch.Tensor] = None,
+    qkv_sum: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; writes ``out`` in place and returns it.
     ``amax`` (fp32 [T, Hq]): also each token's and head's largest |value| of ``out`` as
     stored, written by whichever kernel stores that row (the one-pass kernel or the merge):
     the partial amaxes of a product that quantizes ``out`` on load (`pending_quant`).
+    ``qkv_sum`` = (splits, split_stride) (decode with ``rope``): q, ``rope.k`` and ``rope.v``
+    are fp32 views into split 0 of a split-K q/k/v product's partials (`split_k.PendingSum`),
+    the others ``split_stride`` elements on; the kernel sums them as it loads them, rounded to
+    ``out``'s dtype as the reduction would store them.
     With ``rope`` (decode steps only) q is unrotated and this step's k / v are not in the
     cache yet: the kernel rotates and writes them (:class:`DecodeRope`). ``options``: the
     layer's sinks, sliding window and FP8 scales (:class:`AttentionOptions`); an FP8 cache
@@ -691,6 +710,13 @@ def unified_attention(
                              or amax.stride(1) != 1):
         raise ValueError(f"amax must be fp32 [T, Hq] = {tuple(q.shape[:2])} with unit column stride, got "
                          f"{amax.dtype} {tuple(amax.shape)}")
+    if qkv_sum is not None:
+        splits_qkv, split_stride = (int(v) for v in qkv_sum)
+        if rope is None or splits_qkv < 2 or split_stride < 1 or q.dtype != torch.float32 \
+                or rope.k.dtype != torch.float32 or rope.v.dtype != torch.float32:
+            raise ValueError(f"qkv_sum={qkv_sum!r} is invalid: a decode step's (rope given) fp32 partials of >= 2 "
+                             f"splits with a positive stride, got q {q.dtype} and rope "
+                             f"{'given' if rope is not None else 'None'}")
     options = AttentionOptions() if options is None else options
     _check_options(options, q, k_cache)
     if rope is not None:
@@ -725,7 +751,8 @@ def unified_attention(
         po, plse = bufs
     else:
         po = plse = out  # unused placeholders
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    act_dtype = out.dtype if qkv_sum is not None else q.dtype  # q's values as the kernel holds them
+    dot_prec = "ieee" if act_dtype == torch.float32 else "tf32"
 
     grid = (Hkv * cfg["num_q_blocks"], splits)
     _unified_attn_kernel[grid](
@@ -741,6 +768,7 @@ def unified_attention(
         plse.stride(0), plse.stride(1),
         *_rope_args(rope, q), *_options_args(options, q, k_cache),
         amax if amax is not None else out, amax.stride(0) if amax is not None else 0,
+        split_stride if qkv_sum is not None else 0,
         QPKV=Hq // Hkv, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
@@ -748,8 +776,8 @@ def unified_attention(
         HAS_SINKS=options.sinks is not None, SLIDING=options.sliding_window is not None,
         KV_FP8=k_cache.dtype in FP8_CACHE_DTYPES, EXACT_ROUND=k_cache.dtype in FP8_CACHE_DTYPES and interpreted(),
         ROWS_AHEAD=bool(cfg.get("rows_ahead", False)),
-        KV_F16=k_cache.dtype in FP8_CACHE_DTYPES and q.dtype == torch.bfloat16,
-        HAS_AMAX=amax is not None and splits == 1,
+        KV_F16=k_cache.dtype in FP8_CACHE_DTYPES and act_dtype == torch.bfloat16,
+        HAS_AMAX=amax is not None and splits == 1, QKV_SPLITS=splits_qkv if qkv_sum is not None else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
