@@ -45,7 +45,7 @@
 # .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each format
 # in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests
 # (the attention kernels' GPU tests), act_tests (the GPU tests of the quantizing fusions, the 8-bit swap-AB
-# product, rows quantized on load and the attention's amax),
+# product, rows quantized on load, the attention's amax and its summed q/k/v),
 # w4_fsweep (that GEMV with the norm inside against the norm kernel and the GEMV, a few tiles), prof_fp8w (the kernels of 10 steps from step 300 of the Llama-3.1-8B
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
 # GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,
@@ -200,7 +200,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
               run l-lat1-nofz-$f 150 env -C /tmp/nofz PYTHONPATH=/tmp/nofz:/tmp/site python3 -m atom.benchmarks.latency $L $LAT \
                 --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-nofz-$f.json
             done; fi;;
-  fz_add) i=0; IFS='|' read -ra sets <<< "${FZ_SETS:-sum+norm+quant|quant_on_load|sum+norm+quant quant_on_load|split_k_fold}"
+  fz_add) i=0; IFS='|' read -ra sets <<< "${FZ_SETS:-sum+norm+quant|quant_on_load|sum+norm+quant quant_on_load|sum+norm+quant quant_on_load qkv_sum_in_attention|split_k_fold}"
           for set in "${sets[@]}"; do  # each set of opt-in fusions added to the defaults in a copy of the tree
             i=$((i+1)); rm -rf /tmp/fz$i; mkdir -p /tmp/fz$i; cp -r atom /tmp/fz$i/
             add=$(printf ', "%s"' $set)
@@ -221,7 +221,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
           --repeat 1 "${q[@]}" --cache-dir /tmp/bc --out $R/l-lat1-before-$f.json
       done;;
   act_tests) run act-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_act_quant_fused.py \
-               tests/test_quant_fusions.py tests/test_quant_gemv_dot.py tests/test_triton_kernels.py::test_attention_stores_each_heads_amax;;
+               tests/test_quant_fusions.py tests/test_quant_gemv_dot.py tests/test_triton_kernels.py::test_attention_stores_each_heads_amax \
+               tests/test_attention_rope.py::test_decode_rope_sums_split_qkv_on_load_gpu;;
   attn_tests) run attn-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_triton_kernels.py \
                 tests/test_gpu_attention_fp8.py -k "attention or attn";;
   w4_var) for v in .variants/*.py; do  # each variant file appended to a copy's w4_gemv1.py (e.g. table edits), 4-bit decode
