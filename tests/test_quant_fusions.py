@@ -38,6 +38,19 @@ def _plans():
             KernelPlan(backend="triton", fusions=every, force_kernels=True))
 
 
+def _plan_pair(*extra):
+    """(the default Triton fusions, the same with `extra`), kernels forced onto CPU tensors."""
+    base = default_fusions("triton")
+    return (KernelPlan(backend="triton", fusions=base, force_kernels=True),
+            KernelPlan(backend="triton", fusions=base + extra, force_kernels=True))
+
+
+def _count(monkeypatch, module, name, calls):
+    """Record a call of `module.name` in `calls` (then run it)."""
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or real(*a, **k))
+
+
 def test_the_plan_has_shows_and_keeps_the_fusions(tmp_path):
     assert {"norm+quant", "silu+quant"} <= set(default_fusions("triton"))
     assert not set(OPT_IN) & set(default_fusions("triton"))  # opt-in (tuning/fusions.py says why)
@@ -138,8 +151,7 @@ def _check_fused_pieces(fmt, device, gpu_routes, monkeypatch):
     calls = []
     from atom.model_ops.kernels import act_quant_fused, split_k
     for mod, name in ((act_quant_fused, "norm_quant"), (act_quant_fused, "silu_quant"), (split_k, "split_k_sum")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+        _count(monkeypatch, mod, name, calls)
     from atom.model_ops.kernels import quant_gemv_dot
     monkeypatch.setattr(quant_gemv_dot, "split_k_sum", split_k.split_k_sum)  # (imported by name there)
     unfused, fused = _plans()
@@ -205,12 +217,9 @@ def test_down_quantizes_silu_rows_on_load_on_gpu(fmt, monkeypatch):
 def _check_quant_on_load(fmt, device, monkeypatch):
     from atom.model_ops.kernels import act_quant_fused, split_k
     calls = []
-    real = act_quant_fused.quant_from_partials
-    monkeypatch.setattr(act_quant_fused, "quant_from_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _count(monkeypatch, act_quant_fused, "quant_from_partials", calls)
     layer = _decoder_parts(fmt, I=2048, device=device)
-    base = default_fusions("triton")
-    unfused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
-    fused = KernelPlan(backend="triton", fusions=base + ("quant_on_load",), force_kernels=True)
+    unfused, fused = _plan_pair("quant_on_load")
     g = torch.Generator().manual_seed(11)
     for M in (1, 3) + ((80,) if fmt == "fp8_channel" else ()):
         x, res = (torch.randn(M, 128, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
@@ -226,7 +235,7 @@ def _check_quant_on_load(fmt, device, monkeypatch):
         assert torch.equal(out_f, out_u) and torch.equal(r_f, r_u), M
         assert n_u == 1 and n_f == (0 if M <= fusions.QUANT_ON_LOAD_MAX_ROWS else 1), (M, n_u, n_f)
         # with "sum+norm+quant", down's product on load also leaves its split K to the next norm
-        both = KernelPlan(backend="triton", fusions=base + ("quant_on_load", "sum+norm+quant"), force_kernels=True)
+        both = _plan_pair("quant_on_load", "sum+norm+quant")[1]
         for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
             lin.plan = both
         layer.defer_output = True
@@ -245,9 +254,7 @@ def _check_pending_down(fmt, device):
     from atom.model_ops.kernels import split_k
     layer = _decoder_parts(fmt, I=2048, device=device)
     layer.defer_output = True
-    base = default_fusions("triton")
-    unfused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
-    fused = KernelPlan(backend="triton", fusions=base + ("sum+norm+quant",), force_kernels=True)
+    unfused, fused = _plan_pair("sum+norm+quant")
     g = torch.Generator().manual_seed(9)
     for M in (1, 3):
         x, res = (torch.randn(M, 128, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
@@ -266,12 +273,9 @@ def _check_pending_down(fmt, device):
 def _check_pending_o_proj(fmt, device, monkeypatch):
     from atom.model_ops.kernels import quant_gemv_dot, split_k
     calls = []
-    real = split_k.split_k_sum
-    monkeypatch.setattr(quant_gemv_dot, "split_k_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _count(monkeypatch, quant_gemv_dot, "split_k_sum", calls)
     layer = _decoder_parts(fmt, o_out=128, device=device)
-    base = default_fusions("triton")
-    unfused = KernelPlan(backend="triton", fusions=base, force_kernels=True)
-    fused = KernelPlan(backend="triton", fusions=base + ("sum+norm+quant",), force_kernels=True)
+    unfused, fused = _plan_pair("sum+norm+quant")
     g = torch.Generator().manual_seed(7)
     for M in (1, 3):
         res = torch.randn(M, 128, generator=g).to(torch.bfloat16).to(device)
@@ -360,8 +364,7 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
     calls = []
     for mod, name in ((act_quant_fused, "norm_quant"), (act_quant_fused, "silu_quant"),
                       (quant_gemv_dot, "quant_gemv_dot_pending_launch")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+        _count(monkeypatch, mod, name, calls)
     llm = LLM(path, enable_log_stats=False, num_kvcache_blocks=32, max_num_batched_tokens=32, enforce_eager=True)
     runner = llm.engine.runner
     runner.set_attention_backend(TritonAttentionBackend(runner.attn_layers, 64, runner.device))
