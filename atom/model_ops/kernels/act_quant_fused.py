@@ -30,7 +30,9 @@ columns in two launches: the first writes its columns of silu(gate) * up (as `si
 stores them) and their amax; the second takes the row's amax from those partials (the same
 max in every program), the scale, and quantizes its columns. The same values as one program;
 faster for Llama-3.1-8B's ptpc FP8 decode at batch 1 and in the workload's steps of up to 128
-sequences (docs/perf).
+sequences (docs/perf). The first launch alone is `silu_amax` (its rows and partials as a
+`pending_quant.PendingQuant`, which the kernel plan's "quant_on_load" hands to down's product
+to quantize on load); the second is `quant_from_partials`.
 """
 from __future__ import annotations
 
