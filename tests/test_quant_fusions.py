@@ -403,6 +403,27 @@ def test_quantized_llama_generates_the_same_tokens_fused(base128, tmp_path, sche
         out[name] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         assert ("qkv_sum" in calls) == (name == "summed split")
     assert out["summed split"] == out["unfused split"] == out["unfused"]
+    # the launches they save, counted (KernelLaunches): a 12-token prefill and two one-row decode
+    # steps through 2 layers of 4 products, each product's K split
+    from atom.tuning.launches import KernelLaunches
+    counts = {}
+    for name, plan in (("defaults", _plan_pair()[0]),
+                       ("opt-ins", _plan_pair("sum+norm+quant", "quant_on_load", "qkv_sum_in_attention")[1])):
+        runner.install_plan(plan)
+        with KernelLaunches() as trace:
+            llm.generate([list(range(10, 22))], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                         use_tqdm=False)
+        counts[name] = trace.counts()
+    steps, layers = 3, len(runner.model.model.layers)
+    d, o = counts["defaults"], counts["opt-ins"]
+    assert d["_qdot_kernel"] == o["_qdot_kernel"] == 4 * layers * steps
+    assert d["_split_k_sum_kernel"] == 4 * layers * steps
+    # left: gate-up's sums (no fusion takes them), the last layer's down (nothing after it to
+    # sum it), and q/k/v's in the prefill (the attention sums them in decode steps only)
+    assert o["_split_k_sum_kernel"] == layers * steps + steps + layers
+    # o_proj's quantizer: gone from the one-row steps ("quant_on_load")
+    assert d["_act_quant_kernel"] == layers * steps and o["_act_quant_kernel"] == layers
+    assert "KernelLaunches(" in repr(trace) and list(trace.frame().columns) == ["kernel", "grid"]
     monkeypatch.setattr(quant_gemv_dot, "small_m_config", table)
     runner.install_plan(fused)
     layers = runner.model.model.layers
