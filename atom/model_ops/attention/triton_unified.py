@@ -70,6 +70,7 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, trito
 
 if HAS_TRITON:
     from atom.model_ops.kernels.kv_cache import fp8_saturate, interpreted, slot_offset
+    from atom.model_ops.kernels.split_k import split_sum_at
     from atom.model_ops.kernels.triton_import import pdl_launch, pdl_wait, prefetch_l2
 
 __all__ = [
@@ -191,13 +192,12 @@ if HAS_TRITON:
     @triton.jit
     def _load_sum(ptrs, mask, SPLITS: tl.constexpr, split_stride, OUT: tl.constexpr):
         """The values at `ptrs`; with SPLITS > 0 those are a split-K product's fp32 partials,
-        `split_stride` apart: their sum in split order, rounded to OUT, as the reduction
-        kernel stores it (`split_k.split_sum_at` without a bias; the same bits)."""
-        x = tl.load(ptrs, mask=mask, other=0.0)
+        `split_stride` apart: their sum rounded to OUT, by the reduction's own arithmetic
+        (`split_k.split_sum_at`, no bias), so the bits the reduction kernel would store."""
         if SPLITS > 0:  # (one return: Triton 3.6 cannot inline two under a run-time branch)
-            for s in range(1, SPLITS):
-                x += tl.load(ptrs + s * split_stride, mask=mask, other=0.0)
-            x = x.to(OUT)
+            x = split_sum_at(ptrs, ptrs, 0, 0, mask, split_stride, SPLITS, False).to(OUT)
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0)
         return x
 
     @triton.jit
