@@ -352,15 +352,14 @@ def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.
 def _attend_project(attn, plan, q, k, v, rotary=None, qkv_sum=None):
     """o_proj(attention(q, k, v)) (`qkv_sum`: q, k, v are split-K partials the attention
     sums, `Attention.forward`); with "quant_on_load", for an 8-bit o_proj that takes a
-    per-token quantized input on the swap-AB route, the attention also stores each head's
-    amax of its output and o_proj quantizes the output on load (`pending_quant.PendingQuant`)
-    instead of a quantizer launch in between."""
+    per-token quantized input, at one row (the swap-AB product's route; another route
+    quantizes first, `quant.common.prequantized_product`), the attention also stores each
+    head's amax of its output and o_proj quantizes the output on load
+    (`pending_quant.PendingQuant`) instead of a quantizer launch in between."""
     o_proj = attn.o_proj
     dtype = qkv_sum[2] if qkv_sum is not None else q.dtype
     iq = quant_input(plan, "quant_on_load", o_proj, q)
-    if iq is None or not iq.per_token or q.shape[0] > QUANT_ON_LOAD_MAX_ROWS or not plan.has("norm+quant") or \
-            common.route_for(iq.kind, q.shape[0], q.shape[1], o_proj.weight.shape[0], dtype, q.device) \
-            not in ("dot", "dot_fused"):
+    if iq is None or not iq.per_token or q.shape[0] > QUANT_ON_LOAD_MAX_ROWS or not plan.has("norm+quant"):
         return project_pending(plan, o_proj, attn.attn(q, k, v, rotary, qkv_sum=qkv_sum))
     from atom.model_ops.kernels.pending_quant import PendingQuant
     amax = torch.empty(q.shape[0], attn.attn.num_heads, dtype=torch.float32, device=q.device)
