@@ -12,8 +12,9 @@ checkpoint). The KL of quantizing several groups is taken as the sum of each gro
 minimises that sum within the budget, greedily: every group starts at its smallest option,
 then the upgrade with the most KL saved per added byte is taken while it fits, along each
 group's lower convex hull of (bytes, KL). Where every step along the hulls adds the same
-bytes this is the exact optimum; otherwise the sum is above the optimum by at most the KL that the first
-upgrade which did not fit would have saved (the greedy solves the relaxed problem up to it).
+bytes this is the exact optimum; otherwise the sum is above the optimum by at most the KL
+that the first upgrade which did not fit would have saved (the greedy solves the relaxed
+problem up to it).
 """
 from __future__ import annotations
 
