@@ -123,7 +123,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
   l_kv) run l-long-bf16 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --workload long --cache-dir /tmp/lc --out $R/l-long-bf16.json
         run l-long-fp8 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --workload long --kv-cache-dtype fp8 --cache-dir /tmp/lc --out $R/l-long-fp8.json;;
   l_fp8) run l-thr-bf16 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --cache-dir /tmp/lc --out $R/l-thr-bf16.json
-         run l-thr-fp8 300 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --quantization fp8_dynamic --cache-dir /tmp/lc --out $R/l-thr-fp8.json;;
+         run l-thr-fp8 420 python3 -m atom.benchmarks.throughput $L --peer none --repeat 1 --quantization fp8_dynamic --cache-dir /tmp/lc --out $R/l-thr-fp8.json;;
   g_vllm) run g-thr-vllm 420 python3 -m atom.benchmarks.throughput --model gpt-oss-20b --peer vllm --peer-dummy xavier --repeat 1 --out $R/g-thr-vllm.json;;
   w4_vllm) run l-lat-w4-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization w4a16 --cache-dir /tmp/lc --out $R/l-lat-w4-vllm.json;;
   mx_vllm) run l-lat-mx-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization mxfp4_w4a16 --cache-dir /tmp/lc --out $R/l-lat-mx-vllm.json;;

@@ -157,6 +157,14 @@ def linear_formats(llm) -> list[str]:
     return sorted(set(frame["format"].astype(str)))
 
 
+def gemm_choices(llm) -> list[dict]:
+    """The start-up cuBLASLt choices of the engine (`KernelPlan.rows`, kind "gemm": rows, N, K,
+    dtype, the library's and the best candidate's us, what runs), to read a run's products by."""
+    runner = getattr(getattr(llm, "engine", llm), "runner", None)  # (none where the model is in another process)
+    plan = getattr(runner, "plan", None)
+    return [r for r in plan.rows() if r["kind"] == "gemm"] if plan is not None else []
+
+
 def gpu_main(args) -> dict:
     from atom import LLM
     from atom.benchmarks.roofline import workload_floor
@@ -195,7 +203,7 @@ def gpu_main(args) -> dict:
            "output_tokens": tok, "atom_s": sec, "atom_tok_s": tok / sec,
            "all_runs_s": [r[1] for r in runs], "roofline_tok_s": floor.tokens_per_s,
            "roofline_fraction": (tok / sec) / floor.tokens_per_s, "enforce_eager": args.enforce_eager,
-           "level": args.level, "atom_steps": breakdown}
+           "level": args.level, "atom_steps": breakdown, "atom_gemm_choices": gemm_choices(llm)}
     if args.peer == "hf":
         del llm
         torch.cuda.empty_cache()

@@ -7,6 +7,10 @@ of 100-256 rows against an 8B model's weights that pick wastes a third of a wave
 stream-K kernels. `LtProduct` holds the descriptors of one (rows, N, K, dtype) product;
 `LtProduct.algos()` lists the candidates and `LtProduct(...)(x, w, algo)` runs one on the
 current CUDA stream (so a CUDA graph captures it like any other launch).
+`LtProduct(..., torch.float8_e4m3fn)` is the ptpc FP8 product: e4m3 operands, one fp32 scale
+per row of x and per row of W (cuBLASLt's outer-vector scaling, sm90 with cuBLASLt 12.9+: the
+kernels torch._scaled_mm's row-wise scales run there), fp32 sums promoted as without fast
+accumulation, bf16 out.
 `LtProduct.configurations` builds configurations the heuristic does not offer (other tiles,
 custom options, cluster shapes) from algorithm ids, each checked by cuBLASLt for the shape;
 `tilings` and `variants` are the two cuts of it the start-up search uses (`atom.tuning.gemm_choice`).
@@ -28,9 +32,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 # cublasLt.h / library_types.h enums
-_R_16F, _R_16BF, _R_32F = 2, 14, 0
+_R_16F, _R_16BF, _R_32F, _R_8F_E4M3 = 2, 14, 0, 28
 _COMPUTE_32F = 68
 _DESC_TRANSA = 3
+# cublasLtMatmulDescAttributes_t's scale pointers and modes; cublasLtMatmulMatrixScale_t
+_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 17, 18, 31, 32
+_SCALE_OUTER_VEC_32F = 3
 _PREF_MAX_WORKSPACE = 1
 _OP_T = 1
 # cublasLtMatmulAlgoCapAttributes_t / cublasLtMatmulAlgoConfigAttributes_t
@@ -41,7 +48,7 @@ _ONLY_FIELDS = ("id", "tile", "stages", "custom", "cluster")  # what `configurat
 CLUSTER_IDS = range(17)  # cublasLtClusterShape_t ids tried (0: cuBLASLt's choice; Hopper kernels need one)
 # the start-up search's cut: no split-K, no swizzle, every custom option and cluster shape
 _SEARCH = dict(split_ks=(1,), max_custom=7, swizzle=False, clusters=CLUSTER_IDS)
-_DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
+_DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float8_e4m3fn: _R_8F_E4M3}
 WORKSPACE_BYTES = 32 << 20
 
 
@@ -117,7 +124,9 @@ def _workspace(device_index: int) -> torch.Tensor:
 
 
 class LtProduct:
-    """y[rows, N] = x[rows, K] W[N, K]^T in `dtype` (fp32 accumulation), x and W contiguous."""
+    """y[rows, N] = x[rows, K] W[N, K]^T in `dtype` (fp32 accumulation), x and W contiguous.
+    `dtype` float8_e4m3fn: x and W in e4m3, y = (x W^T) * x_scale[:, None] * w_scale[None, :]
+    in bf16 (`scaled`), the scales fp32 vectors passed with each call."""
 
     def __init__(self, rows: int, n: int, k: int, dtype: torch.dtype):
         if dtype not in _DTYPES:
@@ -126,21 +135,37 @@ class LtProduct:
             raise RuntimeError("cuBLASLt products need a CUDA GPU whose torch build loads libcublasLt")
         lib, self._handle = _lib()
         self.rows, self.n, self.k, self.dtype = rows, n, k, dtype
+        self.scaled = dtype == torch.float8_e4m3fn
+        self.out_dtype = torch.bfloat16 if self.scaled else dtype
         self._lib = lib
         self._desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _COMPUTE_32F, _R_32F), "MatmulDescCreate")
-        op_t = ctypes.c_int32(_OP_T)
-        _check(lib.cublasLtMatmulDescSetAttribute(self._desc, _DESC_TRANSA, ctypes.byref(op_t), ctypes.c_size_t(4)), "TRANSA")
-        t = _DTYPES[dtype]
+        self._set_desc(_DESC_TRANSA, ctypes.c_int32(_OP_T), "TRANSA")
+        t, o = _DTYPES[dtype], _DTYPES[self.out_dtype]
+        self._types = (t, t, o, o)  # A, B, C, D
+        if self.scaled:  # one scale per row of W (cuBLASLt's A) and per row of x (its B)
+            for attr in (_DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE):
+                self._set_desc(attr, ctypes.c_int32(_SCALE_OUTER_VEC_32F), "SCALE_MODE")
+            # scale vectors for the heuristic's queries; each call sets the real ones
+            self._unit = torch.ones(max(n, rows), device="cuda", dtype=torch.float32)
+            self._set_scales(self._unit, self._unit)
         # column-major view: D[N, rows] = op(A)[N, K] B[K, rows], A = W as [K, N], B = x as [K, rows]
         self._a, self._b, self._d = (self._layout(t, k, n, k), self._layout(t, k, rows, k),
-                                     self._layout(t, n, rows, n))
+                                     self._layout(o, n, rows, n))
         self._pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self._pref)), "PreferenceCreate")
         ws = ctypes.c_uint64(WORKSPACE_BYTES)
         _check(lib.cublasLtMatmulPreferenceSetAttribute(self._pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), ctypes.c_size_t(8)),
                "MAX_WORKSPACE_BYTES")
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def _set_desc(self, attr: int, value, what: str) -> None:
+        _check(self._lib.cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(value),
+                                                        ctypes.c_size_t(ctypes.sizeof(value))), what)
+
+    def _set_scales(self, x_scale: torch.Tensor, w_scale: torch.Tensor) -> None:
+        self._set_desc(_DESC_A_SCALE_POINTER, ctypes.c_void_p(w_scale.data_ptr()), "A_SCALE_POINTER")
+        self._set_desc(_DESC_B_SCALE_POINTER, ctypes.c_void_p(x_scale.data_ptr()), "B_SCALE_POINTER")
 
     def _layout(self, dtype_id: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
@@ -209,12 +234,12 @@ class LtProduct:
         only = only or {}
         if set(only) - set(_ONLY_FIELDS):
             raise ValueError(f"configurations(only=...) matches {_ONLY_FIELDS}, got {sorted(only)}")
-        lib, t = self._lib, _DTYPES[self.dtype]
+        lib, types = self._lib, self._types
         all_ids = set(ids)
         if listed:
             found = (ctypes.c_int * 256)()
             count = ctypes.c_int(0)
-            _check(lib.cublasLtMatmulAlgoGetIds(self._handle, _COMPUTE_32F, _R_32F, t, t, t, t, 256, found,
+            _check(lib.cublasLtMatmulAlgoGetIds(self._handle, _COMPUTE_32F, _R_32F, *types, 256, found,
                                                 ctypes.byref(count)), "MatmulAlgoGetIds")
             all_ids |= set(found[:count.value])
         out, seen = [], set()
@@ -222,7 +247,7 @@ class LtProduct:
             if only.get("id", algo_id) != algo_id:
                 continue
             base = _Algo()
-            if lib.cublasLtMatmulAlgoInit(self._handle, _COMPUTE_32F, _R_32F, t, t, t, t, algo_id, ctypes.byref(base)):
+            if lib.cublasLtMatmulAlgoInit(self._handle, _COMPUTE_32F, _R_32F, *types, algo_id, ctypes.byref(base)):
                 continue
             tiles = [v for v in _cap_array(lib, base, _CAP_TILE_IDS) or [0] if only.get("tile", v) == v]
             stages = [v for v in _cap_array(lib, base, _CAP_STAGES_IDS) or [0] if only.get("stages", v) == v]
@@ -261,12 +286,18 @@ class LtProduct:
         return self.configurations(ids=[d["id"]], listed=False, only={f: d[f] for f in ("id", "tile", "stages")},
                                    **_SEARCH)
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, algo: _Algo, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, algo: _Algo, out: torch.Tensor | None = None,
+                 x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape != (self.rows, self.k) or w.shape != (self.n, self.k) or not (x.is_contiguous() and w.is_contiguous()):
             raise ValueError(f"cuBLASLt product for rows={self.rows}, N={self.n}, K={self.k}: got x "
                              f"{tuple(x.shape)} and W {tuple(w.shape)} (both must be contiguous)")
+        if self.scaled:
+            check_scales(x_scale, w_scale, self.rows, self.n)
+            self._set_scales(x_scale, w_scale)
+        elif x_scale is not None or w_scale is not None:
+            raise ValueError(f"a {self.dtype} cuBLASLt product takes no scales")
         if out is None:
-            out = torch.empty(self.rows, self.n, device=x.device, dtype=self.dtype)
+            out = torch.empty(self.rows, self.n, device=x.device, dtype=self.out_dtype)
         ws = _workspace(x.device.index or 0)
         stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
         _check(self._lib.cublasLtMatmul(
@@ -275,6 +306,14 @@ class LtProduct:
             self._d, ctypes.c_void_p(out.data_ptr()), self._d, ctypes.byref(algo), ctypes.c_void_p(ws.data_ptr()),
             ctypes.c_size_t(WORKSPACE_BYTES), stream), "Matmul")
         return out
+
+
+def check_scales(x_scale, w_scale, rows: int, n: int) -> None:
+    """The scaled product's scales: contiguous fp32 vectors of `rows` and `n` values."""
+    for name, s, want in (("x_scale", x_scale, rows), ("w_scale", w_scale, n)):
+        if s is None or s.dtype != torch.float32 or s.numel() != want or not s.is_contiguous():
+            got = "None" if s is None else f"{s.dtype} {tuple(s.shape)}"
+            raise ValueError(f"{name}: a contiguous float32 vector of {want} values is needed, got {got}")
 
 
 def describe(algo: _Algo) -> dict:

@@ -13,18 +13,25 @@ KV blocks or the requests waiting cut it short (in the nano-vllm workload: every
 but the last), so that row count is chosen for too (on the H200, Llama-3.1-8B at 16,384 rows:
 o, gate-up and down 1.6-2.9% faster in a probe, 4.8-11% in one engine's start-up; docs/perf,
 eighth session).
+The row-wise (ptpc) FP8 layers' products are chosen the same way at the row counts where
+they run torch._scaled_mm (from `quant.common.SCALED_MM_MIN_M`, above the swap-AB kernel's
+table), whose cuBLASLt call takes the heuristic's first pick: one 128 x 128 tile at every
+decode row count, so the 4096-wide products at up to 256 rows run 32-64 programs on 132 SMs
+(docs/perf). Their candidates keep the same scales and fp32 promotion (`cublaslt.LtProduct`
+with float8_e4m3fn) and must agree with torch._scaled_mm within 3e-3 of the largest output
+(fast accumulation is 5-9e-3 off there).
 The choices go into the engine's `KernelPlan` (`plan.lt`, timings in `plan.lt_timings`),
-whose `lt_product` then serves those shapes (eager or captured alike: the choice depends on
-the shape only); every other product stays on `F.linear`. Asked to (`wide_rows`), it also
-searches beyond the heuristic at decode row counts (`_wide_candidates`: other tilings,
-custom options and cluster shapes of the same kernels), at about ten times the start-up
-cost.
+whose `lt_product` (`lt_scaled` for fp8) then serves those shapes (eager or captured alike:
+the choice depends on the shape only); every other product stays on the library's call.
+Asked to (`wide_rows`), it also searches beyond the heuristic at decode row counts
+(`_wide_candidates`: other tilings, custom options and cluster shapes of the same kernels),
+at about ten times the start-up cost.
 
 With a `cache_dir` (the guide's `CompilationConfig.cache_dir`, "directory for compilation
 caches") the choices are kept in a `gemm_algorithms-<tag>.json` there, one per GPU kind,
 cuBLASLt and torch version; a later start-up takes them from the file (each chosen algorithm
-checked by cuBLASLt for the shape, run once and compared with `F.linear`) and times only the
-shapes the file lacks.
+checked by cuBLASLt for the shape, run once and compared with the library's product) and
+times only the shapes the file lacks.
 """
 from __future__ import annotations
 
@@ -46,19 +53,74 @@ from atom.utils.cuda_timing import graph_time
 logger = logging.getLogger(__name__)
 
 
-def _layer_weights(model: nn.Module) -> dict[tuple, list[torch.Tensor]]:
+def timed_layer(m: nn.Module) -> bool:
+    """Whether the choice serves linear layer `m`'s products (wherever its weight lies):
+    bias-free contiguous bf16 / fp16 weights of the unquantized method, and e4m3 weights of
+    row-wise scaled fp8 layers (`Fp8LinearMethod.rowwise_scaled`; that product adds a bias
+    after). Not the LM head, whose rows are the sampled ones."""
     from atom.model_ops.linear import Linear
     from atom.model_ops.quant import is_unquantized
+    if not isinstance(m, Linear) or not m.weight.is_contiguous():
+        return False
+    if is_unquantized(m):
+        return m.bias is None and m.weight.dtype in (torch.bfloat16, torch.float16)
+    rowwise = getattr(m.method, "rowwise_scaled", None)
+    return rowwise is not None and rowwise() and m.weight.dtype == torch.float8_e4m3fn
+
+
+def _layer_weights(model: nn.Module) -> dict[tuple, list[torch.Tensor]]:
+    """The GPU weights of the layers `timed_layer` takes, by (N, K, dtype)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for m in model.modules():  # the linear layers (not the LM head, whose rows are the sampled ones)
-        if isinstance(m, Linear) and is_unquantized(m) and m.bias is None and m.weight.is_cuda \
-                and m.weight.dtype in (torch.bfloat16, torch.float16) and m.weight.is_contiguous():
+    for m in model.modules():
+        if timed_layer(m) and m.weight.is_cuda:
             groups.setdefault((m.weight.shape[0], m.weight.shape[1], m.weight.dtype), []).append(m.weight)
     return groups
 
 
-def _agree(got: torch.Tensor, ref: torch.Tensor) -> bool:
-    return bool((got.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max() + 1e-6)
+def _agree(got: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> bool:
+    return bool((got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max() + 1e-6)
+
+
+class _Dense:
+    """One timing's input for a bf16 / fp16 shape: x [rows, K]; the library's product is
+    `F.linear`."""
+    tol = 1e-2
+
+    def __init__(self, rows: int, w: torch.Tensor):
+        self.x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
+
+    def library(self, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.x, w)
+
+    def lt(self, prod, w: torch.Tensor, algo, out=None) -> functools.partial:
+        """The candidate's product as a call (for graph_time)."""
+        return functools.partial(prod, self.x, w, algo, out)
+
+
+class _ScaledFp8(_Dense):
+    """One timing's input for a row-wise fp8 shape: e4m3 x [rows, K] with a scale a row, and a
+    scale a weight row; the library's product is the engine's torch._scaled_mm call."""
+    tol = 3e-3
+
+    def __init__(self, rows: int, w: torch.Tensor):
+        self.x = torch.randn(rows, w.shape[1], device=w.device).mul_(64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        self.xs = torch.rand(rows, device=w.device).add_(0.5).div_(64)
+        self.ws = torch.rand(w.shape[0], device=w.device).add_(0.5).div_(64)
+
+    def library(self, w: torch.Tensor) -> torch.Tensor:
+        from atom.model_ops.quant.common import _scaled_mm
+        return _scaled_mm(self.x, self.xs, w, self.ws, None, torch.bfloat16, None)
+
+    def lt(self, prod, w: torch.Tensor, algo, out=None) -> functools.partial:
+        return functools.partial(prod, self.x, w, algo, out, x_scale=self.xs, w_scale=self.ws)
+
+
+def _case(rows: int, w: torch.Tensor) -> _Dense:
+    return (_ScaledFp8 if w.dtype == torch.float8_e4m3fn else _Dense)(rows, w)
+
+
+def _out(prod, rows: int, w: torch.Tensor) -> torch.Tensor:
+    return torch.empty(rows, w.shape[0], device=w.device, dtype=getattr(prod, "out_dtype", w.dtype))
 
 
 def _enough_weights(ws: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -72,7 +134,8 @@ def _enough_weights(ws: list[torch.Tensor]) -> list[torch.Tensor]:
 def _fits(rows: int, w: torch.Tensor) -> bool:
     """Whether the GPU has the memory to time `rows` rows against `w` (the input, the
     reference, the graph's output and the candidates' output, with a quarter to spare)."""
-    need = rows * (w.shape[1] + 3 * w.shape[0]) * w.element_size() * 5 // 4
+    out_size = 2 if w.dtype == torch.float8_e4m3fn else w.element_size()
+    need = rows * (w.shape[1] * w.element_size() + 3 * w.shape[0] * out_size) * 5 // 4
     free = torch.cuda.mem_get_info(w.device)[0]
     if free < need:
         logger.info("rows %d, %dx%d: %.1f GB free, timing needs %.1f GB: stays on F.linear",
@@ -80,7 +143,17 @@ def _fits(rows: int, w: torch.Tensor) -> bool:
     return free >= need
 
 
-def _screen(prod, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, algos: list, reps: int = 3) -> list:
+def _served(rows: int, w: torch.Tensor) -> bool:
+    """Whether a choice for `rows` rows would serve `w`'s products: every row count for
+    bf16 / fp16 weights; for e4m3 weights those where the fp8 product runs torch._scaled_mm
+    (below, the swap-AB kernel's table takes them: `quant.common.route_for`)."""
+    if w.dtype != torch.float8_e4m3fn:
+        return True
+    from atom.model_ops.quant.common import route_for
+    return route_for("fp8", rows, w.shape[1], w.shape[0], torch.bfloat16, w.device) == "scaled_mm"
+
+
+def _screen(prod, case: _Dense, ws: list[torch.Tensor], out: torch.Tensor, algos: list, reps: int = 3) -> list:
     """A first cut: each algorithm's rough time (after one untimed launch, `reps` launches
     cycling the weights between two events, no graph), as (us, algo) fastest first. The GPU
     first sleeps about as long as the host takes to launch them all, so that products shorter
@@ -91,11 +164,11 @@ def _screen(prod, x: torch.Tensor, ws: list[torch.Tensor], out: torch.Tensor, al
     timed = []
     for algo in algos:
         try:
-            prod(x, ws[-1], algo, out)  # the timed launches start from another weight
+            case.lt(prod, ws[-1], algo, out)()  # the timed launches start from another weight
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for i in range(reps):
-                prod(x, ws[i % len(ws)], algo, out)
+                case.lt(prod, ws[i % len(ws)], algo, out)()
             end.record()
         except RuntimeError:
             continue
@@ -113,7 +186,7 @@ def _accepted(plan, prod, key: tuple, build) -> list:
     return [a for a in plan.lt_configs[key] if prod.check(a)]
 
 
-def _wide_candidates(plan, prod, x, ws, out, heuristic: list, tiles: int = 4, keep: int = 6) -> list:
+def _wide_candidates(plan, prod, case, ws, out, heuristic: list, tiles: int = 4, keep: int = 6) -> list:
     """Configurations cuBLASLt's heuristic does not offer: one per tiling of the heuristic's
     algorithm ids (`LtProduct.tilings`), screened; the custom options x cluster shapes of the
     `tiles` fastest (`LtProduct.variants`), screened; the `keep` fastest of all. H200, Llama-
@@ -123,11 +196,11 @@ def _wide_candidates(plan, prod, x, ws, out, heuristic: list, tiles: int = 4, ke
     tiling whose kept configuration cuBLASLt refuses at another row count drops out there)."""
     shape = (prod.n, prod.k, prod.dtype)
     ids = tuple(sorted({cublaslt.describe(a)["id"] for a in heuristic}))
-    ranked = _screen(prod, x, ws, out, _accepted(plan, prod, shape + ids, lambda: prod.tilings(ids)))
+    ranked = _screen(prod, case, ws, out, _accepted(plan, prod, shape + ids, lambda: prod.tilings(ids)))
     seen = {bytes(a) for a in heuristic}
     for _, algo in ranked[:tiles]:
         variants = _accepted(plan, prod, shape + (bytes(algo),), lambda: prod.variants(algo))
-        ranked += _screen(prod, x, ws, out, [v for v in variants if bytes(v) != bytes(algo)])
+        ranked += _screen(prod, case, ws, out, [v for v in variants if bytes(v) != bytes(algo)])
     picked = []
     for _, algo in sorted(ranked, key=lambda p: p[0]):
         if bytes(algo) not in seen and len(picked) < keep:
@@ -139,28 +212,28 @@ def _wide_candidates(plan, prod, x, ws, out, heuristic: list, tiles: int = 4, ke
 def _choose_one(plan, rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, max_candidates: int,
                 wide: bool = False):
     n, k, dtype = ws[0].shape[0], ws[0].shape[1], ws[0].dtype
-    x = torch.randn(rows, k, device=ws[0].device, dtype=dtype)
-    ref = F.linear(x, ws[0])
-    base = graph_time([functools.partial(F.linear, x, w) for w in ws], iters) * 1e6
-    out = torch.empty(rows, n, device=x.device, dtype=dtype)
+    case = _case(rows, ws[0])
+    ref = case.library(ws[0])
+    base = graph_time([functools.partial(case.library, w) for w in ws], iters) * 1e6
     try:
         prod = cublaslt.LtProduct(rows, n, k, dtype)
         algos = prod.candidates()[:max_candidates]
-    except RuntimeError as err:  # e.g. no heuristic for this shape: it stays on F.linear
+    except RuntimeError as err:  # e.g. no heuristic for this shape: it stays on the library's call
         logger.info("rows %d, %dx%d %s: no cuBLASLt candidates (%s)", rows, n, k, dtype, err)
         return
+    out = _out(prod, rows, ws[0])
     if wide and algos:
         try:
-            algos += _wide_candidates(plan, prod, x, ws, out, algos)
+            algos += _wide_candidates(plan, prod, case, ws, out, algos)
         except RuntimeError as err:  # the heuristic's candidates still run
             logger.warning("rows %d, %dx%d %s: the search beyond cuBLASLt's heuristic failed (%s)",
                            rows, n, k, dtype, err)
     best, tried = None, 0
     for algo in algos:
         try:
-            if not _agree(prod(x, ws[0], algo, out), ref):
+            if not _agree(case.lt(prod, ws[0], algo, out)(), ref, case.tol):
                 continue
-            t = graph_time([functools.partial(prod, x, w, algo, out) for w in ws], iters) * 1e6
+            t = graph_time([case.lt(prod, w, algo, out) for w in ws], iters) * 1e6
         except RuntimeError:  # an algorithm offered for other row counts that does not run here
             continue
         tried += 1
@@ -197,7 +270,7 @@ def _entry_name(key: tuple) -> str:
 
 def _load_cached(plan, path: Path, work: list, fingerprint: dict) -> list:
     """Takes the choices `path` holds for `work`'s shapes (a chosen algorithm only if it runs
-    and agrees with F.linear here); returns the work items left to time."""
+    and agrees with the library's product here); returns the work items left to time."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -219,9 +292,9 @@ def _load_cached(plan, path: Path, work: list, fingerprint: dict) -> list:
                 algo = cublaslt.algo_from_bytes(bytes.fromhex(e["algo"]))
                 if not prod.check(algo):
                     raise ValueError("cuBLASLt refuses it for this shape")
-                x = torch.randn(rows, w.shape[1], device=w.device, dtype=w.dtype)
-                if not _agree(prod(x, w, algo), F.linear(x, w)):
-                    raise ValueError("disagrees with F.linear")
+                case = _case(rows, w)
+                if not _agree(case.lt(prod, w, algo)(), case.library(w), case.tol):
+                    raise ValueError("disagrees with the library's product")
                 plan.lt[key] = (prod, algo)
             if e is not None:
                 plan.lt_timings[key] = (float(e["base_us"]), float(e["best_us"]), int(e["tried"]))
@@ -277,10 +350,11 @@ def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     timed_weights = [_enough_weights(ws) for ws in groups.values()]  # once per shape, not per size
-    work = [(r, ws) for r in rows_list for ws in timed_weights]
+    work = [(r, ws) for r in rows_list for ws in timed_weights if _served(r, ws[0])]
     wide = {r for r in rows_list if wide_rows and wide_rows[0] <= r <= wide_rows[1]}  # capture sizes only
     if prefill_rows and prefill_rows not in rows_list:
-        work += [(prefill_rows, ws[:1]) for ws in groups.values() if _fits(prefill_rows, ws[0])]
+        work += [(prefill_rows, ws[:1]) for ws in groups.values()
+                 if _served(prefill_rows, ws[0]) and _fits(prefill_rows, ws[0])]
     path, fingerprint, todo = None, None, work
     if cache_dir:
         fingerprint = _fingerprint(wide_rows if wide else None)

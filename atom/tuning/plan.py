@@ -144,6 +144,24 @@ class KernelPlan:
         prod, algo = hit
         return prod(x, w, algo)
 
+    def lt_scaled(self, xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor | None:
+        """The ptpc FP8 product (xq W^T) * xs[:, None] * ws[None, :] -> bf16 with the cuBLASLt
+        algorithm chosen for this shape (key dtype float8_e4m3fn), or None where none was.
+        xs: one scale a row of xq, or one for all; ws: one a row of W."""
+        if torch.compiler.is_compiling() or not self.lt or xq.dim() != 2:
+            return None
+        hit = self.lt.get((xq.shape[0], w.shape[0], w.shape[1], w.dtype))
+        if hit is None or not hit[0].scaled or xq.dtype != w.dtype or not (xq.is_contiguous() and w.is_contiguous()) \
+                or xq.data_ptr() % 256 or w.data_ptr() % 256 or ws.numel() != w.shape[0]:
+            return None
+        xs = xs.float().reshape(-1)
+        if xs.numel() == 1:
+            xs = xs.expand(xq.shape[0])
+        if xs.numel() != xq.shape[0]:
+            return None
+        prod, algo = hit
+        return prod(xq, w, algo, x_scale=xs.contiguous(), w_scale=ws.float().reshape(-1).contiguous())
+
     def experts_kernel(self, x: torch.Tensor) -> str:
         """"triton" (the grouped GEMM) or "reference" (the per-expert torch loop) for the
         experts of a MoE layer on `x`: `moe_kernel`, where "auto" means Triton wherever this

@@ -25,6 +25,7 @@ from torch import nn
 
 from atom.model_ops.attention.metadata import current_forward_context
 from atom.model_ops.quant.base import LinearMethod
+from atom.tuning.plan import plan_for
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
@@ -289,6 +290,18 @@ def scaled_mm_problem_for(K: int, N: int, out_dtype: torch.dtype, device, rowwis
     return None
 
 
+def _planned_scaled_mm(plan, xq, xs, w, ws_row, bias, out_dtype):
+    """The row-wise fp8 product on the cuBLASLt algorithm the engine's plan chose for this
+    shape at start-up (`tuning.gemm_choice`), the bias added after as `_scaled_mm` does; None
+    where the plan chose none (or for another output dtype)."""
+    if plan is None or out_dtype != torch.bfloat16:
+        return None
+    y = plan.lt_scaled(xq, xs, w, ws_row)
+    if y is not None and bias is not None:
+        y = (y.float() + bias.float()).to(out_dtype)
+    return y
+
+
 def _scaled_mm(xq, xs, w, ws_row, bias, out_dtype, w_scalar):
     """torch._scaled_mm with tensor-wise (one x scale, one weight scale) or row-wise scales;
     a bias goes into the call where cuBLASLt takes it (tensor-wise, 16-bit out), else is
@@ -340,12 +353,14 @@ def route_for(kind: str, M: int, K: int, N: int, out_dtype: torch.dtype | None, 
 @torch.library.custom_op("atom::quant_linear", mutates_args=())
 def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: Optional[torch.Tensor], kind: str,
                       act: str, qmax: float, group: int = 0, static_scale: Optional[torch.Tensor] = None,
-                      w_scalar: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      w_scalar: Optional[torch.Tensor] = None, plan_handle: int = 0) -> torch.Tensor:
     """x [..., K] times an 8-bit weight w [N, K] (kind "fp8" / "int8") with its scales `ws`:
     [N, 1] per row, or [N, K / group] per block (act "group"), on the GPU kernels; the
     activations quantized as `fake_quant_act(x, kind, act, group, static_scale, qmax)` does.
     `w_scalar`: the weight's single scale when it has one (per-tensor, one shard), which
-    lets cuBLASLt run tensor-wise scales. Returns x's dtype.
+    lets cuBLASLt run tensor-wise scales. `plan_handle`: the engine's `KernelPlan` (its
+    `handle`; 0: none), whose start-up choice of cuBLASLt algorithm serves the row-wise fp8
+    products of the shapes it timed. Returns x's dtype.
 
     One custom op around the whole product (its own kernels are custom ops too): the route
     depends on M and on the device's capability, which torch.compile should not trace."""
@@ -367,14 +382,17 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
     xq, xs = act_quant(x2, kind, block_k or K, qmax, static_scale if act == "tensor" else None)
     if act != "group":
         xs = xs.reshape(-1)[:1] if act == "tensor" else xs.reshape(-1)
-    return _product_on_route(route, xq, xs, w, ws, bias, x.dtype, block_k, w_scalar).reshape(*lead, N)
+    plan = plan_for(plan_handle) if plan_handle else None
+    return _product_on_route(route, xq, xs, w, ws, bias, x.dtype, block_k, w_scalar, plan=plan).reshape(*lead, N)
 
 
-def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_scalar, lock=None, defer_sum=False):
+def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_scalar, lock=None, defer_sum=False,
+                      plan=None):
     """The product of quantized activations (`act_quant`'s layouts) on `route`
     (`product_route`; "dot_fused" runs "dot": x is quantized already). `lock`: the swap-AB
     kernel folds a split K into itself (`quant_gemv_dot.split_k_lock`); `defer_sum`: its split
-    K comes back unsummed (`split_k.PendingSum`; other routes return the product)."""
+    K comes back unsummed (`split_k.PendingSum`; other routes return the product). `plan`:
+    the engine's `KernelPlan`, whose cuBLASLt choice serves "scaled_mm" where it has one."""
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
     from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot, quant_gemv_dot_launch
     ws_k = ws if block_k else ws.reshape(-1)
@@ -385,6 +403,10 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
     if route == "gemv":
         return quant_gemv(xq, xs, w, ws_k, bias, out_dtype, block_k)
     if route == "scaled_mm":
+        if w_scalar is None or xs.numel() != 1:  # row-wise scales (tensor-wise stays on torch's call)
+            y = _planned_scaled_mm(plan, xq, xs, w, ws, bias, out_dtype)
+            if y is not None:
+                return y
         return _scaled_mm(xq, xs, w, ws, bias, out_dtype, w_scalar)
     return quant_gemm(xq, xs, w, ws_k, bias, out_dtype, block_k)
 
@@ -411,7 +433,7 @@ def _check_prequantized(xq: torch.Tensor, xs: torch.Tensor, K: int) -> None:
 
 def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                          bias: Optional[torch.Tensor], out_dtype: torch.dtype, w_scalar: Optional[torch.Tensor] = None,
-                         lock: Optional[torch.Tensor] = None, defer_sum: bool = False):
+                         lock: Optional[torch.Tensor] = None, defer_sum: bool = False, plan=None):
     """xq [M, K] already quantized (float8_e4m3fn / int8 like w, by a kernel in front: one
     scale a row, xs [M] or [M, 1] fp32, or one scale for every row) times the 8-bit weight
     w [N, K] with its row scales ws [N, 1] -> [M, N] in `out_dtype`: `quantized_product`'s
@@ -422,7 +444,8 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
     torch.compile the layers run `quantized_product`).
 
     xq may be a `kernels.pending_quant.PendingQuant` (xs None): rows whose quantization has
-    not run; the swap-AB route quantizes them on load (one launch), the others quantize first."""
+    not run; the swap-AB route quantizes them on load (one launch), the others quantize first.
+    `plan`: as for `quantized_product` (the `KernelPlan` itself)."""
     from atom.model_ops.kernels.pending_quant import PendingQuant
     if isinstance(xq, PendingQuant):
         M, K = xq.shape
@@ -441,7 +464,7 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
     one_scale = xs.numel() == 1 and w_scalar is not None  # both single: cuBLASLt's tensor-wise scales
     route = route_for("int8" if xq.dtype == torch.int8 else "fp8", M, K, N, out_dtype, xq.device,
                       rowwise=not one_scale)
-    return _product_on_route(route, xq, xs, w, ws, bias, out_dtype, 0, w_scalar, lock, defer_sum)
+    return _product_on_route(route, xq, xs, w, ws, bias, out_dtype, 0, w_scalar, lock, defer_sum, plan)
 
 
 def prequantized_ref(xq: torch.Tensor, xs: torch.Tensor, w32: torch.Tensor, bias: Optional[torch.Tensor],
@@ -458,7 +481,7 @@ def prequantized_ref(xq: torch.Tensor, xs: torch.Tensor, w32: torch.Tensor, bias
 
 
 @quantized_product.register_fake
-def _(x, w, ws, bias, kind, act, qmax, group=0, static_scale=None, w_scalar=None):
+def _(x, w, ws, bias, kind, act, qmax, group=0, static_scale=None, w_scalar=None, plan_handle=0):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 

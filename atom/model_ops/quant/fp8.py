@@ -121,12 +121,19 @@ class Fp8LinearMethod(QuantLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.kernels and common.use_kernels(x):
+            plan = getattr(layer, "plan", None)
             return quantized_product(x, layer.weight, layer.row_scale, layer.bias, "fp8", self.act, FP8_MAX,
                                      self.act_group or 0, layer.act_scale if self.static else None,
-                                     getattr(layer, "w_scalar", None))
+                                     getattr(layer, "w_scalar", None), plan.handle if plan is not None else 0)
         x32 = fake_quant_act(x, "fp8", self.act, self.act_group,
                              layer.act_scale if self.static else None)
         return product(x, x32, self.dequantized_weight(layer), layer.bias)
+
+    def rowwise_scaled(self) -> bool:
+        """Whether the GPU product from `common.SCALED_MM_MIN_M` rows is the row-wise scaled one
+        (per-token dynamic activations, one scale a weight row; cuBLASLt's outer-vector
+        scaling): the products the start-up cuBLASLt choice times (`tuning.gemm_choice`)."""
+        return self.kernels and self.act == "token" and not self.static and self.weight_scheme != "block"
 
     def input_quant(self, layer: nn.Module) -> InputQuant | None:
         """Dynamic per-token or per-tensor activations on the kernels: their quantizer may run
@@ -139,7 +146,7 @@ class Fp8LinearMethod(QuantLinearMethod):
                         lock: torch.Tensor | None = None, defer_sum: bool = False):
         if common.use_kernels(xq):
             return prequantized_product(xq, xs, layer.weight, layer.row_scale, layer.bias, out_dtype,
-                                        getattr(layer, "w_scalar", None), lock, defer_sum)
+                                        getattr(layer, "w_scalar", None), lock, defer_sum, getattr(layer, "plan", None))
         return prequantized_ref(xq, xs, self.dequantized_weight(layer), layer.bias, out_dtype)
 
     def format_spec(self) -> str:

@@ -1,0 +1,213 @@
+"""The start-up cuBLASLt choice for row-wise (ptpc) FP8 products: which layers and row counts
+it times, the tighter agreement it asks of fp8 candidates, the plan serving the choice
+(`KernelPlan.lt_scaled`) and the fp8 route taking it (`quant.common`), with a stand-in
+product and timer on the CPU; on a GPU (marked gpu) every fp8 candidate of cuBLASLt against
+torch._scaled_mm, and the chosen products inside fp8 layers and a CUDA graph."""
+
+import pytest
+import torch
+from torch import nn
+
+from atom.model_ops import cublaslt
+from atom.model_ops.linear import Linear
+from atom.model_ops.quant import common
+from atom.tuning import gemm_choice
+from atom.tuning.plan import KernelPlan
+from test_gemm_tuning import GPU_ONLY, NAMES, _algo, _fake_timer, _name
+from test_quant_methods import FORMATS, OneSpec, fill
+
+E4M3 = torch.float8_e4m3fn
+
+
+class _FakeScaled:
+    """Stands in for `cublaslt.LtProduct(..., float8_e4m3fn)`: "good-*" compute the scaled
+    product in fp32 as torch._scaled_mm does, "wrong" is 0.5% off (inside the bf16 choice's
+    1e-2, outside fp8's 3e-3), "refused" raises like an algorithm cuBLASLt rejects."""
+    scaled = True
+    out_dtype = torch.bfloat16
+    calls: list = []
+
+    def __init__(self, rows, n, k, dtype):
+        assert dtype == E4M3
+        self.rows, self.n, self.k, self.dtype = rows, n, k, dtype
+
+    def candidates(self):
+        return [_algo(n) for n in NAMES]
+
+    def check(self, algo):
+        return _name(algo) != "refused"
+
+    def __call__(self, x, w, algo, out=None, x_scale=None, w_scale=None):
+        cublaslt.check_scales(x_scale, w_scale, self.rows, self.n)
+        if _name(algo) == "refused":
+            raise RuntimeError("cuBLASLt: Matmul returned status 15")
+        _FakeScaled.calls.append(_name(algo))
+        y = (x.float() @ w.float().t()) * x_scale[:, None] * w_scale[None, :]
+        return (y * 1.005 if _name(algo) == "wrong" else y).to(torch.bfloat16)
+
+
+def _fp8(rows, cols, seed=0, shift=0):
+    """A [rows, cols] e4m3 tensor whose data starts `shift` bytes past a 256-byte boundary."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.empty(rows * cols + 512, dtype=torch.uint8)
+    start = -buf.data_ptr() % 256 + shift
+    t = buf[start:start + rows * cols].view(E4M3).view(rows, cols)
+    t.copy_(torch.randn(rows, cols, generator=g).mul(32).to(E4M3))
+    return t
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(gemm_choice.cublaslt, "LtProduct", _FakeScaled)
+    _FakeScaled.calls = []
+    return monkeypatch
+
+
+def test_fp8_choice_keeps_only_candidates_within_its_tolerance(fake):
+    fake.setattr(gemm_choice, "graph_time", _fake_timer({"base": 10.0, "good-slow": 9.9, "wrong": 1.0,
+                                                          "good-fast": 9.0}))
+    plan = KernelPlan()
+    gemm_choice._choose_one(plan, 96, [_fp8(64, 32, s) for s in range(3)], 1.02, iters=3, max_candidates=8)
+    key = (96, 64, 32, E4M3)
+    assert plan.lt_timings[key] == (10.0, 9.0, 2)  # "wrong" (0.5% off) failed, "refused" did not run
+    assert _name(plan.lt[key][1]) == "good-fast"
+    # the same 0.5% passes the bf16 choice's agreement: fp8's is the tighter one
+    assert gemm_choice._agree(torch.full((4,), 1.005), torch.ones(4))
+    assert not gemm_choice._agree(torch.full((4,), 1.005), torch.ones(4), gemm_choice._ScaledFp8.tol)
+
+
+def test_fp8_shapes_are_timed_only_where_scaled_mm_runs(fake):
+    seen = []
+    fake.setattr(gemm_choice, "graph_time", _fake_timer({"base": 10.0, "good-slow": 9.9, "wrong": 1.0,
+                                                          "good-fast": 9.0}, seen))
+    fake.setattr(gemm_choice.cublaslt, "available", lambda: True)
+    fake.setattr(gemm_choice, "_enough_weights", lambda ws: ws)
+    fake.setattr(gemm_choice, "_fits", lambda rows, w: True)
+    groups = {(64, 32, E4M3): [_fp8(64, 32, 1), _fp8(64, 32, 2)]}
+    fake.setattr(gemm_choice, "_layer_weights", lambda model: groups)
+    plan = KernelPlan()
+    res = gemm_choice.choose_lt_algos(plan, nn.Identity(), [1, 8, 64, 96, 256], prefill_rows=512)
+    # below 65 rows the swap-AB kernel runs these products: nothing to choose there
+    assert sorted(k[0] for k in res) == [96, 256, 512]
+    assert all(k[1:] == (64, 32, E4M3) for k in res) and len(plan.lt) == 3
+    assert not gemm_choice._served(64, torch.empty(4096, 4096, dtype=E4M3, device="meta"))
+    assert not gemm_choice._served(128, torch.empty(4096, 4096, dtype=E4M3, device="meta"))  # swap-AB's 128-row tile
+    assert gemm_choice._served(129, torch.empty(4096, 4096, dtype=E4M3, device="meta"))
+    assert gemm_choice._served(8, torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"))
+    xq, w = _fp8(96, 32, 5), groups[(64, 32, E4M3)][0]
+    xs, ws = torch.rand(96) + 0.5, torch.rand(64) + 0.5
+    torch.testing.assert_close(plan.lt_scaled(xq, xs, w, ws),
+                               common._scaled_mm(xq, xs, w, ws, None, torch.bfloat16, None), atol=0, rtol=1e-2)
+
+
+def test_timed_layers_are_dense_and_rowwise_fp8_ones():
+    assert gemm_choice.timed_layer(Linear(32, 64).to(torch.bfloat16))
+    assert not gemm_choice.timed_layer(Linear(32, 64, bias=True).to(torch.bfloat16))
+    assert not gemm_choice.timed_layer(Linear(32, 64))  # fp32: no cuBLASLt product here
+    assert not gemm_choice.timed_layer(nn.Linear(32, 64).to(torch.bfloat16))
+
+    def fp8(fmt, bias=False):
+        return Linear(128, 64, bias=bias, quant_config=OneSpec(FORMATS[fmt]["spec"]), prefix="l")
+
+    assert gemm_choice.timed_layer(fp8("fp8_channel"))  # per-channel weights, dynamic per-token activations
+    assert gemm_choice.timed_layer(fp8("fp8_channel", bias=True))  # the bias is added after the product
+    assert not gemm_choice.timed_layer(fp8("fp8_tensor_static"))  # one scale each side: tensor-wise
+    assert not gemm_choice.timed_layer(fp8("fp8_tensor_dynamic"))
+    assert not gemm_choice.timed_layer(fp8("ds_block"))  # block scales: the Triton GEMM
+
+
+def test_lt_scaled_serves_only_the_chosen_shape():
+    plan = KernelPlan()
+    plan.lt[(96, 64, 32, E4M3)] = (_FakeScaled(96, 64, 32, E4M3), _algo("good-fast"))
+    xq, w = _fp8(96, 32, 1), _fp8(64, 32, 2)
+    xs, ws = torch.rand(96) + 0.5, torch.rand(64, 1) + 0.5
+    ref = common._scaled_mm(xq, xs, w, ws, None, torch.bfloat16, None)
+    torch.testing.assert_close(plan.lt_scaled(xq, xs, w, ws), ref, atol=0, rtol=1e-2)
+    one = torch.tensor([0.75])  # one scale for every row: expanded
+    torch.testing.assert_close(plan.lt_scaled(xq, one, w, ws),
+                               common._scaled_mm(xq, one.expand(96), w, ws, None, torch.bfloat16, None),
+                               atol=0, rtol=1e-2)
+    assert plan.lt_scaled(_fp8(95, 32), xs[:95], w, ws) is None  # another row count
+    assert plan.lt_scaled(_fp8(96, 32, shift=16), xs, w, ws) is None  # not 256-byte aligned
+    assert plan.lt_scaled(_fp8(32, 96).t(), xs, w, ws) is None  # not contiguous
+    assert plan.lt_scaled(xq, xs[:95], w, ws) is None  # not a scale a row
+    assert plan.lt_scaled(xq, xs, w, ws[:63]) is None  # not a scale a weight row
+    assert plan.lt_product(xq.float().bfloat16(), w) is None  # the bf16 lookup does not take fp8 choices
+
+
+def test_the_fp8_route_takes_the_plan_choice_and_adds_the_bias():
+    plan = KernelPlan()
+    plan.lt[(96, 64, 32, E4M3)] = (_FakeScaled(96, 64, 32, E4M3), _algo("good-fast"))
+    xq, w = _fp8(96, 32, 1), _fp8(64, 32, 2)
+    xs, ws, bias = torch.rand(96) + 0.5, torch.rand(64, 1) + 0.5, torch.randn(64).bfloat16()
+    _FakeScaled.calls = []
+    got = common._product_on_route("scaled_mm", xq, xs, w, ws, bias, torch.bfloat16, 0, None, plan=plan)
+    ref = common._scaled_mm(xq, xs, w, ws, bias, torch.bfloat16, None)
+    torch.testing.assert_close(got, ref, atol=0, rtol=1e-2)
+    assert _FakeScaled.calls == ["good-fast"]
+    # tensor-wise scales (one for x, the weight's single one) stay on torch's call
+    one, w_scalar = torch.tensor([0.5]), torch.tensor(0.25)
+    common._product_on_route("scaled_mm", xq, one, w, ws, None, torch.bfloat16, 0, w_scalar, plan=plan)
+    # another output dtype, or no plan: torch's call
+    common._product_on_route("scaled_mm", xq, xs, w, ws, None, torch.bfloat16, 0, None)
+    assert _FakeScaled.calls == ["good-fast"]
+
+
+@pytest.mark.gpu
+@GPU_ONLY
+@pytest.mark.parametrize("rows,n,k", [(96, 1024, 512), (160, 6144, 4096), (256, 4096, 14336)])
+def test_every_fp8_candidate_equals_scaled_mm(rows, n, k):
+    x = torch.randn(rows, k, device="cuda").mul(32).to(E4M3)
+    w = torch.randn(n, k, device="cuda").mul(32).to(E4M3)
+    xs, ws = torch.rand(rows, device="cuda") / 64 + 1e-3, torch.rand(n, device="cuda") / 64 + 1e-3
+    ref = common._scaled_mm(x, xs, w, ws, None, torch.bfloat16, None).float()
+    prod = cublaslt.LtProduct(rows, n, k, E4M3)
+    algos = prod.candidates()
+    assert len(algos) >= len(prod.algos()) >= 1
+    ran = 0
+    for algo in algos:
+        try:
+            y = prod(x, w, algo, x_scale=xs, w_scale=ws)
+        except RuntimeError:
+            continue  # offered for another row count and refused here
+        ran += 1
+        assert y.dtype == torch.bfloat16
+        assert (y.float() - ref).abs().max() <= 3e-3 * ref.abs().max()
+    assert ran >= len(prod.algos())
+    with pytest.raises(ValueError, match="x_scale"):
+        prod(x, w, algos[0], x_scale=xs[:-1], w_scale=ws)
+
+
+@pytest.mark.gpu
+@GPU_ONLY
+def test_chosen_fp8_products_in_the_layers_and_a_graph():
+    torch.manual_seed(0)
+    fmt = FORMATS["fp8_channel"]
+    layers = nn.ModuleList(Linear(512, 1536, quant_config=OneSpec(fmt["spec"]), prefix=f"l{i}") for i in range(2))
+    for m in layers:
+        for name, t in fmt["quant"](torch.randn(1536, 512) * 0.05).items():
+            fill(m, name, t, None)
+        m.method.process_weights_after_loading(m)
+    layers.to("cuda")
+    plan = KernelPlan(backend="triton")
+    for m in layers:
+        m.plan = plan  # as the runner installs it
+    res = gemm_choice.choose_lt_algos(plan, layers, [1, 48, 96, 200], min_gain=0.0)  # keep the best, whatever it is
+    assert set(res) == {(r, 1536, 512, E4M3) for r in (96, 200)}  # 48 rows: the swap-AB kernel
+    x = torch.randn(200, 512, device="cuda", dtype=torch.bfloat16)
+    m = layers[0]
+    m.plan = None
+    unplanned = m.method.apply(m, x)  # no plan: torch._scaled_mm
+    m.plan = plan
+    assert (200, 1536, 512, E4M3) in plan.lt
+    torch.testing.assert_close(m(x).float(), unplanned.float(), atol=2e-2, rtol=1e-2)
+    g = torch.cuda.CUDAGraph()
+    m(x)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        y = m(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    m.plan = None
+    torch.testing.assert_close(y.float(), m.method.apply(m, x).float(), atol=2e-2, rtol=1e-2)
