@@ -50,7 +50,8 @@
 # workload, bf16 and ptpc FP8), fp8_gemm (ptpc FP8 products at 80-256 rows: torch._scaled_mm, the Triton
 # GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,
 # and the 4-bit kernels' GPU tests), attn_ahead (the unified attention's decode tilings with and
-# without `rows_ahead`, Llama-3.1-8B shape).
+# without `rows_ahead`, Llama-3.1-8B shape), lt_tests (the start-up cuBLASLt choice's GPU tests, bf16 and
+# row-wise fp8), lt_fp8 (row-wise FP8 products at 96-256 rows: torch._scaled_mm against cuBLASLt's candidates).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -174,6 +175,10 @@ for st in "$@"; do ts=$(date +%s); case $st in
             run w4-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
   w4_sweep) run w4-gemv1-sweep 300 python3 scripts/w4_gemv1_sweep.py --formats ${SWEEP_FORMATS:-int4 mxfp4} --out $R/w4-gemv1-sweep.json;;
   fp8_gemm) run fp8-gemm-sweep 400 python3 scripts/fp8_gemm_sweep.py --out $R/fp8-gemm-sweep.json;;
+  lt_tests) run lt-gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_gemm_tuning.py \
+              tests/test_gemm_tuning_fp8.py;;
+  lt_fp8) run lt-fp8-probe 400 python3 scripts/cublaslt_probe.py --dtype fp8 --rows 96 160 192 256 --deadline 330 \
+            --out $R/lt-fp8-probe.json;;
   fp8_accum) run fp8-accum-probe 400 python3 scripts/fp8_accum_probe.py --out $R/fp8-accum-probe.json;;
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;

@@ -410,7 +410,7 @@ def test_wide_configurations_equal_f_linear():
     prod = cublaslt.LtProduct(rows, n, k, torch.bfloat16)
     heuristic = prod.candidates()
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-    case = gemm_tuning._case(rows, w)
+    case = gemm_tuning.timing_case(rows, w)
     case.x = x
     wide = gemm_tuning._wide_candidates(_P.plan, prod, case, [w], out, heuristic)
     assert len(wide) == 6 and not {bytes(a) for a in wide} & {bytes(a) for a in heuristic}

@@ -115,7 +115,8 @@ class _ScaledFp8(_Dense):
         return functools.partial(prod, self.x, w, algo, out, x_scale=self.xs, w_scale=self.ws)
 
 
-def _case(rows: int, w: torch.Tensor) -> _Dense:
+def timing_case(rows: int, w: torch.Tensor) -> _Dense:
+    """The inputs and library product to time `rows` rows against weights shaped like `w`."""
     return (_ScaledFp8 if w.dtype == torch.float8_e4m3fn else _Dense)(rows, w)
 
 
@@ -212,7 +213,7 @@ def _wide_candidates(plan, prod, case, ws, out, heuristic: list, tiles: int = 4,
 def _choose_one(plan, rows: int, ws: list[torch.Tensor], min_gain: float, iters: int, max_candidates: int,
                 wide: bool = False):
     n, k, dtype = ws[0].shape[0], ws[0].shape[1], ws[0].dtype
-    case = _case(rows, ws[0])
+    case = timing_case(rows, ws[0])
     ref = case.library(ws[0])
     base = graph_time([functools.partial(case.library, w) for w in ws], iters) * 1e6
     try:
@@ -292,7 +293,7 @@ def _load_cached(plan, path: Path, work: list, fingerprint: dict) -> list:
                 algo = cublaslt.algo_from_bytes(bytes.fromhex(e["algo"]))
                 if not prod.check(algo):
                     raise ValueError("cuBLASLt refuses it for this shape")
-                case = _case(rows, w)
+                case = timing_case(rows, w)
                 if not _agree(case.lt(prod, w, algo)(), case.library(w), case.tol):
                     raise ValueError("disagrees with the library's product")
                 plan.lt[key] = (prod, algo)
