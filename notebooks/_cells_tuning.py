@@ -232,6 +232,25 @@ ax.set_ylabel("us per product"); ax.set_xlabel("rows (M)"); ax.set_title("down_p
 display(best.round(1))
 fig
 """),
+    ("md", """
+Where torch._scaled_mm runs, its cuBLASLt call takes the heuristic's first pick (one 128 x 128
+tile at every decode row count). At start-up the engine times cuBLASLt's other candidates with
+the same row-wise scales at each CUDA-graph capture size (and a full prefill step) that takes
+that route, as it does for bf16 layers, and keeps the fastest that agrees within 3e-3
+(`atom.tuning.gemm_choice`). Which of the Llama products it times, by rows (no GPU needed; on a
+GPU `llm.engine.runner.plan.to_frame()` lists each choice with the library's and the chosen
+kernel's microseconds):
+"""),
+    ("code", """
+from atom.tuning.gemm_choice import is_timed
+sizes = [1, 8, 64, 65, 96, 128, 129, 192, 256, 512]
+timed = pd.DataFrame([dict(layer=l, M=m, timed=is_timed(m, torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")))
+                      for l, (n, k) in LLAMA.items() for m in sizes]).pivot(index="layer", columns="M", values="timed")
+assert not timed[[1, 64]].any().any() and timed[[129, 512]].all().all()
+both = [m for m in sizes if m in routes.columns]
+assert (timed[both] == (routes[both] == "scaled_mm")).all().all()  # timed exactly where scaled_mm runs
+timed
+"""),
 ]
 
 GRAPHS = [

@@ -90,10 +90,10 @@ def test_fp8_shapes_are_timed_only_where_scaled_mm_runs(fake):
     # below 65 rows the swap-AB kernel runs these products: nothing to choose there
     assert sorted(k[0] for k in res) == [96, 256, 512]
     assert all(k[1:] == (64, 32, E4M3) for k in res) and len(plan.lt) == 3
-    assert not gemm_choice._served(64, torch.empty(4096, 4096, dtype=E4M3, device="meta"))
-    assert not gemm_choice._served(128, torch.empty(4096, 4096, dtype=E4M3, device="meta"))  # swap-AB's 128-row tile
-    assert gemm_choice._served(129, torch.empty(4096, 4096, dtype=E4M3, device="meta"))
-    assert gemm_choice._served(8, torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"))
+    assert not gemm_choice.is_timed(64, torch.empty(4096, 4096, dtype=E4M3, device="meta"))
+    assert not gemm_choice.is_timed(128, torch.empty(4096, 4096, dtype=E4M3, device="meta"))  # swap-AB's 128-row tile
+    assert gemm_choice.is_timed(129, torch.empty(4096, 4096, dtype=E4M3, device="meta"))
+    assert gemm_choice.is_timed(8, torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"))
     xq, w = _fp8(96, 32, 5), groups[(64, 32, E4M3)][0]
     xs, ws = torch.rand(96) + 0.5, torch.rand(64) + 0.5
     torch.testing.assert_close(plan.lt_scaled(xq, xs, w, ws),

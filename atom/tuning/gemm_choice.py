@@ -144,7 +144,7 @@ def _fits(rows: int, w: torch.Tensor) -> bool:
     return free >= need
 
 
-def _served(rows: int, w: torch.Tensor) -> bool:
+def is_timed(rows: int, w: torch.Tensor) -> bool:
     """Whether a choice for `rows` rows would serve `w`'s products: every row count for
     bf16 / fp16 weights; for e4m3 weights those where the fp8 product runs torch._scaled_mm
     (below, the swap-AB kernel's table takes them: `quant.common.route_for`)."""
@@ -351,11 +351,11 @@ def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     timed_weights = [_enough_weights(ws) for ws in groups.values()]  # once per shape, not per size
-    work = [(r, ws) for r in rows_list for ws in timed_weights if _served(r, ws[0])]
+    work = [(r, ws) for r in rows_list for ws in timed_weights if is_timed(r, ws[0])]
     wide = {r for r in rows_list if wide_rows and wide_rows[0] <= r <= wide_rows[1]}  # capture sizes only
     if prefill_rows and prefill_rows not in rows_list:
         work += [(prefill_rows, ws[:1]) for ws in groups.values()
-                 if _served(prefill_rows, ws[0]) and _fits(prefill_rows, ws[0])]
+                 if is_timed(prefill_rows, ws[0]) and _fits(prefill_rows, ws[0])]
     path, fingerprint, todo = None, None, work
     if cache_dir:
         fingerprint = _fingerprint(wide_rows if wide else None)
