@@ -33,6 +33,7 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 ROWS = (32, 64, 96, 128, 160, 192, 224, 256)
 HBM, PEAK = 4.3e12, 790e12  # REFERENCE.md: copy bandwidth, 8192^3 bf16 GEMM (fp8: twice the rate)
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+TOL = 1e-2  # of the largest output: what the start-up choice keeps (`gemm_choice._agree`)
 
 
 def _time(prod, case, ws, algo, out, ref, iters):
@@ -62,7 +63,7 @@ def enumerated(prod, case, ws, out, ref, keep=8, budget=90.0):
             if time.time() - t0 > until:
                 break
             us, err = _time(prod, case, ws, algo, out, ref, iters=3)
-            if us is not None and err < case.tol:  # (err is a message where us is None)
+            if us is not None and err < TOL:  # (err is a message where us is None)
                 found.append((us, algo))
         return sorted(found, key=lambda p: p[0])
 
@@ -100,7 +101,7 @@ def probe(name, n, k, m, dtype=torch.bfloat16, enumerate_all=False, budget=90.0)
     for i, algo in enumerate(prod.candidates()):
         us, err = _time(prod, case, ws, algo, out, ref, iters=25)
         rows.append(dict(index=i, error=err) if us is None else dict(index=i, us=round(us, 2), rel_err=err, **describe(algo)))
-    ok = [r for r in rows if "us" in r and r["rel_err"] < case.tol]  # what the start-up choice keeps
+    ok = [r for r in rows if "us" in r and r["rel_err"] < TOL]
     best = min(ok, key=lambda r: r["us"]) if ok else {}
     floor = max(n * k * size / HBM, 2 * m * n * k / (PEAK * (2 if size == 1 else 1))) * 1e6
     found = enumerated(prod, case, ws, out, ref, budget=budget) if enumerate_all else {}

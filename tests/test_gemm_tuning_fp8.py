@@ -21,8 +21,8 @@ E4M3 = torch.float8_e4m3fn
 
 class _FakeScaled:
     """Stands in for `cublaslt.LtProduct(..., float8_e4m3fn)`: "good-*" compute the scaled
-    product in fp32 as torch._scaled_mm does, "wrong" is 0.5% off (inside the bf16 choice's
-    1e-2, outside fp8's 3e-3), "refused" raises like an algorithm cuBLASLt rejects."""
+    product in fp32 as torch._scaled_mm does, "wrong" is 5% off, "refused" raises like an
+    algorithm cuBLASLt rejects."""
     scaled = True
     out_dtype = torch.bfloat16
     calls: list = []
@@ -43,7 +43,7 @@ class _FakeScaled:
             raise RuntimeError("cuBLASLt: Matmul returned status 15")
         _FakeScaled.calls.append(_name(algo))
         y = (x.float() @ w.float().t()) * x_scale[:, None] * w_scale[None, :]
-        return (y * 1.005 if _name(algo) == "wrong" else y).to(torch.bfloat16)
+        return (y * 1.05 if _name(algo) == "wrong" else y).to(torch.bfloat16)
 
 
 def _fp8(rows, cols, seed=0, shift=0):
@@ -56,6 +56,19 @@ def _fp8(rows, cols, seed=0, shift=0):
     return t
 
 
+def _cpu_scaled_mm() -> str:
+    """Why torch._scaled_mm's row-wise fp8 product does not run on this CPU ('' where it does)."""
+    try:
+        x = torch.ones(16, 16).to(E4M3)
+        torch._scaled_mm(x, x.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+        return ""
+    except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - a torch without CPU fp8 mm
+        return str(e)
+
+
+NEEDS_SCALED_MM = pytest.mark.skipif(bool(_cpu_scaled_mm()), reason="torch._scaled_mm row-wise on the CPU")
+
+
 @pytest.fixture
 def fake(monkeypatch):
     monkeypatch.setattr(gemm_choice.cublaslt, "LtProduct", _FakeScaled)
@@ -63,19 +76,19 @@ def fake(monkeypatch):
     return monkeypatch
 
 
-def test_fp8_choice_keeps_only_candidates_within_its_tolerance(fake):
+@NEEDS_SCALED_MM
+def test_fp8_choice_keeps_the_fastest_agreeing_candidate(fake):
     fake.setattr(gemm_choice, "graph_time", _fake_timer({"base": 10.0, "good-slow": 9.9, "wrong": 1.0,
                                                           "good-fast": 9.0}))
     plan = KernelPlan()
     gemm_choice._choose_one(plan, 96, [_fp8(64, 32, s) for s in range(3)], 1.02, iters=3, max_candidates=8)
     key = (96, 64, 32, E4M3)
-    assert plan.lt_timings[key] == (10.0, 9.0, 2)  # "wrong" (0.5% off) failed, "refused" did not run
+    assert plan.lt_timings[key] == (10.0, 9.0, 2)  # "wrong" (5% off) failed, "refused" did not run
     assert _name(plan.lt[key][1]) == "good-fast"
-    # the same 0.5% passes the bf16 choice's agreement: fp8's is the tighter one
-    assert gemm_choice._agree(torch.full((4,), 1.005), torch.ones(4))
-    assert not gemm_choice._agree(torch.full((4,), 1.005), torch.ones(4), gemm_choice._ScaledFp8.tol)
+    assert _FakeScaled.calls.count("good-fast") == 1 + 3  # checked against torch._scaled_mm, then timed
 
 
+@NEEDS_SCALED_MM
 def test_fp8_shapes_are_timed_only_where_scaled_mm_runs(fake):
     seen = []
     fake.setattr(gemm_choice, "graph_time", _fake_timer({"base": 10.0, "good-slow": 9.9, "wrong": 1.0,
@@ -116,6 +129,7 @@ def test_timed_layers_are_dense_and_rowwise_fp8_ones():
     assert not gemm_choice.timed_layer(fp8("ds_block"))  # block scales: the Triton GEMM
 
 
+@NEEDS_SCALED_MM
 def test_lt_scaled_serves_only_the_chosen_shape():
     plan = KernelPlan()
     plan.lt[(96, 64, 32, E4M3)] = (_FakeScaled(96, 64, 32, E4M3), _algo("good-fast"))
@@ -132,9 +146,11 @@ def test_lt_scaled_serves_only_the_chosen_shape():
     assert plan.lt_scaled(_fp8(32, 96).t(), xs, w, ws) is None  # not contiguous
     assert plan.lt_scaled(xq, xs[:95], w, ws) is None  # not a scale a row
     assert plan.lt_scaled(xq, xs, w, ws[:63]) is None  # not a scale a weight row
-    assert plan.lt_product(xq.float().bfloat16(), w) is None  # the bf16 lookup does not take fp8 choices
+    assert plan.lt_product(xq, w) is None  # the unscaled lookup does not take the fp8 choice
+    assert plan.lt_scaled(xq, xs, w.float().bfloat16(), ws) is None  # another weight dtype
 
 
+@NEEDS_SCALED_MM
 def test_the_fp8_route_takes_the_plan_choice_and_adds_the_bias():
     plan = KernelPlan()
     plan.lt[(96, 64, 32, E4M3)] = (_FakeScaled(96, 64, 32, E4M3), _algo("good-fast"))
@@ -148,8 +164,9 @@ def test_the_fp8_route_takes_the_plan_choice_and_adds_the_bias():
     # tensor-wise scales (one for x, the weight's single one) stay on torch's call
     one, w_scalar = torch.tensor([0.5]), torch.tensor(0.25)
     common._product_on_route("scaled_mm", xq, one, w, ws, None, torch.bfloat16, 0, w_scalar, plan=plan)
-    # another output dtype, or no plan: torch's call
+    # no plan, or another output dtype (the row-wise product is bf16 out): torch's call
     common._product_on_route("scaled_mm", xq, xs, w, ws, None, torch.bfloat16, 0, None)
+    assert common._planned_scaled_mm(plan, xq, xs, w, ws, None, torch.float16) is None
     assert _FakeScaled.calls == ["good-fast"]
 
 
@@ -160,7 +177,10 @@ def test_every_fp8_candidate_equals_scaled_mm(rows, n, k):
     x = torch.randn(rows, k, device="cuda").mul(32).to(E4M3)
     w = torch.randn(n, k, device="cuda").mul(32).to(E4M3)
     xs, ws = torch.rand(rows, device="cuda") / 64 + 1e-3, torch.rand(n, device="cuda") / 64 + 1e-3
-    ref = common._scaled_mm(x, xs, w, ws, None, torch.bfloat16, None).float()
+    # e4m3 products are exact in fp32 and their fp32 sums far closer than bf16's step
+    ref = (x.float() @ w.float().t()) * xs[:, None] * ws[None, :]
+    lib = common._scaled_mm(x, xs, w, ws, None, torch.bfloat16, None).float()
+    assert (lib - ref).abs().max() <= 5e-3 * ref.abs().max()
     prod = cublaslt.LtProduct(rows, n, k, E4M3)
     algos = prod.candidates()
     assert len(algos) >= len(prod.algos()) >= 1
@@ -172,7 +192,10 @@ def test_every_fp8_candidate_equals_scaled_mm(rows, n, k):
             continue  # offered for another row count and refused here
         ran += 1
         assert y.dtype == torch.bfloat16
-        assert (y.float() - ref).abs().max() <= 3e-3 * ref.abs().max()
+        # bf16's rounding (up to 3.9e-3 of the largest output) and sums promoted to fp32 (fast
+        # accumulation was 5-9e-3 off at these sizes), as torch._scaled_mm
+        assert (y.float() - ref).abs().max() <= 5e-3 * ref.abs().max()
+        assert gemm_choice._agree(y, lib)
     assert ran >= len(prod.algos())
     with pytest.raises(ValueError, match="x_scale"):
         prod(x, w, algos[0], x_scale=xs[:-1], w_scale=ws)
@@ -200,7 +223,16 @@ def test_chosen_fp8_products_in_the_layers_and_a_graph():
     unplanned = m.method.apply(m, x)  # no plan: torch._scaled_mm
     m.plan = plan
     assert (200, 1536, 512, E4M3) in plan.lt
+    served, lt_scaled = [], plan.lt_scaled
+
+    def spy(*args):  # the layer's product is the chosen cuBLASLt algorithm's, not torch's
+        y = lt_scaled(*args)
+        served.append(y is not None)
+        return y
+
+    plan.lt_scaled = spy
     torch.testing.assert_close(m(x).float(), unplanned.float(), atol=2e-2, rtol=1e-2)
+    assert served == [True]
     g = torch.cuda.CUDAGraph()
     m(x)
     torch.cuda.synchronize()
@@ -209,5 +241,6 @@ def test_chosen_fp8_products_in_the_layers_and_a_graph():
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()
+    assert served == [True] * 3  # eager twice, then captured
     m.plan = None
     torch.testing.assert_close(y.float(), m.method.apply(m, x).float(), atol=2e-2, rtol=1e-2)

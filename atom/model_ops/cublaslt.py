@@ -309,11 +309,13 @@ class LtProduct:
 
 
 def check_scales(x_scale, w_scale, rows: int, n: int) -> None:
-    """The scaled product's scales: contiguous fp32 vectors of `rows` and `n` values."""
+    """The scaled product's scales: contiguous, 16-byte aligned fp32 vectors of `rows` and `n`
+    values."""
     for name, s, want in (("x_scale", x_scale, rows), ("w_scale", w_scale, n)):
-        if s is None or s.dtype != torch.float32 or s.numel() != want or not s.is_contiguous():
+        if s is None or s.dtype != torch.float32 or s.numel() != want or not s.is_contiguous() or s.data_ptr() % 16:
             got = "None" if s is None else f"{s.dtype} {tuple(s.shape)}"
-            raise ValueError(f"{name}: a contiguous float32 vector of {want} values is needed, got {got}")
+            raise ValueError(f"{name}: a contiguous, 16-byte aligned float32 vector of {want} values is needed, "
+                             f"got {got}")
 
 
 def describe(algo: _Algo) -> dict:

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Live plans by handle, for the one place that needs a plan inside a compiled graph
 # (`atom::plan_linear` takes the handle, an int, since a custom op takes no Python object).
@@ -81,7 +84,7 @@ class KernelPlan:
     gemv: dict = field(default_factory=dict)          # (N, K, dtype, variant) -> GEMV config
     gemv_timings: dict = field(default_factory=dict)  # same key -> (unfused us, Triton us)
     lt: dict = field(default_factory=dict)            # (rows, N, K, dtype) -> (LtProduct, algo)
-    lt_timings: dict = field(default_factory=dict)    # same key -> (F.linear us, best us, tried)
+    lt_timings: dict = field(default_factory=dict)    # same key -> (library us, best us, tried)
     lt_configs: dict = field(default_factory=dict, repr=False)  # enumerations (search cache)
     force_kernels: bool = False            # use the kernels on CPU tensors too (Triton's interpreter)
     moe_kernel: str = "auto"               # the experts kernel (MOE_KERNELS)
@@ -133,13 +136,22 @@ class KernelPlan:
             return None
         return self.gemv.get((weight.shape[0], weight.shape[1], weight.dtype, variant))
 
-    def lt_product(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-        """x W^T with the cuBLASLt algorithm chosen for this shape, or None where none was."""
+    def _lt_hit(self, x: torch.Tensor, w: torch.Tensor, scaled: bool):
+        """The (LtProduct, algo) chosen for x W^T's shape, of the kind asked (fp8 scaled or
+        not), where x and W are contiguous, of W's dtype and 256-byte aligned (what the
+        heuristic assumed); else None."""
         if torch.compiler.is_compiling() or not self.lt or x.dim() != 2:
             return None
         hit = self.lt.get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
-        if hit is None or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()) \
-                or x.data_ptr() % 256 or w.data_ptr() % 256:  # the heuristic assumes 256-byte alignment
+        if hit is None or getattr(hit[0], "scaled", False) != scaled or x.dtype != w.dtype \
+                or not (x.is_contiguous() and w.is_contiguous()) or x.data_ptr() % 256 or w.data_ptr() % 256:
+            return None
+        return hit
+
+    def lt_product(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """x W^T with the cuBLASLt algorithm chosen for this shape, or None where none was."""
+        hit = self._lt_hit(x, w, scaled=False)
+        if hit is None:
             return None
         prod, algo = hit
         return prod(x, w, algo)
@@ -148,11 +160,8 @@ class KernelPlan:
         """The ptpc FP8 product (xq W^T) * xs[:, None] * ws[None, :] -> bf16 with the cuBLASLt
         algorithm chosen for this shape (key dtype float8_e4m3fn), or None where none was.
         xs: one scale a row of xq, or one for all; ws: one a row of W."""
-        if torch.compiler.is_compiling() or not self.lt or xq.dim() != 2:
-            return None
-        hit = self.lt.get((xq.shape[0], w.shape[0], w.shape[1], w.dtype))
-        if hit is None or not hit[0].scaled or xq.dtype != w.dtype or not (xq.is_contiguous() and w.is_contiguous()) \
-                or xq.data_ptr() % 256 or w.data_ptr() % 256 or ws.numel() != w.shape[0]:
+        hit = self._lt_hit(xq, w, scaled=True)
+        if hit is None or ws.numel() != w.shape[0]:
             return None
         xs = xs.float().reshape(-1)
         if xs.numel() == 1:
@@ -267,7 +276,12 @@ class KernelPlan:
             for e in lt:
                 r, n, k, dt = e["key"]
                 key = (int(r), int(n), int(k), _dtype(dt))
-                plan.lt[key] = (cublaslt.LtProduct(*key), cublaslt.algo_from_bytes(bytes.fromhex(e["algo"])))
+                try:
+                    prod = cublaslt.LtProduct(*key)
+                except RuntimeError as err:  # e.g. a cuBLASLt without the fp8 outer-vector scales
+                    logger.warning("plan entry %s left out (the library's product runs): %s", key, err)
+                    continue
+                plan.lt[key] = (prod, cublaslt.algo_from_bytes(bytes.fromhex(e["algo"])))
         return plan
 
     def save(self, path: str | Path) -> Path:
