@@ -107,6 +107,9 @@ def test_fp8_shapes_are_timed_only_where_scaled_mm_runs(fake):
     assert not gemm_choice.is_timed(128, torch.empty(4096, 4096, dtype=E4M3, device="meta"))  # swap-AB's 128-row tile
     assert gemm_choice.is_timed(129, torch.empty(4096, 4096, dtype=E4M3, device="meta"))
     assert gemm_choice.is_timed(8, torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"))
+    # an fp16 model's row-wise fp8 products are not torch._scaled_mm's (bf16 out only): not timed
+    assert not gemm_choice.is_timed(256, torch.empty(4096, 4096, dtype=E4M3, device="meta"), torch.float16)
+    assert gemm_choice.choose_lt_algos(KernelPlan(), nn.Identity(), [96, 256], out_dtype=torch.float16) == {}
     xq, w = _fp8(96, 32, 5), groups[(64, 32, E4M3)][0]
     xs, ws = torch.rand(96) + 0.5, torch.rand(64) + 0.5
     torch.testing.assert_close(plan.lt_scaled(xq, xs, w, ws),

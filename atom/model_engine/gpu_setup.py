@@ -201,7 +201,7 @@ def _setup_graphs(runner) -> None:
             gemm_choice.choose_lt_algos(plan, runner.model, sizes, cache_dir=cache_dir,
                                         # at level 3 too: compiled steps call atom::plan_linear
                                         prefill_rows=config.max_num_batched_tokens,
-                                        wide_rows=(64, 1024) if cache_dir else None)
+                                        wide_rows=(64, 1024) if cache_dir else None, out_dtype=runner.dtype)
     max_blocks = -(-config.max_model_len // runner.block_size)
     runner.graphs = CUDAGraphRunner(runner, sizes, max_blocks)
     runner.graphs.capture()

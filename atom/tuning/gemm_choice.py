@@ -145,14 +145,14 @@ def _fits(rows: int, w: torch.Tensor) -> bool:
     return free >= need
 
 
-def is_timed(rows: int, w: torch.Tensor) -> bool:
+def is_timed(rows: int, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether a choice for `rows` rows would serve `w`'s products: every row count for
     bf16 / fp16 weights; for e4m3 weights those where the fp8 product runs torch._scaled_mm
     (below, the swap-AB kernel's table takes them: `quant.common.route_for`)."""
     if w.dtype != torch.float8_e4m3fn:
         return True
     from atom.model_ops.quant.common import route_for
-    return route_for("fp8", rows, w.shape[1], w.shape[0], torch.bfloat16, w.device) == "scaled_mm"
+    return route_for("fp8", rows, w.shape[1], w.shape[0], out_dtype, w.device) == "scaled_mm"
 
 
 def _screen(prod, case: _Dense, ws: list[torch.Tensor], out: torch.Tensor, algos: list, reps: int = 3) -> list:
@@ -331,9 +331,11 @@ def _save(plan, path: Path, fingerprint: dict) -> None:
 
 def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 1.02, min_rows: int = 2,
                     iters: int = 10, max_candidates: int = 24, cache_dir: str = "",
-                    prefill_rows: int = 0, wide_rows: tuple[int, int] | None = None) -> dict:
+                    prefill_rows: int = 0, wide_rows: tuple[int, int] | None = None,
+                    out_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Into `plan` (a `KernelPlan`): times the model's products at each capture size >= `min_rows` (batch 1 has the GEMV
-    choice; the row-wise fp8 ones only where they run torch._scaled_mm, `is_timed`) and keeps the cuBLASLt candidate that wins by `min_gain` (2%: above the spread of
+    choice; the row-wise fp8 ones only where they run torch._scaled_mm, `is_timed`, for the
+    model's activations in `out_dtype`) and keeps the cuBLASLt candidate that wins by `min_gain` (2%: above the spread of
     repeated timings), trying at most `max_candidates` of the heuristic's per shape; with
     `cache_dir`, through the cache file there. `prefill_rows` (the engine passes `max_num_batched_tokens`): also every
     shape at the row count of a full prefill step, timed on one weight (its input alone is
@@ -352,11 +354,11 @@ def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     timed_weights = [_enough_weights(ws) for ws in groups.values()]  # once per shape, not per size
-    work = [(r, ws) for r in rows_list for ws in timed_weights if is_timed(r, ws[0])]
+    work = [(r, ws) for r in rows_list for ws in timed_weights if is_timed(r, ws[0], out_dtype)]
     wide = {r for r in rows_list if wide_rows and wide_rows[0] <= r <= wide_rows[1]}  # capture sizes only
     if prefill_rows and prefill_rows not in rows_list:
         work += [(prefill_rows, ws[:1]) for ws in groups.values()
-                 if is_timed(prefill_rows, ws[0]) and _fits(prefill_rows, ws[0])]
+                 if is_timed(prefill_rows, ws[0], out_dtype) and _fits(prefill_rows, ws[0])]
     path, fingerprint, todo = None, None, work
     if cache_dir:
         fingerprint = _fingerprint(wide_rows if wide else None)
