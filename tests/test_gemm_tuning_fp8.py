@@ -247,3 +247,9 @@ def test_chosen_fp8_products_in_the_layers_and_a_graph():
     assert served == [True] * 3  # eager twice, then captured
     m.plan = None
     torch.testing.assert_close(y.float(), m.method.apply(m, x).float(), atol=2e-2, rtol=1e-2)
+    # a saved plan brings the fp8 choices back (`KernelPlan.load` on the same GPU)
+    again = KernelPlan.from_dict(plan.to_dict())
+    assert set(again.lt) == set(plan.lt)
+    xq = torch.randn(200, 512, device="cuda").mul(32).to(E4M3)
+    xs = torch.rand(200, device="cuda") / 64
+    assert torch.equal(again.lt_scaled(xq, xs, m.weight, m.row_scale), lt_scaled(xq, xs, m.weight, m.row_scale))
