@@ -375,6 +375,21 @@ def test_lt_product_rejects_other_dtypes():
         cublaslt.LtProduct(8, 24, 16, torch.float32)
 
 
+def run_candidates(prod, call):
+    """(`prod`'s candidates, the outputs of those `call(algo)` runs): cuBLASLt may refuse here
+    an algorithm it offered for another row count, but runs every one offered for this one."""
+    algos = prod.candidates()
+    assert len(algos) >= len(prod.algos()) >= 1
+    outs = []
+    for algo in algos:
+        try:
+            outs.append(call(algo))
+        except RuntimeError:
+            continue
+    assert len(outs) >= len(prod.algos())
+    return algos, outs
+
+
 @pytest.mark.gpu
 @GPU_ONLY
 @pytest.mark.parametrize("rows,n,k", [(1, 96, 64), (16, 4096, 4096), (100, 6144, 4096), (256, 1000, 520)])
@@ -384,17 +399,9 @@ def test_every_candidate_equals_f_linear(rows, n, k, dtype):
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     ref = F.linear(x.float(), w.float())
     prod = cublaslt.LtProduct(rows, n, k, dtype)
-    algos = prod.candidates()
-    assert len(algos) >= len(prod.algos()) >= 1
-    ran = 0
-    for algo in algos:
-        try:
-            y = prod(x, w, algo)
-        except RuntimeError:
-            continue  # offered for another row count and refused here
-        ran += 1
+    algos, outs = run_candidates(prod, lambda algo: prod(x, w, algo))
+    for y in outs:
         torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
-    assert ran >= len(prod.algos())
     with pytest.raises(ValueError, match="rows=%d" % rows):
         prod(torch.randn(rows + 1, k, device="cuda", dtype=dtype), w, algos[0])
 
