@@ -51,7 +51,8 @@
 # GEMM and the swap-AB kernel), kv_tests (the FP8-KV attention and MLA decode tests,
 # and the 4-bit kernels' GPU tests), attn_ahead (the unified attention's decode tilings with and
 # without `rows_ahead`, Llama-3.1-8B shape), lt_tests (the start-up cuBLASLt choice's GPU tests, bf16 and
-# row-wise fp8), lt_fp8 (row-wise FP8 products at 96-256 rows: torch._scaled_mm against cuBLASLt's candidates).
+# row-wise fp8), lt_fp8 (row-wise FP8 products at 96-256 rows: torch._scaled_mm against cuBLASLt's candidates),
+# fp8_thr_vllm (the Llama-3.1-8B workload in ptpc FP8 beside vLLM's, after the four stash calls and `vllm`).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -128,6 +129,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
   g_vllm) run g-thr-vllm 420 python3 -m atom.benchmarks.throughput --model gpt-oss-20b --peer vllm --peer-dummy xavier --repeat 1 --out $R/g-thr-vllm.json;;
   w4_vllm) run l-lat-w4-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization w4a16 --cache-dir /tmp/lc --out $R/l-lat-w4-vllm.json;;
   mx_vllm) run l-lat-mx-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization mxfp4_w4a16 --cache-dir /tmp/lc --out $R/l-lat-mx-vllm.json;;
+  fp8_thr_vllm) run l-thr-fp8-vllm 560 python3 -m atom.benchmarks.throughput $L --peer vllm --repeat 1 --quantization fp8_dynamic \
+                  --cache-dir /tmp/lc --out $R/l-thr-fp8-vllm.json;;
   fp8_vllm) run l-lat-fp8-vllm 300 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer vllm --repeat 1 --quantization fp8_dynamic --cache-dir /tmp/lc --out $R/l-lat-fp8-vllm.json;;
   moe_tests) run moe-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_moe_topk_sum.py tests/test_moe_fp8_triton.py \
                tests/test_moe_mxfp4_triton.py tests/test_moe_kernels.py;;
