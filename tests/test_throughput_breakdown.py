@@ -35,3 +35,17 @@ def test_breakdown_of_no_steps_is_empty():
     assert step_breakdown(_stats([]), 0) == {}
     llm = _stats([dict(time=0.0, latency=0.1, prefill_tokens=1, decode_tokens=0, num_seqs=1)])
     assert step_breakdown(llm, 1) == {}
+
+
+def test_gemm_choices_lists_the_plans_start_up_products():
+    import torch
+
+    from atom.benchmarks.throughput import gemm_choices
+    from atom.tuning.plan import KernelPlan
+    plan = KernelPlan()
+    plan.gemv_timings[(4096, 4096, torch.bfloat16, "plain")] = (15.0, 12.0)
+    plan.lt_timings[(160, 4096, 4096, torch.float8_e4m3fn)] = (14.3, 9.8, 12)
+    rows = gemm_choices(SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(plan=plan))))
+    assert rows == [{"kind": "gemm", "rows": 160, "n": 4096, "k": 4096, "dtype": "float8_e4m3fn",
+                     "variant": "plain", "library_us": 14.3, "best_us": 9.8, "runs": "library", "tried": 12}]
+    assert gemm_choices(SimpleNamespace(engine=SimpleNamespace())) == []  # the model in another process
