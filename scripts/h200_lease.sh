@@ -181,6 +181,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
   lt_tests) run lt-gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_gemm_tuning.py \
               tests/test_gemm_tuning_fp8.py;;
   lt_fp8) run lt-fp8-probe 400 python3 scripts/cublaslt_probe.py --dtype fp8 --rows 96 160 192 256 --deadline 330 \
+            --shapes qkv o gate_up down \
             --out $R/lt-fp8-probe.json;;
   fp8_accum) run fp8-accum-probe 400 python3 scripts/fp8_accum_probe.py --out $R/fp8-accum-probe.json;;
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
