@@ -153,6 +153,7 @@ def test_lt_scaled_serves_only_the_chosen_shape():
     assert plan.lt_scaled(_fp8(32, 96).t(), xs, w, ws) is None  # not contiguous
     assert plan.lt_scaled(xq, xs[:95], w, ws) is None  # not a scale a row
     assert plan.lt_scaled(xq, xs, w, ws[:63]) is None  # not a scale a weight row
+    assert plan.lt_scaled(xq, torch.rand(97)[1:], w, ws) is None  # scales not 16-byte aligned
     assert plan.lt_product(xq, w) is None  # the unscaled lookup does not take the fp8 choice
     assert plan.lt_scaled(xq, xs, w.float().bfloat16(), ws) is None  # another weight dtype
 

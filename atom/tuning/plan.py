@@ -166,10 +166,11 @@ class KernelPlan:
         xs = xs.float().reshape(-1)
         if xs.numel() == 1:
             xs = xs.expand(xq.shape[0])
-        if xs.numel() != xq.shape[0]:
+        xs, ws = xs.contiguous(), ws.float().reshape(-1).contiguous()
+        if xs.numel() != xq.shape[0] or xs.data_ptr() % 16 or ws.data_ptr() % 16:  # (cuBLASLt's vectors)
             return None
         prod, algo = hit
-        return prod(xq, w, algo, x_scale=xs.contiguous(), w_scale=ws.float().reshape(-1).contiguous())
+        return prod(xq, w, algo, x_scale=xs, w_scale=ws)
 
     def experts_kernel(self, x: torch.Tensor) -> str:
         """"triton" (the grouped GEMM) or "reference" (the per-expert torch loop) for the
