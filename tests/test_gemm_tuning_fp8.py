@@ -174,7 +174,8 @@ def test_the_fp8_route_takes_the_plan_choice_and_adds_the_bias():
     common._product_on_route("scaled_mm", xq, one, w, ws, None, torch.bfloat16, 0, w_scalar, plan=plan)
     # no plan, or another output dtype (the row-wise product is bf16 out): torch's call
     common._product_on_route("scaled_mm", xq, xs, w, ws, None, torch.bfloat16, 0, None)
-    assert common._planned_scaled_mm(plan, xq, xs, w, ws, None, torch.float16) is None
+    y16 = common._product_on_route("scaled_mm", xq, xs, w, ws, None, torch.float16, 0, None, plan=plan)
+    assert y16.dtype == torch.float16
     assert _FakeScaled.calls == ["good-fast"]
 
 

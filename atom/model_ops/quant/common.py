@@ -290,22 +290,12 @@ def scaled_mm_problem_for(K: int, N: int, out_dtype: torch.dtype, device, rowwis
     return None
 
 
-def _planned_scaled_mm(plan, xq, xs, w, ws_row, bias, out_dtype):
-    """The row-wise fp8 product on the cuBLASLt algorithm the engine's plan chose for this
-    shape at start-up (`tuning.gemm_choice`), the bias added after as `_scaled_mm` does; None
-    where the plan chose none (or for another output dtype)."""
-    if plan is None or out_dtype != torch.bfloat16:
-        return None
-    y = plan.lt_scaled(xq, xs, w, ws_row)
-    if y is not None and bias is not None:
-        y = (y.float() + bias.float()).to(out_dtype)
-    return y
-
-
-def _scaled_mm(xq, xs, w, ws_row, bias, out_dtype, w_scalar):
+def _scaled_mm(xq, xs, w, ws_row, bias, out_dtype, w_scalar, plan=None):
     """torch._scaled_mm with tensor-wise (one x scale, one weight scale) or row-wise scales;
     a bias goes into the call where cuBLASLt takes it (tensor-wise, 16-bit out), else is
-    added after."""
+    added after. `plan`: the engine's `KernelPlan`, whose start-up cuBLASLt choice for the
+    shape (`tuning.gemm_choice`, `KernelPlan.lt_scaled`) runs the row-wise bf16 product
+    where it has one."""
     M, N = xq.shape[0], w.shape[0]
     if xs.numel() == 1 and w_scalar is not None:
         fuse = bias is not None and out_dtype != torch.float32
@@ -313,8 +303,10 @@ def _scaled_mm(xq, xs, w, ws_row, bias, out_dtype, w_scalar):
                              bias=bias.to(out_dtype) if fuse else None, out_dtype=out_dtype)
     else:
         fuse = False
-        y = torch._scaled_mm(xq, w.t(), xs.float().reshape(-1, 1).expand(M, 1).contiguous(),
-                             ws_row.float().reshape(1, N).contiguous(), out_dtype=out_dtype)
+        y = plan.lt_scaled(xq, xs, w, ws_row) if plan is not None and out_dtype == torch.bfloat16 else None
+        if y is None:
+            y = torch._scaled_mm(xq, w.t(), xs.float().reshape(-1, 1).expand(M, 1).contiguous(),
+                                 ws_row.float().reshape(1, N).contiguous(), out_dtype=out_dtype)
     if bias is not None and not fuse:
         y = (y.float() + bias.float()).to(out_dtype)
     return y
@@ -403,11 +395,7 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
     if route == "gemv":
         return quant_gemv(xq, xs, w, ws_k, bias, out_dtype, block_k)
     if route == "scaled_mm":
-        if w_scalar is None or xs.numel() != 1:  # row-wise scales (tensor-wise stays on torch's call)
-            y = _planned_scaled_mm(plan, xq, xs, w, ws, bias, out_dtype)
-            if y is not None:
-                return y
-        return _scaled_mm(xq, xs, w, ws, bias, out_dtype, w_scalar)
+        return _scaled_mm(xq, xs, w, ws, bias, out_dtype, w_scalar, plan)
     return quant_gemm(xq, xs, w, ws_k, bias, out_dtype, block_k)
 
 
