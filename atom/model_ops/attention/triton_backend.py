@@ -1,6 +1,6 @@
 """The Triton attention backend: the KV-cache write and the unified kernel, as one custom op.
 
-`atom::unified_attention_with_output(q, k, v, output, layer_idx)` writes this step's K/V
+`atom::unified_attention_with_output(q, k, v, output, amax, layer_idx)` writes this step's K/V
 into layer `layer_idx`'s cache and attends for the whole batch in one launch; with k and v
 None the cache already holds them (a fused rotary / GEMV kernel wrote them into the target
 `cache_target` handed out); with `cos_sin_cache` (decode steps) q, k are unrotated and the
@@ -64,7 +64,7 @@ class TritonAttentionBackend:
         splits, stride, dtype = qkv_sum if qkv_sum is not None else (0, 0, q.dtype)
         out = torch.empty(q.shape, dtype=dtype, device=q.device)
         rot = tuple(rotary or ()) + (None, None, None, 1e-6)[len(rotary or ()):]
-        torch.ops.atom.unified_attention_with_output(q, k, v, out, layer.layer_idx, *rot, amax, splits, stride)
+        torch.ops.atom.unified_attention_with_output(q, k, v, out, amax, layer.layer_idx, *rot, splits, stride)
         return out
 
     def forward_rope(self, layer, qkv: torch.Tensor, q_size: int, positions: torch.Tensor,
@@ -82,14 +82,16 @@ class TritonAttentionBackend:
         return f"TritonAttentionBackend(layers={len(self.layers)}, workspace={self.workspace!r})"
 
 
+# The mutated arguments (output, amax) have no defaults: torch 2.11's ADInplaceOrView kernel
+# indexes the boxed arguments by schema position, and the dispatcher leaves out trailing
+# arguments equal to their defaults, so a defaulted `amax` passed as None was out of range
 @torch.library.custom_op(OP_NAME, mutates_args=("output", "amax"))
 def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-                                  output: torch.Tensor, layer_idx: int,
+                                  output: torch.Tensor, amax: Optional[torch.Tensor], layer_idx: int,
                                   cos_sin_cache: Optional[torch.Tensor] = None,
                                   q_norm_weight: Optional[torch.Tensor] = None,
                                   k_norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 1e-6,
-                                  amax: Optional[torch.Tensor] = None, qkv_splits: int = 0,
-                                  qkv_split_stride: int = 0) -> None:
+                                  qkv_splits: int = 0, qkv_split_stride: int = 0) -> None:
     meta = get_forward_context()
     backend = meta.attn_backend
     layer = backend.layers[layer_idx]
@@ -105,8 +107,8 @@ def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v:
 
 
 @unified_attention_with_output.register_fake
-def _(q, k, v, output, layer_idx, cos_sin_cache=None, q_norm_weight=None, k_norm_weight=None,
-      norm_eps=1e-6, amax=None, qkv_splits=0, qkv_split_stride=0) -> None:
+def _(q, k, v, output, amax, layer_idx, cos_sin_cache=None, q_norm_weight=None, k_norm_weight=None,
+      norm_eps=1e-6, qkv_splits=0, qkv_split_stride=0) -> None:
     return None
 
 
