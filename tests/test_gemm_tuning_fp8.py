@@ -110,9 +110,12 @@ def test_fp8_shapes_are_timed_only_where_scaled_mm_runs(fake):
     # below 65 rows the swap-AB kernel runs these products: nothing to choose there
     assert sorted(k[0] for k in res) == [96, 256, 512]
     assert all(k[1:] == (64, 32, E4M3) for k in res) and len(plan.lt) == 3
-    assert not gemm_choice.is_timed(64, torch.empty(4096, 4096, dtype=E4M3, device="meta"))
-    assert not gemm_choice.is_timed(128, torch.empty(4096, 4096, dtype=E4M3, device="meta"))  # swap-AB's 128-row tile
-    assert gemm_choice.is_timed(129, torch.empty(4096, 4096, dtype=E4M3, device="meta"))
+    o = torch.empty(4096, 4096, dtype=E4M3, device="meta")
+    assert not gemm_choice.is_timed(64, o)
+    # the swap-AB kernel's 128-row tile (o_proj, down at 65-128 rows): timed against that kernel
+    assert common.route_for("fp8", 128, 4096, 4096, torch.bfloat16, "meta") == "dot"
+    assert gemm_choice.is_timed(65, o) and gemm_choice.is_timed(128, o) and gemm_choice.is_timed(129, o)
+    assert not gemm_choice.is_timed(128, o, torch.float16)
     assert gemm_choice.is_timed(8, torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"))
     # an fp16 model's row-wise fp8 products are not torch._scaled_mm's (bf16 out only): not timed
     assert not gemm_choice.is_timed(256, torch.empty(4096, 4096, dtype=E4M3, device="meta"), torch.float16)
@@ -177,6 +180,10 @@ def test_the_fp8_route_takes_the_plan_choice_and_adds_the_bias():
     y16 = common._product_on_route("scaled_mm", xq, xs, w, ws, None, torch.float16, 0, None, plan=plan)
     assert y16.dtype == torch.float16
     assert _FakeScaled.calls == ["good-fast"]
+    # the swap-AB route takes a choice for its shape too (timed against that kernel), bias added
+    got = common._product_on_route("dot", xq, xs, w, ws, bias, torch.bfloat16, 0, None, plan=plan)
+    _same(got, ref)
+    assert _FakeScaled.calls == ["good-fast"] * 2
 
 
 @pytest.mark.gpu
@@ -251,3 +258,38 @@ def test_chosen_fp8_products_in_the_layers_and_a_graph():
     xq = torch.randn(200, 512, device="cuda").mul(32).to(E4M3)
     xs = torch.rand(200, device="cuda") / 64
     assert torch.equal(again.lt_scaled(xq, xs, m.weight, m.row_scale), lt_scaled(xq, xs, m.weight, m.row_scale))
+
+
+@pytest.mark.gpu
+@GPU_ONLY
+def test_swap_ab_rows_are_timed_against_that_kernel():
+    """o_proj's shape at 96 rows runs the swap-AB kernel's 128-row tile: the start-up choice
+    times cuBLASLt's candidates against that kernel there (not at 64 rows), and a layer with
+    the plan takes the chosen product, agreeing with the kernel's."""
+    torch.manual_seed(0)
+    fmt = FORMATS["fp8_channel"]
+    m = Linear(4096, 4096, quant_config=OneSpec(fmt["spec"]), prefix="o")
+    for name, t in fmt["quant"](torch.randn(4096, 4096) * 0.02).items():
+        fill(m, name, t, None)
+    m.method.process_weights_after_loading(m)
+    m.to("cuda")
+    assert common.route_for("fp8", 96, 4096, 4096, torch.bfloat16, "cuda") == "dot"
+    case = gemm_choice.timing_case(96, m.weight)
+    assert case.route == "dot"
+    plan = KernelPlan(backend="triton")
+    res = gemm_choice.choose_lt_algos(plan, nn.ModuleList([m]), [64, 96], min_gain=0.0)  # keep the best
+    assert set(res) == {(96, 4096, 4096, E4M3)} and (96, 4096, 4096, E4M3) in plan.lt
+    x = torch.randn(96, 4096, device="cuda", dtype=torch.bfloat16)
+    m.plan = None
+    swap_ab = m(x)  # no plan: the swap-AB kernel
+    m.plan = plan
+    served, lt_scaled = [], plan.lt_scaled
+
+    def spy(*args):
+        y = lt_scaled(*args)
+        served.append(y is not None)
+        return y
+
+    plan.lt_scaled = spy
+    torch.testing.assert_close(m(x).float(), swap_ab.float(), atol=2e-2, rtol=1e-2)
+    assert served == [True]

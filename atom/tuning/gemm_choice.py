@@ -13,12 +13,13 @@ KV blocks or the requests waiting cut it short (in the nano-vllm workload: every
 but the last), so that row count is chosen for too (on the H200, Llama-3.1-8B at 16,384 rows:
 o, gate-up and down 1.6-2.9% faster in a probe, 4.8-11% in one engine's start-up; docs/perf,
 eighth session).
-The row-wise (ptpc) FP8 layers' products are chosen the same way at the row counts where
-they run torch._scaled_mm (from `quant.common.SCALED_MM_MIN_M`, above the swap-AB kernel's
-table), whose cuBLASLt call takes the heuristic's first pick: one 128 x 128 tile at every
-decode row count, so the 4096-wide products at up to 256 rows run 32-64 programs on 132 SMs
-(docs/perf). Their candidates keep the same scales and fp32 promotion (`cublaslt.LtProduct`
-with float8_e4m3fn: fast accumulation is never asked for) and must agree with torch._scaled_mm
+The row-wise (ptpc) FP8 layers' products are chosen the same way from
+`quant.common.SCALED_MM_MIN_M` rows: where they run torch._scaled_mm, whose cuBLASLt call
+takes the heuristic's first pick (one 128 x 128 tile at every decode row count, so the
+4096-wide products at up to 256 rows run 32-64 programs on 132 SMs: docs/perf), and where the
+swap-AB kernel's 128-row tile runs them (o_proj and down at 65-128 rows), timed against that
+kernel. Their candidates keep the same scales and fp32 promotion (`cublaslt.LtProduct` with
+float8_e4m3fn: fast accumulation is never asked for) and must agree with the engine's product
 as the bf16 ones with F.linear (within 1e-2 of the largest output: both are rounded to bf16,
 whose step is up to 3.9e-3 of it).
 The choices go into the engine's `KernelPlan` (`plan.lt`, timings in `plan.lt_timings`),
@@ -100,17 +101,20 @@ class _Dense:
 
 class _ScaledFp8(_Dense):
     """One timing's input for a row-wise fp8 shape: e4m3 x [rows, K] with a scale a row, and a
-    scale a weight row; the library's product is the engine's torch._scaled_mm call."""
+    scale a weight row; the library's product is the engine's own for these rows, without a
+    plan: torch._scaled_mm, or the swap-AB kernel where its table takes the rows (`route`)."""
 
     def __init__(self, rows: int, w: torch.Tensor):  # (made in bf16: `_fits` counts 2 bytes an element)
+        from atom.model_ops.quant.common import route_for
         x = torch.randn(rows, w.shape[1], device=w.device, dtype=torch.bfloat16)
         self.x = x.mul_(64).clamp_(-448, 448).to(torch.float8_e4m3fn)
         self.xs = torch.rand(rows, device=w.device).add_(0.5).div_(64)
         self.ws = torch.rand(w.shape[0], device=w.device).add_(0.5).div_(64)
+        self.route = route_for("fp8", rows, w.shape[1], w.shape[0], torch.bfloat16, w.device)
 
     def library(self, w: torch.Tensor) -> torch.Tensor:
-        from atom.model_ops.quant.common import _scaled_mm
-        return _scaled_mm(self.x, self.xs, w, self.ws, None, torch.bfloat16, None)
+        from atom.model_ops.quant.common import _product_on_route
+        return _product_on_route(self.route, self.x, self.xs, w, self.ws, None, torch.bfloat16, 0, None)
 
     def lt(self, prod, w: torch.Tensor, algo, out=None) -> functools.partial:
         return functools.partial(prod, self.x, w, algo, out, x_scale=self.xs, w_scale=self.ws)
@@ -147,12 +151,16 @@ def _fits(rows: int, w: torch.Tensor) -> bool:
 
 def is_timed(rows: int, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether a choice for `rows` rows would serve `w`'s products: every row count for
-    bf16 / fp16 weights; for e4m3 weights those where the fp8 product runs torch._scaled_mm
-    (below, the swap-AB kernel's table takes them: `quant.common.route_for`)."""
+    bf16 / fp16 weights; for e4m3 weights (bf16 out) those where the fp8 product runs
+    torch._scaled_mm, and the swap-AB kernel's from SCALED_MM_MIN_M rows (its 128-row tile
+    into narrow outputs: o_proj and down at 65-128 rows), timed against that kernel
+    (`quant.common.route_for`). Below, the swap-AB kernel reads the weights at their pace
+    and nothing is timed."""
     if w.dtype != torch.float8_e4m3fn:
         return True
-    from atom.model_ops.quant.common import route_for
-    return route_for("fp8", rows, w.shape[1], w.shape[0], out_dtype, w.device) == "scaled_mm"
+    from atom.model_ops.quant.common import SCALED_MM_MIN_M, route_for
+    route = route_for("fp8", rows, w.shape[1], w.shape[0], out_dtype, w.device)
+    return route == "scaled_mm" or (route == "dot" and rows >= SCALED_MM_MIN_M and out_dtype == torch.bfloat16)
 
 
 def _screen(prod, case: _Dense, ws: list[torch.Tensor], out: torch.Tensor, algos: list, reps: int = 3) -> list:
@@ -334,7 +342,7 @@ def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 
                     prefill_rows: int = 0, wide_rows: tuple[int, int] | None = None,
                     out_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Into `plan` (a `KernelPlan`): times the model's products at each capture size >= `min_rows` (batch 1 has the GEMV
-    choice; the row-wise fp8 ones only where they run torch._scaled_mm, `is_timed`, for the
+    choice; the row-wise fp8 ones from 65 rows, `is_timed`, for the
     model's activations in `out_dtype`) and keeps the cuBLASLt candidate that wins by `min_gain` (2%: above the spread of
     repeated timings), trying at most `max_candidates` of the heuristic's per shape; with
     `cache_dir`, through the cache file there. `prefill_rows` (the engine passes `max_num_batched_tokens`): also every
