@@ -55,6 +55,49 @@ def compile_all() -> dict:
         src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
         out[name] = {m: m in ptx for m in want}
+    out.update(same_norm_layouts(norm))
+    return out
+
+
+def _layouts(kernel, constexprs: dict, types: dict, warps: int) -> set:
+    """The blocked layouts of `kernel` compiled for sm90 as a launch specializes it: pointers,
+    strides and N (4096) divisible by 16, which decides how many columns a thread holds."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = list(kernel.arg_names)
+    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+             if t.startswith("*") or a.startswith("stride") or a == "N"}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ttgir"]
+    return set(re.findall(r"sizePerThread = \[(\d+)\]", ttgir))
+
+
+def same_norm_layouts(norm: dict) -> dict:
+    """Whether the norm-quantizer lays a row out as the norm kernel does (the same columns a
+    thread, so the same order of the sum of squares, so the same bits), for bf16 / fp16 /
+    fp32 activations and for the pending split-K sum ("sum+norm+quant", bf16)."""
+    import triton
+
+    from atom.model_ops.kernels import act_quant_fused as aqf
+    from atom.model_ops.kernels import rmsnorm
+    out = {}
+    for act, q in (("bf16", "*fp8e4nv"), ("fp16", "*i8"), ("fp32", "*fp8e4nv")):
+        ptr = "*" + act
+        norm_k = _layouts(rmsnorm._rmsnorm_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=True, PDL=True),
+                          dict(x_ptr=ptr, r_ptr=ptr, w_ptr=ptr, out_ptr=ptr, rout_ptr=ptr, eps="fp32"), norm["num_warps"])
+        types = dict(x_ptr=ptr, r_ptr=ptr, w_ptr=ptr, rout_ptr=ptr, q_ptr=q, s_ptr="*fp32", eps="fp32", qmax="fp32")
+        fused = _layouts(aqf._norm_quant_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=True, INT8=q == "*i8", PDL=True,
+                                                      SUM=False, HAS_BIAS=False, b_ptr=None), types, norm["num_warps"])
+        out[f"norm_layout_{act}"] = {"one layout": len(norm_k) == 1, "the norm kernel's": fused == norm_k}
+        if act == "bf16":
+            summed = _layouts(aqf._norm_quant_kernel, dict(BLOCK=norm["BLOCK"], HAS_RES=True, INT8=False, PDL=True,
+                                                           SUM=True, HAS_BIAS=True, ACT=triton.language.bfloat16),
+                              dict(types, x_ptr="*fp32", b_ptr="*bf16"), norm["num_warps"])
+            out["norm_layout_sum_bf16"] = {"the norm kernel's": summed == norm_k}
     return out
 
 

@@ -58,11 +58,20 @@ if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
-    def _quantize_row(h, q_row, s_ptr, cols, mask, qmax, INT8: tl.constexpr):
-        """h (fp32 values of the row, zero where masked) quantized as act_quant does."""
+    def _quantize_row(h, q_row, s_ptr, cols, mask, qmax, INT8: tl.constexpr, VEC: tl.constexpr = 0):
+        """h (fp32 values of the row, zero where masked) quantized as act_quant does. VEC: the
+        stores' offsets are written so that Triton's analysis finds runs of only VEC
+        contiguous columns (`_runs_of`), so that it lays the row out VEC columns a thread."""
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), 0), 1e-12), qmax)
         tl.store(s_ptr, scale)
-        tl.store(q_row + cols, _quantize(h, scale, INT8).to(q_row.dtype.element_ty), mask=mask)
+        at = _runs_of(cols, VEC) if VEC else cols
+        tl.store(q_row + at, _quantize(h, scale, INT8).to(q_row.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _runs_of(cols, VEC: tl.constexpr):
+        """cols itself, written as (cols // VEC) VEC + cols % VEC: the axis analysis sees runs of
+        VEC contiguous values, so a store through it is vectorized VEC elements a thread."""
+        return cols // VEC * VEC + cols % VEC
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _norm_quant_kernel(x_ptr, r_ptr, w_ptr, rout_ptr, q_ptr, s_ptr, stride_x, stride_r, stride_ro, stride_q,
@@ -74,16 +83,23 @@ if HAS_TRITON:
         pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
+        # The norm's sum of squares runs in the order of the row's layout, which Triton takes
+        # from the kernel's loads and stores: the one-byte q stores alone would spread 16
+        # columns a thread where the norm kernel (`rmsnorm._rmsnorm_kernel`: loads and stores
+        # of the activation dtype) has 16 bytes of it, 8 bf16 columns, and the sums would
+        # differ in their last bit now and then. The q stores are cut to that run (`VEC`).
         if SUM:
             x = split_sum_cols(x_ptr, b_ptr, row, cols, cols < N, M, N, SPLIT_K, ACT, HAS_BIAS)
             h = add_rms_norm_vals(x, r_ptr, w_ptr, rout_ptr, row, cols, cols < N, stride_r, stride_ro, N, eps,
                                   HAS_RES)
             h = h.to(ACT).to(tl.float32)
+            VEC: tl.constexpr = 128 // ACT.primitive_bitwidth
         else:
             h = add_rms_norm_row(x_ptr, r_ptr, w_ptr, rout_ptr, row, stride_x, stride_r, stride_ro, N, eps,
                                  BLOCK, HAS_RES)
             h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # the normed row as the norm kernel stores it
-        _quantize_row(h, q_ptr + row * stride_q, s_ptr + row, cols, cols < N, qmax, INT8)
+            VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+        _quantize_row(h, q_ptr + row * stride_q, s_ptr + row, cols, cols < N, qmax, INT8, VEC)
 
     @triton.jit
     def _silu_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, I, qmax, BLOCK: tl.constexpr,
