@@ -76,6 +76,20 @@ def _same(got, ref):
     assert gemm_choice._agree(got, ref)
 
 
+def _spy_lt_scaled(plan) -> list:
+    """Wraps `plan.lt_scaled`: the list it returns gets, per call, whether the plan served
+    the product (a chosen algorithm ran) or left it to the route's own kernel."""
+    served, lt_scaled = [], plan.lt_scaled
+
+    def spy(*args):
+        y = lt_scaled(*args)
+        served.append(y is not None)
+        return y
+
+    plan.lt_scaled = spy
+    return served
+
+
 @pytest.fixture
 def fake(monkeypatch):
     monkeypatch.setattr(gemm_choice.cublaslt, "LtProduct", _FakeScaled)
@@ -231,14 +245,8 @@ def test_chosen_fp8_products_in_the_layers_and_a_graph():
     unplanned = m.method.apply(m, x)  # no plan: torch._scaled_mm
     m.plan = plan
     assert (200, 1536, 512, E4M3) in plan.lt
-    served, lt_scaled = [], plan.lt_scaled
-
-    def spy(*args):  # the layer's product is the chosen cuBLASLt algorithm's, not torch's
-        y = lt_scaled(*args)
-        served.append(y is not None)
-        return y
-
-    plan.lt_scaled = spy
+    lt_scaled = plan.lt_scaled
+    served = _spy_lt_scaled(plan)  # the layer's product is the chosen cuBLASLt algorithm's, not torch's
     torch.testing.assert_close(m(x).float(), unplanned.float(), atol=2e-2, rtol=1e-2)
     assert served == [True]
     g = torch.cuda.CUDAGraph()
@@ -283,13 +291,6 @@ def test_swap_ab_rows_are_timed_against_that_kernel():
     m.plan = None
     swap_ab = m(x)  # no plan: the swap-AB kernel
     m.plan = plan
-    served, lt_scaled = [], plan.lt_scaled
-
-    def spy(*args):
-        y = lt_scaled(*args)
-        served.append(y is not None)
-        return y
-
-    plan.lt_scaled = spy
+    served = _spy_lt_scaled(plan)
     torch.testing.assert_close(m(x).float(), swap_ab.float(), atol=2e-2, rtol=1e-2)
     assert served == [True]
