@@ -110,7 +110,7 @@ def test_fp8_choice_keeps_the_fastest_agreeing_candidate(fake):
 
 
 @NEEDS_SCALED_MM
-def test_fp8_shapes_are_timed_only_where_scaled_mm_runs(fake):
+def test_fp8_shapes_are_timed_from_65_rows(fake):
     seen = []
     fake.setattr(gemm_choice, "graph_time", _fake_timer({"base": 10.0, "good-slow": 9.9, "wrong": 1.0,
                                                           "good-fast": 9.0}, seen))
