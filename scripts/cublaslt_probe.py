@@ -92,7 +92,7 @@ def probe(name, n, k, m, dtype=torch.bfloat16, enumerate_all=False, budget=90.0)
     size = torch.finfo(dtype).bits // 8
     copies = max(1, -(-200_000_000 // (n * k * size)))
     ws = [(torch.randn(n, k, device="cuda") * (32 if size == 1 else 0.02)).to(dtype) for _ in range(copies)]
-    case = timing_case(m, ws[0])  # the input and the library's product (F.linear / torch._scaled_mm)
+    case = timing_case(m, ws[0])  # the input and the engine's product (F.linear / torch._scaled_mm / swap-AB)
     cub = graph_time([functools.partial(case.library, w) for w in ws]) * 1e6
     ref = case.library(ws[0]).float()
     prod = LtProduct(m, n, k, dtype)

@@ -130,6 +130,8 @@ def test_fp8_shapes_are_timed_from_65_rows(fake):
     assert common.route_for("fp8", 128, 4096, 4096, torch.bfloat16, "meta") == "dot"
     assert gemm_choice.is_timed(65, o) and gemm_choice.is_timed(128, o) and gemm_choice.is_timed(129, o)
     assert not gemm_choice.is_timed(128, o, torch.float16)
+    # the baseline a candidate must beat is the engine's product on its route there
+    assert gemm_choice.timing_case(96, o).route == "dot" and gemm_choice.timing_case(160, o).route == "scaled_mm"
     assert gemm_choice.is_timed(8, torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta"))
     # an fp16 model's row-wise fp8 products are not torch._scaled_mm's (bf16 out only): not timed
     assert not gemm_choice.is_timed(256, torch.empty(4096, 4096, dtype=E4M3, device="meta"), torch.float16)
@@ -176,7 +178,7 @@ def test_lt_scaled_serves_only_the_chosen_shape():
 
 
 @NEEDS_SCALED_MM
-def test_the_fp8_route_takes_the_plan_choice_and_adds_the_bias():
+def test_the_fp8_route_takes_the_plan_choice_and_adds_the_bias(monkeypatch):
     plan = KernelPlan()
     plan.lt[(96, 64, 32, E4M3)] = (_FakeScaled(96, 64, 32, E4M3), _algo("good-fast"))
     xq, w = _fp8(96, 32, 1), _fp8(64, 32, 2)
@@ -194,10 +196,24 @@ def test_the_fp8_route_takes_the_plan_choice_and_adds_the_bias():
     y16 = common._product_on_route("scaled_mm", xq, xs, w, ws, None, torch.float16, 0, None, plan=plan)
     assert y16.dtype == torch.float16
     assert _FakeScaled.calls == ["good-fast"]
-    # the swap-AB route takes a choice for its shape too (timed against that kernel), bias added
-    got = common._product_on_route("dot", xq, xs, w, ws, bias, torch.bfloat16, 0, None, plan=plan)
-    _same(got, ref)
+    # the swap-AB route takes a choice for its shape too (timed against that kernel, without a
+    # bias); not with a bias (the kernel adds it in its split-K sum), a split K folded in or
+    # left pending, block scales or a 16-bit output other than bf16
+    got = common._product_on_route("dot", xq, xs, w, ws, None, torch.bfloat16, 0, None, plan=plan)
+    _same(got, common._scaled_mm(xq, xs, w, ws, None, torch.bfloat16, None))
     assert _FakeScaled.calls == ["good-fast"] * 2
+    from atom.model_ops.kernels import quant_gemv_dot as qgd
+    kernel = []
+    fake_kernel = lambda *a, **k: kernel.append(k) or torch.zeros(96, 64, dtype=a[5])  # noqa: E731
+    monkeypatch.setattr(qgd, "quant_gemv_dot", fake_kernel)
+    monkeypatch.setattr(qgd, "quant_gemv_dot_launch", fake_kernel)
+    lock = torch.zeros(4, dtype=torch.int32)
+    for call in (dict(bias=bias), dict(lock=lock), dict(defer_sum=True), dict(out_dtype=torch.float16)):
+        args = dict(bias=None, out_dtype=torch.bfloat16) | call
+        common._product_on_route("dot", xq, xs, w, ws, args.pop("bias"), args.pop("out_dtype"), 0, None,
+                                 plan=plan, **args)
+    common._product_on_route("dot", xq, xs.reshape(-1, 1), w, ws, None, torch.bfloat16, 32, None, plan=plan)
+    assert len(kernel) == 5 and _FakeScaled.calls == ["good-fast"] * 2
 
 
 @pytest.mark.gpu
@@ -287,6 +303,9 @@ def test_swap_ab_rows_are_timed_against_that_kernel():
     plan = KernelPlan(backend="triton")
     res = gemm_choice.choose_lt_algos(plan, nn.ModuleList([m]), [64, 96], min_gain=0.0)  # keep the best
     assert set(res) == {(96, 4096, 4096, E4M3)} and (96, 4096, 4096, E4M3) in plan.lt
+    # the baseline timed there was the swap-AB kernel's product
+    assert torch.equal(case.library(m.weight),
+                       common.quant_gemv_dot(case.x, case.xs, m.weight, case.ws, None, torch.bfloat16, 0))
     x = torch.randn(96, 4096, device="cuda", dtype=torch.bfloat16)
     m.plan = None
     swap_ab = m(x)  # no plan: the swap-AB kernel

@@ -58,8 +58,9 @@ logger = logging.getLogger(__name__)
 def timed_layer(m: nn.Module) -> bool:
     """Whether the choice serves linear layer `m`'s products (wherever its weight lies):
     bias-free contiguous bf16 / fp16 weights of the unquantized method, and e4m3 weights of
-    row-wise scaled fp8 layers (`Fp8LinearMethod.rowwise_scaled`; that product adds a bias
-    after). Not the LM head, whose rows are the sampled ones."""
+    row-wise scaled fp8 layers (`Fp8LinearMethod.rowwise_scaled`; on torch._scaled_mm's route
+    a bias is added after the chosen product, on the swap-AB kernel's only bias-free layers
+    take it). Not the LM head, whose rows are the sampled ones."""
     from atom.model_ops.linear import Linear
     from atom.model_ops.quant import is_unquantized
     if not isinstance(m, Linear) or not m.weight.is_contiguous():

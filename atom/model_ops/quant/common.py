@@ -385,14 +385,14 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
     kernel folds a split K into itself (`quant_gemv_dot.split_k_lock`); `defer_sum`: its split
     K comes back unsummed (`split_k.PendingSum`; other routes return the product). `plan`:
     the engine's `KernelPlan`, whose cuBLASLt choice serves "scaled_mm" where it has one,
-    and "dot" where the start-up timing found one faster than the swap-AB kernel (row-wise
-    fp8 from SCALED_MM_MIN_M rows: `tuning.gemm_choice.is_timed`)."""
+    and "dot" (without a bias) where the start-up timing found one faster than the swap-AB
+    kernel (row-wise fp8 from SCALED_MM_MIN_M rows: `tuning.gemm_choice.is_timed`)."""
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
     from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot, quant_gemv_dot_launch
     ws_k = ws if block_k else ws.reshape(-1)
-    if route == "dot" and plan is not None and lock is None and not defer_sum and not block_k \
+    if route == "dot" and plan is not None and bias is None and lock is None and not defer_sum and not block_k \
             and out_dtype == torch.bfloat16 and (y := plan.lt_scaled(xq, xs, w, ws)) is not None:
-        return y if bias is None else (y.float() + bias.float()).to(out_dtype)
+        return y  # (timed without a bias: the swap-AB kernel adds one inside its split-K sum)
     if route in ("dot", "dot_fused"):
         if lock is not None or defer_sum:  # the launch itself (the custom op returns a tensor, mutates nothing)
             return quant_gemv_dot_launch(xq, xs, w, ws_k, bias, out_dtype, block_k, lock=lock, defer_sum=defer_sum)
