@@ -13,8 +13,6 @@ import json
 
 def compile_all() -> dict:
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from atom.model_ops.kernels import act_quant_fused as aqf
     from atom.model_ops.kernels.rmsnorm import norm_row_config
@@ -51,28 +49,32 @@ def compile_all() -> dict:
     }
     out = {}
     for name, (kernel, constexprs, types, warps, want) in cases.items():
-        sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}
-        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+        ptx = _compile(kernel, constexprs, types, warps)["ptx"]
         out[name] = {m: m in ptx for m in want}
     out.update(same_norm_layouts(norm))
     return out
 
 
-def _layouts(kernel, constexprs: dict, types: dict, warps: int) -> set:
-    """The blocked layouts of `kernel` compiled for sm90 as a launch specializes it: pointers,
-    strides and N (4096) divisible by 16, which decides how many columns a thread holds."""
-    import re
-
+def _compile(kernel, constexprs: dict, types: dict, warps: int, aligned: bool = False) -> dict:
+    """`kernel` compiled for sm90 (its asm by stage); the arguments not in `types` are i32.
+    `aligned`: pointers, strides and N divisible by 16, as a launch on aligned tensors of 4096
+    columns specializes them (which decides how many columns a thread holds)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     names = list(kernel.arg_names)
     sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
-             if t.startswith("*") or a.startswith("stride") or a == "N"}
+             if aligned and (t.startswith("*") or a.startswith("stride") or a == "N")}
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ttgir"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm
+
+
+def _layouts(kernel, constexprs: dict, types: dict, warps: int) -> set:
+    """The columns a thread holds in `kernel`'s blocked layouts, compiled as a launch on
+    aligned tensors specializes it."""
+    import re
+    ttgir = _compile(kernel, constexprs, types, warps, aligned=True)["ttgir"]
     return set(re.findall(r"sizePerThread = \[(\d+)\]", ttgir))
 
 
