@@ -52,7 +52,8 @@
 # and the 4-bit kernels' GPU tests), attn_ahead (the unified attention's decode tilings with and
 # without `rows_ahead`, Llama-3.1-8B shape), lt_tests (the start-up cuBLASLt choice's GPU tests, bf16 and
 # row-wise fp8), lt_fp8 (row-wise FP8 products at 96-256 rows: torch._scaled_mm against cuBLASLt's candidates),
-# fp8_thr_vllm (the Llama-3.1-8B workload in ptpc FP8 beside vLLM's, after the four stash calls and `vllm`).
+# fp8_thr_vllm (the Llama-3.1-8B workload in ptpc FP8 beside vLLM's, after the four stash calls and `vllm`),
+# qdot_tma (the 8-bit swap-AB product with its weight tiles through TMA against pointer loads).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -184,6 +185,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
             --shapes qkv o gate_up down \
             --out $R/lt-fp8-probe.json;;
   fp8_accum) run fp8-accum-probe 400 python3 scripts/fp8_accum_probe.py --out $R/fp8-accum-probe.json;;
+  qdot_tma) run qdot-tma-sweep 200 python3 scripts/qdot_tma_sweep.py --deadline ${SWEEP_DEADLINE:-120} --out $R/qdot-tma-sweep.json;;
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
   w4_tests) run w4-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;

@@ -4,8 +4,9 @@ tests/test_quant_gemv_dot.py, without TRITON_INTERPRET): tensor-core instruction
 at 64+ weight rows a program, mma below), asynchronous copies (the pipelined weight loads),
 PDL's griddepcontrol, the e4m3 conversion of the fused quantizer (also on load, with the
 scale from partial amaxes), its correctly rounded division, the folded split K's barrier,
-GPU-scope acq_rel counter and L2 reads; and the split reduction; and that fp8 sums are
-carried into fp32 every 128 of K.
+GPU-scope acq_rel counter and L2 reads; weight tiles through TMA (bulk tensor copies, the
+first one issued before the PDL wait with EARLY); and the split reduction; and that fp8 sums
+are carried into fp32 every 128 of K.
 
     python tests/quant_gemv_dot_sm90.py
 """
@@ -28,7 +29,7 @@ def compile_all() -> dict:
                     lock_ptr="*i32", qmax="fp32")
 
     base = dict(M_PAD=16, BLOCK_N=64, BLOCK_K=256, SPLIT=True, BLOCKS=False, INT=False, HAS_BIAS=False,
-                QUANT_X=False, STATIC=False, PARTS=0, X1=False, FOLD=False, PDL=True)
+                QUANT_X=False, STATIC=False, PARTS=0, X1=False, FOLD=False, PDL=True, TMA=False, EARLY=False)
     # the folded split K: a block barrier, one thread's acq_rel counter at GPU scope, L2 reads
     fold = ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg", "atom.global.gpu.acq_rel.exch")
     mark = ("wgmma", "cp.async", "griddepcontrol.wait")
@@ -53,6 +54,11 @@ def compile_all() -> dict:
         "fp8_pending": (dict(base, QUANT_X=True, PARTS=16), ops("*bf16", f8), mark + ("div.rn.f32", "e4m3x2")),
         "int8_pending1": (dict(base, INT=True, QUANT_X=True, PARTS=16, X1=True), ops("*bf16", i8),
                           mark + ("div.rn.f32", ".s8")),
+        # weight tiles through TMA (a tensor descriptor argument): bulk tensor copies, no cp.async for them
+        "fp8_tma": (dict(base, HAS_BIAS=True, TMA=True), ops(f8, "tensordesc<fp8e4nv[64, 256]>"),
+                    ("wgmma", "cp.async.bulk.tensor", "griddepcontrol.wait") + promote),
+        "int8_tma": (dict(base, INT=True, TMA=True), ops(i8, "tensordesc<i8[64, 256]>"),
+                     ("wgmma", "cp.async.bulk.tensor", ".s8")),
     }
     divisible = {"x_ptr", "w_ptr", "y_ptr", "p_ptr", "K", "stride_xm", "stride_wn", "stride_ym"}
     out = {}
@@ -64,6 +70,16 @@ def compile_all() -> dict:
         src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
         asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm
         out[name] = {m: m[6:] in asm["ttgir"] if m.startswith("ttgir:") else m in asm["ptx"] for m in marks}
+    # EARLY: the first weight tile's bulk copy is issued before the PDL wait
+    early = dict(base, TMA=True, EARLY=True)
+    sig = {a: "constexpr" if a in early else ops(f8, "tensordesc<fp8e4nv[64, 256]>").get(a, "i32")
+           for a in qd._qdot_kernel.arg_names}
+    attrs = {(qd._qdot_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in qd._qdot_kernel.arg_names
+             if a in divisible}
+    ptx = triton.compile(ASTSource(fn=qd._qdot_kernel, signature=sig, constexprs=early, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm["ptx"]
+    first_copy, wait = ptx.find("cp.async.bulk.tensor"), ptx.find("griddepcontrol.wait")
+    out["fp8_tma_early"] = {"copy before the wait": 0 <= first_copy < wait, "wait": wait >= 0}
     from atom.model_ops.kernels import split_k
     kernel = split_k._split_k_sum_kernel
     constexprs = dict(BLOCK=1024, HAS_BIAS=True, PDL=True)

@@ -311,13 +311,53 @@ def test_mid_rows_on_gpu(N, K, M):
     torch.testing.assert_close(y.float(), mm.float(), **tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("M", [1, 16, 64, 128])
+@pytest.mark.parametrize("N,K", LLAMA + [(40, 96)])
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_weights_through_tma_give_the_pointer_loads_bits(kind, N, K, M):
+    """Weight tiles through TMA (and, fp8, the first one loaded before the PDL wait) give the
+    masked pointer loads' bits: the same tiles summed in the same order; TMA's zero fill
+    stands for the masks past N (40 rows in 16-row tiles) and past K."""
+    cfg = small_m_config(M, N, K, kind=kind) if (N, K) != (40, 96) else dict(_cfg(M, 2), num_stages=3)
+    if cfg is None:
+        pytest.skip(f"{kind} takes another route at M={M}")
+    cfg = {k: v for k, v in cfg.items() if k != "FUSE"}
+    x = (torch.randn(M, K, device="cuda", generator=torch.Generator("cuda").manual_seed(M)) * 0.5).bfloat16()
+    wq, ws, bias = _weights(kind, N, K, 0)
+    xq, xs = act_quant_ref(x, kind, K, QMAX[kind])
+    xs, bias = xs.reshape(-1), bias.bfloat16()
+    want = quant_gemv_dot_launch(xq, xs, wq, ws, bias, torch.bfloat16, config=dict(cfg, TMA=False))
+    ref = quant_gemm_ref(xq, xs, wq, ws, bias, torch.bfloat16)
+    torch.testing.assert_close(want.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+    assert torch.equal(quant_gemv_dot_launch(xq, xs, wq, ws, bias, torch.bfloat16, config=dict(cfg, TMA=True)), want)
+    early = quant_gemv_dot_launch(xq, xs, wq, ws, bias, torch.bfloat16, config=dict(cfg, TMA=True, EARLY=True))
+    assert torch.equal(early, want)
+
+
+def test_tma_asked_where_it_cannot_run_names_why():
+    """A config asking for TMA on a device without it is refused with the reason; the table's
+    own launches fall back to pointer loads there."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's refusal")
+    x = _x(1, 96, torch.bfloat16)
+    wq, ws, _ = _weights("fp8", 40, 96, 0)
+    xq, xs = act_quant_ref(x, "fp8", 96, 448.0)
+    with pytest.raises(ValueError, match="TMA=True: .*not an NVIDIA sm90"):
+        quant_gemv_dot_launch(xq, xs.reshape(-1), wq, ws, None, torch.bfloat16, config=dict(_cfg(1, 1), TMA=True))
+    y = quant_gemv_dot_launch(xq, xs.reshape(-1), wq, ws, None, torch.bfloat16, config=_cfg(1, 1))
+    _close(y, quant_gemm_ref(xq, xs.reshape(-1), wq, ws, None, torch.bfloat16), torch.bfloat16)
+
+
 def test_kernel_compiles_for_sm90():
     """The compiled (not interpreted) kernel builds for sm90 with tensor-core instructions and
     pipelined (asynchronous) weight copies, fused and not, fp8 and int8, the folded split K's
-    counter, rows quantized on load from partial amaxes (tests/quant_gemv_dot_sm90.py in a
+    counter, rows quantized on load from partial amaxes, weight tiles through TMA (the first
+    one before the PDL wait with EARLY) (tests/quant_gemv_dot_sm90.py in a
     child process without the interpreter)."""
     from sm90_child import run_sm90_check
     got = run_sm90_check("quant_gemv_dot_sm90.py")
-    assert len(got) == 16
+    assert len(got) == 19
     for name, flags in got.items():
         assert all(flags.values()), (name, flags)

@@ -55,6 +55,15 @@ is loaded (the kernel plan's "quant_on_load": SiLU-and-mul's split kernel in fro
 With one row (X1) a step quantizes the row's BLOCK_K values alone and places them in row 0 of
 the zero-padded operand instead of quantizing all M_PAD rows (also the fused quantizer's case).
 
+Weight tiles through TMA (`TMA_WEIGHTS`, NVIDIA sm90+ where the weight's base and rows are
+16-byte aligned): the weight is passed as a tensor descriptor of [BLOCK_N, BLOCK_K] blocks and
+each K step is one bulk copy into shared memory, which the compiler pipelines with mbarriers,
+instead of every thread issuing 16-byte asynchronous copies; rows and columns past the weight
+come back as zeros, as the masks gave them, so the sums are the same. `TMA_EARLY` (fp8,
+pre-quantized x, row / column scales): each program's first weight tile is copied before its
+PDL wait, while the kernel in front finishes, and multiplied ahead of the loop. A config's
+"TMA" / "EARLY" keys override both (`scripts/qdot_tma_sweep.py` times them).
+
 `small_m_config(M, N, K, block_k, kind, act)` is the dispatch table `quant.common` consults
 (None keeps the older kernels for that case), set from the H200 sweeps
 (`scripts/quant_gemv_sweep.py --kinds fp8dot int8dot fp8blockdot` up to 64 rows,
@@ -79,10 +88,13 @@ FUSE_MAX_M = 0  # up to here the table folds the activation quantizer in (0: nev
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H200 (132 SMs): SPLIT_K grows until reached
 LONG_K = 8192  # rows at least this long take 128-row tiles at decode sizes (small_m_config)
 LONG_K_PROGRAMS = 128  # and split K only to about one program per SM (a power of two of programs)
+TMA_WEIGHTS = True  # weight tiles through TMA on NVIDIA sm90+ (a config's "TMA" overrides; module docstring)
+TMA_EARLY = False  # with TMA, each program's first weight tile loaded before the PDL wait ("EARLY" overrides)
 _KINDS = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 if HAS_TRITON:
     from atom.model_ops.kernels.act_quant import _quantize
+    from atom.model_ops.kernels.gemm import TensorDescriptor
     from atom.model_ops.kernels.triton_import import FP8_PROMOTE, pdl_start
 
     # M and SPLIT_K are run-time values (M = 1 not specialized apart): fewer compiled variants
@@ -92,7 +104,8 @@ if HAS_TRITON:
                      stride_ym, stride_xs, stride_ws, qmax, SPLIT_K, n_parts, M_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCKS: tl.constexpr,
                      INT: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, STATIC: tl.constexpr,
-                     PARTS: tl.constexpr, X1: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr):
+                     PARTS: tl.constexpr, X1: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr,
+                     TMA: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Program (n tile, K split). QUANT_X: x is unquantized and quantized here (STATIC: the
         scale is xs_ptr[0], row / column scales only; PARTS > 0: each row's amax is the max of
         its n_parts partials xs_ptr[m, :] (`pending_quant`); else per row over K, or per chunk
@@ -100,7 +113,10 @@ if HAS_TRITON:
         values alone and places them in row 0 of the zero-padded operand, rather than
         quantizing all M_PAD rows of it (the same values). FOLD (with SPLIT): the last split
         of each n tile to finish sums the partials (see the module docstring); lock_ptr: one
-        int32 counter per n tile, zero on entry and left zero."""
+        int32 counter per n tile, zero on entry and left zero. TMA: w_ptr is a tensor
+        descriptor of the weight, block [BLOCK_N, BLOCK_K]. EARLY (TMA, fp8, pre-quantized x,
+        row / column scales): the split's first weight tile is loaded before the PDL wait and
+        multiplied ahead of the loop."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,10 +128,16 @@ if HAS_TRITON:
         per_split = tl.cdiv(steps, SPLIT_K)
         first = pid_k * per_split
         last = tl.minimum(first + per_split, steps)
-        w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        if not TMA:
+            w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
         x_ptrs = x_ptr + ms.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+        if EARLY:  # the first weight tile before the wait: weights never depend on the kernel in front
+            w_first = w_ptr.load([pid_n * BLOCK_N, first * BLOCK_K])
         pdl_start(PDL)
-        qdt = w_ptr.dtype.element_ty
+        if TMA:
+            qdt = w_ptr.dtype
+        else:
+            qdt = w_ptr.dtype.element_ty
         if QUANT_X and not BLOCKS:
             if STATIC:
                 xsc = tl.load(xs_ptr).to(tl.float32) + tl.zeros([M_PAD], tl.float32)
@@ -136,10 +158,20 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_N, M_PAD], tl.int32)
         else:
             acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
-        for step in range(first, last):
+        lo = first
+        if EARLY:  # that tile's product (past the split's end or K: zeros, as TMA fills them)
+            k_ok = rk + first * BLOCK_K < K
+            x = tl.load(x_ptrs + first * BLOCK_K, mask=m_ok[:, None] & k_ok[None, :] & (first < last), other=0.0)
+            acc = tl.dot(w_first, tl.trans(x), acc,
+                         max_num_imprecise_acc=FP8_PROMOTE if BLOCK_K > FP8_PROMOTE else BLOCK_K)
+            lo = first + 1
+        for step in range(lo, last):
             k0 = step * BLOCK_K
             k_ok = rk + k0 < K
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA:  # the copy engine fills shared memory (rows and columns past the weight: zeros)
+                w = w_ptr.load([pid_n * BLOCK_N, k0])
+            else:
+                w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if X1:
                 xr = _quantize(tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32), xsc1, INT)
                 x = tl.where(ms[:, None] == 0, xr[None, :], 0.0).to(qdt)
@@ -303,18 +335,36 @@ def _run(x, xs, w, ws, bias, out_dtype, block_k, cfg, quant_x, static, qmax, loc
     fold = split > 1 and lock is not None
     if fold:
         check_lock(lock, tiles, x.device)
+    tma = _weights_through_tma(w, cfg.pop("TMA", None))
+    early = cfg.pop("EARLY", TMA_EARLY) and tma and not quant_x and not block_k and w.dtype != torch.int8
+    wa = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]) if tma else w
     pdl = pdl_args(x)
     _qdot_kernel[(tiles, split)](
-        x, xs, w, ws, b, y, part, lock if fold else part, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+        x, xs, wa, ws, b, y, part, lock if fold else part, M, N, K, x.stride(0), w.stride(0), y.stride(0),
         stride_xs, stride_ws, float(qmax), split, xs.shape[-1] if parts else 0, SPLIT=split > 1,
         BLOCKS=bool(block_k), INT=w.dtype == torch.int8, HAS_BIAS=bias is not None, QUANT_X=quant_x, STATIC=static,
         PARTS=triton.next_power_of_2(xs.shape[-1]) if parts else 0, X1=quant_x and not block_k and M == 1,
-        FOLD=fold, **pdl, **cfg)
+        FOLD=fold, TMA=tma, EARLY=bool(early), **pdl, **cfg)
     if split > 1 and not fold:
         if defer_sum:
             return PendingSum(part, bias, out_dtype)
         split_k_sum(part, bias, y, pdl)
     return y
+
+
+def _weights_through_tma(w: torch.Tensor, asked: Optional[bool]) -> bool:
+    """Whether the launch reads `w` through a tensor descriptor (TMA): `asked` True / False
+    from a config, None for TMA_WEIGHTS where the device and w's layout allow it (NVIDIA
+    sm90+, 16-byte aligned base and rows; `gemm._tma_layout_problem`)."""
+    from atom.model_ops.kernels.gemm import _tma_device, _tma_layout_problem
+    want = TMA_WEIGHTS if asked is None else asked
+    if not want:
+        return False
+    ok = w.is_cuda and _tma_device(w.device.index if w.device.index is not None else torch.cuda.current_device())
+    problem = _tma_layout_problem(weight=w) if ok else f"{w.device} is not an NVIDIA sm90+ GPU with TMA"
+    if problem is not None and asked:
+        raise ValueError(f"quant_gemv_dot config TMA=True: {problem}")
+    return problem is None
 
 
 def split_k_lock(N: int, device) -> torch.Tensor:
