@@ -55,14 +55,16 @@ is loaded (the kernel plan's "quant_on_load": SiLU-and-mul's split kernel in fro
 With one row (X1) a step quantizes the row's BLOCK_K values alone and places them in row 0 of
 the zero-padded operand instead of quantizing all M_PAD rows (also the fused quantizer's case).
 
-Weight tiles through TMA (`TMA_WEIGHTS`, NVIDIA sm90+ where the weight's base and rows are
+Weight tiles through TMA (`TMA_WEIGHTS`, opt-in, NVIDIA sm90+ where the weight's base and rows are
 16-byte aligned): the weight is passed as a tensor descriptor of [BLOCK_N, BLOCK_K] blocks and
 each K step is one bulk copy into shared memory, which the compiler pipelines with mbarriers,
 instead of every thread issuing 16-byte asynchronous copies; rows and columns past the weight
 come back as zeros, as the masks gave them, so the sums are the same. `TMA_EARLY` (fp8,
 pre-quantized x, row / column scales): each program's first weight tile is copied before its
 PDL wait, while the kernel in front finishes, and multiplied ahead of the loop. A config's
-"TMA" / "EARLY" keys override both (`scripts/qdot_tma_sweep.py` times them).
+"TMA" / "EARLY" keys override both (`scripts/qdot_tma_sweep.py` times them). Both are off by
+default: neither was faster than the pointer loads at the Llama-3.1-8B shapes, alone or in
+batch-1 decode (docs/perf/raw/history.md).
 
 `small_m_config(M, N, K, block_k, kind, act)` is the dispatch table `quant.common` consults
 (None keeps the older kernels for that case), set from the H200 sweeps
@@ -88,7 +90,7 @@ FUSE_MAX_M = 0  # up to here the table folds the activation quantizer in (0: nev
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H200 (132 SMs): SPLIT_K grows until reached
 LONG_K = 8192  # rows at least this long take 128-row tiles at decode sizes (small_m_config)
 LONG_K_PROGRAMS = 128  # and split K only to about one program per SM (a power of two of programs)
-TMA_WEIGHTS = True  # weight tiles through TMA on NVIDIA sm90+ (a config's "TMA" overrides; module docstring)
+TMA_WEIGHTS = False  # weight tiles through TMA on NVIDIA sm90+ (a config's "TMA" overrides; module docstring)
 TMA_EARLY = False  # with TMA, each program's first weight tile loaded before the PDL wait ("EARLY" overrides)
 _KINDS = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
