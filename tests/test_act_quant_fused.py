@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.model_ops.kernels.act_quant import act_quant, act_quant_ref
+from atom.model_ops.kernels.act_quant import act_quant
 from atom.model_ops.kernels.act_quant_fused import (SPLIT_BLOCK, SPLIT_MAX_ROWS, norm_quant, norm_quant_ref,
                                                     silu_amax, silu_quant, silu_quant_config, silu_quant_ref,
                                                     splits_rows)
@@ -289,13 +289,14 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("kind,qmax,M", [(k, q, m) for k, q in KINDS[:2] for m in (1, 3, 64, 100, 128)
-                                          if m <= FUSED_QUANT_MAX_ROWS[k]])
+@pytest.mark.parametrize("kind,qmax,M", [(k, q, m) for k, q in KINDS[:2] for m in (1, 3, 64, 100, 128, 300, 2048)
+                                          if m <= FUSED_QUANT_MAX_ROWS.get(k, m)])
 def test_fused_quantizers_on_gpu_are_the_separate_kernels(kind, qmax, M):
     """Compiled for the GPU, the fused kernels give the separate kernels' bits (the norm's
     sum in the same order: the same jit function, block and warps) at the 8B shapes, for the
-    rows the fusions take (FUSED_QUANT_MAX_ROWS: int8 differed by a step at 128 rows, and at
-    300)."""
+    rows the fusions take (fp8 every row count; int8 up to FUSED_QUANT_MAX_ROWS, set where
+    it differed by a step at 128 rows, and at 300, before the quantizer's stores took the
+    norm's layout)."""
     H, I = 4096, 14336
     x, r = _rows(M, H, torch.bfloat16), _rows(M, H, torch.bfloat16, seed=1)
     w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)

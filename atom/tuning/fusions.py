@@ -20,9 +20,9 @@ which computes the same thing with fewer kernels where the plan says so:
   the cache, and the attention op only reads;
 - "norm+quant" / "silu+quant": 8-bit projections whose method takes its input quantized
   (`method.input_quant`: dynamic per-token fp8 / int8 W8A8, dynamic per-tensor fp8 for one
-  row) get it from the kernel in front, up to `FUSED_QUANT_MAX_ROWS` rows (decode batches,
-  where the fused kernels give the separate kernels' bits; above, the separate norm runs
-  another kernel): add + RMSNorm + quantize before the q/k/v and gate-up products,
+  row) get it from the kernel in front (fp8 at every row count; int8 up to
+  `FUSED_QUANT_MAX_ROWS` rows; the fused kernels give the separate kernels' bits): add +
+  RMSNorm + quantize before the q/k/v and gate-up products,
   SiLU-and-mul + quantize before down (`kernels.act_quant_fused`), the product then reading q
   (`Linear.forward_quantized`, the method's usual routes);
 - "sum+norm+quant": under "norm+quant", an 8-bit o_proj whose swap-AB product splits K
@@ -86,9 +86,11 @@ from atom.model_ops.quant.common import InputQuant
 logger = logging.getLogger(__name__)
 
 
-# the quantizing fusions' rows at most, by kind: where their GPU test found the separate kernels'
-# bits (int8 differed by a step at 128 rows; fp8 matched at 128)
-FUSED_QUANT_MAX_ROWS = {"fp8": 128, "int8": 64}
+# the quantizing fusions' rows at most, by kind (a kind not named: every row count, prefills
+# included): int8 where its GPU test found the separate kernels' bits (it differed by a step at
+# 128 rows, before the quantizer's stores took the norm's layout); fp8 at every size, where
+# the Llama-3.1-8B workload ran faster than with the separate quantizer above 128 rows
+FUSED_QUANT_MAX_ROWS = {"int8": 64}
 # "quant_on_load" rows at most: one row is quantized alone on load (quant_gemv_dot's X1); more
 # rows quantize the product's whole padded operand every K step, the cost that kept the fused
 # quantizer out of the table (quant_gemv_dot.FUSE_MAX_M)
@@ -177,7 +179,8 @@ def quant_input(plan, fusion: str, linear: nn.Module, x: torch.Tensor) -> InputQ
     if plan is None or not plan.has(fusion) or x.dim() != 2:
         return None
     iq = linear.method.input_quant(linear)
-    if iq is None or (not iq.per_token and x.shape[0] != 1) or x.shape[0] > FUSED_QUANT_MAX_ROWS[iq.kind]:
+    rows = x.shape[0]
+    if iq is None or (not iq.per_token and rows != 1) or rows > FUSED_QUANT_MAX_ROWS.get(iq.kind, rows):
         return None
     return iq if common.use_kernels(x) or plan.force_kernels else None
 
