@@ -329,6 +329,33 @@ def test_damaged_cache_entries_are_timed_again(monkeypatch, tmp_path):
     assert len(_cached_run(monkeypatch, tmp_path, US)) == 12
 
 
+def test_cached_choices_timed_against_another_product_are_timed_again(monkeypatch, tmp_path):
+    """Each entry names the product it was timed against (`baseline`); where the engine now
+    runs another one at those rows (a changed route), or the file predates the field, the
+    choice is timed again rather than taken."""
+    _cached_run(monkeypatch, tmp_path, US)
+    path = gemm_tuning.cache_path(tmp_path, {"device": "gpu A"})
+    data = json.loads(path.read_text())
+    assert {e["baseline"] for e in data["choices"].values()} == {"F.linear"}
+    data["choices"]["4 24 16 float32"]["baseline"] = "fp8 dot"  # timed against another product
+    del data["choices"]["8 40 16 float32"]["baseline"]  # a file from before the field
+    path.write_text(json.dumps(data))
+    assert len(_cached_run(monkeypatch, tmp_path, US)) == 2 * 3  # those two again, the others from the file
+    data = json.loads(path.read_text())
+    assert {e["baseline"] for e in data["choices"].values()} == {"F.linear"}  # rewritten with it
+    assert _cached_run(monkeypatch, tmp_path, US) == []
+
+
+def test_fp8_choices_name_the_route_they_were_timed_against(monkeypatch):
+    """The fp8 baseline follows the product's route at those rows: "fp8 dot" for the swap-AB
+    kernel's rows, "fp8 scaled_mm" where torch._scaled_mm runs (route_for stood in for)."""
+    from atom.model_ops.quant import common
+    monkeypatch.setattr(common, "route_for", lambda kind, M, *a, **k: "dot" if M <= 128 else "scaled_mm")
+    w = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn)
+    assert gemm_tuning.baseline(80, w) == "fp8 dot" and gemm_tuning.baseline(256, w) == "fp8 scaled_mm"
+    assert gemm_tuning.baseline(80, torch.zeros(8, 8, dtype=torch.bfloat16)) == "F.linear"
+
+
 def test_prefill_rows_time_each_shape_once_on_one_weight(monkeypatch):
     seen = []
     _fake_cublaslt(monkeypatch, US, seen)

@@ -121,6 +121,16 @@ class _ScaledFp8(_Dense):
         return functools.partial(prod, self.x, w, algo, out, x_scale=self.xs, w_scale=self.ws)
 
 
+def baseline(rows: int, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> str:
+    """The product a choice for `rows` rows of `w` is timed against (`timing_case`'s
+    library): "F.linear", or "fp8 <route>" (`quant.common.route_for`). A cached choice is taken
+    only where it was timed against the product that runs now."""
+    if w.dtype != torch.float8_e4m3fn:
+        return "F.linear"
+    from atom.model_ops.quant.common import route_for
+    return f"fp8 {route_for('fp8', rows, w.shape[1], w.shape[0], out_dtype, w.device)}"
+
+
 def timing_case(rows: int, w: torch.Tensor) -> _Dense:
     """The inputs and library product to time `rows` rows against weights shaped like `w`."""
     return (_ScaledFp8 if w.dtype == torch.float8_e4m3fn else _Dense)(rows, w)
@@ -279,9 +289,10 @@ def _entry_name(key: tuple) -> str:
     return f"{rows} {n} {k} {str(dtype).removeprefix('torch.')}"
 
 
-def _load_cached(plan, path: Path, work: list, fingerprint: dict) -> list:
+def _load_cached(plan, path: Path, work: list, fingerprint: dict, baselines: dict) -> list:
     """Takes the choices `path` holds for `work`'s shapes (a chosen algorithm only if it runs
-    and agrees with the library's product here); returns the work items left to time."""
+    and agrees with the library's product here, and was timed against the product that runs
+    now: `baselines`, by key); returns the work items left to time."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -292,11 +303,15 @@ def _load_cached(plan, path: Path, work: list, fingerprint: dict) -> list:
     if data.get("fingerprint") != fingerprint:
         logger.info("GEMM algorithm cache %s is for %s, not %s: timing again", path, data.get("fingerprint"), fingerprint)
         return work
-    entries, left = data["choices"], []
+    entries, left, stale = data["choices"], [], 0
     for rows, ws in work:
         w = ws[0]
         key = (rows, w.shape[0], w.shape[1], w.dtype)
         e = entries.get(_entry_name(key))
+        if isinstance(e, dict) and e.get("baseline") != baselines[key]:  # (files before it was recorded: none)
+            stale += 1
+            left.append((rows, ws))
+            continue
         try:
             if e is not None and e["algo"] is not None:
                 prod = cublaslt.LtProduct(rows, w.shape[0], w.shape[1], w.dtype)
@@ -313,12 +328,16 @@ def _load_cached(plan, path: Path, work: list, fingerprint: dict) -> list:
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             logger.warning("GEMM algorithm cache %s: entry %s not used (%s)", path, _entry_name(key), err)
         left.append((rows, ws))
+    if stale:
+        logger.info("GEMM algorithm cache %s: %d choices were timed against another product than the one that "
+                    "runs now: timing them again", path, stale)
     return left
 
 
-def _save(plan, path: Path, fingerprint: dict) -> None:
-    """Writes this run's choices into the file, keeping the entries it has for other shapes
-    (other models, other capture sizes)."""
+def _save(plan, path: Path, fingerprint: dict, baselines: dict) -> None:
+    """Writes this run's choices into the file, each with the product it was timed against
+    (`baselines`, by key), keeping the entries it has for other shapes (other models, other
+    capture sizes)."""
     choices = {}
     try:
         old = json.loads(path.read_text())
@@ -327,8 +346,9 @@ def _save(plan, path: Path, fingerprint: dict) -> None:
     except (OSError, ValueError):
         pass
     choices.update({_entry_name(k): {"base_us": round(b, 3), "best_us": round(t, 3), "tried": n,
-                                     "algo": bytes(plan.lt[k][1]).hex() if k in plan.lt else None}
-                    for k, (b, t, n) in plan.lt_timings.items()})
+                                     "algo": bytes(plan.lt[k][1]).hex() if k in plan.lt else None,
+                                     "baseline": baselines[k]}
+                    for k, (b, t, n) in plan.lt_timings.items() if k in baselines})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -372,7 +392,9 @@ def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 
     if cache_dir:
         fingerprint = _fingerprint(wide_rows if wide else None)
         path = cache_path(cache_dir, fingerprint)
-        todo = _load_cached(plan, path, work, fingerprint)
+        baselines = {(r, ws[0].shape[0], ws[0].shape[1], ws[0].dtype): baseline(r, ws[0], out_dtype)
+                     for r, ws in work}
+        todo = _load_cached(plan, path, work, fingerprint, baselines)
     for rows, ws in tqdm(todo, desc="Choosing GEMM algorithms", unit="shape", disable=not todo):
         try:
             _choose_one(plan, rows, ws, min_gain, iters, max_candidates, wide=rows in wide)
@@ -382,7 +404,7 @@ def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 
     if prefill_rows and todo:
         torch.cuda.empty_cache()  # the large timing buffers and graph pools
     if path is not None and todo:
-        _save(plan, path, fingerprint)
+        _save(plan, path, fingerprint, baselines)
     for key, (base, best, tried) in plan.lt_timings.items():
         logger.debug("rows %d, %dx%d %s: the library %.1f us, best of %d cuBLASLt candidates %.1f us -> %s",
                      *key, base, tried, best, "cuBLASLt" if key in plan.lt else "the library")
