@@ -52,7 +52,8 @@
 # and the 4-bit kernels' GPU tests), attn_ahead (the unified attention's decode tilings with and
 # without `rows_ahead`, Llama-3.1-8B shape), lt_tests (the start-up cuBLASLt choice's GPU tests, bf16 and
 # row-wise fp8), lt_fp8 (row-wise FP8 products at 96-256 rows: torch._scaled_mm against cuBLASLt's candidates),
-# fp8_thr_vllm (the Llama-3.1-8B workload in ptpc FP8 beside vLLM's, after the four stash calls and `vllm`),
+# fp8_thr_vllm (the Llama-3.1-8B workload in ptpc FP8 beside vLLM's, after the four stash calls, `srv` (vLLM's
+# dependency wheels, carry .srv) and `vllm`),
 # qdot_tma (the 8-bit swap-AB product with its weight tiles through TMA against pointer loads).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
