@@ -61,23 +61,20 @@ def compile_all() -> dict:
                      ("wgmma", "cp.async.bulk.tensor", ".s8")),
     }
     divisible = {"x_ptr", "w_ptr", "y_ptr", "p_ptr", "K", "stride_xm", "stride_wn", "stride_ym"}
-    out = {}
-    for name, (constexprs, types, marks) in cases.items():
-        kernel = qd._qdot_kernel
-        names = kernel.arg_names
+
+    def build(constexprs: dict, types: dict) -> dict:
+        names = qd._qdot_kernel.arg_names
         sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
-        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-        asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm
+        src = ASTSource(fn=qd._qdot_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm
+
+    out = {}
+    for name, (constexprs, types, marks) in cases.items():
+        asm = build(constexprs, types)
         out[name] = {m: m[6:] in asm["ttgir"] if m.startswith("ttgir:") else m in asm["ptx"] for m in marks}
     # EARLY: the first weight tile's bulk copy is issued before the PDL wait
-    early = dict(base, TMA=True, EARLY=True)
-    sig = {a: "constexpr" if a in early else ops(f8, "tensordesc<fp8e4nv[64, 256]>").get(a, "i32")
-           for a in qd._qdot_kernel.arg_names}
-    attrs = {(qd._qdot_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in qd._qdot_kernel.arg_names
-             if a in divisible}
-    ptx = triton.compile(ASTSource(fn=qd._qdot_kernel, signature=sig, constexprs=early, attrs=attrs),
-                         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm["ptx"]
+    ptx = build(dict(base, TMA=True, EARLY=True), ops(f8, "tensordesc<fp8e4nv[64, 256]>"))["ptx"]
     first_copy, wait = ptx.find("cp.async.bulk.tensor"), ptx.find("griddepcontrol.wait")
     out["fp8_tma_early"] = {"copy before the wait": 0 <= first_copy < wait, "wait": wait >= 0}
     from atom.model_ops.kernels import split_k
