@@ -46,7 +46,7 @@ def compile_gemv(fmt: str, group: int):
     return compiled, weights_per_step // (32 * warps)  # per thread
 
 
-def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1):
+def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False):
     """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 4096 weight, sm90, the reference tile below
     (dw: words a thread's load, the kernel's DW); (kernel, weights per thread a loop step)."""
     import triton
@@ -58,7 +58,7 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1):
     kernel = g1._w4_gemv1_kernel
     # one reference tile for both formats: the table's up to 8192 outputs (8 rows over 8 warps,
     # the words ahead)
-    tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=True, HALF2=half2, DW=dw)
+    tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=True, HALF2=half2, DW=dw, CHAIN=chain)
     warps, stages = 8, 3
     n_scales = 4096 // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
@@ -101,11 +101,16 @@ def main() -> None:
     result = {}
     half2 = functools.partial(compile_gemv1, half2=True)
     pairs = functools.partial(compile_gemv1, half2=True, dw=2)
+    chain = functools.partial(compile_gemv1, half2=True, dw=2, chain=True)
     for name, compile_fn, fmt, group in (("w4_gemv1", compile_gemv1, "int4", 128),
                                          ("w4_gemv1 HALF2", half2, "int4", 128),
                                          ("w4_gemv1 HALF2", half2, "mxfp4", 32),
                                          ("w4_gemv1 HALF2 DW2", pairs, "int4", 128),
                                          ("w4_gemv1 HALF2 DW2", pairs, "mxfp4", 32),
+                                         ("w4_gemv1 HALF2 DW2", pairs, "mxfp4_pairs", 32),
+                                         ("w4_gemv1 HALF2 DW2 CHAIN", chain, "int4", 128),
+                                         ("w4_gemv1 HALF2 DW2 CHAIN", chain, "mxfp4", 32),
+                                         ("w4_gemv1 HALF2 DW2 CHAIN", chain, "mxfp4_pairs", 32),
                                          ("w4_gemv1", compile_gemv1, "mxfp4", 32),
                                          ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32)):
         compiled, per_thread = compile_fn(fmt, group)

@@ -170,7 +170,9 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     and under 6 for MXFP4, each well below the M = 2-4 GEMV's count for the same format; MXFP4's
     fp16 pair products (HALF2) with the row strides compiled in under 4.75 (~4.85 with runtime
     strides, Triton 3.6 and 3.9: a 64-bit address sum a row and step); word pairs a load (DW = 2)
-    under 0.9x (int4) / 0.95x (MXFP4) of one word a load."""
+    under 0.9x (int4) / 0.95x (MXFP4) of one word a load; MXFP4 pair words under 0.92x of MXFP4's
+    layout (Triton 3.6: 3.37 against 3.90); a word pair in one fp16 chain (CHAIN) under 0.95x
+    of two (3.6: int4 2.68 against 2.99, MXFP4 3.55 against 3.90, pair words 3.05)."""
     import json
     import os
     import subprocess
@@ -190,6 +192,12 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     # word pairs (DW = 2): one load, address sum and scale load for 16 weights
     assert per_weight["w4_gemv1 HALF2 DW2 int4"] < 0.9 * per_weight["w4_gemv1 HALF2 int4"], per_weight
     assert per_weight["w4_gemv1 HALF2 DW2 mxfp4"] < 0.95 * per_weight["w4_gemv1 HALF2 mxfp4"], per_weight
+    # MXFP4 pair words (`fp4_pairs`): 11 decode instructions a word instead of 16
+    assert per_weight["w4_gemv1 HALF2 DW2 mxfp4_pairs"] < 0.92 * per_weight["w4_gemv1 HALF2 DW2 mxfp4"], per_weight
+    # CHAIN: a word pair's products in one fp16 chain, widened and scaled once for 16 weights
+    for fmt in ("int4", "mxfp4", "mxfp4_pairs"):
+        assert per_weight[f"w4_gemv1 HALF2 DW2 CHAIN {fmt}"] < 0.95 * per_weight[f"w4_gemv1 HALF2 DW2 {fmt}"], \
+            per_weight
     assert per_weight["w4_gemv int4"] > 1.5 * per_weight["w4_gemv1 int4"], per_weight
     assert per_weight["w4_gemv mxfp4"] > 1.5 * per_weight["w4_gemv1 mxfp4"], per_weight
 

@@ -14,6 +14,9 @@ repacked):
   writing s into a float32's exponent field (s = 0, 2^-127, as the subnormal with bit 22
   set): exact, and no conversion instruction per weight. In the GEMM int4 nibbles become floats by the magic-number trick
   (float(0x4B000000 | u) = 2^23 + u, minus the group's 2^23 + zero point).
+- MXFP4 pair words (`fmt="mxfp4_pairs"`, one row only: the one-row GEMV `w4_gemv1`): the same
+  codes as int32 [N, K/8] words whose bits `kernels.fp4_pairs` places for fp16 pair decoding
+  (a copy the MXFP4 method makes under the plan's "fp4_pair_words"); the scales as MXFP4's.
 
 For bf16 / fp16 activations and groups with a power-of-two factor >= 16 (every checkpoint
 format: g32 / g64 / g128, channel-wise, MXFP4's 32) `w4_config` picks `w4_dot` above
@@ -54,10 +57,10 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton
 
-FORMATS = ("int4", "mxfp4")
+FORMATS = ("int4", "mxfp4", "mxfp4_pairs")
 MX_GROUP = 32
 #: values per packed element: int4 words hold 8 nibbles, MXFP4 bytes 2
-PER_ELEMENT = {"int4": 8, "mxfp4": 2}
+PER_ELEMENT = {"int4": 8, "mxfp4": 2, "mxfp4_pairs": 8}
 #: the largest M that runs the weight-streaming FMA kernel
 GEMV_MAX_M = 4
 
@@ -133,6 +136,10 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
     from atom.model_ops.kernels.w4_dot import supports
     from atom.model_ops.kernels.w4_gemv1 import supports as gemv1_supports
     from atom.model_ops.kernels.w4_gemv1 import tiles as gemv1_tiles
+    if fmt == "mxfp4_pairs":  # pair words are a copy for batch-1 decode
+        if M != 1:
+            raise ValueError(f"w4_linear: fmt='mxfp4_pairs' runs the one-row GEMV only (M=1), got M={M}")
+        return "w4_gemv1", gemv1_tiles(N, fmt, K)
     top = DOT_MAX_M.get(fmt, 64)
     if M >= DOT_MIN_M and (top is None or M <= top) and supports(dtype, group):
         for max_m, cfg in DOT_TILES:
@@ -402,11 +409,11 @@ def _check(x, packed, scales, zeros, bias, fmt: str, group: int, k: int) -> None
         raise ValueError(f"w4_linear: x dtype {x.dtype}, allowed bfloat16, float16, float32")
     per = PER_ELEMENT[fmt]
     N = packed.shape[0]
-    want_dtype = torch.int32 if fmt == "int4" else torch.uint8
+    want_dtype = torch.uint8 if fmt == "mxfp4" else torch.int32
     if packed.dtype != want_dtype or packed.shape[1] != -(-k // per) or packed.stride(1) != 1:
         raise ValueError(f"w4_linear: packed must be {want_dtype} [N, {-(-k // per)}] row-major for "
                          f"{fmt} with K={k}, got {packed.dtype} {tuple(packed.shape)}")
-    if fmt == "mxfp4" and group != MX_GROUP:
+    if fmt != "int4" and group != MX_GROUP:
         raise ValueError(f"w4_linear: mxfp4 has group {MX_GROUP}, got group={group}")
     if group <= 0 or k % group:
         raise ValueError(f"w4_linear: group={group} must divide K={k}")
@@ -434,6 +441,8 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     if config is not None:
         cfg = dict(config)
         name = cfg.pop("kernel", name)
+    if fmt == "mxfp4_pairs" and name != "w4_gemv1":
+        raise ValueError(f"w4_linear: fmt='mxfp4_pairs' runs the one-row GEMV (w4_gemv1) only, not {name}")
     z = zeros if zeros is not None else scales
     b = bias if bias is not None else y
     common = dict(FMT=FORMATS.index(fmt), PER=PER_ELEMENT[fmt], GROUP=group, HAS_ZP=zeros is not None,
@@ -483,6 +492,9 @@ def _(x, packed, scales, zeros, bias, fmt, group, k):
 def dequantize_w4(packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], fmt: str,
                   group: int, k: int) -> torch.Tensor:
     """fp32 [N, K] of the kernels' weight tensors (torch, any device)."""
+    if fmt == "mxfp4_pairs":
+        from atom.model_ops.kernels.fp4_pairs import standard_words
+        packed = standard_words(packed)
     per = PER_ELEMENT[fmt]
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * 4
     u = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF).flatten(-2)[:, :k]

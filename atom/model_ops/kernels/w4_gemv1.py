@@ -37,7 +37,14 @@ widened once: 3.6 (int4) / 4.3 (MXFP4, row strides compiled in) instructions a w
 (Triton 3.6, 8-row tile with the words ahead), 3.0 / 3.9 with two words a load (DW = 2).
 Its rounding (`half2_ref`, the same arithmetic in torch) costs about 1e-3 of the largest
 output, what rounding the dequantized weights to bf16 costs the tensor-core kernels and below
-bf16's output rounding; fp32 activations keep the float32 path.
+bf16's output rounding; fp32 activations keep the float32 path. The PTX is generated
+(`h2_ptx`). Two options of the tile, off in the tables until a GPU times them:
+- CHAIN (DW = 2): a thread's word pair in one fp16 chain, x scaled per 16 columns, so that the
+  widening, unscaling and scale multiply come once per 16 weights (Triton 3.6, 8-row tile:
+  int4 2.68 instructions a weight against 2.99, MXFP4 3.55 against 3.90), at most ~1.1e-3 of
+  the largest output in `half2_ref(chain=2)`;
+- fmt "mxfp4_pairs": MXFP4 pair words (`fp4_pairs`, the plan's "fp4_pair_words"), 11 decode
+  instructions a word instead of 16 (3.37 a weight; 3.05 with CHAIN).
 """
 from __future__ import annotations
 
@@ -62,10 +69,14 @@ TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, H
 #: layers of up to WIDE_N outputs from more than DEEP_K inputs (Llama's down product, 4096 x 14336)
 TILES_DEEP = {"int4": dict(TILES["int4"]),
               "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True, DW=2)}
+# MXFP4 pair words (`fp4_pairs`: the same weights, bits placed for fewer decode instructions)
+# take MXFP4's tiles until a sweep of their own
+for _table in (TILES, TILES_WIDE, TILES_DEEP):
+    _table["mxfp4_pairs"] = dict(_table["mxfp4"])
 #: formats whose even loop with the words ahead compiles the row strides in (the kernel's SW,
 #: SS, SZ): faster batch-1 decode for MXFP4, slower for int4 with the same tiles (its loop has
 #: fewer instructions to save); the figures are in docs/perf
-FIXED_STRIDES = {"int4": False, "mxfp4": True}
+FIXED_STRIDES = {"int4": False, "mxfp4": True, "mxfp4_pairs": True}
 WIDE_N = 8192
 DEEP_K = 8192
 
@@ -90,59 +101,72 @@ def fused_tiles(gated: bool) -> dict:
 def half2_applies(x: torch.Tensor, fmt_id: int) -> bool:
     """The HALF2 path (fp16 products, inline PTX) runs 16-bit activations (fp16 rounding
     would cost fp32 activations bits they have) on NVIDIA GPUs, not under the interpreter."""
-    return (fmt_id in (0, 1) and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+    return (fmt_id in (0, 1, 2) and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
             and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
 def supports(fmt: str, group: int, k: int) -> bool:
     """Whether `_w4_gemv1_kernel` runs this format: whole words (K % 8 == 0) and int4 groups of
     whole words (a word's 8 nibbles share one scale)."""
-    return k % 8 == 0 and (fmt == "mxfp4" or group % 8 == 0)
+    return k % 8 == 0 and (fmt != "int4" or group % 8 == 0)
 
 
 def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros, bias, group: int,
-              fmt: str = "int4") -> torch.Tensor:
+              fmt: str = "int4", chain: int = 1) -> torch.Tensor:
     """The HALF2 path's arithmetic in torch (CPU or GPU), rounding where the kernel rounds:
-    each word column's x scaled by 2^(141 - e) (e: the biased exponent of its largest |x|, at
-    least 40; int4's odd nibbles' x also / 16), rounded to fp16; per half of a word four fp16
-    FMAs in the kernel's order (a product and a sum exact in float64, then one rounding to
-    fp16), the two halves added in fp16; the rest in float64 (the kernel's float32 sums differ
-    from it by float32 rounding only). x [1, K] of any float dtype, `words` int32 [N, K / 8]
-    (MXFP4's bytes viewed as int32); returns float32 [1, N]."""
+    the x of each run of `chain` word columns (8 chain columns; CHAIN = 2: a thread's word pair)
+    scaled by 2^(141 - e) (e: the biased exponent of its largest |x|, at least 40; int4's odd
+    nibbles' x also / 16), rounded to fp16; per half of a run 4 chain fp16 FMAs in the kernel's
+    order (word by word; a product and a sum exact in float64, then one rounding to fp16), the
+    two halves added in fp16; the rest in float64 (the kernel's float32 sums differ from it by
+    float32 rounding only). x [1, K] of any float dtype, `words` int32 [N, K / 8] (MXFP4's
+    bytes viewed as int32; fmt "mxfp4_pairs": `fp4_pairs` words); returns float32 [1, N]."""
     from atom.model_ops.quant.mxfp4 import FP4_VALUES
+    if fmt == "mxfp4_pairs":  # the same values, decoded by other shifts
+        from atom.model_ops.kernels.fp4_pairs import standard_words
+        words, fmt = standard_words(words), "mxfp4"
     n, n_words = words.shape
+    if n_words % chain:
+        raise ValueError(f"half2_ref: {n_words} words do not split into runs of chain={chain}")
+    runs = n_words // chain
     dev = x.device
-    xf = x.reshape(-1).float().reshape(n_words, 8)
-    e = (xf.abs().amax(dim=1).view(torch.int32) >> 23).clamp(min=40)
-    sc = ((268 - e) << 23).view(torch.float32)[:, None]
+    xf = x.reshape(-1).float().reshape(runs, chain, 8)
+    e = (xf.abs().amax(dim=(1, 2)).view(torch.int32) >> 23).clamp(min=40)  # [runs]
+    sc = ((268 - e) << 23).view(torch.float32)[:, None, None]
     odd = torch.tensor([1.0, 0.0625] * 4 if fmt == "int4" else [1.0] * 8, device=dev)
-    xs = (xf * sc * odd).to(torch.float16).double()  # [n_words, 8]
+    xs = (xf * sc * odd).to(torch.float16).double()  # [runs, chain, 8]
     codes = (words[:, :, None] >> torch.arange(0, 32, 4, device=dev, dtype=torch.int32)) & 0xF  # [N, n_words, 8]
     if fmt == "int4":  # the fp16 subnormals u 2^-24 (16 u 2^-24 for odd nibbles)
         v = codes.double() * torch.tensor([1.0, 16.0] * 4, device=dev, dtype=torch.float64) * 2.0 ** -24
     else:  # e2m1 2^-14
         v = FP4_VALUES.to(dev, torch.float64)[codes.long()] * 2.0 ** -14
+    v = v.reshape(n, runs, chain, 8)
     halves = []
     for part in (range(0, 4), range(4, 8)):  # nibbles 0-3 in the low half, 4-7 in the high half
-        a = torch.zeros(n, n_words, dtype=torch.float64, device=dev)
-        for i in part:
-            a = (v[:, :, i] * xs[:, i] + a).to(torch.float16).double()
+        a = torch.zeros(n, runs, dtype=torch.float64, device=dev)
+        for w in range(chain):
+            for i in part:
+                a = (v[:, :, w, i] * xs[:, w, i] + a).to(torch.float16).double()
         halves.append(a)
-    t = (halves[0] + halves[1]).to(torch.float16).double()
+    t = (halves[0] + halves[1]).to(torch.float16).double()  # [N, runs]
     if fmt == "int4":  # t = sum u x 2^(117 - e)
         unscale = ((e + 10) << 23).view(torch.float32).double()
-        z = zeros.double().repeat_interleave(group // 8, dim=1)[:, :n_words] if zeros is not None else 8.0
-        s = scales.double().repeat_interleave(group // 8, dim=1)[:, :n_words]
-        y = ((t * unscale - z * xf.double().sum(dim=1)) * s).sum(dim=1)
+        per = group // (8 * chain)  # runs a group
+        z = zeros.double().repeat_interleave(per, dim=1)[:, :runs] if zeros is not None else 8.0
+        s = scales.double().repeat_interleave(per, dim=1)[:, :runs]
+        y = ((t * unscale - z * xf.double().sum(dim=(1, 2))) * s).sum(dim=1)
     else:  # t = sum v x 2^(127 - e), scales E8M0 per 32 columns
         unscale = (e << 23).view(torch.float32).double()
-        s = torch.exp2(scales.double() - 127).repeat_interleave(4, dim=1)[:, :n_words]
+        s = torch.exp2(scales.double() - 127).repeat_interleave(4 // chain, dim=1)[:, :runs]
         y = (t * unscale * s).sum(dim=1)
     if bias is not None:
         y = y + bias.double()
     return y.float()[None, :]
 
+
 if HAS_TRITON:
+    from atom.model_ops.kernels.h2_ptx import constraints as h2_constraints
+    from atom.model_ops.kernels.h2_ptx import h2_ptx
     from atom.model_ops.kernels.rmsnorm import add_norm_cols
     from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemm import _e8m0
@@ -188,65 +212,65 @@ if HAS_TRITON:
         return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], dtype=tl.int32,
                                          is_pure=True, pack=1)
 
-    @triton.jit
-    def _h2_word(word, x0, x1, x2, x3):
-        """One int4 word's 8 products in fp16 pairs (`HALF2` below): the masks 0x000F000F and
-        0x00F000F0 of the word and of the word >> 8 leave nibbles (0, 4), (1, 5), (2, 6), (3, 7)
-        in the two halves as fp16 subnormals u 2^-24 (16 u 2^-24 for the odd ones), each pair
-        multiplied by the fp16 pair x0..x3 and summed in fp16 (4 products a half, one rounding
-        an FMA; fp16 subnormals are exact on the FMA pipe), the halves added in fp16 and the sum
-        widened to float32. Returns the float32 bits as int32."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 p, q, s, a;
-            .reg .b16 l, h;
-            .reg .f32 fl;
-            and.b32 p, $1, 0x000F000F;
-            and.b32 q, $1, 0x00F000F0;
-            mul.rn.f16x2 a, p, $2;
-            fma.rn.f16x2 a, q, $3, a;
-            shr.u32 s, $1, 8;
-            and.b32 p, s, 0x000F000F;
-            and.b32 q, s, 0x00F000F0;
-            fma.rn.f16x2 a, p, $4, a;
-            fma.rn.f16x2 a, q, $5, a;
-            mov.b32 {l, h}, a;
-            add.rn.f16 l, l, h;
-            cvt.f32.f16 fl, l;
-            mov.b32 $0, fl;
-            }""", "=r,r,r,r,r,r", [word, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
-
-    def _fp4_pairs_ptx() -> str:
-        """`_h2_word_fp4`'s PTX: for codes i and i + 4 (i = 0..3) the exponent-mantissa bits
-        shifted to 9-11 / 25-27 and masked, the sign bits to 15 / 31 (the same shifts for both
-        halves), then one fp16 pair FMA into s."""
-        lines = []
-        for i in range(4):
-            em = f"shl.b32 a, $1, {9 - 4 * i};" if i < 3 else "shr.u32 a, $1, 3;"
-            sign = f"shl.b32 b, $1, {12 - 4 * i};" if i < 3 else "mov.b32 b, $1;"
-            fma = "mul.rn.f16x2 s, p, $2;" if i == 0 else f"fma.rn.f16x2 s, p, ${2 + i}, s;"
-            lines += [em, "and.b32 a, a, 0x0E000E00;", sign, "and.b32 b, b, 0x80008000;", "or.b32 p, a, b;", fma]
-        return "\n".join(lines)
-
-    FP4_PTX = tl.constexpr("{\n.reg .b32 a, b, p, s;\n.reg .b16 l, h;\n.reg .f32 fl;\n" + _fp4_pairs_ptx()
-                           + "\nmov.b32 {l, h}, s;\nadd.rn.f16 l, l, h;\ncvt.f32.f16 fl, l;\nmov.b32 $0, fl;\n}")
+    H2_INT4 = tl.constexpr(h2_ptx("int4"))
+    H2_MXFP4 = tl.constexpr(h2_ptx("mxfp4"))
+    H2_PAIRS = tl.constexpr(h2_ptx("mxfp4_pairs"))
+    H2_INT4_2 = tl.constexpr(h2_ptx("int4", 2))
+    H2_MXFP4_2 = tl.constexpr(h2_ptx("mxfp4", 2))
+    H2_PAIRS_2 = tl.constexpr(h2_ptx("mxfp4_pairs", 2))
+    H2_ONE = tl.constexpr(h2_constraints(1))
+    H2_TWO = tl.constexpr(h2_constraints(2))
 
     @triton.jit
-    def _h2_word_fp4(word, x0, x1, x2, x3):
-        """`_h2_word` for an MXFP4 word: codes i and i + 4 as the two fp16 halves of one int32,
-        each e2m1 x 2^-14 exactly (exponent-mantissa bits to fp16 bits 9-11, the sign to bit
-        15: a shift and a mask for each, the same shifts for both halves; `FP4_PTX`)."""
-        return tl.inline_asm_elementwise(FP4_PTX, "=r,r,r,r,r,r", [word, x0, x1, x2, x3], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+    def _h2_word(word, x0, x1, x2, x3, FMT: tl.constexpr):
+        """One word's 8 products in fp16 pairs (`HALF2` below; the PTX of `h2_ptx`): codes
+        (i, i + 4) as the two fp16 halves of one int32 each, multiplied by the fp16 pair xi and
+        summed in fp16 (4 products a half, one rounding an FMA; fp16 subnormals are exact on
+        the FMA pipe), the halves added in fp16 and the sum widened to float32. Returns the
+        float32 bits as int32."""
+        if FMT == 0:
+            t = tl.inline_asm_elementwise(H2_INT4, H2_ONE, [word, x0, x1, x2, x3], dtype=tl.int32, is_pure=True,
+                                          pack=1)
+        elif FMT == 2:
+            t = tl.inline_asm_elementwise(H2_PAIRS, H2_ONE, [word, x0, x1, x2, x3], dtype=tl.int32, is_pure=True,
+                                          pack=1)
+        else:
+            t = tl.inline_asm_elementwise(H2_MXFP4, H2_ONE, [word, x0, x1, x2, x3], dtype=tl.int32, is_pure=True,
+                                          pack=1)
+        return t
 
     @triton.jit
-    def _h2_column_x(xv, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr):
-        """x [1, BLOCK_W, 8] of each word column for the fp16 pair products: scaled by
-        2^(141 - e), e the biased exponent of the column's largest |x| (at least 40, for
-        all-zero columns), so that it lies in [2^14, 2^15) (odd columns also / 16 when
-        ODD16); returns the fp16 pairs (i, i + 4) for i = 0..3 as four int32 [1, BLOCK_W]
-        and e [1, BLOCK_W, 1]."""
-        e = tl.maximum(tl.max(tl.abs(xv), axis=2, keep_dims=True).to(tl.int32, bitcast=True) >> 23, 40)
+    def _h2_words2(w0, w1, x0, x1, x2, x3, x4, x5, x6, x7, FMT: tl.constexpr):
+        """`_h2_word` over two words (CHAIN) in one fp16 chain: w0's four pair FMAs with x0..x3,
+        then w1's with x4..x7, the halves added once."""
+        args = [w0, w1, x0, x1, x2, x3, x4, x5, x6, x7]
+        if FMT == 0:
+            t = tl.inline_asm_elementwise(H2_INT4_2, H2_TWO, args, dtype=tl.int32, is_pure=True, pack=1)
+        elif FMT == 2:
+            t = tl.inline_asm_elementwise(H2_PAIRS_2, H2_TWO, args, dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            t = tl.inline_asm_elementwise(H2_MXFP4_2, H2_TWO, args, dtype=tl.int32, is_pure=True, pack=1)
+        return t
+
+    @triton.jit
+    def _standard_word(wu):
+        """A pair word (uint32) back in the checkpoint's layout (code i at bits 4i..4i+3): each
+        run of `fp4_pairs.MOVES` grouped by its shift, one mask and shift a group."""
+        return (((wu & 0x80008000) >> 12) | ((wu & 0x0E000E00) >> 9) | ((wu & 0x10001000) >> 5)
+                | ((wu & 0x21C021C0) >> 2) | ((wu & 0x40004000) << 1) | ((wu & 0x00380038) << 5)
+                | ((wu & 0x00070007) << 12))
+
+    @triton.jit
+    def _h2_column_e(xv):
+        """The biased exponent of the largest |x| of each word column of x [1, BLOCK_W, 8] (at
+        least 40, for all-zero columns): [1, BLOCK_W, 1]."""
+        return tl.maximum(tl.max(tl.abs(xv), axis=2, keep_dims=True).to(tl.int32, bitcast=True) >> 23, 40)
+
+    @triton.jit
+    def _h2_pairs(xv, e, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr):
+        """x [1, BLOCK_W, 8] scaled by 2^(141 - e) (e from `_h2_column_e`, of these columns or
+        of a run of them), so that the largest |x| lies in [2^14, 2^15) (odd columns also / 16
+        when ODD16), as the fp16 pairs (i, i + 4) for i = 0..3: four int32 [1, BLOCK_W]."""
         sc = ((268 - e) << 23).to(tl.float32, bitcast=True)
         if ODD16:
             xs = xv * tl.where(es % 2 == 1, sc * 0.0625, sc)
@@ -256,6 +280,14 @@ if HAS_TRITON:
         xa, xb = tl.split(tl.reshape(_h2_pack(x_hi, x_lo), [1, BLOCK_W, 2, 2]))
         x0, x2 = tl.split(xa)
         x1, x3 = tl.split(xb)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _h2_column_x(xv, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr):
+        """`_h2_pairs` of each word column with its own exponent; returns the four pairs and
+        e [1, BLOCK_W, 1]."""
+        e = _h2_column_e(xv)
+        x0, x1, x2, x3 = _h2_pairs(xv, e, es, ODD16, BLOCK_W)
         return x0, x1, x2, x3, e
 
     @triton.jit
@@ -267,10 +299,7 @@ if HAS_TRITON:
         x1 = tl.broadcast_to(x1, word.shape)
         x2 = tl.broadcast_to(x2, word.shape)
         x3 = tl.broadcast_to(x3, word.shape)
-        if FMT == 0:
-            t = _h2_word(word, x0, x1, x2, x3)
-        else:
-            t = _h2_word_fp4(word, x0, x1, x2, x3)
+        t = _h2_word(word, x0, x1, x2, x3, FMT)
         return t.to(tl.float32, bitcast=True)[:, :, None], e
 
     @triton.jit
@@ -312,6 +341,8 @@ if HAS_TRITON:
             t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum v x 2^(127 - e)
             part = (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
         else:
+            if FMT == 2:  # pair words: the checkpoint's layout first
+                wu = _standard_word(wu)
             # codes i and i + 4 as the two halves of one int32 (bf16 bits): signs to bits 15 / 31
             # (left by 12 - 4i), exponent and mantissa bits to 6-8 / 22-24
             i4 = tl.arange(0, 4)[None, None, :]
@@ -324,6 +355,30 @@ if HAS_TRITON:
             x_hi = x_hi * 18446744073709551616.0
             t = _fma4(hi, x_hi, _fma4(lo, x_lo, tl.zeros(shape, tl.float32)))[:, :, None]
             part = (t * 4611686018427387904.0) * _e8m0(s_raw.to(tl.int32))  # 2^62 first: no underflow
+        return part
+
+    @triton.jit
+    def _word_sums2(word, s_raw, zp, ok, xa, xb, es, FMT: tl.constexpr, HAS_ZP: tl.constexpr, EVEN: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        """`_word_sums` (HALF2) of a thread's word pair (DW = 2: `word` the int64 of both, xa / xb
+        the x of the low / high word) in one fp16 chain (CHAIN): both words' x scaled by one
+        power of two (the exponent of the 16 columns' largest |x|), eight pair FMAs, then one
+        widening, unscaling and scale multiply for 16 weights instead of two."""
+        shape: tl.constexpr = [BLOCK_N, BLOCK_W]
+        e = tl.maximum(_h2_column_e(xa), _h2_column_e(xb))
+        a0, a1, a2, a3 = _h2_pairs(xa, e, es, FMT == 0, BLOCK_W)
+        b0, b1, b2, b3 = _h2_pairs(xb, e, es, FMT == 0, BLOCK_W)
+        t = _h2_words2(tl.reshape(_half(word, 0, 2), shape), tl.reshape(_half(word, 1, 2), shape),
+                       tl.broadcast_to(a0, shape), tl.broadcast_to(a1, shape), tl.broadcast_to(a2, shape),
+                       tl.broadcast_to(a3, shape), tl.broadcast_to(b0, shape), tl.broadcast_to(b1, shape),
+                       tl.broadcast_to(b2, shape), tl.broadcast_to(b3, shape), FMT)
+        t = t.to(tl.float32, bitcast=True)[:, :, None]
+        if FMT == 0:  # t = sum u x 2^(117 - e)
+            sx = tl.sum(xa, axis=2, keep_dims=True) + tl.sum(xb, axis=2, keep_dims=True)
+            c = _zero_term(sx, zp, ok, HAS_ZP, EVEN)
+            part = (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
+        else:  # t = sum v x 2^(127 - e)
+            part = (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
         return part
 
     @triton.jit
@@ -345,7 +400,8 @@ if HAS_TRITON:
                          AHEAD: tl.constexpr = False, HALF2: tl.constexpr = False,
                          r_ptr=None, nw_ptr=None, rout_ptr=None, up_rows=0, eps=0.0, NORM: tl.constexpr = False,
                          HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False, SW: tl.constexpr = 0,
-                         SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1):
+                         SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1,
+                         CHAIN: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -371,9 +427,12 @@ if HAS_TRITON:
         DW = 2 (even tiles only; the launcher checks that the words pair up): each thread reads
         two adjacent words of a row as one 8-byte load (an int64 split into its two int32
         halves), so a load and a row's address sum and scale load serve 16 weights instead
-        of 8; x's 16 columns are two 16-byte loads."""
+        of 8; x's 16 columns are two 16-byte loads. CHAIN (HALF2, DW = 2): both words of a
+        load in one fp16 chain (`_word_sums2`). FMT 2: MXFP4 pair words (`fp4_pairs`), their
+        own PTX with HALF2, put back in the checkpoint's layout (`_standard_word`) without."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
+        tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
             stride_w = SW // DW
             stride_s = SS
@@ -448,19 +507,31 @@ if HAS_TRITON:
                 if GATED:
                     word_up = tl.load(wp + w_up, mask=ok, other=0)[:, :, None]
                     s_raw_up = _load_t(sp + s_up, ok, 0)[:, :, None]
-            for h in tl.static_range(DW):  # the words of a load: columns h 8 .. h 8 + 7 of each thread's 8 DW
-                if EVEN:
-                    xv = tl.load(xp + h * 8).to(tl.float32)
-                else:
-                    xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
+            if CHAIN:  # both words of the load in one fp16 chain (EVEN: DW = 2 runs even tiles only)
+                xa = tl.load(xp).to(tl.float32)
+                xb = tl.load(xp + 8).to(tl.float32)
                 if NORM:
-                    xo = w0 * 8 + js * (8 * DW) + h * 8 + es  # x's columns, for the residual and the norm weight
-                    xv, sq = add_norm_cols(xv, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
-                acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
-                                  BLOCK_W)
+                    xo = w0 * 8 + js * 16 + es
+                    xa, sq = add_norm_cols(xa, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
+                    xb, sq = add_norm_cols(xb, xo + 8, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
+                acc += _word_sums2(word, s_raw, zp, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N, BLOCK_W)
                 if GATED:
-                    acc_up += _word_sums(_half(word_up, h, DW), s_raw_up, zp + z_up, ok, xv, es, FMT, HALF2, HAS_ZP,
-                                         EVEN, BLOCK_N, BLOCK_W)
+                    acc_up += _word_sums2(word_up, s_raw_up, zp + z_up, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N,
+                                          BLOCK_W)
+            else:
+                for h in tl.static_range(DW):  # the words of a load: columns h 8 .. h 8 + 7 of each thread's 8 DW
+                    if EVEN:
+                        xv = tl.load(xp + h * 8).to(tl.float32)
+                    else:
+                        xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
+                    if NORM:
+                        xo = w0 * 8 + js * (8 * DW) + h * 8 + es  # x's columns, for the residual and the norm weight
+                        xv, sq = add_norm_cols(xv, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
+                    acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
+                                      BLOCK_W)
+                    if GATED:
+                        acc_up += _word_sums(_half(word_up, h, DW), s_raw_up, zp + z_up, ok, xv, es, FMT, HALF2, HAS_ZP,
+                                             EVEN, BLOCK_N, BLOCK_W)
             wp += BLOCK_W
             xp += STEP * 8
             if GROUP_STEPS:
@@ -512,6 +583,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                          f"({cfg['num_warps']})")
     if cfg.get("DW", 1) == 2 and not pairs_words(words, cfg["BLOCK_N"], cfg["BLOCK_W"], group):
         cfg["DW"] = 1  # words that do not pair into aligned 8-byte loads over even tiles
+    if cfg.get("CHAIN") and not (cfg.get("HALF2") and cfg.get("DW", 1) == 2):
+        cfg["CHAIN"] = False  # the chain is of a word pair's fp16 products
     even = N % cfg["BLOCK_N"] == 0 and n_words % (cfg["BLOCK_W"] * cfg.get("DW", 1)) == 0 and n_words > 0
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time

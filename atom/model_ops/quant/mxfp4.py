@@ -173,6 +173,8 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         if use_w4_kernel(x):
             xq = fake_quant_mxfp4(x).to(x.dtype) if self.act == "group" else x
             packed, scales, _, fmt, group, k = self.w4_operands(layer)
+            if x.numel() == k and layer.__dict__.get("fp4_pairs_on"):  # one row: the pair words (`add_pair_words`)
+                packed, fmt = layer.fp4_pairs, "mxfp4_pairs"
             return w4_product(xq, packed, scales, None, layer.bias, fmt, group, k)
         x32 = fake_quant_mxfp4(x) if self.act == "group" else x.float()
         return product(x, x32, self.dequantized_weight(layer), layer.bias)
@@ -187,7 +189,27 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         before the product, which a norm in front cannot) or K not whole words."""
         if self.act == "group" or layer.in_features % 8:
             return None
-        return self.w4_operands(layer)
+        packed, scales, zeros, fmt, group, k = self.w4_operands(layer)
+        if layer.__dict__.get("fp4_pairs_on"):
+            packed, fmt = layer.fp4_pairs, "mxfp4_pairs"
+        return packed, scales, zeros, fmt, group, k
+
+    def add_pair_words(self, layer: nn.Module) -> bool:
+        """Batch-1 decode on pair words (the plan's "fp4_pair_words"): the layer keeps
+        `fp4_pairs`, its weight as `kernels.fp4_pairs` words (the same codes, bits placed for
+        fewer decode instructions in the one-row GEMV: a second copy of the weight's bytes), and
+        one-row products read it while `fp4_pairs_on`. Weight-only layers on CUDA only (the
+        one-row GEMV's); returns whether the layer took it. The copy stays after the plan is
+        replaced (`fusions.uninstall` turns it off): a CUDA graph captured with it keeps its
+        address."""
+        weight = getattr(layer, self.packed_name)
+        if self.act != "none" or not weight.is_cuda or layer.in_features % 8:
+            return False
+        if "fp4_pairs" not in layer.__dict__:
+            from atom.model_ops.kernels.fp4_pairs import pair_words
+            layer.fp4_pairs = pair_words(weight.view(torch.int32))
+        layer.fp4_pairs_on = True
+        return True
 
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
