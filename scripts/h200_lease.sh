@@ -54,7 +54,10 @@
 # row-wise fp8), lt_fp8 (row-wise FP8 products at 96-256 rows: torch._scaled_mm against cuBLASLt's candidates),
 # fp8_thr_vllm (the Llama-3.1-8B workload in ptpc FP8 beside vLLM's, after the four stash calls, `srv` (vLLM's
 # dependency wheels, carry .srv) and `vllm`),
-# qdot_tma (the 8-bit swap-AB product with its weight tiles through TMA against pointer loads).
+# qdot_tma (the 8-bit swap-AB product with its weight tiles through TMA against pointer loads),
+# pw_tests (the GPU tests of MXFP4 pair words and CHAIN, and the 4-bit kernels'). VARIANTS names the
+# folder of `var`'s / `var_thr`'s scripts (default .variants; scripts/variants holds tracked ones:
+# pw, chain, pwchain).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -190,6 +193,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
   w4_tests) run w4-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
+  pw_tests) run pw-gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp4_pair_words.py \
+              tests/test_quant_kernels_4bit.py;;
   w4_new) for f in w4a16 mxfp4_w4a16 bf16; do
             q=(--quantization $f); [ $f = bf16 ] && q=()
             run l-lat1-$f 150 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 "${q[@]}" \
@@ -245,7 +250,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
                 $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
             done
           done;;
-  var) for v in .variants/*.sh; do  # each variant script run inside a copy of the tree (e.g. a sed of a constant), batch-1 decode
+  var) for v in ${VARIANTS:-.variants}/*.sh; do  # each variant script run inside a copy of the tree (e.g. a sed of a constant), batch-1 decode
         n=$(basename $v .sh); va=$PWD/$v; rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
         (cd /tmp/var-$n && bash $va) || { log "variant $n failed"; continue; }
         for f in ${VAR_FORMATS:-w4a16 mxfp4_w4a16}; do
@@ -253,7 +258,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
             $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
         done
       done;;
-  var_thr) for v in .variants/*.sh; do  # the same variants, the Llama-3.1-8B workload in VAR_FORMATS
+  var_thr) for v in ${VARIANTS:-.variants}/*.sh; do  # the same variants, the Llama-3.1-8B workload in VAR_FORMATS
         n=$(basename $v .sh); va=$PWD/$v; rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
         (cd /tmp/var-$n && bash $va) || { log "variant $n failed"; continue; }
         for f in ${VAR_FORMATS:-fp8_dynamic}; do

@@ -3,7 +3,9 @@ shapes for a few tiles, beside the GEMV it replaces at M = 1 (`w4_gemm._w4_gemv_
 bf16 `F.linear`, and prints TB/s of the stored weight next to the ~4.3 TB/s HBM limit. A tuning
 probe for `w4_gemv1.TILES`, not a benchmark: JSON of every timing to --out.
 
-    python3 scripts/w4_gemv1_sweep.py --out w4_gemv1_sweep.json [--formats int4 int4_asym mxfp4]
+    python3 scripts/w4_gemv1_sweep.py --out w4_gemv1_sweep.json [--formats int4 int4_asym mxfp4 mxfp4_pairs]
+
+mxfp4_pairs: the MXFP4 weights as pair words (`kernels.fp4_pairs`, the plan's "fp4_pair_words").
 
 Each timing replays a CUDA graph over enough weight copies to miss L2 (`w4_sweep`'s helpers).
 """
@@ -16,16 +18,32 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from w4_sweep import FORMATS, HBM_TBS, SHAPES, copies, nbytes, packed_weights, probe_args, write_rows  # noqa: E402
+from w4_sweep import FORMATS as W4_FORMATS  # noqa: E402
+from w4_sweep import HBM_TBS, SHAPES, copies, nbytes, packed_weights, probe_args, write_rows  # noqa: E402
 
-# (BLOCK_N, num_warps, AHEAD, HALF2, DW): BLOCK_W is 32 x num_warps (DW words a thread a row, one
-# load); HALF2: fp16 products (the float32 products once, for reference)
-TILES = [(8, 8, True, False, 1),
-         (8, 8, False, True, 1), (16, 4, False, True, 1), (4, 8, True, True, 1), (8, 8, True, True, 1),
-         (8, 4, True, True, 1), (16, 4, True, True, 1),
-         (8, 8, False, True, 2), (4, 8, False, True, 2), (8, 4, False, True, 2), (16, 4, False, True, 2),
-         (32, 2, False, True, 2), (8, 8, True, True, 2), (4, 8, True, True, 2), (8, 4, True, True, 2),
-         (4, 4, True, True, 2), (16, 4, True, True, 2), (8, 2, True, True, 2), (16, 2, True, True, 2)]
+FORMATS = dict(W4_FORMATS, mxfp4_pairs=("mxfp4_pairs", 32, False))
+
+# (BLOCK_N, num_warps, AHEAD, HALF2, DW, CHAIN): BLOCK_W is 32 x num_warps (DW words a thread a
+# row, one load); HALF2: fp16 products (the float32 products once, for reference); CHAIN: a word
+# pair's products in one fp16 chain
+TILES = [(8, 8, True, False, 1, False),
+         (8, 8, False, True, 1, False), (16, 4, False, True, 1, False), (4, 8, True, True, 1, False),
+         (8, 8, True, True, 1, False), (8, 4, True, True, 1, False), (16, 4, True, True, 1, False),
+         (8, 8, False, True, 2, False), (4, 8, False, True, 2, False), (8, 4, False, True, 2, False),
+         (16, 4, False, True, 2, False), (32, 2, False, True, 2, False), (8, 8, True, True, 2, False),
+         (4, 8, True, True, 2, False), (8, 4, True, True, 2, False), (4, 4, True, True, 2, False),
+         (16, 4, True, True, 2, False), (8, 2, True, True, 2, False), (16, 2, True, True, 2, False),
+         (16, 4, False, True, 2, True), (8, 8, True, True, 2, True), (8, 4, True, True, 2, True),
+         (16, 4, True, True, 2, True), (8, 2, True, True, 2, True), (16, 2, True, True, 2, True)]
+
+
+def weights(fmt: str, N: int, K: int, g: int, zp: bool):
+    """Random packed weights of a sweep format (pair words: MXFP4's, repacked)."""
+    if fmt != "mxfp4_pairs":
+        return packed_weights(fmt, N, K, g, zp)
+    from atom.model_ops.kernels.fp4_pairs import pair_words
+    packed, scales, zeros = packed_weights("mxfp4", N, K, g, zp)
+    return pair_words(packed.view(torch.int32)), scales, zeros
 
 
 def main(argv=None) -> int:
@@ -46,7 +64,7 @@ def main(argv=None) -> int:
         del ws16, w16
         for name in args.formats:
             fmt, g, zp = FORMATS[name]
-            one = packed_weights(fmt, N, K, g, zp)
+            one = weights(fmt, N, K, g, zp)
             sets = [one] + [tuple(t.clone() if t is not None else None for t in one)
                             for _ in range(copies(nbytes(*one)) - 1)]
             wbytes = nbytes(*one)
@@ -60,9 +78,9 @@ def main(argv=None) -> int:
             t_old = timed(old)
             best = None
             table = w4_config(1, N, K, torch.bfloat16, g, fmt)[1]
-            for bn, warps, ahead, half2, dw in TILES:
+            for bn, warps, ahead, half2, dw, chain in TILES:
                 cfg = dict(kernel="w4_gemv1", BLOCK_N=bn, BLOCK_W=32 * warps, num_warps=warps, num_stages=3,
-                           AHEAD=ahead, HALF2=half2, DW=dw)
+                           AHEAD=ahead, HALF2=half2, DW=dw, CHAIN=chain)
                 y = w4_linear_launch(x, *one, None, fmt, g, K, config=cfg)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 t = timed(cfg)
@@ -76,12 +94,12 @@ def main(argv=None) -> int:
             print(f"{name:<10}{N:>6}{K:>6} {t * 1e6:>8.1f}{wbytes / t / 1e12:>6.2f}{wbytes / t / 1e12 / HBM_TBS:>5.0%}"
                   f"{t_old * 1e6:>8.1f}{t_old / t:>6.2f}{t16 * 1e6:>8.1f}{t16 / t:>7.2f}  "
                   f"BLOCK_N={cfg['BLOCK_N']} warps={cfg['num_warps']} AHEAD={cfg['AHEAD']} HALF2={cfg['HALF2']} "
-                  f"DW={cfg['DW']} (rel err {err:.1e})", flush=True)
-            for half2, dw in ((False, 1), (True, 1), (True, 2)):
-                mine = [r for r in rows if (r["format"], r["N"], r["K"], r["cfg"]["HALF2"], r["cfg"]["DW"])
-                        == (name, N, K, half2, dw)]
+                  f"DW={cfg['DW']} CHAIN={cfg['CHAIN']} (rel err {err:.1e})", flush=True)
+            for half2, dw, chain in ((False, 1, False), (True, 1, False), (True, 2, False), (True, 2, True)):
+                mine = [r for r in rows if (r["format"], r["N"], r["K"], r["cfg"]["HALF2"], r["cfg"]["DW"],
+                                            r["cfg"]["CHAIN"]) == (name, N, K, half2, dw, chain)]
                 b = min(mine, key=lambda r: r["us"])
-                print(f"    best with HALF2={half2} DW={dw}: {b['us']:.1f} us, BLOCK_N={b['cfg']['BLOCK_N']} "
+                print(f"    best with HALF2={half2} DW={dw} CHAIN={chain}: {b['us']:.1f} us, BLOCK_N={b['cfg']['BLOCK_N']} "
                       f"warps={b['cfg']['num_warps']} AHEAD={b['cfg']['AHEAD']} (rel err {b['rel_err']:.1e})", flush=True)
             del sets, one
     write_rows(args.out, rows)

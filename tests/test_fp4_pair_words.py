@@ -352,3 +352,23 @@ def test_gpu_layer_with_pair_words_matches_mxfp4():
     assert layer.method.add_pair_words(layer) and layer.fp4_pairs.is_cuda
     assert rel_err(layer(x), ref) < 4e-3
     assert torch.equal(fp4_pairs.standard_words(layer.fp4_pairs), layer.weight_packed.view(torch.int32))
+
+
+def test_the_one_row_sweep_times_pair_words_and_chains(monkeypatch):
+    """`scripts/w4_gemv1_sweep.py`: its pair-word weights are MXFP4's repacked, and its CHAIN
+    tiles are ones the kernel runs (HALF2, two words a load)."""
+    import importlib.util
+    import os
+    import sys
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
+    monkeypatch.syspath_prepend(here)
+    spec = importlib.util.spec_from_file_location("w4_gemv1_sweep", os.path.join(here, "w4_gemv1_sweep.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    monkeypatch.setattr(sys.modules["w4_sweep"], "DEVICE", "cpu")
+    assert sweep.FORMATS["mxfp4_pairs"] == ("mxfp4_pairs", 32, False)
+    torch.manual_seed(0)
+    pw, scales, zeros = sweep.weights("mxfp4_pairs", 8, 256, 32, False)
+    assert pw.dtype == torch.int32 and pw.shape == (8, 32) and scales.shape == (8, 8) and zeros is None
+    chains = [t for t in sweep.TILES if t[5]]
+    assert chains and all(t[3] and t[4] == 2 for t in chains)

@@ -134,39 +134,52 @@ def _compile_all() -> dict:
         # the one-row 4-bit GEMV: the masked loop (ragged rows / words, a group that splits a step)
         # with zero points, bias and fp16 x; MXFP4 with fp32 x; the even loop with the next words
         # loaded ahead
-        "w4_gemv1_int4_masked": (w4g1._w4_gemv1_kernel, dict(NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=96, HAS_ZP=True, HAS_BIAS=True, PDL=True, SW=0, SS=0, SZ=0, DW=1,
+        "w4_gemv1_int4_masked": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=96, HAS_ZP=True, HAS_BIAS=True, PDL=True, SW=0, SS=0, SZ=0, DW=1,
                                                              BLOCK_N=8, BLOCK_W=128, EVEN=False, AHEAD=False),
                                  dict(x_ptr="*fp16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*i8", b_ptr="*fp16",
                                       y_ptr="*fp16")),
-        "w4_gemv1_mxfp4_masked": (w4g1._w4_gemv1_kernel, dict(NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
+        "w4_gemv1_mxfp4_masked": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
                                                               BLOCK_N=8, BLOCK_W=256, EVEN=False, AHEAD=False),
                                   dict(x_ptr="*fp32", w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", y_ptr="*fp32")),
-        "w4_gemv1_int4_ahead": (w4g1._w4_gemv1_kernel, dict(NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
+        "w4_gemv1_int4_ahead": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
                                                             BLOCK_N=8, BLOCK_W=128, EVEN=True, AHEAD=True),
                                 dict(w_ptr="*i32")),
         # the fp16 pair products (HALF2): the inline PTX's fp16 pair FMAs and the x pairs' packing
-        "w4_gemv1_int4_half2": (w4g1._w4_gemv1_kernel, dict(NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=128, HAS_ZP=True, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
+        "w4_gemv1_int4_half2": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=128, HAS_ZP=True, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
                                                              BLOCK_N=8, BLOCK_W=256, EVEN=True, AHEAD=False,
                                                              HALF2=True),
                                 dict(w_ptr="*i32", z_ptr="*i8"), ("fma.rn.f16x2", "cvt.rn.f16x2.f32")),
-        "w4_gemv1_mxfp4_half2": (w4g1._w4_gemv1_kernel, dict(NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
+        "w4_gemv1_mxfp4_half2": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
                                                               BLOCK_N=8, BLOCK_W=128, EVEN=False, AHEAD=False,
                                                               HALF2=True),
                                  dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("fma.rn.f16x2", "cvt.rn.f16x2.f32")),
         # MXFP4's even loop with the words ahead and its row strides compiled in
         "w4_gemv1_mxfp4_fixed_strides": (w4g1._w4_gemv1_kernel,
-                                         dict(NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32, HAS_ZP=False,
+                                         dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32, HAS_ZP=False,
                                               HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
                                               BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True, DW=1),
                                          dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("fma.rn.f16x2",)),
         # MXFP4's table loop: word pairs a load (DW = 2), 8-byte loads
         "w4_gemv1_mxfp4_pairs": (w4g1._w4_gemv1_kernel,
-                                 dict(NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32, HAS_ZP=False,
+                                 dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32, HAS_ZP=False,
                                       HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8, BLOCK_W=128,
                                       EVEN=True, AHEAD=True, HALF2=True, DW=2),
                                  dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("fma.rn.f16x2", "ld.global.b64")),
+        # MXFP4 pair words (`fp4_pairs`) with a word pair's products in one fp16 chain (CHAIN), and
+        # int4's chain with zero points
+        "w4_gemv1_pair_words_chain": (w4g1._w4_gemv1_kernel,
+                                      dict(NORM=False, HAS_RES=False, GATED=False, FMT=2, GROUP=32, HAS_ZP=False,
+                                           HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
+                                           BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=2, CHAIN=True),
+                                      dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"),
+                                      ("fma.rn.f16x2", "ld.global.b64", "shl.b32")),
+        "w4_gemv1_int4_chain": (w4g1._w4_gemv1_kernel,
+                                dict(NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=128, HAS_ZP=True,
+                                     HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, BLOCK_N=16, BLOCK_W=128,
+                                     EVEN=True, AHEAD=False, HALF2=True, DW=2, CHAIN=True),
+                                dict(w_ptr="*i32", z_ptr="*i8"), ("fma.rn.f16x2", "ld.global.b64")),
         # the norm prologue (with the residual) and the SiLU-gated [gate | up] epilogue
-        "w4_gemv1_int4_norm_gated": (w4g1._w4_gemv1_kernel, dict(NORM=True, HAS_RES=True, GATED=True, FMT=0,
+        "w4_gemv1_int4_norm_gated": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=True, HAS_RES=True, GATED=True, FMT=0,
                                                                  GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
                                                                  BLOCK_N=8, BLOCK_W=256, EVEN=True, AHEAD=True,
                                                                  HALF2=True),
@@ -232,7 +245,8 @@ def test_kernels_compile_for_sm90():
                         "attention_3_stages_rows_ahead_True", "attention_fp8_f16_dots", "w4_gemv1_int4_masked",
                         "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2",
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
-                        "w4_gemv1_mxfp4_pairs", "attention_prefetch_before_wait", "merge_amax",
+                        "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
+                        "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;

@@ -1,0 +1,6 @@
+# Variant (run inside a copy of the tree by `h200_lease.sh var` with VARIANTS=scripts/variants):
+# "fp4_pair_words" added to the default fusions, so that MXFP4 batch-1 decode reads pair words.
+set -e
+sed -i 's/out += ("norm+quant", "silu+quant", "w4_norm_gemv")$/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "fp4_pair_words")/' \
+  atom/tuning/fusions.py
+grep -q '"w4_norm_gemv", "fp4_pair_words")' atom/tuning/fusions.py
