@@ -181,7 +181,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
   kv_tests) run kv-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_gpu_attention_fp8.py \
               tests/test_mla_decode_knobs.py
             run w4-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
-  w4_sweep) run w4-gemv1-sweep 300 python3 scripts/w4_gemv1_sweep.py --formats ${SWEEP_FORMATS:-int4 mxfp4} --out $R/w4-gemv1-sweep.json;;
+  w4_sweep) run w4-gemv1-sweep 560 python3 scripts/w4_gemv1_sweep.py --formats ${SWEEP_FORMATS:-int4 mxfp4} --out $R/w4-gemv1-sweep.json;;
   fp8_gemm) run fp8-gemm-sweep 400 python3 scripts/fp8_gemm_sweep.py --out $R/fp8-gemm-sweep.json;;
   lt_tests) run lt-gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_gemm_tuning.py \
               tests/test_gemm_tuning_fp8.py;;
