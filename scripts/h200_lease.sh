@@ -56,8 +56,8 @@
 # dependency wheels, carry .srv) and `vllm`),
 # qdot_tma (the 8-bit swap-AB product with its weight tiles through TMA against pointer loads),
 # pw_tests (the GPU tests of MXFP4 pair words and CHAIN, and the 4-bit kernels'). VARIANTS names the
-# folder of `var`'s / `var_thr`'s scripts (default .variants; scripts/variants holds tracked ones:
-# pw, chain, pwchain).
+# folder of `var`'s / `var_thr`'s scripts (default .variants; tracked ones: scripts/variants/int4,
+# scripts/variants/mxfp4).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
