@@ -345,12 +345,26 @@ def test_gpu_pair_words_and_chains_compute_their_reference_arithmetic(fmt, N, K,
 
 
 @pytest.mark.gpu
+def test_gpu_fused_norm_gemv_on_pair_words_matches_mxfp4():
+    """`w4_gemv1_fused` (the q/k/v norm GEMV, its HALF2 tile) on pair words gives MXFP4's
+    bits: the same fp16 products in the same order, only decoded by other shifts."""
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_fused
+    packed, scales, _ = random_w4("mxfp4", 6144, 4096, 32, False, device="cuda", seed=5)
+    x = (torch.randn(1, 4096, device="cuda") * 3).bfloat16()
+    res, nw = torch.randn(1, 4096, device="cuda").bfloat16(), (torch.rand(4096, device="cuda") + 0.5).bfloat16()
+    a = w4_gemv1_fused(x, res, nw, 1e-6, packed, scales, None, "mxfp4", 32, 4096)
+    b = w4_gemv1_fused(x, res, nw, 1e-6, fp4_pairs.pair_words(packed.view(torch.int32)), scales, None,
+                       "mxfp4_pairs", 32, 4096)
+    assert torch.equal(b[0], a[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
 def test_gpu_layer_with_pair_words_matches_mxfp4():
     layer = LAYERS["mxfp4"]("linear").cuda()
     x = torch.randn(1, layer.in_features, device="cuda").bfloat16()
     ref = layer(x)
     assert layer.method.add_pair_words(layer) and layer.fp4_pairs.is_cuda
-    assert rel_err(layer(x), ref) < 4e-3
+    assert torch.equal(layer(x), ref)  # the same products, the same tiles (pair words take MXFP4's)
     assert torch.equal(fp4_pairs.standard_words(layer.fp4_pairs), layer.weight_packed.view(torch.int32))
 
 

@@ -178,6 +178,13 @@ def _compile_all() -> dict:
                                      HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, BLOCK_N=16, BLOCK_W=128,
                                      EVEN=True, AHEAD=False, HALF2=True, DW=2, CHAIN=True),
                                 dict(w_ptr="*i32", z_ptr="*i8"), ("fma.rn.f16x2", "ld.global.b64")),
+        # the q/k/v norm GEMV (`w4_gemv1_fused`'s tile) on pair words, one word a load
+        "w4_gemv1_pair_words_norm": (w4g1._w4_gemv1_kernel,
+                                     dict(NORM=True, HAS_RES=True, GATED=False, FMT=2, GROUP=32, HAS_ZP=False,
+                                          HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
+                                          BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=1, CHAIN=False),
+                                     dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", eps="fp32"),
+                                     ("fma.rn.f16x2", "shl.b32")),
         # the norm prologue (with the residual) and the SiLU-gated [gate | up] epilogue
         "w4_gemv1_int4_norm_gated": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=True, HAS_RES=True, GATED=True, FMT=0,
                                                                  GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
@@ -246,6 +253,7 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2",
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
+                        "w4_gemv1_pair_words_norm",
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum"}
     for name, flags in got.items():

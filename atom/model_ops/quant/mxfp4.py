@@ -207,7 +207,7 @@ class Mxfp4LinearMethod(QuantLinearMethod):
             return False
         if "fp4_pairs" not in layer.__dict__:
             from atom.model_ops.kernels.fp4_pairs import pair_words
-            layer.fp4_pairs = pair_words(weight.view(torch.int32))
+            layer.fp4_pairs = pair_words(weight.contiguous().view(torch.int32))
         layer.fp4_pairs_on = True
         return True
 
