@@ -256,47 +256,74 @@ def test_fused_norm_gemv_on_pair_words_gives_mxfp4_bits():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_pair_words_run_one_row_only():
+@pytest.mark.parametrize("legacy", [False, True], ids=["table", "gemv_gemm"])
+@pytest.mark.parametrize("M", [1, 3, 17, 64])
+@pytest.mark.parametrize("N, K", [(12, 96), (9, 160), (16, 512)])
+def test_every_kernel_reads_pair_words(N, K, M, legacy):
+    """The 4-bit op on pair words (fmt "mxfp4_pairs") at every M, through the table's kernels
+    (the one-row GEMV, w4_gemv, w4_dot) and the GEMV / GEMM the table replaced: MXFP4's bits
+    (the others put each word back in the checkpoint's layout as they load it)."""
+    packed, scales, _ = random_w4("mxfp4", N, K, 32, False, seed=N + K + M)
+    torch.manual_seed(M)
+    x = torch.randn(M, K).bfloat16()
+    pw = fp4_pairs.pair_words(packed.view(torch.int32))
+    cfg = None
+    if legacy:
+        name, cfg = ("w4_gemv", dict(w4_gemm.GEMV_TILES, BLOCK_M=4)) if M <= 4 else ("w4_gemm", w4_gemm.GEMM_TILES[0][1])
+        cfg = dict(cfg, kernel=name)
+    got = w4_linear_launch(x, pw, scales, None, None, "mxfp4_pairs", 32, K, config=cfg)
+    want = w4_linear_launch(x, packed, scales, None, None, "mxfp4", 32, K, config=cfg)
+    assert torch.equal(got, want)
+    assert w4_gemm.w4_config(M, N, K, torch.bfloat16, 32, "mxfp4_pairs")[0] == \
+        w4_gemm.w4_config(M, N, K, torch.bfloat16, 32, "mxfp4")[0]
+
+
+def test_pair_words_arguments_and_reference():
     packed, scales, _ = random_w4("mxfp4", 8, 256, 32, False)
     pw = fp4_pairs.pair_words(packed.view(torch.int32))
-    with pytest.raises(ValueError, match="M=1"):
-        w4_linear_launch(torch.randn(2, 256), pw, scales, None, None, "mxfp4_pairs", 32, 256)
-    with pytest.raises(ValueError, match="w4_gemv1"):
-        w4_linear_launch(torch.randn(1, 256), pw, scales, None, None, "mxfp4_pairs", 32, 256,
-                         config=dict(kernel="w4_gemv", BLOCK_M=1, BLOCK_N=4, BLOCK_W=32, num_warps=1))
     with pytest.raises(ValueError, match="int32"):
         w4_linear_launch(torch.randn(1, 256), packed, scales, None, None, "mxfp4_pairs", 32, 256)
+    with pytest.raises(ValueError, match="group"):
+        w4_linear_launch(torch.randn(1, 256), pw, scales, None, None, "mxfp4_pairs", 64, 256)
     assert torch.equal(w4_gemm.dequantize_w4(pw, scales, None, "mxfp4_pairs", 32, 256),
                        w4_gemm.dequantize_w4(packed, scales, None, "mxfp4", 32, 256))
 
 
 # --- the method and the fusion --------------------------------------------------------------------
 
+def to_pair_words(layer) -> None:
+    """What `use_pair_words` does on a GPU, done on the CPU layer: its bytes as pair words."""
+    words = layer.weight_packed.data.view(torch.int32)
+    words.copy_(fp4_pairs.pair_words(words))
+    layer.fp4_layout = "pairs"
+
+
 @pytest.mark.parametrize("kind", ["linear", "qkv"])
-def test_one_row_products_read_the_pair_words_while_on(kind, monkeypatch):
-    """A weight-only MXFP4 layer with pair words on: one row through "mxfp4_pairs", more rows
-    through the checkpoint's layout, both the torch reference's values; `one_row_operands`
-    hands the fused GEMV the pair words; off (`fusions.uninstall`), MXFP4 again."""
-    from atom.tuning import fusions
-    layer = LAYERS["mxfp4"](kind)
-    assert not layer.method.add_pair_words(layer)  # CPU weights: no one-row GEMV here
-    x1, x3 = torch.randn(1, layer.in_features).bfloat16(), torch.randn(3, layer.in_features).bfloat16()
-    refs = layer(x1), layer(x3)
-    layer.fp4_pairs = fp4_pairs.pair_words(layer.weight_packed.view(torch.int32))  # what add_pair_words keeps
-    layer.fp4_pairs_on = True
-    assert layer.method.one_row_operands(layer)[0] is layer.fp4_pairs
-    assert layer.method.one_row_operands(layer)[3] == "mxfp4_pairs"
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4_act_mxfp4"])
+def test_layers_on_pair_words_run_every_product_on_them(fmt, kind, monkeypatch):
+    """An MXFP4 layer whose bytes are pair words: its dequantized weight is unchanged (the
+    torch reference puts them back), and every product, one row or more, goes through the
+    kernels as "mxfp4_pairs" with the reference's values; `one_row_operands` hands the fused
+    GEMV the pair words. `use_pair_words` leaves CPU layers as they are and is done once."""
+    layer = LAYERS[fmt](kind)
+    assert not layer.method.use_pair_words(layer)  # CPU weights: the torch reference runs them
+    before = layer.method.dequantized_weight(layer)
+    xs = [torch.randn(m, layer.in_features).bfloat16() for m in (1, 3, 17)]
+    refs = [layer(x) for x in xs]
+    to_pair_words(layer)
+    assert torch.equal(layer.method.dequantized_weight(layer), before)
+    assert layer.method.use_pair_words(layer)  # already converted: nothing to do
+    packed, _, _, f, g, k = layer.method.w4_operands(layer)
+    assert f == "mxfp4_pairs" and packed.dtype == torch.int32 and packed.shape == (layer.out_features, k // 8)
+    if fmt == "mxfp4":
+        assert layer.method.one_row_operands(layer)[3] == "mxfp4_pairs"
     fmts = []
     real = w4_gemm.w4_linear_launch
     monkeypatch.setattr(w4_gemm, "w4_linear_launch", lambda *a, **k: fmts.append(a[5]) or real(*a, **k))
     monkeypatch.setattr(mxfp4_mod, "use_w4_kernel", lambda x: True)
-    for x, ref in zip((x1, x3), refs):
+    for x, ref in zip(xs, refs):
         assert rel_err(layer(x), ref) < TOL[torch.bfloat16]
-    assert fmts == ["mxfp4_pairs", "mxfp4"]
-    fusions.uninstall(torch.nn.Sequential(layer))
-    assert not layer.fp4_pairs_on and "fp4_pairs" in layer.__dict__  # kept: a captured graph may read it
-    layer(x1)
-    assert fmts[-1] == "mxfp4" and layer.method.one_row_operands(layer)[3] == "mxfp4"
+    assert fmts == ["mxfp4_pairs"] * 3
 
 
 def test_the_fusion_gives_mxfp4_layers_their_pair_words(monkeypatch):
@@ -305,7 +332,7 @@ def test_the_fusion_gives_mxfp4_layers_their_pair_words(monkeypatch):
     assert "fp4_pair_words" in FUSIONS and "fp4_pair_words" not in fusions.default_fusions("triton")
     layer = LAYERS["mxfp4"]("linear")
     asked = []
-    monkeypatch.setattr(type(layer.method), "add_pair_words", lambda self, m: asked.append(m) or True)
+    monkeypatch.setattr(type(layer.method), "use_pair_words", lambda self, m: asked.append(m) or True)
     model = torch.nn.Sequential(layer, torch.nn.Linear(4, 4))
     fusions.install(model, KernelPlan(backend="triton", fusions=("fp4_pair_words",)))
     assert asked == [layer]
@@ -361,28 +388,10 @@ def test_gpu_fused_norm_gemv_on_pair_words_matches_mxfp4():
 @pytest.mark.gpu
 def test_gpu_layer_with_pair_words_matches_mxfp4():
     layer = LAYERS["mxfp4"]("linear").cuda()
-    x = torch.randn(1, layer.in_features, device="cuda").bfloat16()
-    ref = layer(x)
-    assert layer.method.add_pair_words(layer) and layer.fp4_pairs.is_cuda
-    assert torch.equal(layer(x), ref)  # the same products, the same tiles (pair words take MXFP4's)
-    assert torch.equal(fp4_pairs.standard_words(layer.fp4_pairs), layer.weight_packed.view(torch.int32))
-
-
-def test_the_one_row_sweep_times_pair_words_and_chains(monkeypatch):
-    """`scripts/w4_gemv1_sweep.py`: its pair-word weights are MXFP4's repacked, and its CHAIN
-    tiles are ones the kernel runs (HALF2, two words a load)."""
-    import importlib.util
-    import os
-    import sys
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
-    monkeypatch.syspath_prepend(here)
-    spec = importlib.util.spec_from_file_location("w4_gemv1_sweep", os.path.join(here, "w4_gemv1_sweep.py"))
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    monkeypatch.setattr(sys.modules["w4_sweep"], "DEVICE", "cpu")
-    assert sweep.FORMATS["mxfp4_pairs"] == ("mxfp4_pairs", 32, False)
-    torch.manual_seed(0)
-    pw, scales, zeros = sweep.weights("mxfp4_pairs", 8, 256, 32, False)
-    assert pw.dtype == torch.int32 and pw.shape == (8, 32) and scales.shape == (8, 8) and zeros is None
-    chains = [t for t in sweep.TILES if t[5]]
-    assert chains and all(t[3] and t[4] == 2 for t in chains)
+    xs = [torch.randn(m, layer.in_features, device="cuda").bfloat16() for m in (1, 3, 17, 300)]
+    refs = [layer(x) for x in xs]
+    before = layer.weight_packed.clone()
+    assert layer.method.use_pair_words(layer) and layer.fp4_layout == "pairs"
+    assert torch.equal(fp4_pairs.standard_words(layer.weight_packed.view(torch.int32)), before.view(torch.int32))
+    for x, ref in zip(xs, refs):  # the same products and tiles (pair words take MXFP4's)
+        assert torch.equal(layer(x), ref), x.shape

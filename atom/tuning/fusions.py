@@ -58,11 +58,11 @@ which computes the same thing with fewer kernels where the plan says so:
   (`quant_gemv_dot.split_k_lock`), instead of a second reduction launch. Opt-in only, not in
   `default_fusions`: its GPU test differs from the separate reduction at 28672 x 4096
   (docs/perf has the layer timings);
-- "fp4_pair_words": weight-only MXFP4 layers keep a copy of their weight as pair words
-  (`kernels.fp4_pairs`: the same codes, bits placed so that the one-row GEMV's fp16 pair
-  decode takes 11 instructions a word instead of 16) for batch-1 decode
-  (`Mxfp4LinearMethod.add_pair_words`). Opt-in, not in `default_fusions`: it doubles the
-  MXFP4 weights' memory, and its decode timing is not yet in docs/perf;
+- "fp4_pair_words": MXFP4 layers store their weight as pair words (`kernels.fp4_pairs`: the
+  same codes, bits placed so that the one-row GEMV's fp16 pair decode takes 11 instructions a
+  word instead of 16; the other 4-bit kernels put each word back as they load it), converted
+  in place once (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is
+  replaced). Opt-in, not in `default_fusions`, until its decode timing is in docs/perf;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -138,9 +138,9 @@ def install(model: nn.Module, plan) -> int:
     if not plan.fusions:
         return 0
     if plan.has("fp4_pair_words"):
-        paired = sum(bool(m.method.add_pair_words(m)) for m in model.modules()
-                     if callable(getattr(getattr(m, "method", None), "add_pair_words", None)))
-        logger.info("MXFP4 pair words for batch-1 decode on %d layers", paired)
+        paired = sum(bool(m.method.use_pair_words(m)) for m in model.modules()
+                     if callable(getattr(getattr(m, "method", None), "use_pair_words", None)))
+        logger.info("MXFP4 pair words on %d layers", paired)
     if plan.has("moe+shared"):
         from atom.model_ops.moe import FusedMoE
         from atom.model_ops.moe.shared_stack import stack_shared_experts
@@ -231,8 +231,6 @@ def project_pending(plan, linear: nn.Module, x: torch.Tensor):
 def uninstall(model: nn.Module) -> None:
     for m in model.modules():
         m.__dict__.pop("defer_output", None)
-        if m.__dict__.get("fp4_pairs_on"):
-            m.fp4_pairs_on = False
         if "forward" in m.__dict__ and matches(m):
             del m.forward
             m.self_attn.qkv_proj.one_row = "plain"

@@ -56,7 +56,7 @@ FUSIONS = (
     "moe+shared",        # MoE: shared experts stacked after the routed ones, run in the grouped GEMM (opt-in)
     "shared_overlap",    # MoE: shared experts on a second CUDA stream, beside the routed experts
     "w4_norm_gemv",      # batch 1, 4-bit layers: the RMSNorm inside the q/k/v product's one-row 4-bit GEMV
-    "fp4_pair_words",    # batch 1, MXFP4 layers: the one-row GEMV reads a repacked copy of the weight (opt-in)
+    "fp4_pair_words",    # MXFP4 layers: the weight repacked in place for the one-row GEMV's decode (opt-in)
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 # Tokens up to which "shared_overlap" runs the shared experts on the second stream: decode

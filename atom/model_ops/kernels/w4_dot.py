@@ -69,7 +69,7 @@ def supports(x_dtype: torch.dtype, group: int) -> bool:
 
 if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
-    from atom.model_ops.kernels.w4_gemm import _e2m1, _e8m0
+    from atom.model_ops.kernels.w4_gemm import _e2m1, _e8m0, _pair_word_std
 
     @triton.jit
     def _unpack_tile(word, FMT: tl.constexpr, MAGIC: tl.constexpr, DTYPE: tl.constexpr, ORDER: tl.constexpr,
@@ -125,6 +125,8 @@ if HAS_TRITON:
                 jw = kc // 8 + jc
                 word = tl.load(w_ptr + r64[:, None] * stride_wn + jw[None, :],
                                mask=row_ok[:, None] & (jw < n_words)[None, :], other=0)
+                if FMT == 2:  # MXFP4 pair words: the checkpoint's layout first
+                    word = _pair_word_std(word)
                 w = _unpack_tile(word, FMT, MAGIC, DTYPE, ORDER, BLOCK_N, DK)
                 ks = kc + fcol
                 xt = tl.load(x_ptr + m64[None, :] * stride_xm + ks[:, None],

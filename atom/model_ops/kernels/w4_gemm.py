@@ -1,7 +1,7 @@
 """y = x W^T (+ b) for 4-bit weights, dequantized in registers: W4A16 int4 groups and MXFP4.
 
-The weights stay in the bytes the checkpoint packs them in (no dequantized copy, nothing
-repacked):
+The weights stay in the bytes the checkpoint packs them in (no dequantized copy; only the
+opt-in MXFP4 pair words below repack them, in place):
 - int4 (`fmt="int4"`): `packed` int32 [N, ceil(K/8)], nibble i of word j holding column
   8j + i as u = q + 8 (0..15); `scales` [N, K/g] (any float dtype); `zeros` None (symmetric:
   w = (u - 8) * s) or int8 [N, K/g] of the stored zero points u_z = z + 8 (w = (u - u_z) * s).
@@ -14,9 +14,11 @@ repacked):
   writing s into a float32's exponent field (s = 0, 2^-127, as the subnormal with bit 22
   set): exact, and no conversion instruction per weight. In the GEMM int4 nibbles become floats by the magic-number trick
   (float(0x4B000000 | u) = 2^23 + u, minus the group's 2^23 + zero point).
-- MXFP4 pair words (`fmt="mxfp4_pairs"`, one row only: the one-row GEMV `w4_gemv1`): the same
-  codes as int32 [N, K/8] words whose bits `kernels.fp4_pairs` places for fp16 pair decoding
-  (a copy the MXFP4 method makes under the plan's "fp4_pair_words"); the scales as MXFP4's.
+- MXFP4 pair words (`fmt="mxfp4_pairs"`): the same codes as int32 [N, K/8] words whose bits
+  `kernels.fp4_pairs` places for the one-row GEMV's fp16 pair decode (the layout the MXFP4
+  method takes under the plan's "fp4_pair_words"); the scales as MXFP4's. The one-row GEMV
+  decodes them directly; the other kernels put each loaded word back in the checkpoint's
+  layout first (`_pair_word_std`: seven masks and shifts a word).
 
 For bf16 / fp16 activations and groups with a power-of-two factor >= 16 (every checkpoint
 format: g32 / g64 / g128, channel-wise, MXFP4's 32) `w4_config` picks `w4_dot` above
@@ -110,7 +112,7 @@ DOT_TILES = (
     (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
     (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
 )
-DOT_MAX_M = {"int4": 64, "mxfp4": None}  # None: every M
+DOT_MAX_M = {"int4": 64, "mxfp4": None, "mxfp4_pairs": None}  # None: every M
 
 
 def dot_split_k(M: int, N: int, K: int, cfg: dict) -> int:
@@ -136,10 +138,6 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
     from atom.model_ops.kernels.w4_dot import supports
     from atom.model_ops.kernels.w4_gemv1 import supports as gemv1_supports
     from atom.model_ops.kernels.w4_gemv1 import tiles as gemv1_tiles
-    if fmt == "mxfp4_pairs":  # pair words are a copy for batch-1 decode
-        if M != 1:
-            raise ValueError(f"w4_linear: fmt='mxfp4_pairs' runs the one-row GEMV only (M=1), got M={M}")
-        return "w4_gemv1", gemv1_tiles(N, fmt, K)
     top = DOT_MAX_M.get(fmt, 64)
     if M >= DOT_MIN_M and (top is None or M <= top) and supports(dtype, group):
         for max_m, cfg in DOT_TILES:
@@ -191,6 +189,17 @@ if HAS_TRITON:
         y = word.to(tl.uint32, bitcast=True) << (28 - offset)
         bits = (y & 0x80000000) | ((y >> 6) & 0x01C00000)
         return bits.to(tl.float32, bitcast=True) * 8.507059173023462e+37  # 2^126
+
+    @triton.jit
+    def _pair_word_std(word):
+        """`fp4_pairs` pair words (int32) back in the checkpoint's layout (code i at bits
+        4i..4i+3): the runs of `fp4_pairs.MOVES` grouped by their shift, one mask and shift a
+        group."""
+        wu = word.to(tl.uint32, bitcast=True)
+        std = (((wu & 0x80008000) >> 12) | ((wu & 0x0E000E00) >> 9) | ((wu & 0x10001000) >> 5)
+               | ((wu & 0x21C021C0) >> 2) | ((wu & 0x40004000) << 1) | ((wu & 0x00380038) << 5)
+               | ((wu & 0x00070007) << 12))
+        return std.to(tl.int32, bitcast=True)
 
     @triton.jit
     def _e8m0(s):
@@ -287,6 +296,8 @@ if HAS_TRITON:
                                     mask=(row_ok[:, None] & (jn < n_words)[None, :])[:, :, None], other=0)
             else:
                 word = tl.load(w_ptr + (r64[:, None] * stride_wn + jl[None, :])[:, :, None], mask=m3, other=0)
+            if FMT == 2:  # MXFP4 pair words: the checkpoint's layout first
+                word = _pair_word_std(word)
             u = (word >> shifts) & 0xF  # [BLOCK_N, BLOCK_W, 8]
             ks = (jw[:, None] * 8 + es[None, :])[None, :, :]  # [1, BLOCK_W, 8]: the column of every nibble
             k_ok = ks < K
@@ -362,6 +373,8 @@ if HAS_TRITON:
             jw = k0 // PER + tl.arange(0, BLOCK_W)
             wk = (jw < n_words)[:, None] & n_ok[None, :]
             word = tl.load(w_ptr + rn64[None, :] * stride_wn + jw[:, None], mask=wk, other=0).to(tl.int32)
+            if FMT == 2:  # MXFP4 pair words: the checkpoint's layout first
+                word = _pair_word_std(word)
             u = (word[:, None, :] >> (es * 4)[None, :, None]) & 0xF
             ks3 = jw[:, None] * PER + es[None, :]  # [BLOCK_W, PER]
             k3_ok = (ks3 < K)[:, :, None] & n_ok[None, None, :]
@@ -441,8 +454,6 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     if config is not None:
         cfg = dict(config)
         name = cfg.pop("kernel", name)
-    if fmt == "mxfp4_pairs" and name != "w4_gemv1":
-        raise ValueError(f"w4_linear: fmt='mxfp4_pairs' runs the one-row GEMV (w4_gemv1) only, not {name}")
     z = zeros if zeros is not None else scales
     b = bias if bias is not None else y
     common = dict(FMT=FORMATS.index(fmt), PER=PER_ELEMENT[fmt], GROUP=group, HAS_ZP=zeros is not None,

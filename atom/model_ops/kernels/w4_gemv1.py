@@ -43,8 +43,9 @@ bf16's output rounding; fp32 activations keep the float32 path. The PTX is gener
   widening, unscaling and scale multiply come once per 16 weights (Triton 3.6, 8-row tile:
   int4 2.68 instructions a weight against 2.99, MXFP4 3.55 against 3.90), at most ~1.1e-3 of
   the largest output in `half2_ref(chain=2)`;
-- fmt "mxfp4_pairs": MXFP4 pair words (`fp4_pairs`, the plan's "fp4_pair_words"), 11 decode
-  instructions a word instead of 16 (3.37 a weight; 3.05 with CHAIN).
+- fmt "mxfp4_pairs": MXFP4 pair words (`fp4_pairs`, the layout the plan's "fp4_pair_words"
+  gives MXFP4 layers), 11 decode instructions a word instead of 16 (3.37 a weight; 3.05 with
+  CHAIN).
 """
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ if HAS_TRITON:
     from atom.model_ops.kernels.h2_ptx import h2_ptx
     from atom.model_ops.kernels.rmsnorm import add_norm_cols
     from atom.model_ops.kernels.triton_import import pdl_start
-    from atom.model_ops.kernels.w4_gemm import _e8m0
+    from atom.model_ops.kernels.w4_gemm import _e8m0, _pair_word_std
 
     @triton.jit
     def _fma2(a, b, t):
@@ -253,14 +254,6 @@ if HAS_TRITON:
         return t
 
     @triton.jit
-    def _standard_word(wu):
-        """A pair word (uint32) back in the checkpoint's layout (code i at bits 4i..4i+3): each
-        run of `fp4_pairs.MOVES` grouped by its shift, one mask and shift a group."""
-        return (((wu & 0x80008000) >> 12) | ((wu & 0x0E000E00) >> 9) | ((wu & 0x10001000) >> 5)
-                | ((wu & 0x21C021C0) >> 2) | ((wu & 0x40004000) << 1) | ((wu & 0x00380038) << 5)
-                | ((wu & 0x00070007) << 12))
-
-    @triton.jit
     def _h2_column_e(xv):
         """The biased exponent of the largest |x| of each word column of x [1, BLOCK_W, 8] (at
         least 40, for all-zero columns): [1, BLOCK_W, 1]."""
@@ -320,6 +313,8 @@ if HAS_TRITON:
                    EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
         """One step's dot-product parts of a [BLOCK_N, BLOCK_W, 1] word tile with x [1, BLOCK_W, 8]
         (its scale tile s_raw, zero points at zp): float32 [BLOCK_N, BLOCK_W, 1]."""
+        if FMT == 2 and not HALF2:  # MXFP4 pair words on the float32 path: the checkpoint's layout first
+            word = _pair_word_std(word)
         wu = word.to(tl.uint32, bitcast=True)
         shape: tl.constexpr = [BLOCK_N, BLOCK_W]
         if FMT == 0 and HALF2:
@@ -341,8 +336,6 @@ if HAS_TRITON:
             t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum v x 2^(127 - e)
             part = (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
         else:
-            if FMT == 2:  # pair words: the checkpoint's layout first
-                wu = _standard_word(wu)
             # codes i and i + 4 as the two halves of one int32 (bf16 bits): signs to bits 15 / 31
             # (left by 12 - 4i), exponent and mantissa bits to 6-8 / 22-24
             i4 = tl.arange(0, 4)[None, None, :]
@@ -429,7 +422,7 @@ if HAS_TRITON:
         halves), so a load and a row's address sum and scale load serve 16 weights instead
         of 8; x's 16 columns are two 16-byte loads. CHAIN (HALF2, DW = 2): both words of a
         load in one fp16 chain (`_word_sums2`). FMT 2: MXFP4 pair words (`fp4_pairs`), their
-        own PTX with HALF2, put back in the checkpoint's layout (`_standard_word`) without."""
+        own PTX with HALF2, put back in the checkpoint's layout (`w4_gemm._pair_word_std`) without."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
         tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")

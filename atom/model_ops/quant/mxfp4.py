@@ -164,7 +164,15 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         bias_param(layer, out_features, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
-        return dequantize_mxfp4(getattr(layer, self.packed_name), layer.weight_scale)
+        return dequantize_mxfp4(self.checkpoint_bytes(layer), layer.weight_scale)
+
+    def checkpoint_bytes(self, layer: nn.Module) -> torch.Tensor:
+        """The weight's bytes in the checkpoint's layout (pair words put back: `use_pair_words`)."""
+        packed = getattr(layer, self.packed_name)
+        if layer.__dict__.get("fp4_layout") == "pairs":
+            from atom.model_ops.kernels.fp4_pairs import standard_words
+            return standard_words(packed.view(torch.int32)).view(torch.uint8)
+        return packed
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """CUDA (with Triton): the fused kernel on the packed weight (`kernels.w4_gemm`), the
@@ -173,15 +181,17 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         if use_w4_kernel(x):
             xq = fake_quant_mxfp4(x).to(x.dtype) if self.act == "group" else x
             packed, scales, _, fmt, group, k = self.w4_operands(layer)
-            if x.numel() == k and layer.__dict__.get("fp4_pairs_on"):  # one row: the pair words (`add_pair_words`)
-                packed, fmt = layer.fp4_pairs, "mxfp4_pairs"
             return w4_product(xq, packed, scales, None, layer.bias, fmt, group, k)
         x32 = fake_quant_mxfp4(x) if self.act == "group" else x.float()
         return product(x, x32, self.dequantized_weight(layer), layer.bias)
 
     def w4_operands(self, layer: nn.Module) -> tuple:
-        """The 4-bit kernels' operands of this layer: (packed, scales, None, "mxfp4", 32, K)."""
-        return getattr(layer, self.packed_name), layer.weight_scale, None, "mxfp4", MX_GROUP, layer.in_features
+        """The 4-bit kernels' operands of this layer: (packed, scales, None, "mxfp4", 32, K); pair
+        words (`use_pair_words`) as int32 words with fmt "mxfp4_pairs"."""
+        packed = getattr(layer, self.packed_name)
+        if layer.__dict__.get("fp4_layout") == "pairs":
+            return packed.view(torch.int32), layer.weight_scale, None, "mxfp4_pairs", MX_GROUP, layer.in_features
+        return packed, layer.weight_scale, None, "mxfp4", MX_GROUP, layer.in_features
 
     def one_row_operands(self, layer: nn.Module) -> tuple | None:
         """What the one-row GEMV's fused entry (`kernels.w4_gemv1.w4_gemv1_fused`) takes for
@@ -189,26 +199,25 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         before the product, which a norm in front cannot) or K not whole words."""
         if self.act == "group" or layer.in_features % 8:
             return None
-        packed, scales, zeros, fmt, group, k = self.w4_operands(layer)
-        if layer.__dict__.get("fp4_pairs_on"):
-            packed, fmt = layer.fp4_pairs, "mxfp4_pairs"
-        return packed, scales, zeros, fmt, group, k
+        return self.w4_operands(layer)
 
-    def add_pair_words(self, layer: nn.Module) -> bool:
-        """Batch-1 decode on pair words (the plan's "fp4_pair_words"): the layer keeps
-        `fp4_pairs`, its weight as `kernels.fp4_pairs` words (the same codes, bits placed for
-        fewer decode instructions in the one-row GEMV: a second copy of the weight's bytes), and
-        one-row products read it while `fp4_pairs_on`. Weight-only layers on CUDA only (the
-        one-row GEMV's); returns whether the layer took it. The copy stays after the plan is
-        replaced (`fusions.uninstall` turns it off): a CUDA graph captured with it keeps its
-        address."""
+    def use_pair_words(self, layer: nn.Module) -> bool:
+        """The plan's "fp4_pair_words": the weight's bytes become `kernels.fp4_pairs` words in
+        place (the same codes, bits placed so that the one-row GEMV decodes an fp16 pair in
+        fewer instructions; the other 4-bit kernels put each word back as they load it), once:
+        the layout stays when the plan is replaced, since graphs captured with it read it.
+        Where the 4-bit kernels run the layer (NVIDIA CUDA weights, Triton) and the weight is
+        contiguous; returns whether the layer has pair words."""
+        from atom.model_ops.kernels.triton_import import HAS_TRITON
         weight = getattr(layer, self.packed_name)
-        if self.act != "none" or not weight.is_cuda or layer.in_features % 8:
+        if layer.__dict__.get("fp4_layout") == "pairs":
+            return True
+        if not (HAS_TRITON and weight.is_cuda and torch.version.hip is None and weight.is_contiguous()):
             return False
-        if "fp4_pairs" not in layer.__dict__:
-            from atom.model_ops.kernels.fp4_pairs import pair_words
-            layer.fp4_pairs = pair_words(weight.contiguous().view(torch.int32))
-        layer.fp4_pairs_on = True
+        from atom.model_ops.kernels.fp4_pairs import pair_words
+        words = weight.data.view(torch.int32)
+        words.copy_(pair_words(words))
+        layer.fp4_layout = "pairs"
         return True
 
     #: the GPU kernel (CPU runs the torch reference)

@@ -1,5 +1,5 @@
 # Variant (run inside a copy of the tree by `h200_lease.sh var` with VARIANTS=scripts/variants/mxfp4):
-# "fp4_pair_words" added to the default fusions, so that MXFP4 batch-1 decode reads pair words.
+# "fp4_pair_words" added to the default fusions: MXFP4 layers store their weight as pair words.
 set -e
 sed -i 's/out += ("norm+quant", "silu+quant", "w4_norm_gemv")$/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "fp4_pair_words")/' \
   atom/tuning/fusions.py
