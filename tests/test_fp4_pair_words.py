@@ -278,6 +278,21 @@ def test_every_kernel_reads_pair_words(N, K, M, legacy):
         w4_gemm.w4_config(M, N, K, torch.bfloat16, 32, "mxfp4")[0]
 
 
+@pytest.mark.parametrize("M, split, order", [(1, 1, 0), (3, 2, 1), (17, 2, 0), (17, 1, 1)])
+@pytest.mark.parametrize("N, K", [(72, 256), (24, 96)])
+def test_w4_dot_reads_pair_words(N, K, M, split, order):
+    """The tensor-core kernel's unpack of pair words (each code from its own places, both column
+    orders, split K): MXFP4's bits."""
+    packed, scales, _ = random_w4("mxfp4", N, K, 32, False, seed=N + M)
+    x = torch.randn(M, K).bfloat16()
+    cfg = dict(kernel="w4_dot", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=split, ORDER=order, num_warps=4,
+               num_stages=2)
+    want = w4_linear_launch(x, packed, scales, None, None, "mxfp4", 32, K, config=dict(cfg))
+    got = w4_linear_launch(x, fp4_pairs.pair_words(packed.view(torch.int32)), scales, None, None, "mxfp4_pairs",
+                           32, K, config=dict(cfg))
+    assert torch.equal(got, want)
+
+
 def test_pair_words_arguments_and_reference():
     packed, scales, _ = random_w4("mxfp4", 8, 256, 32, False)
     pw = fp4_pairs.pair_words(packed.view(torch.int32))

@@ -656,14 +656,14 @@ def _compile_w4() -> dict:
     aligned = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
                "n_words", "K")  # what the JIT specializes (16-divisible) at the Llama shapes
     dot = dict(DOT_F32=False, MAGIC=w4_dot.MAGIC2[torch.bfloat16][0], MAGIC_F=w4_dot.MAGIC2[torch.bfloat16][1])
-    for fmt, group, zp in ((0, 128, False), (0, 64, True), (1, 32, False)):
+    for fmt, group, zp in ((0, 128, False), (0, 64, True), (1, 32, False), (2, 32, False)):  # 2: MXFP4 pair words
         types = {"w_ptr": "*i32", "s_ptr": "*bf16" if fmt == 0 else "*u8", "z_ptr": "*i8", "b_ptr": "*bf16"}
         for kind, kernel, consts, warps in (
                 ("gemv1", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_W=128, AHEAD=True), 4),
                 ("gemv4", w4_gemm._w4_gemv_kernel, dict(BLOCK_M=4, BLOCK_N=4, BLOCK_W=128, AHEAD=False), 4),
-                ("gemm16", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, PER=8 - 6 * fmt,
+                ("gemm16", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, PER=2 if fmt == 1 else 8,
                                                           DOT_PREC="tf32", DOT_F32=False), 4),
-                ("gemm128", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER=8 - 6 * fmt,
+                ("gemm128", w4_gemm._w4_gemm_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PER=2 if fmt == 1 else 8,
                                                            DOT_PREC="tf32", DOT_F32=False), 8),
                 ("dot16", w4_dot._w4_dot_kernel, dict(dot, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, ORDER=0,
                                                        DK=w4_dot.dot_k(256, group), PARTIAL=True), 4),
@@ -698,7 +698,7 @@ def test_kernels_compile_for_sm90_without_layout_shuffles_in_the_gemv():
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(got) == 18
+    assert len(got) == 24
     for name, flags in got.items():
         assert flags["pdl"], name  # waits for the kernel in front (programmatic dependent launch)
         assert not flags["loop_int_to_float"], name  # nibbles become floats by bit tricks

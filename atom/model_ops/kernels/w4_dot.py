@@ -69,20 +69,25 @@ def supports(x_dtype: torch.dtype, group: int) -> bool:
 
 if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
-    from atom.model_ops.kernels.w4_gemm import _e2m1, _e8m0, _pair_word_std
+    from atom.model_ops.kernels.w4_gemm import _e2m1, _e2m1_pairs_at, _e8m0
 
     @triton.jit
     def _unpack_tile(word, FMT: tl.constexpr, MAGIC: tl.constexpr, DTYPE: tl.constexpr, ORDER: tl.constexpr,
                      BLOCK_N: tl.constexpr, DK: tl.constexpr):
         """Words [BLOCK_N, DK / 8] -> [BLOCK_N, DK] weights in DTYPE: int4 2^b + u, MXFP4
-        e2m1 values; column order 0,4,1,5,2,6,3,7 per word (ORDER=0) or natural (ORDER=1)."""
+        e2m1 values (FMT 2: from pair words, `w4_gemm._e2m1_pairs_at`); column order
+        0,4,1,5,2,6,3,7 per word (ORDER=0) or natural (ORDER=1)."""
         i4 = tl.arange(0, 4)
-        p = (word[:, :, None] >> (i4 * 4)[None, None, :]) & 0x000F000F  # nibbles i, i + 4
-        if FMT == 0:
-            p = p | MAGIC
-            v = tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)).to(DTYPE, bitcast=True)  # [BN, W, 4, 2]
+        if FMT == 2:  # pair words: columns i and i + 4 each from its own places, joined as the others
+            lo = _e2m1_pairs_at(word[:, :, None], i4[None, None, :])
+            v = tl.join(lo, _e2m1_pairs_at(word[:, :, None], i4[None, None, :] + 4)).to(DTYPE)
         else:
-            v = _e2m1(tl.join(p & 0xF, p >> 16)).to(DTYPE)
+            p = (word[:, :, None] >> (i4 * 4)[None, None, :]) & 0x000F000F  # nibbles i, i + 4
+            if FMT == 0:
+                p = p | MAGIC
+                v = tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)).to(DTYPE, bitcast=True)  # [BN, W, 4, 2]
+            else:
+                v = _e2m1(tl.join(p & 0xF, p >> 16)).to(DTYPE)
         if ORDER == 1:
             v = tl.permute(v, (0, 1, 3, 2))
         return tl.reshape(v, [BLOCK_N, DK])
@@ -125,8 +130,6 @@ if HAS_TRITON:
                 jw = kc // 8 + jc
                 word = tl.load(w_ptr + r64[:, None] * stride_wn + jw[None, :],
                                mask=row_ok[:, None] & (jw < n_words)[None, :], other=0)
-                if FMT == 2:  # MXFP4 pair words: the checkpoint's layout first
-                    word = _pair_word_std(word)
                 w = _unpack_tile(word, FMT, MAGIC, DTYPE, ORDER, BLOCK_N, DK)
                 ks = kc + fcol
                 xt = tl.load(x_ptr + m64[None, :] * stride_xm + ks[:, None],

@@ -16,9 +16,9 @@ opt-in MXFP4 pair words below repack them, in place):
   (float(0x4B000000 | u) = 2^23 + u, minus the group's 2^23 + zero point).
 - MXFP4 pair words (`fmt="mxfp4_pairs"`): the same codes as int32 [N, K/8] words whose bits
   `kernels.fp4_pairs` places for the one-row GEMV's fp16 pair decode (the layout the MXFP4
-  method takes under the plan's "fp4_pair_words"); the scales as MXFP4's. The one-row GEMV
-  decodes them directly; the other kernels put each loaded word back in the checkpoint's
-  layout first (`_pair_word_std`: seven masks and shifts a word).
+  method takes under the plan's "fp4_pair_words"); the scales as MXFP4's. The GEMVs and w4_dot
+  decode each code from its own places (`_e2m1_pairs_at`); the fp32 GEMM puts each loaded word
+  back in the checkpoint's layout first (`_pair_word_std`: seven masks and shifts a word).
 
 For bf16 / fp16 activations and groups with a power-of-two factor >= 16 (every checkpoint
 format: g32 / g64 / g128, channel-wise, MXFP4's 32) `w4_config` picks `w4_dot` above
@@ -202,6 +202,22 @@ if HAS_TRITON:
         return std.to(tl.int32, bitcast=True)
 
     @triton.jit
+    def _e2m1_pairs_at(word, es):
+        """`_e2m1_at` for pair words (`fp4_pairs`): the fp32 values of columns es (0..7) of
+        int32 pair words, each code's sign (at 15 - SIGN_SHIFT[i] + 16 h for column i + 4 h)
+        shifted to bit 31 and its exponent-mantissa bits (at 9 - EM_SHIFT[i] + 16 h) to
+        22-24: a shift and a mask each (EM_SHIFT[i] = 3 i, SIGN_SHIFT[i] = (4 - i) % 4), then
+        the multiply by 2^126. One shift a code more than the checkpoint's layout, against
+        seven masks and shifts a word to put it back (`_pair_word_std`)."""
+        i = es % 4
+        h = es // 4
+        em_pos = 9 - 3 * i + 16 * h
+        sign_pos = 15 - (4 - i) % 4 + 16 * h
+        wu = word.to(tl.uint32, bitcast=True)
+        bits = ((wu << (31 - sign_pos)) & 0x80000000) | (((wu >> em_pos) & 7) << 22)
+        return bits.to(tl.float32, bitcast=True) * 8.507059173023462e+37  # 2^126
+
+    @triton.jit
     def _e8m0(s):
         """fp32 2^(s - 127) of E8M0 exponents s (int32 0..255), exactly: s in a float32's exponent
         field, and for s = 0 (whose field reads 0) the subnormal 2^-127, taken by a max rather
@@ -296,9 +312,7 @@ if HAS_TRITON:
                                     mask=(row_ok[:, None] & (jn < n_words)[None, :])[:, :, None], other=0)
             else:
                 word = tl.load(w_ptr + (r64[:, None] * stride_wn + jl[None, :])[:, :, None], mask=m3, other=0)
-            if FMT == 2:  # MXFP4 pair words: the checkpoint's layout first
-                word = _pair_word_std(word)
-            u = (word >> shifts) & 0xF  # [BLOCK_N, BLOCK_W, 8]
+            u = (word >> shifts) & 0xF  # [BLOCK_N, BLOCK_W, 8] (int4, MXFP4 in the checkpoint's layout)
             ks = (jw[:, None] * 8 + es[None, :])[None, :, :]  # [1, BLOCK_W, 8]: the column of every nibble
             k_ok = ks < K
             if GROUP % 8 == 0:  # a word's nibbles share a group: its scale multiplies their sum
@@ -315,7 +329,10 @@ if HAS_TRITON:
                     off = 1.0 + zq * 0.0625
                     scale = s3.to(tl.float32) * 16.0
                 else:
-                    f = _e2m1_at(word, shifts)
+                    if FMT == 2:  # MXFP4 pair words: each code from its own places
+                        f = _e2m1_pairs_at(word, es[None, None, :])
+                    else:
+                        f = _e2m1_at(word, shifts)
                     off = 0.0
                     scale = _e8m0(s3.to(tl.int32))
             else:  # groups that split a word (int4 only): every nibble its own scale
