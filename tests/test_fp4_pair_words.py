@@ -374,14 +374,14 @@ def test_gpu_pair_words_and_chains_compute_their_reference_arithmetic(fmt, N, K,
     base = "mxfp4" if fmt == "mxfp4_pairs" else fmt
     packed, scales, zeros = random_w4(base, N, K, g, zp, device="cuda", seed=K + g)
     words = packed if base == "int4" else packed.view(torch.int32)
-    w = fp4_pairs.pair_words(words) if fmt == "mxfp4_pairs" else (packed if base == "int4" else packed)
+    w = fp4_pairs.pair_words(words) if fmt == "mxfp4_pairs" else packed
     x = half2_x(K, kind, torch.bfloat16, "cuda")
     cfg = dict(w4_gemv1.tiles(N, fmt, K), kernel="w4_gemv1", DW=2, CHAIN=chain)
     if (K // 8) % (2 * cfg["BLOCK_W"]):
         cfg.update(BLOCK_W=128, num_warps=4)
     y = w4_linear_launch(x, w, scales, zeros, None, fmt, g, K, config=cfg)
-    h2 = w4_gemv1.half2_ref(x, fp4_pairs.pair_words(words) if fmt == "mxfp4_pairs" else words, scales, zeros, None,
-                            g, fmt, chain=2 if chain else 1)
+    h2 = w4_gemv1.half2_ref(x, w if fmt == "mxfp4_pairs" else words, scales, zeros, None, g, fmt,
+                            chain=2 if chain else 1)
     assert rel_err(y, h2) < 4e-3
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, None, base, g, K)) < TOL[torch.bfloat16]
 
