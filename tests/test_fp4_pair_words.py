@@ -6,6 +6,7 @@ fusion's install, and (marked gpu) the HALF2 kernel against its reference arithm
 from __future__ import annotations
 
 import re
+import types
 
 import numpy as np
 import pytest
@@ -187,7 +188,7 @@ def test_half2_ref_sums_the_chains(fmt, chain):
 
 def test_generated_ptx_decodes_pair_words_with_fewer_instructions():
     """The decode a word takes in PTX (shifts, masks, ors; products and the tail excluded): 19
-    for MXFP4's layout, 13 for pair words (16 and 11 in sm90 SASS, where a mask and the or after
+    for MXFP4's layout, 13 for pair words (15 and 11 in sm90 SASS, where a mask and the or after
     it become one LOP3); eight fp16 pair products in a chain of two words, the first a
     multiply."""
     def decode_ops(ptx: str) -> int:
@@ -262,7 +263,7 @@ def test_fused_norm_gemv_on_pair_words_gives_mxfp4_bits():
 def test_every_kernel_reads_pair_words(N, K, M, legacy):
     """The 4-bit op on pair words (fmt "mxfp4_pairs") at every M, through the table's kernels
     (the one-row GEMV, w4_gemv, w4_dot) and the GEMV / GEMM the table replaced: MXFP4's bits
-    (the others put each word back in the checkpoint's layout as they load it)."""
+    (each decodes the codes from their own places, or puts the word back first)."""
     packed, scales, _ = random_w4("mxfp4", N, K, 32, False, seed=N + K + M)
     torch.manual_seed(M)
     x = torch.randn(M, K).bfloat16()
@@ -341,6 +342,25 @@ def test_layers_on_pair_words_run_every_product_on_them(fmt, kind, monkeypatch):
     assert fmts == ["mxfp4_pairs"] * 3
 
 
+def test_the_runner_takes_pair_words_only_before_capture():
+    """`ModelRunner.install_plan` refuses "fp4_pair_words" once CUDA graphs or torch.compile
+    have captured the model (they read the checkpoint's layout), unless the plan before had
+    it already (the weights are pair words then)."""
+    from atom.model_engine.model_runner import ModelRunner
+    from atom.tuning.plan import KernelPlan
+    with_pairs = KernelPlan(backend="triton", fusions=("fp4_pair_words",))
+    for captured in (dict(graphs=object()), dict(mixed_graphs=object()), dict(compile_level=3)):
+        runner = types.SimpleNamespace(**dict(dict(graphs=None, mixed_graphs=None, compile_level=0), **captured),
+                                       plan=KernelPlan(backend="triton"), model=torch.nn.Sequential())
+        with pytest.raises(ValueError, match="fp4_pair_words"):
+            ModelRunner.install_plan(runner, with_pairs)
+        runner.plan = with_pairs  # already pair words: re-installing changes nothing
+        assert ModelRunner.install_plan(runner, KernelPlan(backend="triton", fusions=("fp4_pair_words",)))
+    fresh = types.SimpleNamespace(graphs=None, mixed_graphs=None, compile_level=0, plan=None,
+                                  model=torch.nn.Sequential())
+    assert ModelRunner.install_plan(fresh, with_pairs) is with_pairs and fresh.plan is with_pairs
+
+
 def test_the_fusion_gives_mxfp4_layers_their_pair_words(monkeypatch):
     from atom.tuning import fusions
     from atom.tuning.plan import FUSIONS, KernelPlan
@@ -379,6 +399,9 @@ def test_gpu_pair_words_and_chains_compute_their_reference_arithmetic(fmt, N, K,
     cfg = dict(w4_gemv1.tiles(N, fmt, K), kernel="w4_gemv1", DW=2, CHAIN=chain)
     if (K // 8) % (2 * cfg["BLOCK_W"]):
         cfg.update(BLOCK_W=128, num_warps=4)
+    # what the launcher needs to keep DW = 2 and CHAIN (it drops them otherwise)
+    assert w4_gemv1.pairs_words(w.view(torch.int32), cfg["BLOCK_N"], cfg["BLOCK_W"], g)
+    assert w4_gemv1.half2_applies(x, w4_gemm.FORMATS.index(fmt))
     y = w4_linear_launch(x, w, scales, zeros, None, fmt, g, K, config=cfg)
     h2 = w4_gemv1.half2_ref(x, w if fmt == "mxfp4_pairs" else words, scales, zeros, None, g, fmt,
                             chain=2 if chain else 1)

@@ -238,6 +238,12 @@ class ModelRunner:
         """Hand `plan` to every layer that consults one and install its fusions on the
         decoder layers (replacing an earlier plan's). CUDA graphs captured before replay the
         kernels of the plan they were captured with."""
+        captured = (getattr(self, "graphs", None) is not None or getattr(self, "mixed_graphs", None) is not None
+                    or getattr(self, "compile_level", 0) > 0)
+        if plan.has("fp4_pair_words") and captured and not (self.plan is not None and self.plan.has("fp4_pair_words")):
+            raise ValueError("fusions=['fp4_pair_words'] rewrites MXFP4 weights in place: it must be in the plan "
+                             "installed before CUDA graphs and torch.compile capture the model (these already read "
+                             "the checkpoint's layout); install it first, or not at all")
         fusions.uninstall(self.model)
         for m in self.model.modules():
             if "plan" in m.__dict__:

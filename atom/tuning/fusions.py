@@ -60,9 +60,10 @@ which computes the same thing with fewer kernels where the plan says so:
   (docs/perf has the layer timings);
 - "fp4_pair_words": MXFP4 layers store their weight as pair words (`kernels.fp4_pairs`: the
   same codes, bits placed so that the one-row GEMV's fp16 pair decode takes 11 instructions a
-  word instead of 16; the other 4-bit kernels put each word back as they load it), converted
-  in place once (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is
-  replaced). Opt-in, not in `default_fusions`, until its decode timing is in docs/perf;
+  word instead of 15; the other 4-bit kernels read them too), converted in place once
+  (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is replaced, and the
+  runner takes the fusion only before its graphs and torch.compile capture the model). Opt-in,
+  not in `default_fusions`, until its decode timing is in docs/perf;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write

@@ -4,8 +4,9 @@ The one-row GEMV (`w4_gemv1`, HALF2) turns codes i and i + 4 of a word (columns 
 the two fp16 halves of one int32, each e2m1 x 2^-14: the code's exponent-mantissa bits at
 fp16 bits 9-11 (25-27), its sign at bit 15 (31). In the checkpoint's layout (code i at bits
 4i..4i+3, the sign on top) the sign sits one bit above the exponent-mantissa field where fp16
-needs it four bits above, so every pair takes two shifts and two masks (16 instructions a
-word in sm90 SASS, where a mask and the or after it are one LOP3). A pair word places the same
+needs it four bits above, so every pair takes two shifts and two masks (15 instructions a
+word in sm90 SASS, where a mask and the or after it are one LOP3, and pair 3's sign needs no
+shift). A pair word places the same
 32 bits so that one left shift by `EM_SHIFT[i]` brings pair i's exponent-mantissa fields to
 9-11 / 25-27 and one by `SIGN_SHIFT[i]` its signs to 15 / 31, with shifts shared: pairs 0 and
 1 take one shift (none for pair 0) and one mask for both fields, pairs 2 and 3 two shifts
@@ -47,13 +48,20 @@ def _moves() -> list[tuple[int, int, int]]:
 MOVES = tuple(_moves())
 
 
+CHUNK = 1 << 22  # words converted at a time: int64 temporaries of a few tens of MB, whatever the layer
+
+
 def _move(words: torch.Tensor, to_pairs: bool) -> torch.Tensor:
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    out = torch.zeros_like(w)
-    for std, pair, n in MOVES:
-        src, dst = (std, pair) if to_pairs else (pair, std)
-        out |= ((w >> src) & ((1 << n) - 1)) << dst
-    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    flat = words.reshape(-1)
+    out = torch.empty_like(flat)
+    for start in range(0, flat.numel(), CHUNK):
+        w = flat[start:start + CHUNK].to(torch.int64) & 0xFFFFFFFF
+        moved = torch.zeros_like(w)
+        for std, pair, n in MOVES:
+            src, dst = (std, pair) if to_pairs else (pair, std)
+            moved |= ((w >> src) & ((1 << n) - 1)) << dst
+        out[start:start + CHUNK] = torch.where(moved >= 2**31, moved - 2**32, moved).to(torch.int32)
+    return out.reshape(words.shape)
 
 
 def pair_words(words: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,10 @@ opt-in MXFP4 pair words below repack them, in place):
   (float(0x4B000000 | u) = 2^23 + u, minus the group's 2^23 + zero point).
 - MXFP4 pair words (`fmt="mxfp4_pairs"`): the same codes as int32 [N, K/8] words whose bits
   `kernels.fp4_pairs` places for the one-row GEMV's fp16 pair decode (the layout the MXFP4
-  method takes under the plan's "fp4_pair_words"); the scales as MXFP4's. The GEMVs and w4_dot
-  decode each code from its own places (`_e2m1_pairs_at`); the fp32 GEMM puts each loaded word
-  back in the checkpoint's layout first (`_pair_word_std`: seven masks and shifts a word).
+  method takes under the plan's "fp4_pair_words"); the scales as MXFP4's. The one-row GEMV
+  decodes them in fp16 pairs (HALF2, `h2_ptx`), the M = 2-4 GEMV and w4_dot each code from its
+  own places (`_e2m1_pairs_at`); the fp32 GEMM and the one-row GEMV's float32 path put each
+  loaded word back in the checkpoint's layout first (`_pair_word_std`: seven masks and shifts).
 
 For bf16 / fp16 activations and groups with a power-of-two factor >= 16 (every checkpoint
 format: g32 / g64 / g128, channel-wise, MXFP4's 32) `w4_config` picks `w4_dot` above

@@ -44,7 +44,7 @@ bf16's output rounding; fp32 activations keep the float32 path. The PTX is gener
   int4 2.68 instructions a weight against 2.99, MXFP4 3.55 against 3.90), at most ~1.1e-3 of
   the largest output in `half2_ref(chain=2)`;
 - fmt "mxfp4_pairs": MXFP4 pair words (`fp4_pairs`, the layout the plan's "fp4_pair_words"
-  gives MXFP4 layers), 11 decode instructions a word instead of 16 (3.37 a weight; 3.05 with
+  gives MXFP4 layers), 11 decode instructions a word instead of 15 (3.37 a weight; 3.05 with
   CHAIN).
 """
 from __future__ import annotations
@@ -127,8 +127,9 @@ def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros,
         from atom.model_ops.kernels.fp4_pairs import standard_words
         words, fmt = standard_words(words), "mxfp4"
     n, n_words = words.shape
-    if n_words % chain:
-        raise ValueError(f"half2_ref: {n_words} words do not split into runs of chain={chain}")
+    if n_words % chain or (fmt == "int4" and group % (8 * chain)):
+        raise ValueError(f"half2_ref: {n_words} words (int4 groups of {group}) do not split into runs of "
+                         f"chain={chain} words")
     runs = n_words // chain
     dev = x.device
     xf = x.reshape(-1).float().reshape(runs, chain, 8)

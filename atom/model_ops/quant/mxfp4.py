@@ -204,15 +204,17 @@ class Mxfp4LinearMethod(QuantLinearMethod):
     def use_pair_words(self, layer: nn.Module) -> bool:
         """The plan's "fp4_pair_words": the weight's bytes become `kernels.fp4_pairs` words in
         place (the same codes, bits placed so that the one-row GEMV decodes an fp16 pair in
-        fewer instructions; the other 4-bit kernels put each word back as they load it), once:
-        the layout stays when the plan is replaced, since graphs captured with it read it.
-        Where the 4-bit kernels run the layer (NVIDIA CUDA weights, Triton) and the weight is
-        contiguous; returns whether the layer has pair words."""
+        fewer instructions; the other 4-bit kernels read them too: `kernels.w4_gemm`), once:
+        the layout stays when the plan is replaced, since graphs captured with it read it
+        (`ModelRunner.install_plan` refuses the fusion after capture). Where the 4-bit kernels
+        run the layer (NVIDIA CUDA weights, Triton) and the weight is contiguous and 4-byte
+        aligned; returns whether the layer has pair words."""
         from atom.model_ops.kernels.triton_import import HAS_TRITON
         weight = getattr(layer, self.packed_name)
         if layer.__dict__.get("fp4_layout") == "pairs":
             return True
-        if not (HAS_TRITON and weight.is_cuda and torch.version.hip is None and weight.is_contiguous()):
+        if not (HAS_TRITON and weight.is_cuda and torch.version.hip is None and weight.is_contiguous()
+                and weight.storage_offset() % 4 == 0):
             return False
         from atom.model_ops.kernels.fp4_pairs import pair_words
         words = weight.data.view(torch.int32)
