@@ -193,7 +193,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
   w4_tests) run w4-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
-  pw_tests) run pw-gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp4_pair_words.py \
+  pw_tests) run pw-gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp4_pair_words.py \
               tests/test_quant_kernels_4bit.py;;
   w4_new) for f in w4a16 mxfp4_w4a16 bf16; do
             q=(--quantization $f); [ $f = bf16 ] && q=()
