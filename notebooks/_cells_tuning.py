@@ -200,6 +200,28 @@ assert (half2_err["HALF2"] < 2e-3).all()
 half2_err.style.format("{:.1e}")
 """),
     ("md", """
+Two opt-in ways to issue fewer instructions a weight in that GEMV (not in the tables until a GPU
+times them). MXFP4 pair words (`kernels/fp4_pairs.py`, the plan's "fp4_pair_words"): the same
+codes with their bits placed so that each fp16 pair (columns i, i + 4) comes from one or two
+shifts of the word and one or two masks, 11 decode instructions a word instead of 15. CHAIN (a
+tile key, two words a load): a word pair's eight fp16 pair products in one chain, x scaled per
+16 columns, so that the widening and scaling come once per 16 weights; `half2_ref(chain=2)`
+gives its rounding. The placement, then the PTX the kernel runs a word, then CHAIN's error:
+"""),
+    ("code", """
+from atom.model_ops.kernels import fp4_pairs, h2_ptx
+layout = fp4_pairs.layout_frame()
+decode = lambda fmt: sum(line.split(".")[0] in ("shl", "shr", "and", "or") for line in h2_ptx.h2_ptx(fmt).splitlines())
+ptx_ops = pd.Series({f: decode(f) for f in ("int4", "mxfp4", "mxfp4_pairs")}, name="PTX decode ops a word")
+assert ptx_ops["mxfp4_pairs"] < ptx_ops["mxfp4"]
+x = torch.randn(1, K, generator=gen).bfloat16()
+exact = w4_linear_ref(x.float(), packed, scales, None, None, "int4", g, K)
+chain_err = pd.Series({f"{c} word(s) a chain": err(w4_gemv1.half2_ref(x, packed, scales, None, None, g, chain=c), exact)
+                       for c in (1, 2)}, name="error / largest output")
+assert (chain_err < 2e-3).all()
+display(layout, ptx_ops.to_frame(), chain_err.to_frame())
+"""),
+    ("md", """
 ## Which kernel runs a ptpc FP8 product
 An 8-bit layer's GPU product also depends on the rows of x (`quant.common.route_for`): the
 tensor-core swap-AB kernel (`dot`) up to 64 rows, and for ptpc fp8 into narrow outputs from

@@ -433,3 +433,15 @@ def test_gpu_layer_with_pair_words_matches_mxfp4():
     assert torch.equal(fp4_pairs.standard_words(layer.weight_packed.view(torch.int32)), before.view(torch.int32))
     for x, ref in zip(xs, refs):  # the same products and tiles (pair words take MXFP4's)
         assert torch.equal(layer(x), ref), x.shape
+
+
+def test_layout_frame_lists_each_columns_places():
+    """`fp4_pairs.layout_frame`: a row a column, its fields where `MOVES` puts them, and shifts
+    that bring them to the fp16 half's places (9-11 and 15 in each half)."""
+    frame = fp4_pairs.layout_frame()
+    assert list(frame.index) == list(range(8))
+    for col, row in frame.iterrows():
+        em_lo = int(row["pair_em_bits"].split("-")[0])
+        assert (4 * col, em_lo, 3) in fp4_pairs.MOVES and (4 * col + 3, row["pair_sign_bit"], 1) in fp4_pairs.MOVES
+        half = 16 * (col // 4)
+        assert em_lo + row["em_shift"] == 9 + half and row["pair_sign_bit"] + row["sign_shift"] == 15 + half

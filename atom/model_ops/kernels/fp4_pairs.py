@@ -21,7 +21,8 @@ No field crosses a half, and every shift is a plain left shift (no wrap-around),
 compiler may issue it on the multiply pipe.
 
 `pair_words` / `standard_words` convert (torch, any device); `pair_values` decodes a pair the
-way the kernel's PTX (`h2_ptx`) does, for the tests.
+way the kernel's PTX (`h2_ptx`) does, for the tests; `layout_frame` is the placement as a
+DataFrame (a row a word column).
 """
 from __future__ import annotations
 
@@ -77,6 +78,20 @@ def standard_words(pairs: torch.Tensor) -> torch.Tensor:
     if pairs.dtype != torch.int32:
         raise ValueError(f"standard_words: pair words must be int32, got {pairs.dtype}")
     return _move(pairs, to_pairs=False)
+
+
+def layout_frame():
+    """The placement, a row per column of a word (0..7): the checkpoint's bits of its code, the
+    pair word's bits of its exponent-mantissa field and sign, and the left shifts that bring
+    them to the fp16 half's places (9-11 and 15, or 25-27 and 31)."""
+    import pandas as pd
+    rows = []
+    for col in range(8):
+        i, half = col % 4, 16 * (col // 4)
+        em = 9 - EM_SHIFT[i] + half
+        rows.append(dict(column=col, checkpoint_bits=f"{4 * col}-{4 * col + 3}", pair_em_bits=f"{em}-{em + 2}",
+                         pair_sign_bit=15 - SIGN_SHIFT[i] + half, em_shift=EM_SHIFT[i], sign_shift=SIGN_SHIFT[i]))
+    return pd.DataFrame(rows).set_index("column")
 
 
 def pair_values(pairs: torch.Tensor) -> torch.Tensor:
