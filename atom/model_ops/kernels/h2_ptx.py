@@ -18,6 +18,8 @@ from __future__ import annotations
 from atom.model_ops.kernels import fp4_pairs
 
 _FMA = "fma.rn.f16x2 acc, {p}, {x}, acc;"
+#: the nonzero shifts of a pair word's decode, each one register t<s>
+_SHIFTS = sorted(set(fp4_pairs.EM_SHIFT + fp4_pairs.SIGN_SHIFT) - {0})
 
 
 def _product(p: str, x: str, first: bool) -> str:
@@ -41,9 +43,8 @@ def _mxfp4(w: str, xs: list[str], first: bool) -> list[str]:
 
 
 def _mxfp4_pairs(w: str, xs: list[str], first: bool) -> list[str]:
-    shifts = sorted(set(fp4_pairs.EM_SHIFT + fp4_pairs.SIGN_SHIFT) - {0})
-    lines = [f"shl.b32 t{s}, {w}, {s};" for s in shifts]
-    reg = {0: w, **{s: f"t{s}" for s in shifts}}
+    lines = [f"shl.b32 t{s}, {w}, {s};" for s in _SHIFTS]
+    reg = {0: w, **{s: f"t{s}" for s in _SHIFTS}}
     em_mask, sign_mask = fp4_pairs.EM_MASK, fp4_pairs.SIGN_MASK
     for i, (a, b) in enumerate(zip(fp4_pairs.EM_SHIFT, fp4_pairs.SIGN_SHIFT)):
         if a == b:
@@ -62,7 +63,7 @@ def h2_ptx(fmt: str, words: int = 1) -> str:
     """The inline-asm body for `words` words of format `fmt` (module docstring)."""
     if fmt not in DECODES or words < 1:
         raise ValueError(f"h2_ptx: fmt={fmt!r} (allowed {sorted(DECODES)}), words={words} (>= 1)")
-    temps = ", ".join(f"t{s}" for s in sorted(set(fp4_pairs.EM_SHIFT + fp4_pairs.SIGN_SHIFT) - {0}))
+    temps = ", ".join(f"t{s}" for s in _SHIFTS)
     lines = []
     for k in range(words):
         xs = [f"${1 + words + 4 * k + i}" for i in range(4)]

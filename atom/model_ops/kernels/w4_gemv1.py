@@ -310,6 +310,18 @@ if HAS_TRITON:
         return c
 
     @triton.jit
+    def _h2_part(t, e, sx, s_raw, zp, ok, FMT: tl.constexpr, HAS_ZP: tl.constexpr, EVEN: tl.constexpr):
+        """A HALF2 chain's sum t (float32) unscaled and scaled: int4 t = sum u x 2^(117 - e), less
+        the zero point times sx (the chain's sum of x), times the group scale; MXFP4 t = sum v x
+        2^(127 - e), times the E8M0 scale (sx unused)."""
+        if FMT == 0:
+            c = _zero_term(sx, zp, ok, HAS_ZP, EVEN)
+            part = (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
+        else:
+            part = (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
+        return part
+
+    @triton.jit
     def _word_sums(word, s_raw, zp, ok, xv, es, FMT: tl.constexpr, HALF2: tl.constexpr, HAS_ZP: tl.constexpr,
                    EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
         """One step's dot-product parts of a [BLOCK_N, BLOCK_W, 1] word tile with x [1, BLOCK_W, 8]
@@ -318,10 +330,9 @@ if HAS_TRITON:
             word = _pair_word_std(word)
         wu = word.to(tl.uint32, bitcast=True)
         shape: tl.constexpr = [BLOCK_N, BLOCK_W]
-        if FMT == 0 and HALF2:
-            t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum u x 2^(117 - e)
-            c = _zero_term(tl.sum(xv, axis=2, keep_dims=True), zp, ok, HAS_ZP, EVEN)
-            part = (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
+        if HALF2:
+            t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)
+            part = _h2_part(t, e, tl.sum(xv, axis=2, keep_dims=True), s_raw, zp, ok, FMT, HAS_ZP, EVEN)
         elif FMT == 0:
             # nibble i kept at bit 4i (i <= 5) or 4i - 8 (i = 6, 7: one shift by 8 for both)
             right = tl.where(es >= 6, 8, 0)
@@ -333,9 +344,6 @@ if HAS_TRITON:
             sx = tl.sum(xv, axis=2, keep_dims=True) * 5.421010862427522e-20  # sum x 2^-64
             c = _zero_term(sx, zp, ok, HAS_ZP, EVEN)
             part = ((t - c) * 18446744073709551616.0) * s_raw.to(tl.float32)  # 2^64 first: no underflow
-        elif HALF2:
-            t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)  # sum v x 2^(127 - e)
-            part = (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
         else:
             # codes i and i + 4 as the two halves of one int32 (bf16 bits): signs to bits 15 / 31
             # (left by 12 - 4i), exponent and mantissa bits to 6-8 / 22-24
@@ -367,13 +375,8 @@ if HAS_TRITON:
                        tl.broadcast_to(a3, shape), tl.broadcast_to(b0, shape), tl.broadcast_to(b1, shape),
                        tl.broadcast_to(b2, shape), tl.broadcast_to(b3, shape), FMT)
         t = t.to(tl.float32, bitcast=True)[:, :, None]
-        if FMT == 0:  # t = sum u x 2^(117 - e)
-            sx = tl.sum(xa, axis=2, keep_dims=True) + tl.sum(xb, axis=2, keep_dims=True)
-            c = _zero_term(sx, zp, ok, HAS_ZP, EVEN)
-            part = (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
-        else:  # t = sum v x 2^(127 - e)
-            part = (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
-        return part
+        sx = tl.sum(xa, axis=2, keep_dims=True) + tl.sum(xb, axis=2, keep_dims=True)
+        return _h2_part(t, e, sx, s_raw, zp, ok, FMT, HAS_ZP, EVEN)
 
     @triton.jit
     def _half(word, h: tl.constexpr, DW: tl.constexpr):
