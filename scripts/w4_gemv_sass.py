@@ -9,6 +9,7 @@ so fewer instructions per weight is the lever; this prints that count and the ra
     python scripts/w4_gemv_sass.py            # int4 g128 and MXFP4, both kernels (w4_gemv1: a reference tile)
     python scripts/w4_gemv_sass.py --dump d/  # also writes each kernel's SASS into d/
     python scripts/w4_gemv_sass.py --json     # one JSON line: instructions a weight per kernel and format
+    python scripts/w4_gemv_sass.py --dot      # also w4_dot's loop (16 x 64 x 256 tile, both column orders)
 """
 from __future__ import annotations
 
@@ -77,6 +78,31 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     return compiled, const["BLOCK_N"] * const["BLOCK_W"] * 8 * dw // (32 * warps)
 
 
+def compile_dot(fmt: str, order: int):
+    """`w4_dot._w4_dot_kernel` for MXFP4 (or pair words) at the 16 x 64 x 256 tile, split-K
+    partials, sm90, in column order `order` (the table's MXFP4 order is 0)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom.model_ops.kernels import w4_dot
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    kernel = w4_dot._w4_dot_kernel
+    magic, magic_f = w4_dot.MAGIC2[torch.bfloat16]
+    const = dict(FMT=FORMATS.index(fmt), GROUP=32, HAS_ZP=False, HAS_BIAS=True, PDL=True, DOT_F32=False,
+                 MAGIC=magic, MAGIC_F=magic_f, ORDER=order, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+                 DK=w4_dot.dot_k(256, 32), PARTIAL=True)
+    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", b_ptr="*bf16", y_ptr="*fp32")
+    names = kernel.arg_names
+    sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
+    divisible = {"x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
+                 "n_words", "K"}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
 def loop_mix(sass: str) -> collections.Counter:
     """Opcodes of the longest backward-branch loop of a SASS listing."""
     lines = sass.splitlines()
@@ -96,6 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dump", help="write each kernel's SASS into this folder")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    ap.add_argument("--dot", action="store_true", help="also w4_dot's loop, MXFP4 and pair words")
     args = ap.parse_args()
     from triton.tools.disasm import get_sass
     result = {}
@@ -112,7 +139,8 @@ def main() -> None:
                                          ("w4_gemv1 HALF2 DW2 CHAIN", chain, "mxfp4", 32),
                                          ("w4_gemv1 HALF2 DW2 CHAIN", chain, "mxfp4_pairs", 32),
                                          ("w4_gemv1", compile_gemv1, "mxfp4", 32),
-                                         ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32)):
+                                         ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32),
+                                         ("w4_gemv", compile_gemv, "mxfp4_pairs", 32)):
         compiled, per_thread = compile_fn(fmt, group)
         sass = get_sass(compiled.asm["cubin"])
         if args.dump:
@@ -129,6 +157,13 @@ def main() -> None:
             continue
         print(f"{name} {fmt} g{group}: {total} instructions a loop step for {per_thread} weights a thread = "
               f"{per_weight:.2f} a weight -> at most {tbs:.2f} TB/s of packed weights at full issue rate ({top})")
+    for fmt in ("mxfp4", "mxfp4_pairs") if args.dot else ():
+        for order in (0, 1):
+            mix = loop_mix(get_sass(compile_dot(fmt, order).asm["cubin"]))
+            result[f"w4_dot {fmt} order {order}"] = sum(mix.values())
+            if not args.json:
+                print(f"w4_dot {fmt} ORDER={order}: {sum(mix.values())} instructions a loop step "
+                      f"({', '.join(f'{op} {n}' for op, n in mix.most_common(6))})")
     if args.json:
         import json
         print(json.dumps(result))

@@ -41,8 +41,8 @@ bf16's output rounding; fp32 activations keep the float32 path. The PTX is gener
 (`h2_ptx`). Two options of the tile, off in the tables until a GPU times them:
 - CHAIN (DW = 2): a thread's word pair in one fp16 chain, x scaled per 16 columns, so that the
   widening, unscaling and scale multiply come once per 16 weights (Triton 3.6, 8-row tile:
-  int4 2.68 instructions a weight against 2.99, MXFP4 3.55 against 3.90), at most ~1.1e-3 of
-  the largest output in `half2_ref(chain=2)`;
+  int4 2.68 instructions a weight against 2.99, MXFP4 3.55 against 3.90), under 1.5e-3 of
+  the largest output in `half2_ref(chain=2)` over the HALF2 test cases;
 - fmt "mxfp4_pairs": MXFP4 pair words (`fp4_pairs`, the layout the plan's "fp4_pair_words"
   gives MXFP4 layers), 11 decode instructions a word instead of 15 (3.37 a weight; 3.05 with
   CHAIN).
