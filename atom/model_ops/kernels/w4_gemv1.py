@@ -40,12 +40,11 @@ output, what rounding the dequantized weights to bf16 costs the tensor-core kern
 bf16's output rounding; fp32 activations keep the float32 path. The PTX is generated
 (`h2_ptx`). Two options of the tile, off in the tables until a GPU times them:
 - CHAIN (DW = 2): a thread's word pair in one fp16 chain, x scaled per 16 columns, so that the
-  widening, unscaling and scale multiply come once per 16 weights (Triton 3.6, 8-row tile:
-  int4 2.68 instructions a weight against 2.99, MXFP4 3.55 against 3.90), under 1.5e-3 of
-  the largest output in `half2_ref(chain=2)` over the HALF2 test cases;
+  widening, unscaling and scale multiply come once per 16 weights instead of once per 8; its
+  rounding is `half2_ref(chain=2)`;
 - fmt "mxfp4_pairs": MXFP4 pair words (`fp4_pairs`, the layout the plan's "fp4_pair_words"
-  gives MXFP4 layers), 11 decode instructions a word instead of 15 (3.37 a weight; 3.05 with
-  CHAIN).
+  gives MXFP4 layers), 11 decode instructions a word instead of 15.
+The compiled loops' counts with each (`scripts/w4_gemv_sass.py`) are in docs/perf/raw/history.md.
 """
 from __future__ import annotations
 
