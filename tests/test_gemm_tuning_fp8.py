@@ -157,6 +157,17 @@ def test_timed_layers_are_dense_and_rowwise_fp8_ones():
     assert not gemm_choice.timed_layer(fp8("ds_block"))  # block scales: the Triton GEMM
 
 
+@pytest.mark.parametrize("fmt", ["int4_g32_sym", "int4_g64_asym", "int4_channel_asym"])
+def test_four_bit_layers_are_not_timed(fmt):
+    """4-bit methods hold packed words and no `weight`: the choice passes them by instead of
+    failing the engine's start-up on them."""
+    layer = Linear(128, 64, quant_config=OneSpec(FORMATS[fmt]["spec"]), prefix="l")
+    assert not isinstance(getattr(layer, "weight", None), torch.Tensor)
+    assert not gemm_choice.timed_layer(layer)
+    model = nn.Sequential(layer, Linear(32, 64).to(torch.bfloat16))
+    assert gemm_choice._layer_weights(model) == {}  # CPU weights: nothing to time here either
+
+
 @NEEDS_SCALED_MM
 def test_lt_scaled_serves_only_the_chosen_shape():
     plan = KernelPlan()

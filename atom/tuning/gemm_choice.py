@@ -63,7 +63,8 @@ def timed_layer(m: nn.Module) -> bool:
     take it). Not the LM head, whose rows are the sampled ones."""
     from atom.model_ops.linear import Linear
     from atom.model_ops.quant import is_unquantized
-    if not isinstance(m, Linear) or not m.weight.is_contiguous():
+    weight = getattr(m, "weight", None)  # 4-bit methods keep their packed words under other names
+    if not isinstance(m, Linear) or not isinstance(weight, torch.Tensor) or not weight.is_contiguous():
         return False
     if is_unquantized(m):
         return m.bias is None and m.weight.dtype in (torch.bfloat16, torch.float16)
