@@ -55,7 +55,8 @@
 # fp8_thr_vllm (the Llama-3.1-8B workload in ptpc FP8 beside vLLM's, after the four stash calls, `srv` (vLLM's
 # dependency wheels, carry .srv) and `vllm`),
 # qdot_tma (the 8-bit swap-AB product with its weight tiles through TMA against pointer loads),
-# pw_tests (the GPU tests of MXFP4 pair words and CHAIN, and the 4-bit kernels'). VARIANTS names the
+# pw_tests (the GPU tests of MXFP4 pair words and CHAIN, the 4-bit kernels', and quantized dummy models
+# started with CUDA graphs). VARIANTS names the
 # folder of `var`'s / `var_thr`'s scripts (default .variants; tracked ones: scripts/variants/int4,
 # scripts/variants/mxfp4).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
@@ -194,7 +195,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
   w4_tests) run w4-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
   pw_tests) run pw-gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp4_pair_words.py \
-              tests/test_quant_kernels_4bit.py;;
+              tests/test_quant_kernels_4bit.py tests/test_gpu_quant_engine.py;;
   w4_new) for f in w4a16 mxfp4_w4a16 bf16; do
             q=(--quantization $f); [ $f = bf16 ] && q=()
             run l-lat1-$f 150 python3 -m atom.benchmarks.latency $L $LAT --batches 1 --peer none --repeat 1 "${q[@]}" \
