@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from atom.model_ops.linear import Linear, MergedLinear, QKVLinear
 from atom.model_ops.quant.mxfp4 import (dequantize_mxfp4, e8m0_from_amax, e8m0_to_float, fake_quant_mxfp4, fp4_codes,
-                                        fp4_to_float, pack_fp4, quantize_mxfp4, unpack_fp4)
+                                        fp4_round, fp4_to_float, pack_fp4, quantize_mxfp4, unpack_fp4)
 from atom.quant_spec import LayerQuantConfig, QuantType
 
 FP4 = torch.float4_e2m1fn_x2
@@ -59,6 +59,20 @@ def test_fp4_codes_values_and_ties():
     assert fp4_codes(torch.tensor([-0.1, 0.0])).tolist() == [8, 0]  # negative zero keeps its sign bit
     v = torch.randn(4, 64) * 4
     assert torch.equal(fp4_to_float(fp4_codes(v)), ref_round_fp4(v))
+
+
+def test_fp4_round_is_the_code_tables_value_everywhere():
+    """The table-free rounding the activations take (graph-capturable) against the code tables:
+    every tie, both sides of every bound, +-0, past 6 and inf, and a dense sweep over [-8, 8]."""
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0])
+    x = torch.cat([bounds, torch.nextafter(bounds, torch.zeros(())), torch.nextafter(bounds, bounds * 2),
+                   torch.tensor([0.0, 7.0, 1e30, float("inf")]), torch.linspace(0, 8, 80001)])
+    x = torch.cat([x, -x])
+    want = fp4_to_float(fp4_codes(x))
+    got = fp4_round(x)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    v = torch.randn(64, 512) * 3
+    assert torch.equal(fp4_round(v), fp4_to_float(fp4_codes(v)))
 
 
 def test_pack_order_low_nibble_is_the_even_column():

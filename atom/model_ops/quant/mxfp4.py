@@ -21,6 +21,7 @@ Functions other code may call (all torch, any device):
     fake_quant_mxfp4(x) -> x quantized to MXFP4 and back (fp32), per 1x32 along the last dim
     e8m0_from_amax(amax) -> uint8 exponents;  e8m0_to_float(s) -> fp32 2^(s-127)
     fp4_codes(x) -> uint8 e2m1 codes of already-scaled values;  fp4_to_float(codes)
+    fp4_round(x) -> fp4_to_float(fp4_codes(x)), elementwise (no table: CUDA-graph safe)
     pack_fp4(codes) -> uint8 [..., K/2];  unpack_fp4(packed) -> codes [..., K]
 
 `Mxfp4LinearMethod` runs the fused Triton kernel on CUDA (`kernels.w4_gemm`: the packed
@@ -116,12 +117,26 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, group: int = MX
     return (vals * e8m0_to_float(scales).unsqueeze(-1)).flatten(-2)
 
 
+def fp4_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values of `fp4_codes(x)` computed elementwise, without the code tables: e2m1's
+    magnitudes are spaced 0.5 below 2, 1 up to 4 and 2 up to 6, so rounding each range to
+    its spacing half to even (`torch.round`) lands ties on the even code as `fp4_codes` does
+    (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), clamped to 6,
+    with x's sign (-0.0 too). No host tensor is read, so a CUDA graph can capture it."""
+    x = x.float()
+    mag = x.abs()
+    q = torch.where(mag < 2, torch.round(mag * 2) * 0.5,
+                    torch.where(mag < 4, torch.round(mag), torch.round(mag * 0.5).clamp(max=3) * 2))
+    return torch.copysign(q, x)
+
+
 def fake_quant_mxfp4(x: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:
     """x quantized to MXFP4 per 1 x group along the last dim and dequantized (fp32): the
-    dynamic activation quantization of the `mxfp4` formats."""
+    dynamic activation quantization of the `mxfp4` formats (on CUDA inside the decode graphs,
+    hence `fp4_round` rather than the code tables)."""
     g = _groups(x, group)
     s = e8m0_to_float(e8m0_from_amax(g.abs().amax(-1, keepdim=True)))
-    return (fp4_to_float(fp4_codes(g / s)) * s).flatten(-2)
+    return (fp4_round(g / s) * s).flatten(-2)
 
 
 class Mxfp4LinearMethod(QuantLinearMethod):
