@@ -34,7 +34,7 @@ def test_provenance_keys():
     info = provenance()
     assert info["torch"] == torch.__version__
     assert "commit" in info
-    assert ("gpu_uuid" in info) == torch.cuda.is_available()
+    assert ("gpu_uuid" in info) == ("gpu_name" in info) == torch.cuda.is_available()
 
 
 def test_the_commit_named_by_the_environment_wins(tmp_path, monkeypatch):

@@ -48,5 +48,6 @@ def provenance() -> dict:
         pass
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        info.update(gpu_uuid=str(p.uuid), sm_count=p.multi_processor_count)
+        # the name too: leases alternate between H100s and H200s, whose figures differ
+        info.update(gpu_name=p.name, gpu_uuid=str(p.uuid), sm_count=p.multi_processor_count)
     return info
