@@ -67,9 +67,9 @@ def timed_layer(m: nn.Module) -> bool:
     if not isinstance(m, Linear) or not isinstance(weight, torch.Tensor) or not weight.is_contiguous():
         return False
     if is_unquantized(m):
-        return m.bias is None and m.weight.dtype in (torch.bfloat16, torch.float16)
+        return m.bias is None and weight.dtype in (torch.bfloat16, torch.float16)
     rowwise = getattr(m.method, "rowwise_scaled", None)
-    return rowwise is not None and rowwise() and m.weight.dtype == torch.float8_e4m3fn
+    return rowwise is not None and rowwise() and weight.dtype == torch.float8_e4m3fn
 
 
 def _layer_weights(model: nn.Module) -> dict[tuple, list[torch.Tensor]]:

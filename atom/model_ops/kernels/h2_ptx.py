@@ -37,8 +37,8 @@ def _mxfp4(w: str, xs: list[str], first: bool) -> list[str]:
     for i in range(4):  # codes i and i + 4: exponent-mantissa bits to 9-11 / 25-27, signs to 15 / 31
         em = f"shl.b32 p, {w}, {9 - 4 * i};" if i < 3 else f"shr.u32 p, {w}, 3;"
         sign = f"shl.b32 q, {w}, {12 - 4 * i};" if i < 3 else f"mov.b32 q, {w};"
-        lines += [em, "and.b32 p, p, 0x0E000E00;", sign, "and.b32 q, q, 0x80008000;", "or.b32 p, p, q;",
-                  _product("p", xs[i], first and i == 0)]
+        lines += [em, f"and.b32 p, p, {fp4_pairs.EM_MASK:#010x};", sign, f"and.b32 q, q, {fp4_pairs.SIGN_MASK:#010x};",
+                  "or.b32 p, p, q;", _product("p", xs[i], first and i == 0)]
     return lines
 
 

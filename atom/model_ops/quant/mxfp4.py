@@ -139,6 +139,11 @@ def fake_quant_mxfp4(x: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:
     return (fp4_round(g / s) * s).flatten(-2)
 
 
+def _has_pair_words(layer: nn.Module) -> bool:
+    """Whether `Mxfp4LinearMethod.use_pair_words` repacked this layer's weight."""
+    return layer.__dict__.get("fp4_layout") == "pairs"
+
+
 class Mxfp4LinearMethod(QuantLinearMethod):
     """MXFP4 weights (`per_1x32`), weight only or with dynamic MXFP4 activations.
 
@@ -184,7 +189,7 @@ class Mxfp4LinearMethod(QuantLinearMethod):
     def checkpoint_bytes(self, layer: nn.Module) -> torch.Tensor:
         """The weight's bytes in the checkpoint's layout (pair words put back: `use_pair_words`)."""
         packed = getattr(layer, self.packed_name)
-        if layer.__dict__.get("fp4_layout") == "pairs":
+        if _has_pair_words(layer):
             from atom.model_ops.kernels.fp4_pairs import standard_words
             return standard_words(packed.view(torch.int32)).view(torch.uint8)
         return packed
@@ -204,7 +209,7 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         """The 4-bit kernels' operands of this layer: (packed, scales, None, "mxfp4", 32, K); pair
         words (`use_pair_words`) as int32 words with fmt "mxfp4_pairs"."""
         packed = getattr(layer, self.packed_name)
-        if layer.__dict__.get("fp4_layout") == "pairs":
+        if _has_pair_words(layer):
             return packed.view(torch.int32), layer.weight_scale, None, "mxfp4_pairs", MX_GROUP, layer.in_features
         return packed, layer.weight_scale, None, "mxfp4", MX_GROUP, layer.in_features
 
@@ -226,7 +231,7 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         aligned; returns whether the layer has pair words."""
         from atom.model_ops.kernels.triton_import import HAS_TRITON
         weight = getattr(layer, self.packed_name)
-        if layer.__dict__.get("fp4_layout") == "pairs":
+        if _has_pair_words(layer):
             return True
         if not (HAS_TRITON and weight.is_cuda and torch.version.hip is None and weight.is_contiguous()
                 and weight.storage_offset() % 4 == 0):
