@@ -33,9 +33,7 @@ the work a weight again with fp16 pair arithmetic in inline PTX: a word's nibble
 land in the two halves of one int32 (int4: masked in place as fp16 subnormals, 16 u 2^-24 for
 odd i; MXFP4: e2m1 2^-14, its bits moved to fp16's), one fp16 FMA for both against a pair of x
 scaled per word column into [2^14, 2^15), four FMAs a half-word, the halves added in fp16 and
-widened once: 3.6 (int4) / 4.3 (MXFP4, row strides compiled in) instructions a weight
-(Triton 3.6, 8-row tile with the words ahead), 3.0 / 3.9 with two words a load (DW = 2).
-Its rounding (`half2_ref`, the same arithmetic in torch) costs about 1e-3 of the largest
+widened once. Its rounding (`half2_ref`, the same arithmetic in torch) costs about 1e-3 of the largest
 output, what rounding the dequantized weights to bf16 costs the tensor-core kernels and below
 bf16's output rounding; fp32 activations keep the float32 path. The PTX is generated
 (`h2_ptx`). Two options of the tile, off in the tables until a GPU times them:
@@ -44,7 +42,8 @@ bf16's output rounding; fp32 activations keep the float32 path. The PTX is gener
   rounding is `half2_ref(chain=2)`;
 - fmt "mxfp4_pairs": MXFP4 pair words (`fp4_pairs`, the layout the plan's "fp4_pair_words"
   gives MXFP4 layers), 11 decode instructions a word instead of 15.
-The compiled loops' counts with each (`scripts/w4_gemv_sass.py`) are in docs/perf/raw/history.md.
+The compiled loops' instruction counts, with and without each (`scripts/w4_gemv_sass.py`), are
+in docs/perf/raw/history.md.
 """
 from __future__ import annotations
 
