@@ -424,6 +424,34 @@ def test_gpu_fused_norm_gemv_on_pair_words_matches_mxfp4():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt, g", [("int4", 128), ("mxfp4", 32), ("mxfp4_pairs", 32)])
+def test_gpu_fused_norm_gemv_with_chain_matches_its_default_tile(fmt, g):
+    """`w4_gemv1_fused` (the q/k/v norm GEMV) with two words a load and CHAIN, a tile its
+    table may take: the same norm (residual out bit for bit) and products, within the fp16
+    chains' rounding of the default tile's output, and within bf16's tolerance of the
+    reference (the norm in float32, then the dequantized product)."""
+    from atom.model_ops.kernels.w4_gemv1 import fused_tiles, w4_gemv1_fused
+    base = "mxfp4" if fmt == "mxfp4_pairs" else fmt
+    N, K = 6144, 4096
+    packed, scales, _ = random_w4(base, N, K, g, False, device="cuda", seed=9)
+    words = packed if base == "int4" else packed.view(torch.int32)
+    w = fp4_pairs.pair_words(words) if fmt == "mxfp4_pairs" else packed
+    x = (torch.randn(1, K, device="cuda") * 3).bfloat16()
+    res, nw = torch.randn(1, K, device="cuda").bfloat16(), (torch.rand(K, device="cuda") + 0.5).bfloat16()
+    cfg = dict(fused_tiles(False), DW=2, CHAIN=True)
+    # what the launcher needs to keep DW = 2 and CHAIN (it drops them otherwise)
+    assert w4_gemv1.pairs_words(w.view(torch.int32), cfg["BLOCK_N"], cfg["BLOCK_W"], g)
+    assert w4_gemv1.half2_applies(x, w4_gemm.FORMATS.index(fmt))
+    a = w4_gemv1_fused(x, res, nw, 1e-6, w, scales, None, fmt, g, K)
+    b = w4_gemv1_fused(x, res, nw, 1e-6, w, scales, None, fmt, g, K, cfg=cfg)
+    assert torch.equal(a[1], b[1])
+    assert rel_err(b[0], a[0]) < 4e-3
+    h = (x.float() + res.float())
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()).bfloat16()
+    assert rel_err(b[0], w4_linear_ref(h, packed, scales, None, None, base, g, K)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
 def test_gpu_layer_with_pair_words_matches_mxfp4():
     layer = LAYERS["mxfp4"]("linear").cuda()
     xs = [torch.randn(m, layer.in_features, device="cuda").bfloat16() for m in (1, 3, 17, 300)]
