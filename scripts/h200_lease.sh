@@ -41,7 +41,7 @@
 # the default fusions, in a copy of the tree), w4_var (the same 4-bit runs, formats in VAR_FORMATS, for each
 # .variants/NAME.py appended to w4_gemv1.py in a copy of the tree: tile-table variants, untracked files
 # that travel with the working tree), var (the same for each .variants/NAME.sh run inside a copy
-# of the tree), var_thr (those variants' Llama-3.1-8B workload, formats in VAR_FORMATS), new
+# of the tree; VAR_ONLY="a b": those names only), var_thr (those variants' Llama-3.1-8B workload, formats in VAR_FORMATS), new
 # (batch-1 decode of the formats in AB_FORMATS, this tree only), ab (the same, this tree and
 # .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each format
 # in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests
@@ -254,7 +254,9 @@ for st in "$@"; do ts=$(date +%s); case $st in
             done
           done;;
   var) for v in ${VARIANTS:-.variants}/*.sh; do  # each variant script run inside a copy of the tree (e.g. a sed of a constant), batch-1 decode
-        n=$(basename $v .sh); va=$PWD/$v; rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
+        n=$(basename $v .sh); va=$PWD/$v
+        [ -n "${VAR_ONLY:-}" ] && [[ " $VAR_ONLY " != *" $n "* ]] && continue  # VAR_ONLY: these names only
+        rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
         (cd /tmp/var-$n && bash $va) || { log "variant $n failed"; continue; }
         for f in ${VAR_FORMATS:-w4a16 mxfp4_w4a16}; do
           run l-lat1-var$n-$f 150 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.latency \
