@@ -26,28 +26,35 @@ TILES = [(2, 1024, 4, True), (2, 2048, 4, True), (4, 1024, 4, True), (4, 2048, 8
          (2, 2048, 4, False), (8, 512, 4, False), (4, 4096, 8, True)]
 
 
+def fp8_operands(N: int, K: int, iters: int):
+    """A random bf16 weight [N, K] and row on the GPU, bf16 `F.linear`'s time over them (weight
+    copies that miss L2), and the ptpc FP8 operands: the weight in e4m3 with one scale a row
+    (amax / 448), the row quantized by `act_quant`. Returns (x, t16, w8, ws, xq, xs)."""
+    from atom.model_ops.kernels.act_quant import act_quant
+    from atom.utils.cuda_timing import graph_time
+    w16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    ws16 = [w16] + [w16.clone() for _ in range(copies(w16.numel() * 2) - 1)]
+    t16 = graph_time([lambda w=w: F.linear(x, w) for w in ws16], iters=iters)
+    del ws16
+    ws = (w16.float().abs().amax(dim=1) / 448.0).contiguous()
+    w8 = (w16.float() / ws[:, None]).to(torch.float8_e4m3fn)
+    del w16
+    xq, xs = act_quant(x, "fp8", K, 448.0)
+    return x, t16, w8, ws, xq, xs.reshape(-1)
+
+
 def main(argv=None) -> int:
     args = probe_args(__doc__, argv)
     if args is None:
         return 2
-    from atom.model_ops.kernels.act_quant import act_quant
     from atom.model_ops.kernels.gemv import _gemv_kernel
     from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_launch
     from atom.utils.cuda_timing import graph_time
     rows = []
     print(f"{'N':>6}{'K':>6} {'dot us':>8}{'TB/s':>6} {'gemv us':>8}{'TB/s':>6}{'x dot':>6}{'bf16 us':>8}  best tile")
     for N, K in SHAPES:
-        w16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-        ws16 = [w16] + [w16.clone() for _ in range(copies(w16.numel() * 2) - 1)]
-        t16 = graph_time([lambda w=w: F.linear(x, w) for w in ws16], iters=args.iters)
-        del ws16
-        amax = w16.float().abs().amax(dim=1, keepdim=True)
-        ws = (amax / 448.0).reshape(-1)
-        w8 = (w16.float() / ws[:, None]).to(torch.float8_e4m3fn)
-        del w16
-        xq, xs = act_quant(x, "fp8", K, 448.0)
-        xs = xs.reshape(-1)
+        x, t16, w8, ws, xq, xs = fp8_operands(N, K, args.iters)
         ref = (xq.float() @ w8.float().T) * xs * ws
         sets = [w8] + [w8.clone() for _ in range(copies(w8.numel()) - 1)]
         t_dot = graph_time([lambda w=w: quant_gemv_dot_launch(xq, xs, w, ws, None, torch.bfloat16) for w in sets],

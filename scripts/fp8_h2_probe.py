@@ -31,9 +31,9 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_gemv_sweep import fp8_operands  # noqa: E402
 from w4_sweep import HBM_TBS, SHAPES, copies, probe_args, write_rows  # noqa: E402
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton  # noqa: E402
@@ -93,21 +93,12 @@ def h2_ref(x: torch.Tensor, w8: torch.Tensor, chain: int = 1) -> torch.Tensor:
 
 if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
+    from atom.model_ops.kernels.w4_gemv1 import _half  # word h of a load (DW = 2: an int64's halves)
 
     H2_1 = tl.constexpr(h2_ptx(1))
     H2_2 = tl.constexpr(h2_ptx(2))
     XQ_LO_C = tl.constexpr(XQ_LO)
     XQ_HI_C = tl.constexpr(XQ_HI)
-
-    @triton.jit
-    def _half(v, h: tl.constexpr, DW: tl.constexpr):
-        """Word h of a load: the int32 itself (DW = 1) or the low / high int32 of an int64."""
-        if DW == 1:
-            return v
-        elif h == 0:
-            return v.to(tl.int32)
-        else:
-            return (v >> 32).to(tl.int32)
 
     @triton.jit
     def _xq_pairs(xw):
@@ -233,23 +224,13 @@ def main(argv=None) -> int:
         print(f"{sys.argv[0]}: needs Triton and an sm_89+ GPU (cvt.rn.f16x2.e4m3x2); nothing was timed",
               file=sys.stderr)
         return 2
-    from atom.model_ops.kernels.act_quant import act_quant
     from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_launch
     from atom.utils.cuda_timing import graph_time
     rows = []
     torch.manual_seed(0)
     print(f"HBM ~{HBM_TBS} TB/s; 'x dot': the swap-AB kernel's time over the tile's (> 1: faster)")
     for N, K in SHAPES:
-        w16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-        ws16 = [w16] + [w16.clone() for _ in range(copies(w16.numel() * 2) - 1)]
-        t16 = graph_time([lambda w=w: F.linear(x, w) for w in ws16], iters=args.iters)
-        del ws16
-        ws = (w16.float().abs().amax(dim=1) / 448.0).contiguous()
-        w8 = (w16.float() / ws[:, None]).to(torch.float8_e4m3fn)
-        del w16
-        xq, xs = act_quant(x, "fp8", K, 448.0)
-        xs = xs.reshape(-1)
+        x, t16, w8, ws, xq, xs = fp8_operands(N, K, args.iters)
         ref = (xq.double() @ w8.double().T).float() * xs * ws  # exact products and sums, then the scales
         ref16 = (x.double() @ w8.double().T).float() * ws  # w8a16: the bf16 row, no activation scale
         sets = [w8] + [w8.clone() for _ in range(copies(w8.numel()) - 1)]
