@@ -41,7 +41,7 @@
 # the default fusions, in a copy of the tree), w4_var (the same 4-bit runs, formats in VAR_FORMATS, for each
 # .variants/NAME.py appended to w4_gemv1.py in a copy of the tree: tile-table variants, untracked files
 # that travel with the working tree), var (the same for each .variants/NAME.sh run inside a copy
-# of the tree; VAR_ONLY="a b": those names only), var_thr (those variants' Llama-3.1-8B workload, formats in VAR_FORMATS), new
+# of the tree; VAR_ONLY="a b": those names only), var_thr (those variants' Llama-3.1-8B workload, formats in VAR_FORMATS, VAR_ONLY too), new
 # (batch-1 decode of the formats in AB_FORMATS, this tree only), ab (the same, this tree and
 # .before's in turn, after the stage `before`), prof_nopdl (20 batch-1 decode steps' kernels of each format
 # in PROF_FORMATS with PDL off in a copy of the tree: kernel times without overlapped waits), attn_tests
@@ -88,6 +88,12 @@ run() {  # name timeout_s command...: the command's output into $R/name.log, its
   log "start $name"
   timeout "$to" "$@" > "$R/$name.log" 2>&1; local rc=$?
   log "end $name rc=$rc"; tail -n 25 "$R/$name.log" | cut -c1-220
+}
+variant_tree() {  # script.sh: n=its name, /tmp/var-$n a copy of atom/ with the script run inside; fails
+  n=$(basename $1 .sh); local va=$PWD/$1  # (the caller skips it) outside VAR_ONLY="a b" when set, or when the script fails
+  [ -n "${VAR_ONLY:-}" ] && [[ " $VAR_ONLY " != *" $n "* ]] && return 1
+  rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
+  (cd /tmp/var-$n && bash $va) || { log "variant $n failed"; return 1; }
 }
 tune() {  # experts width hidden top_k name: moe_tune's file, under a name that travels back (no '=' or ',')
   mkdir -p $R/tiles
@@ -254,18 +260,14 @@ for st in "$@"; do ts=$(date +%s); case $st in
             done
           done;;
   var) for v in ${VARIANTS:-.variants}/*.sh; do  # each variant script run inside a copy of the tree (e.g. a sed of a constant), batch-1 decode
-        n=$(basename $v .sh); va=$PWD/$v
-        [ -n "${VAR_ONLY:-}" ] && [[ " $VAR_ONLY " != *" $n "* ]] && continue  # VAR_ONLY: these names only
-        rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
-        (cd /tmp/var-$n && bash $va) || { log "variant $n failed"; continue; }
+        variant_tree $v || continue
         for f in ${VAR_FORMATS:-w4a16 mxfp4_w4a16}; do
           run l-lat1-var$n-$f 150 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.latency \
             $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
         done
       done;;
   var_thr) for v in ${VARIANTS:-.variants}/*.sh; do  # the same variants, the Llama-3.1-8B workload in VAR_FORMATS
-        n=$(basename $v .sh); va=$PWD/$v; rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
-        (cd /tmp/var-$n && bash $va) || { log "variant $n failed"; continue; }
+        variant_tree $v || continue
         for f in ${VAR_FORMATS:-fp8_dynamic}; do
           run l-thr-var$n-$f 300 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.throughput \
             $L --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-thr-var$n-$f.json
