@@ -253,6 +253,10 @@ class QuantLinearMethod(LinearMethod):
 
 SCALED_MM_MIN_M = 65  # from here fp8 row / column scaled products go to cuBLASLt when it takes them
 # (below it the swap-AB kernel of `kernels.quant_gemv_dot` was faster at every Llama shape)
+# One row of per-token fp8 (batch-1 decode) into an e4m3 weight with a scale a row: the CUDA-core
+# product in fp16 pairs (`kernels.fp8_gemv1`) instead of the swap-AB kernel, where it takes the
+# shape (faster at every Llama-3.1-8B shape: docs/perf)
+ONE_ROW_FP8 = True
 
 
 def use_kernels(x: torch.Tensor) -> bool:
@@ -318,7 +322,9 @@ def product_route(kind: str, M: int, x2: torch.Tensor | None = None, N: int = 0,
     - "dot_fused" / "dot": the tensor-core swap-AB kernel (`kernels.quant_gemv_dot`) where its
       table `small_m_config(M, N, K, block_k, kind, act)` has an entry (up to 64 rows, and
       ptpc fp8 into narrow outputs up to 128), with the activation quantizer folded in
-      ("dot_fused") or in front (`act_quant`, "dot");
+      ("dot_fused") or in front (`act_quant`, "dot"); one row of per-token fp8 into a weight
+      with a scale a row runs the CUDA-core `kernels.fp8_gemv1` on that route instead, where it
+      takes the shape (`ONE_ROW_FP8`; `_product_on_route`);
     - "scaled_mm": else fp8 row / column scales from SCALED_MM_MIN_M rows where cuBLASLt takes them;
     - else "gemv" (the CUDA-core GEMV, M <= GEMV_MAX_M) or "gemm" (tl.dot tiles)."""
     if x2 is None:
@@ -387,6 +393,7 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
     the engine's `KernelPlan`, whose cuBLASLt choice serves "scaled_mm" where it has one,
     and "dot" (without a bias) where the start-up timing found one faster than the swap-AB
     kernel (row-wise fp8 from SCALED_MM_MIN_M rows: `tuning.gemm_choice.is_timed`)."""
+    from atom.model_ops.kernels import fp8_gemv1
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
     from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot, quant_gemv_dot_launch
     ws_k = ws if block_k else ws.reshape(-1)
@@ -394,6 +401,8 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
             and out_dtype == torch.bfloat16 and (y := plan.lt_scaled(xq, xs, w, ws)) is not None:
         return y  # (timed without a bias: the swap-AB kernel adds one inside its split-K sum)
     if route in ("dot", "dot_fused"):
+        if lock is None and not defer_sum and not block_k and ONE_ROW_FP8 and fp8_gemv1.takes(xq, xs, w, ws_k):
+            return fp8_gemv1.fp8_gemv1_launch(xq, xs, w, ws_k, bias, out_dtype=out_dtype)
         if lock is not None or defer_sum:  # the launch itself (the custom op returns a tensor, mutates nothing)
             return quant_gemv_dot_launch(xq, xs, w, ws_k, bias, out_dtype, block_k, lock=lock, defer_sum=defer_sum)
         return quant_gemv_dot(xq, xs, w, ws_k, bias, out_dtype, block_k)
@@ -485,6 +494,8 @@ def kernel_summary(kind: str, act: str, block_k: int = 0, tensorwise: bool = Fal
     head = f"act_quant + {table_summary()} / quant_gemm"
     if kind == "fp8" and not block_k:
         mm = "tensor-wise" if tensorwise else "row-wise, bf16 out"
+        if ONE_ROW_FP8 and act == "token":
+            head += "; fp8_gemv1 (CUDA-core fp16 pairs) at M=1 where it takes the shape"
         head += f"; torch._scaled_mm {mm} from M={SCALED_MM_MIN_M}"
     return f"GPU: {head}; CPU: torch reference"
 
