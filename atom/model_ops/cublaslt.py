@@ -9,8 +9,9 @@ stream-K kernels. `LtProduct` holds the descriptors of one (rows, N, K, dtype) p
 current CUDA stream (so a CUDA graph captures it like any other launch).
 `LtProduct(..., torch.float8_e4m3fn)` is the ptpc FP8 product: e4m3 operands, one fp32 scale
 per row of x and per row of W (cuBLASLt's outer-vector scaling, sm90 with cuBLASLt 12.9+: the
-kernels torch._scaled_mm's row-wise scales run there), fp32 sums promoted as without fast
-accumulation, bf16 out.
+kernels torch._scaled_mm's row-wise scales run there), bf16 out; its fp32 sums promoted out of
+the tensor cores' accumulators as without fast accumulation, or not (`fast_accum`: cuBLASLt's
+FAST_ACCUM, what torch._scaled_mm's `use_fast_accum` asks for).
 `LtProduct.configurations` builds configurations the heuristic does not offer (other tiles,
 custom options, cluster shapes) from algorithm ids, each checked by cuBLASLt for the shape;
 `tilings` and `variants` are the two cuts of it the start-up search uses (`atom.tuning.gemm_choice`).
@@ -38,6 +39,7 @@ _DESC_TRANSA = 3
 # cublasLtMatmulDescAttributes_t's scale pointers and modes; cublasLtMatmulMatrixScale_t
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 17, 18, 31, 32
 _SCALE_OUTER_VEC_32F = 3
+_DESC_FAST_ACCUM = 25  # int8_t: fp8 sums kept in the tensor cores' accumulators (no promotion)
 _PREF_MAX_WORKSPACE = 1
 _OP_T = 1
 # cublasLtMatmulAlgoCapAttributes_t / cublasLtMatmulAlgoConfigAttributes_t
@@ -126,16 +128,21 @@ def _workspace(device_index: int) -> torch.Tensor:
 class LtProduct:
     """y[rows, N] = x[rows, K] W[N, K]^T in `dtype` (fp32 accumulation), x and W contiguous.
     `dtype` float8_e4m3fn: x and W in e4m3, y = (x W^T) * x_scale[:, None] * w_scale[None, :]
-    in bf16 (`scaled`), the scales fp32 vectors passed with each call."""
+    in bf16 (`scaled`), the scales fp32 vectors passed with each call. `fast_accum` (fp8
+    only): the sums stay in the tensor cores' accumulators instead of being promoted to fp32
+    every few K steps, as vLLM's CUTLASS fp8 kernels run them (faster, ~2x the error)."""
 
-    def __init__(self, rows: int, n: int, k: int, dtype: torch.dtype):
+    def __init__(self, rows: int, n: int, k: int, dtype: torch.dtype, fast_accum: bool = False):
         if dtype not in _DTYPES:
             raise ValueError(f"cuBLASLt product: dtype {dtype} is not one of {sorted(map(str, _DTYPES))}")
+        if fast_accum and dtype != torch.float8_e4m3fn:
+            raise ValueError(f"cuBLASLt product: fast_accum=True is for float8_e4m3fn products, not {dtype}")
         if not available():
             raise RuntimeError("cuBLASLt products need a CUDA GPU whose torch build loads libcublasLt")
         lib, self._handle = _lib()
         self.rows, self.n, self.k, self.dtype = rows, n, k, dtype
         self.scaled = dtype == torch.float8_e4m3fn
+        self.fast_accum = bool(fast_accum)
         self.out_dtype = torch.bfloat16 if self.scaled else dtype
         self._lib = lib
         self._desc = ctypes.c_void_p()
@@ -149,6 +156,8 @@ class LtProduct:
             # scale vectors for the heuristic's queries; each call sets the real ones
             self._unit = torch.ones(max(n, rows), device="cuda", dtype=torch.float32)
             self._set_scales(self._unit, self._unit)
+            if self.fast_accum:
+                self._set_desc(_DESC_FAST_ACCUM, ctypes.c_int8(1), "FAST_ACCUM")
         # column-major view: D[N, rows] = op(A)[N, K] B[K, rows], A = W as [K, N], B = x as [K, rows]
         self._a, self._b, self._d = (self._layout(t, k, n, k), self._layout(t, k, rows, k),
                                      self._layout(o, n, rows, n))
@@ -210,7 +219,7 @@ class LtProduct:
         seen, out = set(), []
         shapes = [self.rows] + [max(1, int(self.rows * f)) for f in hints]
         for rows in shapes:
-            prod = self if rows == self.rows else LtProduct(rows, self.n, self.k, self.dtype)
+            prod = self if rows == self.rows else LtProduct(rows, self.n, self.k, self.dtype, self.fast_accum)
             for algo in prod.algos():
                 key = bytes(algo)
                 if key not in seen and (prod is self or self.check(algo)):

@@ -18,8 +18,9 @@ The row-wise (ptpc) FP8 layers' products are chosen the same way from
 takes the heuristic's first pick (one 128 x 128 tile at every decode row count, so the
 4096-wide products at up to 256 rows run 32-64 programs on 132 SMs: docs/perf), and where the
 swap-AB kernel's 128-row tile runs them (o_proj and down at 65-128 rows), timed against that
-kernel. Their candidates keep the same scales and fp32 promotion (`cublaslt.LtProduct` with
-float8_e4m3fn: fast accumulation is never asked for) and must agree with the engine's product
+kernel. Their candidates keep the same scales, and the sums' promotion to fp32 unless the plan
+asks for fast accumulation (`KernelPlan.fp8_fast_accum`: then the candidates and torch._scaled_mm,
+the baseline, both run it), and must agree with the engine's product
 as the bf16 ones with F.linear (within 1e-2 of the largest output: both are rounded to bf16,
 whose step is up to 3.9e-3 of it).
 The choices go into the engine's `KernelPlan` (`plan.lt`, timings in `plan.lt_timings`),
@@ -104,37 +105,45 @@ class _Dense:
 class _ScaledFp8(_Dense):
     """One timing's input for a row-wise fp8 shape: e4m3 x [rows, K] with a scale a row, and a
     scale a weight row; the library's product is the engine's own for these rows, without a
-    plan: torch._scaled_mm, or the swap-AB kernel where its table takes the rows (`route`)."""
+    plan: torch._scaled_mm (with fast accumulation where `fast_accum`), or the swap-AB kernel
+    where its table takes the rows (`route`)."""
 
-    def __init__(self, rows: int, w: torch.Tensor):  # (made in bf16: `_fits` counts 2 bytes an element)
+    def __init__(self, rows: int, w: torch.Tensor, fast_accum: bool = False):  # (made in bf16: `_fits` counts 2 bytes an element)
         from atom.model_ops.quant.common import route_for
         x = torch.randn(rows, w.shape[1], device=w.device, dtype=torch.bfloat16)
         self.x = x.mul_(64).clamp_(-448, 448).to(torch.float8_e4m3fn)
         self.xs = torch.rand(rows, device=w.device).add_(0.5).div_(64)
         self.ws = torch.rand(w.shape[0], device=w.device).add_(0.5).div_(64)
         self.route = route_for("fp8", rows, w.shape[1], w.shape[0], torch.bfloat16, w.device)
+        self.fast_accum = fast_accum
 
     def library(self, w: torch.Tensor) -> torch.Tensor:
         from atom.model_ops.quant.common import _product_on_route
-        return _product_on_route(self.route, self.x, self.xs, w, self.ws, None, torch.bfloat16, 0, None)
+        return _product_on_route(self.route, self.x, self.xs, w, self.ws, None, torch.bfloat16, 0, None,
+                                 fast_accum=self.fast_accum)
 
     def lt(self, prod, w: torch.Tensor, algo, out=None) -> functools.partial:
         return functools.partial(prod, self.x, w, algo, out, x_scale=self.xs, w_scale=self.ws)
 
 
-def baseline(rows: int, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> str:
+def baseline(rows: int, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False) -> str:
     """The product a choice for `rows` rows of `w` is timed against (`timing_case`'s
-    library): "F.linear", or "fp8 <route>" (`quant.common.route_for`). A cached choice is taken
-    only where it was timed against the product that runs now."""
+    library): "F.linear", or "fp8 <route>" (`quant.common.route_for`), " fast-accum" after it
+    where the candidates ran so. A cached choice is taken only where it was timed against the
+    product that runs now, and ran as it would now."""
     if w.dtype != torch.float8_e4m3fn:
         return "F.linear"
     from atom.model_ops.quant.common import route_for
-    return f"fp8 {route_for('fp8', rows, w.shape[1], w.shape[0], out_dtype, w.device)}"
+    route = route_for('fp8', rows, w.shape[1], w.shape[0], out_dtype, w.device)
+    return f"fp8 {route}" + (" fast-accum" if fast_accum else "")
 
 
-def timing_case(rows: int, w: torch.Tensor) -> _Dense:
-    """The inputs and library product to time `rows` rows against weights shaped like `w`."""
-    return (_ScaledFp8 if w.dtype == torch.float8_e4m3fn else _Dense)(rows, w)
+def timing_case(rows: int, w: torch.Tensor, fast_accum: bool = False) -> _Dense:
+    """The inputs and library product to time `rows` rows against weights shaped like `w`
+    (fp8: torch._scaled_mm with fast accumulation where `fast_accum`)."""
+    if w.dtype == torch.float8_e4m3fn:
+        return _ScaledFp8(rows, w, fast_accum)
+    return _Dense(rows, w)
 
 
 def _out(prod, rows: int, w: torch.Tensor) -> torch.Tensor:
@@ -235,12 +244,12 @@ def _choose_one(plan, rows: int, ws: list[torch.Tensor], min_gain: float, iters:
                 wide: bool = False):
     n, k, dtype = ws[0].shape[0], ws[0].shape[1], ws[0].dtype
     try:  # first: where cuBLASLt offers nothing (or refuses the fp8 mode) the library is not timed
-        prod = cublaslt.LtProduct(rows, n, k, dtype)
+        prod = cublaslt.LtProduct(rows, n, k, dtype, **plan.lt_args(dtype))
         algos = prod.candidates()[:max_candidates]
     except RuntimeError as err:  # e.g. no heuristic for this shape: it stays on the library's call
         logger.info("rows %d, %dx%d %s: no cuBLASLt candidates (%s)", rows, n, k, dtype, err)
         return
-    case = timing_case(rows, ws[0])
+    case = timing_case(rows, ws[0], plan.fp8_fast_accum)
     ref = case.library(ws[0])
     base = graph_time([functools.partial(case.library, w) for w in ws], iters) * 1e6
     out = _out(prod, rows, ws[0])
@@ -315,11 +324,11 @@ def _load_cached(plan, path: Path, work: list, fingerprint: dict, baselines: dic
             continue
         try:
             if e is not None and e["algo"] is not None:
-                prod = cublaslt.LtProduct(rows, w.shape[0], w.shape[1], w.dtype)
+                prod = cublaslt.LtProduct(rows, w.shape[0], w.shape[1], w.dtype, **plan.lt_args(w.dtype))
                 algo = cublaslt.algo_from_bytes(bytes.fromhex(e["algo"]))
                 if not prod.check(algo):
                     raise ValueError("cuBLASLt refuses it for this shape")
-                case = timing_case(rows, w)
+                case = timing_case(rows, w, plan.fp8_fast_accum)
                 if not _agree(case.lt(prod, w, algo)(), case.library(w)):
                     raise ValueError("disagrees with the library's product")
                 plan.lt[key] = (prod, algo)
@@ -393,7 +402,7 @@ def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 
     if cache_dir:
         fingerprint = _fingerprint(wide_rows if wide else None)
         path = cache_path(cache_dir, fingerprint)
-        baselines = {(r, ws[0].shape[0], ws[0].shape[1], ws[0].dtype): baseline(r, ws[0], out_dtype)
+        baselines = {(r, ws[0].shape[0], ws[0].shape[1], ws[0].dtype): baseline(r, ws[0], out_dtype, plan.fp8_fast_accum)
                      for r, ws in work}
         todo = _load_cached(plan, path, work, fingerprint, baselines)
     for rows, ws in tqdm(todo, desc="Choosing GEMM algorithms", unit="shape", disable=not todo):

@@ -4,7 +4,8 @@ Which kernel library the layers call (torch references, Triton, AITER), which fu
 runner installs on the decoder layers (see `fusions`), the one-row GEMV configuration chosen
 per (N, K, dtype, variant) with the timings that chose it, and the cuBLASLt algorithm chosen
 per (rows, N, K, dtype) with its timings, and the experts kernel of MoE layers with the tile
-tables it read (`moe_tiles`, from `atom/model_ops/moe/configs/`). Each engine owns its plan; the layers hold a
+tables it read (`moe_tiles`, from `atom/model_ops/moe/configs/`), and whether row-wise fp8
+products on cuBLASLt keep fast accumulation (`fp8_fast_accum`). Each engine owns its plan; the layers hold a
 reference to it (`layer.plan`), never a module global, so two engines in one process keep
 their own choices.
 
@@ -63,6 +64,8 @@ VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 # batches; a prefill chunk's shared products fill the GPU themselves and only contend with the
 # routed ones (the DeepSeek-V2-Lite block timings behind it are in docs/perf)
 SHARED_OVERLAP_MAX_TOKENS = 512
+# The default of `KernelPlan.fp8_fast_accum` (docs/perf has the workload with and without)
+FP8_FAST_ACCUM = False
 MOE_KERNELS = ("auto", "reference", "triton")  # experts kernel: auto = Triton where the plan runs kernels
 
 
@@ -91,6 +94,9 @@ class KernelPlan:
     moe_kernel: str = "auto"               # the experts kernel (MOE_KERNELS)
     moe_config_dirs: tuple = ()            # folders searched for MoE tile files before the package's
     moe_tile_tables: dict = field(default_factory=dict, repr=False)  # (E, I, H, dtype, device) -> TileTable
+    # row-wise fp8 products on cuBLASLt / torch._scaled_mm (from quant.common.SCALED_MM_MIN_M rows)
+    # keep their sums in the tensor cores' accumulators (FAST_ACCUM), as vLLM's CUTLASS fp8 kernels do
+    fp8_fast_accum: bool = FP8_FAST_ACCUM
 
     def __post_init__(self):
         from atom.platform import BACKENDS
@@ -156,6 +162,10 @@ class KernelPlan:
             return None
         prod, algo = hit
         return prod(x, w, algo)
+
+    def lt_args(self, dtype: torch.dtype) -> dict:
+        """The `cublaslt.LtProduct` options of this plan for a product in `dtype`."""
+        return {"fast_accum": True} if self.fp8_fast_accum and dtype == torch.float8_e4m3fn else {}
 
     def lt_scaled(self, xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor | None:
         """The ptpc FP8 product (xq W^T) * xs[:, None] * ws[None, :] -> bf16 with the cuBLASLt
@@ -235,7 +245,7 @@ class KernelPlan:
 
     def __repr__(self) -> str:
         return (f"KernelPlan(backend={self.backend}, fusions={list(self.fusions)}, triton_gemm={self.triton_gemm}, "
-                f"moe_kernel={self.moe_kernel}, "
+                f"moe_kernel={self.moe_kernel}, fp8_fast_accum={self.fp8_fast_accum}, "
                 f"gemv={len(self.gemv)}/{len(self.gemv_timings)} chosen/timed, "
                 f"cublaslt={len(self.lt)}/{len(self.lt_timings)} chosen/timed)")
 
@@ -244,6 +254,7 @@ class KernelPlan:
         return {
             "backend": self.backend, "fusions": list(self.fusions), "triton_gemm": self.triton_gemm,
             "moe_kernel": self.moe_kernel, "moe_config_dirs": [str(d) for d in self.moe_config_dirs],
+            "fp8_fast_accum": self.fp8_fast_accum,
             "gemv": [{"key": [n, k, _dtype_name(dt), v], "config": cfg,
                       "timings": list(self.gemv_timings.get((n, k, dt, v), ()))}
                      for (n, k, dt, v), cfg in self.gemv.items()],
@@ -259,7 +270,8 @@ class KernelPlan:
     def from_dict(cls, data: dict) -> "KernelPlan":
         plan = cls(backend=data.get("backend", "torch"), fusions=tuple(data.get("fusions", ())),
                    triton_gemm=bool(data.get("triton_gemm", False)), moe_kernel=data.get("moe_kernel", "auto"),
-                   moe_config_dirs=tuple(data.get("moe_config_dirs", ())))
+                   moe_config_dirs=tuple(data.get("moe_config_dirs", ())),
+                   fp8_fast_accum=bool(data.get("fp8_fast_accum", False)))
         for e in data.get("gemv", []):
             n, k, dt, v = e["key"]
             plan.gemv[(int(n), int(k), _dtype(dt), v)] = dict(e["config"])
@@ -279,7 +291,7 @@ class KernelPlan:
                 r, n, k, dt = e["key"]
                 key = (int(r), int(n), int(k), _dtype(dt))
                 try:
-                    prod = cublaslt.LtProduct(*key)
+                    prod = cublaslt.LtProduct(*key, **plan.lt_args(key[3]))
                 except RuntimeError as err:  # e.g. a cuBLASLt without the fp8 outer-vector scales
                     logger.warning("plan entry %s left out (the library's product runs): %s", key, err)
                     continue

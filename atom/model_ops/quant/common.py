@@ -294,23 +294,26 @@ def scaled_mm_problem_for(K: int, N: int, out_dtype: torch.dtype, device, rowwis
     return None
 
 
-def _scaled_mm(xq, xs, w, ws_row, bias, out_dtype, w_scalar, plan=None):
+def _scaled_mm(xq, xs, w, ws_row, bias, out_dtype, w_scalar, plan=None, fast_accum=False):
     """torch._scaled_mm with tensor-wise (one x scale, one weight scale) or row-wise scales;
     a bias goes into the call where cuBLASLt takes it (tensor-wise, 16-bit out), else is
     added after. `plan`: the engine's `KernelPlan`, whose start-up cuBLASLt choice for the
     shape (`tuning.gemm_choice`, `KernelPlan.lt_scaled`) runs the row-wise bf16 product
-    where it has one."""
+    where it has one, and whose `fp8_fast_accum` (or `fast_accum` without a plan) asks
+    torch for fast accumulation."""
     M, N = xq.shape[0], w.shape[0]
+    fast = bool(plan.fp8_fast_accum) if plan is not None else fast_accum
     if xs.numel() == 1 and w_scalar is not None:
         fuse = bias is not None and out_dtype != torch.float32
         y = torch._scaled_mm(xq, w.t(), xs.reshape(()).float(), w_scalar.reshape(()).float(),
-                             bias=bias.to(out_dtype) if fuse else None, out_dtype=out_dtype)
+                             bias=bias.to(out_dtype) if fuse else None, out_dtype=out_dtype, use_fast_accum=fast)
     else:
         fuse = False
         y = plan.lt_scaled(xq, xs, w, ws_row) if plan is not None and out_dtype == torch.bfloat16 else None
         if y is None:
             y = torch._scaled_mm(xq, w.t(), xs.float().reshape(-1, 1).expand(M, 1).contiguous(),
-                                 ws_row.float().reshape(1, N).contiguous(), out_dtype=out_dtype)
+                                 ws_row.float().reshape(1, N).contiguous(), out_dtype=out_dtype,
+                                 use_fast_accum=fast)
     if bias is not None and not fuse:
         y = (y.float() + bias.float()).to(out_dtype)
     return y
@@ -385,14 +388,15 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
 
 
 def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_scalar, lock=None, defer_sum=False,
-                      plan=None):
+                      plan=None, fast_accum=False):
     """The product of quantized activations (`act_quant`'s layouts) on `route`
     (`product_route`; "dot_fused" runs "dot": x is quantized already). `lock`: the swap-AB
     kernel folds a split K into itself (`quant_gemv_dot.split_k_lock`); `defer_sum`: its split
     K comes back unsummed (`split_k.PendingSum`; other routes return the product). `plan`:
     the engine's `KernelPlan`, whose cuBLASLt choice serves "scaled_mm" where it has one,
     and "dot" (without a bias) where the start-up timing found one faster than the swap-AB
-    kernel (row-wise fp8 from SCALED_MM_MIN_M rows: `tuning.gemm_choice.is_timed`)."""
+    kernel (row-wise fp8 from SCALED_MM_MIN_M rows: `tuning.gemm_choice.is_timed`).
+    `fast_accum`: "scaled_mm" with fast accumulation where no plan says (`_scaled_mm`)."""
     from atom.model_ops.kernels import fp8_gemv1
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
     from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot, quant_gemv_dot_launch
@@ -409,7 +413,7 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
     if route == "gemv":
         return quant_gemv(xq, xs, w, ws_k, bias, out_dtype, block_k)
     if route == "scaled_mm":
-        return _scaled_mm(xq, xs, w, ws, bias, out_dtype, w_scalar, plan)
+        return _scaled_mm(xq, xs, w, ws, bias, out_dtype, w_scalar, plan, fast_accum)
     return quant_gemm(xq, xs, w, ws_k, bias, out_dtype, block_k)
 
 
