@@ -319,7 +319,7 @@ def test_chosen_fp8_products_in_the_layers_and_a_graph():
             fill(m, name, t, None)
         m.method.process_weights_after_loading(m)
     layers.to("cuda")
-    plan = KernelPlan(backend="triton")
+    plan = KernelPlan(backend="triton", fp8_fast_accum=False)  # (promoted sums: the unplanned product's)
     for m in layers:
         m.plan = plan  # as the runner installs it
     res = gemm_choice.choose_lt_algos(plan, layers, [1, 48, 96, 200], min_gain=0.0)  # keep the best, whatever it is
@@ -359,6 +359,7 @@ def test_swap_ab_rows_are_timed_against_that_kernel():
     """o_proj's shape at 96 rows runs the swap-AB kernel's 128-row tile: the start-up choice
     times cuBLASLt's candidates against that kernel there (not at 64 rows), and a layer with
     the plan takes the chosen product, agreeing with the kernel's."""
+    from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot
     torch.manual_seed(0)
     fmt = FORMATS["fp8_channel"]
     m = Linear(4096, 4096, quant_config=OneSpec(fmt["spec"]), prefix="o")
@@ -369,12 +370,12 @@ def test_swap_ab_rows_are_timed_against_that_kernel():
     assert common.route_for("fp8", 96, 4096, 4096, torch.bfloat16, "cuda") == "dot"
     case = gemm_choice.timing_case(96, m.weight)
     assert case.route == "dot"
-    plan = KernelPlan(backend="triton")
+    plan = KernelPlan(backend="triton", fp8_fast_accum=False)  # (promoted sums, as the swap-AB kernel's)
     res = gemm_choice.choose_lt_algos(plan, nn.ModuleList([m]), [64, 96], min_gain=0.0)  # keep the best
     assert set(res) == {(96, 4096, 4096, E4M3)} and (96, 4096, 4096, E4M3) in plan.lt
     # the baseline timed there was the swap-AB kernel's product
     assert torch.equal(case.library(m.weight),
-                       common.quant_gemv_dot(case.x, case.xs, m.weight, case.ws, None, torch.bfloat16, 0))
+                       quant_gemv_dot(case.x, case.xs, m.weight, case.ws, None, torch.bfloat16, 0))
     x = torch.randn(96, 4096, device="cuda", dtype=torch.bfloat16)
     m.plan = None
     swap_ab = m(x)  # no plan: the swap-AB kernel

@@ -19,8 +19,8 @@ takes the heuristic's first pick (one 128 x 128 tile at every decode row count, 
 4096-wide products at up to 256 rows run 32-64 programs on 132 SMs: docs/perf), and where the
 swap-AB kernel's 128-row tile runs them (o_proj and down at 65-128 rows), timed against that
 kernel. Their candidates keep the same scales, and the sums' promotion to fp32 unless the plan
-asks for fast accumulation (`KernelPlan.fp8_fast_accum`: then the candidates and torch._scaled_mm,
-the baseline, both run it), and must agree with the engine's product
+asks for fast accumulation (`KernelPlan.fp8_fast_accum`, the default: then the candidates and
+torch._scaled_mm, the baseline, both run it), and must agree with the engine's product
 as the bf16 ones with F.linear (within 1e-2 of the largest output: both are rounded to bf16,
 whose step is up to 3.9e-3 of it).
 The choices go into the engine's `KernelPlan` (`plan.lt`, timings in `plan.lt_timings`),

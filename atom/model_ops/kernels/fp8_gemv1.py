@@ -19,8 +19,9 @@ chain's rounding is modelled in torch by `h2_ref`; against the exact product it 
 1e-3 of the largest output (tests), under bf16's own step.
 
 Timings at Llama-3.1-8B's four shapes against the swap-AB kernel (its split K and reduction
-included) are in docs/perf (`scripts/fp8_h2_probe.py`): faster at every shape, the tiles in
-`TILES` its best. `takes` says where the engine's one-row route (`quant.common`) runs it.
+included) are in docs/perf (`scripts/fp8_h2_probe.py`): faster at q/k/v, o_proj and gate-up,
+level or faster at down; `DEFAULT_TILE` / `TILES` its best tiles. `takes` says where the
+engine's one-row route (`quant.common`) runs it.
 """
 from __future__ import annotations
 
