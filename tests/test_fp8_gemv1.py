@@ -167,15 +167,9 @@ def test_gpu_bias_output_dtype_and_takes():
 def test_gpu_layer_runs_it_at_one_row_eager_and_in_a_graph(monkeypatch):
     """A ptpc fp8 `Linear` at one row runs `fp8_gemv1` (spied), agreeing with the swap-AB
     kernel (`ONE_ROW_FP8` off); a CUDA graph replays it with new inputs."""
-    from atom.model_ops.linear import Linear
-    from test_quant_methods import FORMATS, OneSpec, fill
+    from test_gemm_tuning_fp8 import fp8_layer, replayed
     torch.manual_seed(0)
-    fmt = FORMATS["fp8_channel"]
-    m = Linear(4096, 6144, quant_config=OneSpec(fmt["spec"]), prefix="qkv")
-    for name, t in fmt["quant"](torch.randn(6144, 4096) * 0.02).items():
-        fill(m, name, t, None)
-    m.method.process_weights_after_loading(m)
-    m.to("cuda")
+    m = fp8_layer(4096, 6144, "qkv")
     launch, ran = fp8_gemv1.fp8_gemv1_launch, []
     monkeypatch.setattr(fp8_gemv1, "fp8_gemv1_launch", lambda *a, **k: ran.append(1) or launch(*a, **k))
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
@@ -185,12 +179,6 @@ def test_gpu_layer_runs_it_at_one_row_eager_and_in_a_graph(monkeypatch):
     swap_ab = m(x)
     assert ran == [1] and _rel(y, swap_ab) <= 1e-2
     monkeypatch.setattr(common, "ONE_ROW_FP8", True)
-    g = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        yg = m(x)
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.cuda.synchronize()
+    yg = replayed(lambda: m(x), x)
     monkeypatch.setattr(common, "ONE_ROW_FP8", False)
     assert _rel(yg, m(x)) <= 1e-2

@@ -334,14 +334,8 @@ def test_chosen_fp8_products_in_the_layers_and_a_graph():
     served = _spy_lt_scaled(plan)  # the layer's product is the chosen cuBLASLt algorithm's, not torch's
     torch.testing.assert_close(m(x).float(), unplanned.float(), atol=2e-2, rtol=1e-2)
     assert served == [True]
-    g = torch.cuda.CUDAGraph()
     m(x)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        y = m(x)
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.cuda.synchronize()
+    y = replayed(lambda: m(x), x)
     assert served == [True] * 3  # eager twice, then captured
     m.plan = None
     torch.testing.assert_close(y.float(), m.method.apply(m, x).float(), atol=2e-2, rtol=1e-2)
@@ -353,6 +347,30 @@ def test_chosen_fp8_products_in_the_layers_and_a_graph():
     assert torch.equal(again.lt_scaled(xq, xs, m.weight, m.row_scale), lt_scaled(xq, xs, m.weight, m.row_scale))
 
 
+def replayed(call, x: torch.Tensor) -> torch.Tensor:
+    """`call()` captured in a CUDA graph, x refilled with new values, the graph replayed: its
+    output."""
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        y = call()
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    return y
+
+
+def fp8_layer(k: int, n: int, prefix: str, std: float = 0.02) -> Linear:
+    """A ptpc fp8 (per-channel weights, per-token activations) `Linear` [k -> n] on the GPU,
+    its weight quantized from N(0, std)."""
+    fmt = FORMATS["fp8_channel"]
+    m = Linear(k, n, quant_config=OneSpec(fmt["spec"]), prefix=prefix)
+    for name, t in fmt["quant"](torch.randn(n, k) * std).items():
+        fill(m, name, t, None)
+    m.method.process_weights_after_loading(m)
+    return m.to("cuda")
+
+
 @pytest.mark.gpu
 @GPU_ONLY
 def test_swap_ab_rows_are_timed_against_that_kernel():
@@ -361,12 +379,7 @@ def test_swap_ab_rows_are_timed_against_that_kernel():
     the plan takes the chosen product, agreeing with the kernel's."""
     from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot
     torch.manual_seed(0)
-    fmt = FORMATS["fp8_channel"]
-    m = Linear(4096, 4096, quant_config=OneSpec(fmt["spec"]), prefix="o")
-    for name, t in fmt["quant"](torch.randn(4096, 4096) * 0.02).items():
-        fill(m, name, t, None)
-    m.method.process_weights_after_loading(m)
-    m.to("cuda")
+    m = fp8_layer(4096, 4096, "o")
     assert common.route_for("fp8", 96, 4096, 4096, torch.bfloat16, "cuda") == "dot"
     case = gemm_choice.timing_case(96, m.weight)
     assert case.route == "dot"
