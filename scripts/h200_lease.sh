@@ -60,7 +60,7 @@
 # pw_tests (the GPU tests of MXFP4 pair words and CHAIN, the 4-bit kernels', and quantized dummy models
 # started with CUDA graphs). VARIANTS names the
 # folder of `var`'s / `var_thr`'s scripts (default .variants; tracked ones: scripts/variants/int4,
-# scripts/variants/mxfp4).
+# scripts/variants/mxfp4, scripts/variants/fp8).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
