@@ -166,7 +166,8 @@ def test_fast_accumulation_reaches_the_candidates_and_the_baseline(fake):
     # the route's own call takes the plan's setting, and `fast_accum` without a plan
     xq, xs, wq, wsr = _fp8(96, 32, 1), torch.rand(96) + 0.5, _fp8(64, 32, 2), torch.rand(64, 1) + 0.5
     asked[:] = []
-    common._product_on_route("scaled_mm", xq, xs, wq, wsr, None, torch.bfloat16, 0, None, plan=KernelPlan(fp8_fast_accum=True))
+    fast = KernelPlan(fp8_fast_accum=True)
+    common._product_on_route("scaled_mm", xq, xs, wq, wsr, None, torch.bfloat16, 0, None, plan=fast)
     common._product_on_route("scaled_mm", xq, xs, wq, wsr, None, torch.bfloat16, 0, None, fast_accum=True)
     common._product_on_route("scaled_mm", xq, xs, wq, wsr, None, torch.bfloat16, 0, None)
     assert asked == [True, True, False]

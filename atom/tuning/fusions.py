@@ -49,8 +49,8 @@ which computes the same thing with fewer kernels where the plan says so:
 - one row of ptpc fp8 runs its products on `kernels.fp8_gemv1` (CUDA cores, no split K;
   `quant.common.ONE_ROW_FP8`), not the swap-AB kernel: "sum+norm+quant", "split_k_fold",
   "quant_on_load" and "qkv_sum_in_attention" act on that kernel's split K or its loads, so the
-  products they take at one row go back to the swap-AB kernel (Llama-3.1-8B's batch-1 decode
-  ran slower with them than with the defaults before that change already: docs/perf);
+  products they take at one row go back to the swap-AB kernel (even beside the swap-AB
+  kernel, Llama-3.1-8B's batch-1 decode ran slower with them than with the defaults: docs/perf);
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),

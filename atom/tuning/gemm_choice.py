@@ -108,7 +108,8 @@ class _ScaledFp8(_Dense):
     plan: torch._scaled_mm (with fast accumulation where `fast_accum`), or the swap-AB kernel
     where its table takes the rows (`route`)."""
 
-    def __init__(self, rows: int, w: torch.Tensor, fast_accum: bool = False):  # (made in bf16: `_fits` counts 2 bytes an element)
+    def __init__(self, rows: int, w: torch.Tensor, fast_accum: bool = False):
+        # (x made in bf16 first: `_fits` counts 2 bytes an element)
         from atom.model_ops.quant.common import route_for
         x = torch.randn(rows, w.shape[1], device=w.device, dtype=torch.bfloat16)
         self.x = x.mul_(64).clamp_(-448, 448).to(torch.float8_e4m3fn)
@@ -402,7 +403,8 @@ def choose_lt_algos(plan, model: nn.Module, sizes: list[int], min_gain: float = 
     if cache_dir:
         fingerprint = _fingerprint(wide_rows if wide else None)
         path = cache_path(cache_dir, fingerprint)
-        baselines = {(r, ws[0].shape[0], ws[0].shape[1], ws[0].dtype): baseline(r, ws[0], out_dtype, plan.fp8_fast_accum)
+        baselines = {(r, ws[0].shape[0], ws[0].shape[1], ws[0].dtype):
+                     baseline(r, ws[0], out_dtype, plan.fp8_fast_accum)
                      for r, ws in work}
         todo = _load_cached(plan, path, work, fingerprint, baselines)
     for rows, ws in tqdm(todo, desc="Choosing GEMM algorithms", unit="shape", disable=not todo):

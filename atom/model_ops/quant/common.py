@@ -255,7 +255,7 @@ SCALED_MM_MIN_M = 65  # from here fp8 row / column scaled products go to cuBLASL
 # (below it the swap-AB kernel of `kernels.quant_gemv_dot` was faster at every Llama shape)
 # One row of per-token fp8 (batch-1 decode) into an e4m3 weight with a scale a row: the CUDA-core
 # product in fp16 pairs (`kernels.fp8_gemv1`) instead of the swap-AB kernel, where it takes the
-# shape (faster at every Llama-3.1-8B shape: docs/perf)
+# shape (faster at three of Llama-3.1-8B's four shapes and level at down: docs/perf)
 ONE_ROW_FP8 = True
 
 
