@@ -114,6 +114,11 @@ DOT_TILES = (
     (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
 )
 DOT_MAX_M = {"int4": 64, "mxfp4": None, "mxfp4_pairs": None}  # None: every M
+# From this M (None: never) the format's weight is written out in the activations' dtype and the
+# library GEMM runs the product (`kernels.w4_dequant`: "w4_dequant"), for 16-bit activations.
+# Opt-in until timed: the MXFP4 workload's prefill steps ran ~5x bf16's on w4_dot (docs/perf, two
+# H100s)
+W4_DEQUANT_MIN_M = {"int4": None, "mxfp4": None, "mxfp4_pairs": None}
 
 
 def dot_split_k(M: int, N: int, K: int, cfg: dict) -> int:
@@ -140,6 +145,9 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
     from atom.model_ops.kernels.w4_gemv1 import supports as gemv1_supports
     from atom.model_ops.kernels.w4_gemv1 import tiles as gemv1_tiles
     top = DOT_MAX_M.get(fmt, 64)
+    low = W4_DEQUANT_MIN_M.get(fmt)
+    if low is not None and M >= low and dtype in (torch.bfloat16, torch.float16):
+        return "w4_dequant", {}
     if M >= DOT_MIN_M and (top is None or M <= top) and supports(dtype, group):
         for max_m, cfg in DOT_TILES:
             if max_m is None or M <= max_m:
@@ -465,18 +473,22 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         raise RuntimeError("w4_linear needs triton; use w4_linear_ref without it")
     _check(x, packed, scales, zeros, bias, fmt, group, k)
     M, N = x.shape[0], packed.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return y
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
     name, cfg = w4_config(M, N, k, x.dtype, group, fmt)
     if config is not None:
         cfg = dict(config)
         name = cfg.pop("kernel", name)
+    words = packed if fmt == "int4" else packed.view(torch.int32)  # MXFP4: 4 bytes = 8 nibbles in order
+    if name == "w4_dequant":
+        from atom.model_ops.kernels.w4_dequant import w4_dequant
+        w = w4_dequant(words, scales, zeros, FORMATS.index(fmt), group, k, x.dtype)
+        return torch.nn.functional.linear(x, w, bias.to(x.dtype) if bias is not None else None)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     z = zeros if zeros is not None else scales
     b = bias if bias is not None else y
     common = dict(FMT=FORMATS.index(fmt), PER=PER_ELEMENT[fmt], GROUP=group, HAS_ZP=zeros is not None,
                   HAS_BIAS=bias is not None, **pdl_args(x))
-    words = packed if fmt == "int4" else packed.view(torch.int32)  # MXFP4: 4 bytes = 8 nibbles in order
     if name == "w4_dot":
         from atom.model_ops.kernels.w4_dot import w4_dot_launch
         w4_dot_launch(x, words, scales, z, bias, y, FORMATS.index(fmt), group, k, cfg, common, _dot_f32(x))
@@ -548,7 +560,8 @@ def w4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
 
 #: what the 4-bit methods report as their GPU kernel (`kernel` attribute, `kernel_for(layer)`)
 KERNEL_DESCRIPTION = (f"atom::w4_linear (triton w4_gemv1 at M=1, w4_gemv for M<={GEMV_MAX_M}; w4_dot, "
-                      f"tensor-core swap-AB, for bf16/fp16 activations above (int4 up to M={DOT_MAX_M['int4']}); else w4_gemm)")
+                      f"tensor-core swap-AB, for bf16/fp16 activations above (int4 up to M={DOT_MAX_M['int4']}); else w4_gemm; "
+                      f"the weight written out for the library GEMM from W4_DEQUANT_MIN_M rows where set)")
 REFERENCE_DESCRIPTION = "torch reference (dequantize to fp32, F.linear)"
 
 
