@@ -20,7 +20,7 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 BLOCK_N, BLOCK_W, NUM_WARPS = 16, 32, 4
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.w4_gemm import _dequant, _group_terms, _pair_word_std
+    from atom.model_ops.kernels.w4_gemm import _dequant_each, _pair_word_std
 
     @triton.jit
     def _w4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, n_words, stride_wn, stride_sn, stride_zn,
@@ -40,13 +40,7 @@ if HAS_TRITON:
         u = (word[:, :, None] >> (es * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_W, 8]
         ks = (jw[:, None] * 8 + es[None, :])[None, :, :]  # the column of every code
         m3 = m2[:, :, None] & (ks < K)
-        grp = ks // GROUP
-        s3 = tl.load(s_ptr + r64[:, None, None] * stride_sn + grp, mask=m3, other=0)
-        z3 = s3
-        if HAS_ZP:
-            z3 = tl.load(z_ptr + r64[:, None, None] * stride_zn + grp, mask=m3, other=8)
-        off, scale = _group_terms(s3, z3, FMT, HAS_ZP)
-        w = _dequant(u, off, scale, FMT)
+        w = _dequant_each(u, ks // GROUP, r64, s_ptr, z_ptr, stride_sn, stride_zn, m3, FMT, HAS_ZP)
         tl.store(out_ptr + r64[:, None, None] * stride_on + ks, w.to(out_ptr.dtype.element_ty), mask=m3)
 
 

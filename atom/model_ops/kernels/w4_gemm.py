@@ -259,6 +259,18 @@ if HAS_TRITON:
             return _e2m1(u) * scale
 
     @triton.jit
+    def _dequant_each(u, grp, r64, s_ptr, z_ptr, stride_sn, stride_zn, mask, FMT: tl.constexpr,
+                      HAS_ZP: tl.constexpr):
+        """fp32 weights of codes u [BLOCK_N, BLOCK_W, 8] of rows r64, each code's group scale
+        (and int4 zero point) loaded by its group index grp (masked lanes: 0 / 8)."""
+        s3 = tl.load(s_ptr + r64[:, None, None] * stride_sn + grp, mask=mask, other=0)
+        z3 = s3
+        if HAS_ZP:
+            z3 = tl.load(z_ptr + r64[:, None, None] * stride_zn + grp, mask=mask, other=8)
+        off, scale = _group_terms(s3, z3, FMT, HAS_ZP)
+        return _dequant(u, off, scale, FMT)
+
+    @triton.jit
     def _row_acc(acc, f, off, scale, x_ptr, m: tl.constexpr, M, ks, k_ok, stride_xm, OFF: tl.constexpr):
         """acc [BLOCK_N, BLOCK_W, 1] + the products of row m of x (columns ks [1, BLOCK_W, 8])
         with the unscaled weights f summed per word, minus off x the word's sum of x when OFF,
@@ -345,14 +357,8 @@ if HAS_TRITON:
                     off = 0.0
                     scale = _e8m0(s3.to(tl.int32))
             else:  # groups that split a word (int4 only): every nibble its own scale
-                grp = ks // GROUP
-                g_ok = row_ok[:, None, None] & k_ok
-                s3 = tl.load(s_ptr + r64[:, None, None] * stride_sn + grp, mask=g_ok, other=0)
-                z3 = s3
-                if HAS_ZP:
-                    z3 = tl.load(z_ptr + r64[:, None, None] * stride_zn + grp, mask=g_ok, other=8)
-                off, sc = _group_terms(s3, z3, FMT, HAS_ZP)
-                f = _dequant(u, off, sc, FMT)
+                f = _dequant_each(u, ks // GROUP, r64, s_ptr, z_ptr, stride_sn, stride_zn,
+                                  row_ok[:, None, None] & k_ok, FMT, HAS_ZP)
                 off = 0.0
                 scale = 1.0
             acc0 = _row_acc(acc0, f, off, scale, x_ptr, 0, M, ks, k_ok, stride_xm, OFF)
