@@ -137,14 +137,19 @@ def test_fused_pieces_give_the_unfused_layers_bits(fmt, gpu_routes, monkeypatch)
     _check_fused_pieces(fmt, "cpu", gpu_routes, monkeypatch)
 
 
+def _swap_ab_at_one_row(monkeypatch):
+    """The GPU cases compare against the swap-AB kernel, whose split K these fusions fold,
+    defer or feed: one row of fp8 otherwise runs `fp8_gemv1`, which splits nothing (the
+    opt-in fusions put their products back on the swap-AB kernel)."""
+    monkeypatch.setattr(common, "ONE_ROW_FP8", False)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("fmt", ["fp8_channel", "int8", "fp8_tensor_dynamic"])
 def test_fused_pieces_on_gpu_give_the_unfused_layers_bits(fmt, monkeypatch):
     """The same on CUDA tensors, compiled kernels and the GPU routes (the fold included)."""
-    # the swap-AB kernel, whose split K these fusions fold, defer or feed (one row of fp8 otherwise
-    # runs `fp8_gemv1`, which splits nothing: the opt-in fusions put it back on the swap-AB kernel)
-    monkeypatch.setattr(common, "ONE_ROW_FP8", False)
+    _swap_ab_at_one_row(monkeypatch)
     _check_fused_pieces(fmt, "cuda", True, monkeypatch)
 
 
@@ -195,9 +200,7 @@ def test_o_proj_partials_summed_by_the_norm_quantizer(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["fp8_channel", "int8"])
 def test_o_proj_partials_summed_by_the_norm_quantizer_on_gpu(fmt, monkeypatch):
     """The same on CUDA tensors and compiled kernels."""
-    # the swap-AB kernel, whose split K these fusions fold, defer or feed (one row of fp8 otherwise
-    # runs `fp8_gemv1`, which splits nothing: the opt-in fusions put it back on the swap-AB kernel)
-    monkeypatch.setattr(common, "ONE_ROW_FP8", False)
+    _swap_ab_at_one_row(monkeypatch)
     _check_pending_o_proj(fmt, "cuda", monkeypatch)
     _check_pending_down(fmt, "cuda")
 
@@ -218,9 +221,7 @@ def test_down_quantizes_silu_rows_on_load(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["fp8_channel", "int8"])
 def test_down_quantizes_silu_rows_on_load_on_gpu(fmt, monkeypatch):
     """The same on CUDA tensors and compiled kernels."""
-    # the swap-AB kernel, whose split K these fusions fold, defer or feed (one row of fp8 otherwise
-    # runs `fp8_gemv1`, which splits nothing: the opt-in fusions put it back on the swap-AB kernel)
-    monkeypatch.setattr(common, "ONE_ROW_FP8", False)
+    _swap_ab_at_one_row(monkeypatch)
     _check_quant_on_load(fmt, "cuda", monkeypatch)
 
 
