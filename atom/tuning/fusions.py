@@ -49,8 +49,8 @@ which computes the same thing with fewer kernels where the plan says so:
 - one row of ptpc fp8 runs its products on `kernels.fp8_gemv1` (CUDA cores, no split K;
   `quant.common.ONE_ROW_FP8`), not the swap-AB kernel: "sum+norm+quant", "split_k_fold",
   "quant_on_load" and "qkv_sum_in_attention" act on that kernel's split K or its loads, so the
-  products they take at one row go back to the swap-AB kernel (even beside the swap-AB
-  kernel, Llama-3.1-8B's batch-1 decode ran slower with them than with the defaults: docs/perf);
+  products they take at one row go back to the swap-AB kernel (docs/perf has their decode
+  timings);
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),
@@ -68,8 +68,8 @@ which computes the same thing with fewer kernels where the plan says so:
   word instead of 15; the other 4-bit kernels read them too), converted in place once
   (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is replaced, and the
   runner takes the fusion only before its graphs and torch.compile capture the model). Opt-in,
-  not in `default_fusions`: Llama-3.1-8B's batch-1 decode ran ~4% faster with it, its workload
-  ~4% slower (the batched 4-bit kernels reading pair words; docs/perf);
+  not in `default_fusions`: faster at batch 1, slower at larger batches, whose 4-bit kernels
+  read pair words less well (docs/perf);
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write

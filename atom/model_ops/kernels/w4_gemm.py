@@ -116,8 +116,7 @@ DOT_TILES = (
 DOT_MAX_M = {"int4": 64, "mxfp4": None, "mxfp4_pairs": None}  # None: every M
 # From this M (None: never) the format's weight is written out in the activations' dtype and the
 # library GEMM runs the product (`kernels.w4_dequant`: "w4_dequant"), for 16-bit activations.
-# Opt-in until timed: the MXFP4 workload's prefill steps ran ~5x bf16's on w4_dot (docs/perf, two
-# H100s)
+# Opt-in until its workload timing is in docs/perf (MXFP4's prefill on w4_dot is far behind bf16's)
 W4_DEQUANT_MIN_M = {"int4": None, "mxfp4": None, "mxfp4_pairs": None}
 
 
