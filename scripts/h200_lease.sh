@@ -60,7 +60,7 @@
 # pw_tests (the GPU tests of MXFP4 pair words and CHAIN, the 4-bit kernels', and quantized dummy models
 # started with CUDA graphs). VARIANTS names the
 # folder of `var`'s / `var_thr`'s scripts (default .variants; tracked ones: scripts/variants/int4,
-# scripts/variants/mxfp4, scripts/variants/fp8).
+# scripts/variants/mxfp4, scripts/variants/fp8, scripts/variants/attn).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -254,7 +254,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
                tests/test_quant_fusions.py tests/test_quant_gemv_dot.py tests/test_triton_kernels.py::test_attention_stores_each_heads_amax \
                tests/test_attention_rope.py::test_decode_rope_sums_split_qkv_on_load_gpu;;
   attn_tests) run attn-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_triton_kernels.py \
-                tests/test_gpu_attention_fp8.py -k "attention or attn";;
+                tests/test_gpu_attention_fp8.py tests/test_attention_split_merge.py -k "attention or attn or merge";;
   w4_var) for v in .variants/*.py; do  # each variant file appended to a copy's w4_gemv1.py (e.g. table edits), 4-bit decode
             n=$(basename $v .py); rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
             cat $v >> /tmp/var-$n/atom/model_ops/kernels/w4_gemv1.py

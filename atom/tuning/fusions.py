@@ -70,6 +70,11 @@ which computes the same thing with fewer kernels where the plan says so:
   runner takes the fusion only before its graphs and torch.compile capture the model). Opt-in,
   not in `default_fusions`: faster at batch 1, slower at larger batches, whose 4-bit kernels
   read pair words less well (docs/perf);
+- "merge_in_attention": split-KV decode steps (few sequences) merge the segments' partials in
+  the attention kernel, in the program of each token and kv head that finishes last
+  (`attention.split_merge`: an arrival counter a program group), instead of `_merge_kernel`'s
+  launch after it. The attention op reads it from the plan (`meta.plan`); nothing is installed
+  on the layers. Opt-in, not in `default_fusions`, until its decode timing is in docs/perf;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write

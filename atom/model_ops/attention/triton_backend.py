@@ -82,6 +82,13 @@ class TritonAttentionBackend:
         return f"TritonAttentionBackend(layers={len(self.layers)}, workspace={self.workspace!r})"
 
 
+def _merge_in_kernel(meta) -> bool:
+    """Whether the engine's plan merges split decode segments in the attention kernel
+    ("merge_in_attention")."""
+    plan = getattr(meta, "plan", None)
+    return plan is not None and plan.has("merge_in_attention")
+
+
 # The mutated arguments (output, amax) have no defaults: torch 2.11's ADInplaceOrView kernel
 # indexes the boxed arguments by schema position, and the dispatcher leaves out trailing
 # arguments equal to their defaults, so a defaulted `amax` passed as None was out of range
@@ -103,7 +110,8 @@ def unified_attention_with_output(q: torch.Tensor, k: Optional[torch.Tensor], v:
     unified_attention(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q, meta.seq_lens,
                       meta.block_tables, layer.scale, meta.max_query_len, workspace=backend.workspace, rope=rope,
                       options=layer.options, amax=amax,
-                      qkv_sum=(qkv_splits, qkv_split_stride) if qkv_splits else None)
+                      qkv_sum=(qkv_splits, qkv_split_stride) if qkv_splits else None,
+                      merge_in_kernel=_merge_in_kernel(meta))
 
 
 @unified_attention_with_output.register_fake
@@ -131,7 +139,7 @@ def unified_attention_rope(qkv: torch.Tensor, output: torch.Tensor, layer_idx: i
         backend.write_kv(layer, k.view(T, -1, D), v.view(T, -1, D), meta)
     unified_attention(q.view(T, -1, D), layer.k_cache, layer.v_cache, output.view(T, -1, D), meta.cu_seqlens_q,
                       meta.seq_lens, meta.block_tables, layer.scale, meta.max_query_len, workspace=backend.workspace,
-                      options=layer.options)
+                      options=layer.options, merge_in_kernel=_merge_in_kernel(meta))
 
 
 @unified_attention_rope.register_fake

@@ -32,8 +32,9 @@ sequences of 900-2048; `scripts/attention_order.py`).
 
 Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
 sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
-partial output and its log-sum-exp, and ``_merge_kernel`` combines them.  The
-scratch buffers come from an :class:`AttentionWorkspace` allocated once.
+partial output and its log-sum-exp, and ``_merge_kernel`` combines them (or, with
+``merge_in_kernel``, the segment that finishes last: `split_merge`).  The scratch buffers
+come from an :class:`AttentionWorkspace` allocated once.
 
 Per layer (:class:`AttentionOptions`): a sliding window W narrows each row to keys
 ``position - W < j <= position`` (tiles wholly before every row's window are skipped, the
@@ -65,10 +66,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from atom.model_ops.attention.options import AttentionOptions
+from atom.model_ops.attention.split_merge import merge_chunk
 from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton  # None without triton
 
 if HAS_TRITON:
+    from atom.model_ops.attention.split_merge import arrive_last, merge_heads
     from atom.model_ops.kernels.kv_cache import fp8_saturate, interpreted, slot_offset
     from atom.model_ops.kernels.split_k import split_sum_at
     from atom.model_ops.kernels.triton_import import pdl_launch, pdl_wait, prefetch_l2
@@ -265,7 +268,7 @@ if HAS_TRITON:
         cs_ptr, kn_ptr, vn_ptr, slot_ptr, qw_ptr, kw_ptr, norm_eps,
         stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
         sinks_ptr, ks_ptr, vs_ptr, window,
-        amax_ptr, stride_am, qkv_split_stride,
+        amax_ptr, stride_am, qkv_split_stride, cnt_ptr,
         QPKV: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -287,6 +290,9 @@ if HAS_TRITON:
         KV_F16: tl.constexpr = False,
         HAS_AMAX: tl.constexpr = False,
         QKV_SPLITS: tl.constexpr = 0,
+        MERGE_LAST: tl.constexpr = False,
+        QPAD: tl.constexpr = 1,
+        S_CHUNK: tl.constexpr = 1,
     ):
         # Before the wait (PDL): only the host-copied batch description (cu_seqlens, seq_lens,
         # block table) is read, and the first tile of the cache prefetched into L2; q, this
@@ -418,6 +424,11 @@ if HAS_TRITON:
             base = tok * stride_pot + head * stride_poh + split * stride_pos
             tl.store(po_ptr + base[:, None] + offs_d[None, :], o, mask=st_mask)
             tl.store(plse_ptr + tok * stride_plt + head * stride_plh + split, lse, mask=row_ok)
+            if MERGE_LAST:  # decode: the segment that finishes last merges (`split_merge`)
+                if arrive_last(cnt_ptr + tl.program_id(0), NUM_SPLITS):
+                    merge_heads(out_ptr, po_ptr, plse_ptr, amax_ptr, q_start.to(tl.int64), kvh * QPKV,
+                                stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
+                                stride_am, QPKV, QPAD, HEAD_DIM, HEAD_PAD, NUM_SPLITS, S_CHUNK, HAS_AMAX)
 
     @triton.jit
     def _merge_kernel(
@@ -553,6 +564,14 @@ class AttentionWorkspace:
             dtype=torch.float32, device=device)
         self.partial_lse = torch.empty(
             (self.max_num_tokens, num_q_heads, max_splits), dtype=torch.float32, device=device)
+        # the in-kernel merge's arrival counters, one a program of axis 0 (at most
+        # 2 x tokens x kv heads: a decode batch's query blocks, spare ones included); each
+        # launch leaves them at 0
+        self.arrival_counts = torch.zeros(2 * self.max_num_tokens * num_q_heads, dtype=torch.int32, device=device)
+
+    def arrivals(self, programs: int):
+        """The first `programs` arrival counters (zero between launches), or None if too few."""
+        return self.arrival_counts[:programs] if programs <= self.arrival_counts.numel() else None
 
     def buffers(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
         """Views for this batch, or ``None`` if it does not fit."""
@@ -563,7 +582,7 @@ class AttentionWorkspace:
 
     @property
     def nbytes(self) -> int:
-        return (self.partial_out.numel() + self.partial_lse.numel()) * 4
+        return (self.partial_out.numel() + self.partial_lse.numel() + self.arrival_counts.numel()) * 4
 
     def __repr__(self) -> str:
         return (f"AttentionWorkspace(max_num_tokens={self.max_num_tokens}, "
@@ -680,6 +699,7 @@ def unified_attention(
     options: Optional[AttentionOptions] = None,
     amax: Optional[torch.Tensor] = None,
     qkv_sum: Optional[tuple[int, int]] = None,
+    merge_in_kernel: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; writes ``out`` in place and returns it.
     ``amax`` (fp32 [T, Hq]): also each token's and head's largest |value| of ``out`` as
@@ -701,6 +721,9 @@ def unified_attention(
     per thread, so that more programs fit on an SM; ``rows_ahead`` loads each tile's
     block-table entries one tile ahead, which lets ``num_stages`` >= 3 keep several K / V
     tiles in flight) for tuning.
+    ``merge_in_kernel``: a split decode step (``max_query_len`` 1) merges its segments in the
+    attention kernel, in the program of each token and kv head that finishes last
+    (`split_merge`, counters from ``workspace.arrivals``), instead of a second launch.
     Tokens past ``cu_seqlens_q[-1]`` (graph padding) are left untouched.
     """
     if not HAS_TRITON:
@@ -755,6 +778,11 @@ def unified_attention(
     dot_prec = "ieee" if act_dtype == torch.float32 else "tf32"
 
     grid = (Hkv * cfg["num_q_blocks"], splits)
+    arrivals = None  # the in-kernel merge's counters (`split_merge`): decode steps only
+    if merge_in_kernel and splits > 1 and max_query_len == 1:
+        arrivals = (workspace.arrivals(grid[0]) if workspace is not None
+                    else torch.zeros(grid[0], dtype=torch.int32, device=q.device))
+    qpad = _next_pow2(Hq // Hkv)
     _unified_attn_kernel[grid](
         q, k_cache, v_cache, out, po, plse,
         cu_seqlens_q, seq_lens, block_tables,
@@ -768,7 +796,7 @@ def unified_attention(
         plse.stride(0), plse.stride(1),
         *_rope_args(rope, q), *_options_args(options, q, k_cache),
         amax if amax is not None else out, amax.stride(0) if amax is not None else 0,
-        split_stride if qkv_sum is not None else 0,
+        split_stride if qkv_sum is not None else 0, arrivals if arrivals is not None else seq_lens,
         QPKV=Hq // Hkv, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_PAD=cfg["HEAD_PAD"], BLOCK_SIZE=block_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE_N=cfg["TILE_N"],
         NUM_SPLITS=splits, DOT_PREC=dot_prec,
@@ -777,11 +805,13 @@ def unified_attention(
         KV_FP8=k_cache.dtype in FP8_CACHE_DTYPES, EXACT_ROUND=k_cache.dtype in FP8_CACHE_DTYPES and interpreted(),
         ROWS_AHEAD=bool(cfg.get("rows_ahead", False)),
         KV_F16=k_cache.dtype in FP8_CACHE_DTYPES and act_dtype == torch.bfloat16,
-        HAS_AMAX=amax is not None and splits == 1, QKV_SPLITS=splits_qkv if qkv_sum is not None else 0,
+        HAS_AMAX=amax is not None and (splits == 1 or arrivals is not None),
+        QKV_SPLITS=splits_qkv if qkv_sum is not None else 0,
+        MERGE_LAST=arrivals is not None, QPAD=qpad, S_CHUNK=merge_chunk(Hq // Hkv, splits, cfg["HEAD_PAD"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
-    if splits > 1:
+    if splits > 1 and arrivals is None:
         _merge_kernel[(T, Hq)](
             out, po, plse, cu_seqlens_q, B,
             out.stride(0), out.stride(1),
