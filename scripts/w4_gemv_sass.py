@@ -10,6 +10,9 @@ so fewer instructions per weight is the lever; this prints that count and the ra
     python scripts/w4_gemv_sass.py --dump d/  # also writes each kernel's SASS into d/
     python scripts/w4_gemv_sass.py --json     # one JSON line: instructions a weight per kernel and format
     python scripts/w4_gemv_sass.py --dot      # also w4_dot's loop (16 x 64 x 256 tile, both column orders)
+
+"prepared x": the loop reading x's word columns prepared by the kernel in front (XPACK,
+`kernels.h2_xpack`) instead of scaling and packing them itself.
 """
 from __future__ import annotations
 
@@ -47,9 +50,10 @@ def compile_gemv(fmt: str, group: int):
     return compiled, weights_per_step // (32 * warps)  # per thread
 
 
-def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False):
+def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False, xpack: bool = False):
     """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 4096 weight, sm90, the reference tile below
-    (dw: words a thread's load, the kernel's DW); (kernel, weights per thread a loop step)."""
+    (dw: words a thread's load, the kernel's DW; xpack: x's columns prepared by the kernel in
+    front, `h2_xpack`); (kernel, weights per thread a loop step)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -59,7 +63,7 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     kernel = g1._w4_gemv1_kernel
     # one reference tile for both formats: the table's up to 8192 outputs (8 rows over 8 warps,
     # the words ahead)
-    tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=True, HALF2=half2, DW=dw, CHAIN=chain)
+    tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=True, HALF2=half2, DW=dw, CHAIN=chain, XPACK=xpack)
     warps, stages = 8, 3
     n_scales = 4096 // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
@@ -68,10 +72,10 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
         const.update(SW=4096 // 8, SS=n_scales, SZ=n_scales)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
-                 nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32")
+                 nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32", xk_ptr="*i32")
     names = kernel.arg_names
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
-    divisible = {"x_ptr", "y_ptr", "n_words"}  # the weight and scale pointers are not specialized on alignment
+    divisible = {"x_ptr", "y_ptr", "n_words", "xk_ptr"}  # the weight and scale pointers are not specialized on alignment
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -129,6 +133,8 @@ def main() -> None:
     half2 = functools.partial(compile_gemv1, half2=True)
     pairs = functools.partial(compile_gemv1, half2=True, dw=2)
     chain = functools.partial(compile_gemv1, half2=True, dw=2, chain=True)
+    prepared = functools.partial(compile_gemv1, half2=True, xpack=True)
+    prepared2 = functools.partial(compile_gemv1, half2=True, dw=2, xpack=True)
     for name, compile_fn, fmt, group in (("w4_gemv1", compile_gemv1, "int4", 128),
                                          ("w4_gemv1 HALF2", half2, "int4", 128),
                                          ("w4_gemv1 HALF2", half2, "mxfp4", 32),
@@ -138,6 +144,10 @@ def main() -> None:
                                          ("w4_gemv1 HALF2 DW2 CHAIN", chain, "int4", 128),
                                          ("w4_gemv1 HALF2 DW2 CHAIN", chain, "mxfp4", 32),
                                          ("w4_gemv1 HALF2 DW2 CHAIN", chain, "mxfp4_pairs", 32),
+                                         ("w4_gemv1 HALF2 prepared x", prepared, "int4", 128),
+                                         ("w4_gemv1 HALF2 DW2 prepared x", prepared2, "int4", 128),
+                                         ("w4_gemv1 HALF2 DW2 prepared x", prepared2, "mxfp4", 32),
+                                         ("w4_gemv1 HALF2 DW2 prepared x", prepared2, "mxfp4_pairs", 32),
                                          ("w4_gemv1", compile_gemv1, "mxfp4", 32),
                                          ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32),
                                          ("w4_gemv", compile_gemv, "mxfp4_pairs", 32)):

@@ -172,7 +172,9 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     strides, Triton 3.6 and 3.9: a 64-bit address sum a row and step); word pairs a load (DW = 2)
     under 0.9x (int4) / 0.95x (MXFP4) of one word a load; MXFP4 pair words under 0.92x of MXFP4's
     layout (Triton 3.6: 3.37 against 3.90); a word pair in one fp16 chain (CHAIN) under 0.95x
-    of two (3.6: int4 2.68 against 2.99, MXFP4 3.55 against 3.90, pair words 3.05)."""
+    of two (3.6: int4 2.68 against 2.99, MXFP4 3.55 against 3.90, pair words 3.05); x prepared by
+    the kernel in front (XPACK) under 0.85x (int4, one word a load) / 0.92x (word pairs) of the
+    loop preparing it."""
     import json
     import os
     import subprocess
@@ -197,6 +199,12 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     # CHAIN: a word pair's products in one fp16 chain, widened and scaled once for 16 weights
     for fmt in ("int4", "mxfp4", "mxfp4_pairs"):
         assert per_weight[f"w4_gemv1 HALF2 DW2 CHAIN {fmt}"] < 0.95 * per_weight[f"w4_gemv1 HALF2 DW2 {fmt}"], \
+            per_weight
+    # prepared x (`h2_xpack`): the columns' scaling, packing and sums out of the loop (Triton 3.9:
+    # int4 3.56 -> 2.83, DW = 2 2.98 -> 2.34; MXFP4 4.09 -> 3.58; pair words 3.59 -> 3.08)
+    assert per_weight["w4_gemv1 HALF2 prepared x int4"] < 0.85 * per_weight["w4_gemv1 HALF2 int4"], per_weight
+    for fmt in ("int4", "mxfp4", "mxfp4_pairs"):
+        assert per_weight[f"w4_gemv1 HALF2 DW2 prepared x {fmt}"] < 0.92 * per_weight[f"w4_gemv1 HALF2 DW2 {fmt}"], \
             per_weight
     assert per_weight["w4_gemv int4"] > 1.5 * per_weight["w4_gemv1 int4"], per_weight
     assert per_weight["w4_gemv mxfp4"] > 1.5 * per_weight["w4_gemv1 mxfp4"], per_weight

@@ -75,6 +75,12 @@ which computes the same thing with fewer kernels where the plan says so:
   (`attention.split_merge`: an arrival counter a program group), instead of `_merge_kernel`'s
   launch after it. The attention op reads it from the plan (`meta.plan`); nothing is installed
   on the layers. Opt-in, not in `default_fusions`, until its decode timing is in docs/perf;
+- "w4_prepared_x": at batch 1, a dense MLP of 4-bit layers (W4A16, MXFP4 weight-only) on
+  NVIDIA GPUs gets gate-up's input row from the add + RMSNorm kernel and down's from the
+  SiLU-and-mul kernel already in the form the one-row GEMV's fp16 pair products use
+  (`kernels.h2_xpack`: scaled, packed into fp16 pairs, summed), instead of every GEMV program
+  preparing it again (10-20% of its loop's instructions); the same launches, the same products.
+  Opt-in, not in `default_fusions`, until its decode timing is in docs/perf;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -257,14 +263,41 @@ def w4_one_row(plan, linear: nn.Module, x: torch.Tensor, gated: bool) -> tuple |
     product keeps the norm kernel, the GEMV and SiLU-and-mul: the norm and SiLU inside it, the
     norm alone, and SiLU-and-mul in down's prologue all measured slower
     (`scripts/w4_fused_sweep.py`; docs/perf has the figures)."""
-    if plan is None or not plan.has("w4_norm_gemv") or gated or x.dim() != 2 or x.shape[0] != 1 \
-            or linear.bias is not None:
+    if plan is None or not plan.has("w4_norm_gemv") or gated:
+        return None
+    return _w4_row_operands(linear, x)
+
+
+def _w4_row_operands(linear: nn.Module, x: torch.Tensor) -> tuple | None:
+    """(packed, scales, zeros, fmt, group, K) of a 4-bit layer without a bias for one row x
+    where the 4-bit kernels run for x (NVIDIA CUDA); else None."""
+    if x.dim() != 2 or x.shape[0] != 1 or linear.bias is not None:
         return None
     operands = getattr(linear.method, "one_row_operands", None)
     if operands is None:
         return None
     from atom.model_ops.kernels.w4_gemm import use_w4_kernel
     return operands(linear) if use_w4_kernel(x) else None
+
+
+def w4_prepared_mlp(plan, mlp: nn.Module, norm, hidden: torch.Tensor, residual):
+    """"w4_prepared_x": down(silu_and_mul(gate_up(norm(hidden + residual)))) of one row through
+    the 4-bit one-row GEMV's prepared-row loop (`kernels.h2_xpack`: the norm kernel and the
+    SiLU kernel write their rows prepared), or None where that does not apply (not both
+    products 4-bit, a bias, not a 16-bit row on an NVIDIA GPU). Returns (y, hidden + residual)."""
+    if plan is None or not plan.has("w4_prepared_x") or not isinstance(hidden, torch.Tensor) \
+            or hidden.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    gate_up, down = _w4_row_operands(mlp.gate_up_proj, hidden), _w4_row_operands(mlp.down_proj, hidden)
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    from atom.model_ops.kernels.w4_gemv1 import half2_applies, w4_gemv1_prepared
+    if gate_up is None or down is None \
+            or not all(half2_applies(hidden, FORMATS.index(ops[3])) for ops in (gate_up, down)):
+        return None
+    from atom.model_ops.kernels.h2_xpack import norm_prepare, silu_prepare
+    row, residual = norm_prepare(hidden, residual, norm.weight, norm.eps, gate_up[3] == "int4")
+    y = w4_gemv1_prepared(row, *gate_up)
+    return w4_gemv1_prepared(silu_prepare(y, down[3] == "int4"), *down), residual
 
 
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False,
@@ -313,6 +346,9 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
     if not dense_mlp(layer):  # a MoE block: its own router and experts after the norm
         hidden, residual = norm(settle(hidden), residual)
         return mlp(hidden), residual
+    prepared = w4_prepared_mlp(plan, mlp, norm, hidden, residual)
+    if prepared is not None:
+        return prepared
     iq = quant_input(plan, "silu+quant", mlp.down_proj, _rows(hidden))
     if iq is None:
         act, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual, gated=True)

@@ -207,10 +207,17 @@ if HAS_TRITON:
         return tl.trans(t)
 
     @triton.jit
-    def _h2_pack(hi, lo):
-        """Two float32 tensors as one int32 of two fp16 halves (lo in bits 0-15), rounded."""
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+    def _h2_pack(hi, lo, ASM: tl.constexpr = True):
+        """Two float32 tensors as one int32 of two fp16 halves (lo in bits 0-15), rounded to
+        nearest even: one PTX conversion, or (ASM False: Triton's interpreter) two."""
+        if ASM:
+            t = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+        else:
+            h16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+            l16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+            t = (h16 << 16) | (l16 & 0xFFFF)
+        return t
 
     H2_INT4 = tl.constexpr(h2_ptx("int4"))
     H2_MXFP4 = tl.constexpr(h2_ptx("mxfp4"))
@@ -259,7 +266,7 @@ if HAS_TRITON:
         return tl.maximum(tl.max(tl.abs(xv), axis=2, keep_dims=True).to(tl.int32, bitcast=True) >> 23, 40)
 
     @triton.jit
-    def _h2_pairs(xv, e, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr):
+    def _h2_pairs(xv, e, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr, ASM: tl.constexpr = True):
         """x [1, BLOCK_W, 8] scaled by 2^(141 - e) (e from `_h2_column_e`, of these columns or
         of a run of them), so that the largest |x| lies in [2^14, 2^15) (odd columns also / 16
         when ODD16), as the fp16 pairs (i, i + 4) for i = 0..3: four int32 [1, BLOCK_W]."""
@@ -269,7 +276,7 @@ if HAS_TRITON:
         else:
             xs = xv * sc
         x_lo, x_hi = tl.split(tl.permute(tl.reshape(xs, [1, BLOCK_W, 2, 4]), (0, 1, 3, 2)))
-        xa, xb = tl.split(tl.reshape(_h2_pack(x_hi, x_lo), [1, BLOCK_W, 2, 2]))
+        xa, xb = tl.split(tl.reshape(_h2_pack(x_hi, x_lo, ASM), [1, BLOCK_W, 2, 2]))
         x0, x2 = tl.split(xa)
         x1, x3 = tl.split(xb)
         return x0, x1, x2, x3
@@ -377,6 +384,23 @@ if HAS_TRITON:
         return _h2_part(t, e, sx, s_raw, zp, ok, FMT, HAS_ZP, EVEN)
 
     @triton.jit
+    def _word_sums_packed(word, s_raw, zp, ok, xk, FMT: tl.constexpr, HAS_ZP: tl.constexpr, EVEN: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        """`_word_sums` (HALF2) with x's word columns prepared once by the kernel in front
+        (XPACK: `h2_xpack`'s columns [1, BLOCK_W, 8] int32: the four fp16 pairs, e, the bits of
+        sum x, two unused): the same products without each program scaling and packing x."""
+        shape: tl.constexpr = [BLOCK_N, BLOCK_W]
+        pairs, meta = xk
+        xa, xb = tl.split(tl.reshape(pairs, [1, BLOCK_W, 2, 2]))
+        x0, x2 = tl.split(xa)
+        x1, x3 = tl.split(xb)
+        e, sx = tl.split(meta)
+        t = _h2_word(tl.reshape(word, shape), tl.broadcast_to(x0, shape), tl.broadcast_to(x1, shape),
+                     tl.broadcast_to(x2, shape), tl.broadcast_to(x3, shape), FMT)
+        return _h2_part(t.to(tl.float32, bitcast=True)[:, :, None], e[:, :, None],
+                        sx.to(tl.float32, bitcast=True)[:, :, None], s_raw, zp, ok, FMT, HAS_ZP, EVEN)
+
+    @triton.jit
     def _half(word, h: tl.constexpr, DW: tl.constexpr):
         """Word h of each thread's load: the load itself (DW = 1), or the low (h = 0: the
         earlier word in memory) or high int32 of an int64 (DW = 2)."""
@@ -396,7 +420,7 @@ if HAS_TRITON:
                          r_ptr=None, nw_ptr=None, rout_ptr=None, up_rows=0, eps=0.0, NORM: tl.constexpr = False,
                          HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False, SW: tl.constexpr = 0,
                          SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1,
-                         CHAIN: tl.constexpr = False):
+                         CHAIN: tl.constexpr = False, xk_ptr=None, XPACK: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -424,8 +448,12 @@ if HAS_TRITON:
         halves), so a load and a row's address sum and scale load serve 16 weights instead
         of 8; x's 16 columns are two 16-byte loads. CHAIN (HALF2, DW = 2): both words of a
         load in one fp16 chain (`_word_sums2`). FMT 2: MXFP4 pair words (`fp4_pairs`), their
-        own PTX with HALF2, put back in the checkpoint's layout (`w4_gemm._pair_word_std`) without."""
+        own PTX with HALF2, put back in the checkpoint's layout (`w4_gemm._pair_word_std`) without.
+        XPACK (HALF2, not CHAIN, NORM or GATED): x's word columns come prepared at xk_ptr
+        (`h2_xpack`: what each program would compute from x, computed once), x_ptr unread."""
         act = x_ptr.dtype.element_ty
+        tl.static_assert(not XPACK or (HALF2 and not CHAIN and not NORM and not GATED),
+                         "prepared x (XPACK) feeds the HALF2 products of a plain one-row GEMV")
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
         tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
@@ -458,6 +486,9 @@ if HAS_TRITON:
         # channel-wise groups wider than a step) index each word's group
         GROUP_STEPS: tl.constexpr = (STEP * 8) % GROUP == 0
         xp = x_ptr + js * (8 * DW) + es
+        if XPACK:  # 8 int32 a word column, as x has 8 values
+            xkp = xk_ptr + js * (8 * DW) + tl.arange(0, 4)[None, None, :]
+            xkm = xk_ptr + js * (8 * DW) + 4 + tl.arange(0, 2)[None, None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         sq = tl.zeros([1, BLOCK_W, 8], tl.float32)
@@ -472,6 +503,9 @@ if HAS_TRITON:
                 zp = z_row + ((w0 + j2 * DW) * 8) // GROUP
             ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W] (unused when EVEN)
             x_ok = (w0 + js * DW < n_words) & (es < 8)
+            if XPACK:
+                x_ok4 = (w0 + js * DW < n_words) & (tl.arange(0, 4)[None, None, :] < 4)
+                x_ok2 = (w0 + js * DW < n_words) & (tl.arange(0, 2)[None, None, :] < 2)
             if EVEN:
                 if AHEAD:
                     word = word_next[:, :, None]
@@ -515,20 +549,31 @@ if HAS_TRITON:
                                           BLOCK_W)
             else:
                 for h in tl.static_range(DW):  # the words of a load: columns h 8 .. h 8 + 7 of each thread's 8 DW
-                    if EVEN:
-                        xv = tl.load(xp + h * 8).to(tl.float32)
+                    if XPACK:  # the pairs [1, BLOCK_W, 4] and (e, sum x) [1, BLOCK_W, 2] of each column
+                        if EVEN:
+                            xk = (tl.load(xkp + h * 8), tl.load(xkm + h * 8))
+                        else:
+                            xk = (tl.load(xkp + h * 8, mask=x_ok4, other=0), tl.load(xkm + h * 8, mask=x_ok2, other=0))
+                        acc += _word_sums_packed(_half(word, h, DW), s_raw, zp, ok, xk, FMT, HAS_ZP, EVEN, BLOCK_N,
+                                                 BLOCK_W)
                     else:
-                        xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
-                    if NORM:
-                        xo = w0 * 8 + js * (8 * DW) + h * 8 + es  # x's columns, for the residual and the norm weight
-                        xv, sq = add_norm_cols(xv, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
-                    acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
-                                      BLOCK_W)
-                    if GATED:
-                        acc_up += _word_sums(_half(word_up, h, DW), s_raw_up, zp + z_up, ok, xv, es, FMT, HALF2, HAS_ZP,
-                                             EVEN, BLOCK_N, BLOCK_W)
+                        if EVEN:
+                            xv = tl.load(xp + h * 8).to(tl.float32)
+                        else:
+                            xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
+                        if NORM:
+                            xo = w0 * 8 + js * (8 * DW) + h * 8 + es  # x's columns, for the residual and the norm weight
+                            xv, sq = add_norm_cols(xv, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
+                        acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
+                                          BLOCK_W)
+                        if GATED:
+                            acc_up += _word_sums(_half(word_up, h, DW), s_raw_up, zp + z_up, ok, xv, es, FMT, HALF2, HAS_ZP,
+                                                 EVEN, BLOCK_N, BLOCK_W)
             wp += BLOCK_W
             xp += STEP * 8
+            if XPACK:
+                xkp += STEP * 8
+                xkm += STEP * 8
             if GROUP_STEPS:
                 sp += (STEP * 8) // GROUP
                 zp += (STEP * 8) // GROUP
@@ -627,3 +672,30 @@ def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: fl
     w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, y, FORMATS.index(fmt), group,
                     cfg if cfg is not None else fused_tiles(gated), common, norm=norm, gated=gated)
     return y, rout.view(1, k)
+
+
+def w4_gemv1_prepared(prep, packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str, group: int, k: int,
+                      cfg: dict | None = None) -> torch.Tensor:
+    """y = x W^T [1, N] in x's dtype for a row x prepared by the kernel in front (`h2_xpack`:
+    `PreparedRow`), a 4-bit weight (`w4_gemm`'s layouts): the HALF2 loop reading the prepared
+    columns (XPACK) instead of scaling and packing x in every program. NVIDIA GPUs, 16-bit
+    rows. `cfg`: the tile (`tiles`' keys; default `tiles`' for the shape, CHAIN off)."""
+    from atom.model_ops.kernels.triton_import import pdl_args
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    if prep.k != k or prep.odd16 != (fmt == "int4"):
+        raise ValueError(f"w4_gemv1_prepared: a row of {prep.k} values prepared with odd16={prep.odd16} for a "
+                         f"{fmt} product of K={k} (odd16 is int4's)")
+    if not supports(fmt, group, k):
+        raise ValueError(f"w4_gemv1_prepared: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
+                         f"got K={k}, group={group}")
+    n = packed.shape[0]
+    y = torch.empty(1, n, dtype=prep.dtype, device=prep.cols.device)
+    fmt_id = FORMATS.index(fmt)
+    if not half2_applies(y, fmt_id):
+        raise ValueError(f"w4_gemv1_prepared: prepared rows feed the HALF2 products (16-bit rows on NVIDIA GPUs), "
+                         f"got {prep.dtype} on {y.device}")
+    words = packed if fmt == "int4" else packed.view(torch.int32)
+    cfg = dict(cfg if cfg is not None else tiles(n, fmt, k), HALF2=True, CHAIN=False, XPACK=True, xk_ptr=prep.cols)
+    w4_gemv1_launch(y, words, scales, zeros if zeros is not None else scales, None, y, fmt_id, group, cfg,
+                    dict(HAS_ZP=zeros is not None, **pdl_args(y)))
+    return y

@@ -1,0 +1,214 @@
+"""Rows prepared for the one-row 4-bit GEMV's fp16 pair products (`kernels.h2_xpack`) and the
+GEMV loop that reads them (`w4_gemv1_prepared`, XPACK): the producers give `prepare_ref`'s
+columns from the unfused kernels' values (add + RMSNorm, SiLU-and-mul; pairs and exponents bit
+for bit, column sums to float32 rounding), the
+reference keeps `half2_ref`'s scaling, and on a GPU the prepared loop gives the loop's own
+products and an engine with "w4_prepared_x" the defaults' tokens. CPU cases run under Triton's
+interpreter (its two-conversion pack); GPU cases are marked gpu."""
+import pytest
+import torch
+
+from test_triton_kernels import CPU, GPU  # noqa: E402  (sets TRITON_INTERPRET)
+
+from atom.model_ops.kernels import h2_xpack  # noqa: E402
+from atom.model_ops.kernels.activation import silu_and_mul  # noqa: E402
+from atom.model_ops.kernels.h2_xpack import (PreparedRow, norm_prepare, prepare_ref, prepare_row,  # noqa: E402
+                                             silu_prepare)
+from atom.model_ops.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
+
+
+def _row(k, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g) * torch.exp2(torch.randint(-12, 9, (1, k), generator=g).float())
+    x[0, :8] = 0.0  # an all-zero column: e = 40
+    x[0, 8] = 60000.0 if dtype == torch.float16 else 3.0e5  # a large value: its column's e
+    x[0, 16:24] = 1e-30 if dtype != torch.float16 else 1e-7  # a column of tiny values (fp16 subnormals)
+    return x.to(dtype).to(device)
+
+
+def _same(got: torch.Tensor, x: torch.Tensor, odd16: bool) -> None:
+    """`got` holds `prepare_ref(x)`'s pairs and e bit for bit, and its column sums up to float32
+    rounding (the order of a sum of 8 is the compiler's)."""
+    want = prepare_ref(x, odd16)
+    assert torch.equal(got[:, :5], want[:, :5])
+    tol = 8 * 2.0 ** -24 * x.reshape(-1, 8).float().abs().sum(dim=1)
+    assert torch.all((got[:, 5].view(torch.float32) - want[:, 5].view(torch.float32)).abs() <= tol)
+
+
+def _decode(cols: torch.Tensor, odd16: bool) -> torch.Tensor:
+    """The x values the prepared pairs stand for: each fp16 pair half times 2^(e - 141) (16x
+    for int4's odd columns), [C, 8] float64."""
+    pairs = cols[:, :4]
+    lo = (pairs & 0xFFFF).to(torch.int16).view(torch.float16).double()
+    hi = ((pairs >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).double()
+    vals = torch.cat([lo, hi], dim=1)  # columns 0-3, then 4-7
+    unscale = torch.exp2(cols[:, 4].double() - 141.0)[:, None]
+    odd = torch.tensor([1.0, 16.0] * 4 if odd16 else [1.0] * 8, dtype=torch.float64)
+    return vals * unscale * odd
+
+
+@pytest.mark.parametrize("odd16", [False, True])
+def test_reference_scales_each_column_into_fp16(odd16):
+    x = _row(4096, torch.bfloat16, "cpu", 1)
+    cols = prepare_ref(x, odd16)
+    xf = x.reshape(-1, 8).double()
+    amax = xf.abs().amax(dim=1)
+    e = cols[:, 4]
+    assert (e >= 40).all() and (e[amax == 0] == 40).all()
+    big = amax > 2.0 ** -86  # a biased exponent above 40
+    assert torch.equal(e[big], amax[big].float().view(torch.int32) >> 23)
+    back = _decode(cols, odd16)
+    # fp16 keeps 11 bits of each scaled value, whose largest lies in [2^14, 2^15), subnormals
+    # steps of 2^-24 (of 2^-20 for int4's odd columns, scaled by another 1 / 16)
+    step = torch.exp2(e.double() - 141 - 20)[:, None]
+    assert torch.all((back - xf).abs() <= amax[:, None] * 2.0 ** -10 + step)
+    assert (back == xf).float().mean() > 0.5  # bf16's 8 bits survive where nothing underflows
+    assert torch.equal(cols[:, 5].view(torch.float32), x.reshape(-1, 8).float().sum(dim=1))
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("odd16", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prepare_row_gives_the_reference(device, odd16, dtype):
+    x = _row(1024 + 64, dtype, device, 2)  # not a whole number of programs' columns
+    got = prepare_row(x, odd16)
+    assert isinstance(got, PreparedRow) and got.k == x.numel() and got.odd16 == odd16 and got.dtype == dtype
+    _same(got.cols, x, odd16)
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("odd16", [False, True])
+def test_silu_prepare_is_silu_and_mul_prepared(device, odd16):
+    i = 1024 + 8 * 24
+    y = (torch.randn(1, 2 * i, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16).to(device)
+    got = silu_prepare(y, odd16)
+    assert got.k == i and got.cols.shape == (i // 8, 8)
+    _same(got.cols, silu_and_mul(y), odd16)
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("k", [512, 4096 - 8 * 12])
+def test_norm_prepare_is_the_norm_kernel_prepared(device, with_residual, k):
+    g = torch.Generator().manual_seed(k)
+    x, r = (torch.randn(1, k, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
+    w = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16).to(device)
+    got, res = norm_prepare(x, r if with_residual else None, w, 1e-6, True)
+    if with_residual:
+        h, want_res = fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(res, want_res)
+    else:
+        h = rms_norm(x, w, 1e-6)
+        assert res is x
+    _same(got.cols, h, True)
+
+
+def test_producers_refuse_rows_that_are_not_whole_words():
+    with pytest.raises(ValueError, match="whole words"):
+        prepare_row(torch.zeros(12), False)
+    with pytest.raises(ValueError, match="I % 8 == 0"):
+        silu_prepare(torch.zeros(1, 24), False)
+    with pytest.raises(ValueError, match="norm weight shape"):
+        norm_prepare(torch.zeros(1, 16), None, torch.ones(8), 1e-6, False)
+
+
+def test_the_gemv_refuses_a_row_prepared_for_another_format():
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_prepared
+    row = PreparedRow(torch.zeros(4, 8, dtype=torch.int32), 32, False, torch.bfloat16)
+    with pytest.raises(ValueError, match="odd16"):
+        w4_gemv1_prepared(row, torch.zeros(8, 4, dtype=torch.int32), torch.ones(8, 1), None, "int4", 32, 32)
+    with pytest.raises(ValueError, match="NVIDIA"):  # the CPU: no HALF2 products to feed
+        w4_gemv1_prepared(row, torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1, dtype=torch.uint8), None,
+                          "mxfp4", 32, 32)
+
+
+def test_plan_takes_the_fusion_and_the_cpu_keeps_the_unprepared_path():
+    from types import SimpleNamespace
+
+    from atom.tuning.fusions import w4_prepared_mlp
+    from atom.tuning.plan import KernelPlan
+    plan = KernelPlan(backend="triton", fusions=("w4_prepared_x",))
+    mlp = SimpleNamespace(gate_up_proj=None, down_proj=None)
+    assert w4_prepared_mlp(KernelPlan(backend="triton"), mlp, None, torch.zeros(1, 8), None) is None
+    assert w4_prepared_mlp(plan, mlp, None, torch.zeros(1, 8), None) is None  # fp32 row
+
+
+# --- GPU: the prepared loop against the loop's own x handling -----------------------------------
+
+def _w4_layer(fmt, n, k, group, device, seed, zp=False):
+    from atom.model_ops.kernels.fp4_pairs import pair_words
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "int4":
+        packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+        scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+        zeros = torch.randint(0, 16, (n, k // group), generator=g).to(torch.bfloat16) if zp else None
+    else:
+        packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
+        scales = torch.randint(115, 130, (n, k // 32), generator=g).to(torch.uint8)
+        zeros = None
+        if fmt == "mxfp4_pairs":
+            packed = pair_words(packed.view(torch.int32)).view(torch.uint8)
+    return [t.to(device) if t is not None else None for t in (packed, scales, zeros)]
+
+
+@pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("fmt,group,zp", [("int4", 128, False), ("int4", 64, True), ("mxfp4", 32, False),
+                                          ("mxfp4_pairs", 32, False)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (200, 1024 + 64)])
+def test_gpu_prepared_loop_matches_the_loop(device, fmt, group, zp, n, k):
+    """Every table tile (and an uneven shape's masked loop): the same products as the loop that
+    prepares x itself (the column sums may round in another order: fp32 rounding at most)."""
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    from atom.model_ops.kernels.w4_gemv1 import tiles, w4_gemv1_launch, w4_gemv1_prepared
+    packed, scales, zeros = _w4_layer(fmt, n, k, group, device, n + k)
+    x = _row(k, torch.bfloat16, device, 7) * 0.01
+    words = packed if fmt == "int4" else packed.view(torch.int32)
+    want = torch.empty(1, n, dtype=torch.bfloat16, device=device)
+    cfg = tiles(n, fmt, k)
+    w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, want, FORMATS.index(fmt), group,
+                    dict(cfg, HALF2=True), dict(HAS_ZP=zeros is not None, PDL=False))
+    got = w4_gemv1_prepared(prepare_row(x, fmt == "int4"), packed, scales, zeros, fmt, group, k)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6 * want.float().abs().max().item(), rtol=8e-3)
+    assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("device", [GPU])
+def test_gpu_producers_match_the_reference(device):
+    k = 4096
+    x, r = (_row(k, torch.bfloat16, device, s) for s in (11, 12))
+    w = (torch.rand(k, generator=torch.Generator().manual_seed(5)) + 0.5).to(torch.bfloat16).to(device)
+    for odd16 in (False, True):
+        _same(prepare_row(x, odd16).cols, x, odd16)
+        got, res = norm_prepare(x, r, w, 1e-6, odd16)
+        h, want_res = fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(res, want_res)
+        _same(got.cols, h, odd16)
+        y = torch.randn(1, 2 * 14336, device=device).to(torch.bfloat16)
+        _same(silu_prepare(y, odd16).cols, silu_and_mul(y), odd16)
+
+
+@pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("fmt", ["w4a16", "mxfp4_w4a16"])
+def test_gpu_engine_with_prepared_rows(device, fmt, tmp_path, monkeypatch):
+    """A 4-bit dummy Llama started with "w4_prepared_x" added to the defaults (CUDA graphs):
+    each greedy token is among the default engine's best, eager and teacher-forced
+    (`test_gpu_quant_engine`'s check: dummy weights give near-ties)."""
+    from test_gpu_quant_engine import GREEDY, PROMPTS, TOL, _quantized_config
+
+    from atom import LLM, SamplingParams
+    from atom.model_engine import model_runner
+    from atom.tuning.fusions import default_fusions
+    folder = _quantized_config(tmp_path, fmt)
+    monkeypatch.setattr(model_runner, "default_fusions", lambda kernels: default_fusions(kernels) + ("w4_prepared_x",))
+    llm = LLM(folder, load_dummy="xavier", num_kvcache_blocks=32, enable_log_stats=False)
+    assert llm.engine.runner.plan.has("w4_prepared_x")
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    del llm
+    monkeypatch.setattr(model_runner, "default_fusions", default_fusions)
+    eager = LLM(folder, load_dummy="xavier", enforce_eager=True, num_kvcache_blocks=32, enable_log_stats=False)
+    full = [p + t for p, t in zip(PROMPTS, tokens)]
+    outs = eager.generate(full, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    for o, p, t in zip(outs, PROMPTS, tokens):
+        for i, tok in enumerate(t):
+            place = o.prompt_logprobs[len(p) + i]
+            assert place[tok].logprob >= max(lp.logprob for lp in place.values()) - TOL, (fmt, i, tok, place)
