@@ -103,6 +103,33 @@ def test_norm_prepare_is_the_norm_kernel_prepared(device, with_residual, k):
     _same(got.cols, h, True)
 
 
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("fmt,group", [("int4", 64), ("mxfp4", 32)])
+def test_product_epilogue_adds_and_prepares_the_next_norm(device, fmt, group):
+    """`w4_gemv1_add_prepared` (the float32 loop under the interpreter): its output added to the
+    residual as the unfused product and add round them, and h w prepared with the sums of h^2
+    (int 6) for the loop that applies 1 / rms."""
+    from atom.model_ops.kernels.w4_gemm import w4_linear_launch
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_prepared
+    n, k = 64, 256
+    packed, scales, zeros = _w4_layer(fmt, n, k, group, device, 9)
+    g = torch.Generator().manual_seed(4)
+    # fp16: the interpreter rounds float32 to bf16 by truncation, not to nearest as torch does
+    x, res = (torch.randn(1, s, generator=g).to(torch.float16) for s in (k, n))
+    w = (torch.rand(n, generator=g) + 0.5).to(torch.float16)
+    cfg = dict(BLOCK_N=8, BLOCK_W=32, num_warps=1, num_stages=1, HALF2=True)
+    row, rout = w4_gemv1_add_prepared(x, packed, scales, zeros, fmt, group, k, res, w, 1e-5, fmt == "int4", cfg=cfg)
+    y = w4_linear_launch(x, packed, scales, zeros, None, fmt, group, k, config=dict(cfg, kernel="w4_gemv1"))
+    h = (y.float() + res.float()).to(torch.float16)
+    assert torch.equal(rout, h)
+    assert row.eps == 1e-5 and row.k == n and row.odd16 == (fmt == "int4")
+    _same(row.cols, h.float() * w.float(), fmt == "int4")
+    hsq = row.cols[:, 6].view(torch.float32)
+    torch.testing.assert_close(hsq, h.float().reshape(-1, 8).pow(2).sum(dim=1), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="whole word columns"):
+        w4_gemv1_add_prepared(x, packed, scales, zeros, fmt, group, k, res, w, 1e-5, False, cfg=dict(cfg, BLOCK_N=4))
+
+
 def test_producers_refuse_rows_that_are_not_whole_words():
     with pytest.raises(ValueError, match="whole words"):
         prepare_row(torch.zeros(12), False)
@@ -127,10 +154,14 @@ def test_plan_takes_the_fusion_and_the_cpu_keeps_the_unprepared_path():
 
     from atom.tuning.fusions import w4_prepared_mlp
     from atom.tuning.plan import KernelPlan
-    plan = KernelPlan(backend="triton", fusions=("w4_prepared_x",))
+    from atom.tuning.fusions import w4_o_proj_norm_operands
+    plan = KernelPlan(backend="triton", fusions=("w4_prepared_x", "w4_o_proj_norm"))
     mlp = SimpleNamespace(gate_up_proj=None, down_proj=None)
     assert w4_prepared_mlp(KernelPlan(backend="triton"), mlp, None, torch.zeros(1, 8), None) is None
     assert w4_prepared_mlp(plan, mlp, None, torch.zeros(1, 8), None) is None  # fp32 row
+    assert w4_o_proj_norm_operands(None, KernelPlan(backend="triton", fusions=("w4_o_proj_norm",)), None) is None
+    layer = SimpleNamespace(mlp=SimpleNamespace(gate_up_proj=1, down_proj=1))
+    assert w4_o_proj_norm_operands(layer, plan, torch.zeros(1, 8)) is None  # fp32 row
 
 
 # --- GPU: the prepared loop against the loop's own x handling -----------------------------------
@@ -154,7 +185,7 @@ def _w4_layer(fmt, n, k, group, device, seed, zp=False):
 @pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("fmt,group,zp", [("int4", 128, False), ("int4", 64, True), ("mxfp4", 32, False),
                                           ("mxfp4_pairs", 32, False)])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (200, 1024 + 64)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (200, 1152)])
 def test_gpu_prepared_loop_matches_the_loop(device, fmt, group, zp, n, k):
     """Every table tile (and an uneven shape's masked loop): the same products as the loop that
     prepares x itself (the column sums may round in another order: fp32 rounding at most)."""
@@ -188,9 +219,34 @@ def test_gpu_producers_match_the_reference(device):
 
 
 @pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 64), ("mxfp4", 32), ("mxfp4_pairs", 32)])
+def test_gpu_o_proj_epilogue_then_the_norm_loop(device, fmt, group):
+    """o_proj adding the residual and preparing the norm's input in its epilogue, gate-up applying
+    1 / rms (Llama-3.1-8B's shapes) against o_proj, the add + RMSNorm kernel and gate-up: the
+    same residual bit for bit, gate-up within the normalised row's bf16 rounding (the fused
+    path does not round it)."""
+    from atom.model_ops.kernels.w4_gemm import w4_linear_launch
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_prepared, w4_gemv1_prepared
+    o = _w4_layer(fmt, 4096, 4096, group, device, 1)
+    gu = _w4_layer(fmt, 28672, 4096, group, device, 2)
+    x = _row(4096, torch.bfloat16, device, 3) * 1e-3
+    res = torch.randn(1, 4096, device=device).to(torch.bfloat16)
+    w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
+    y = w4_linear_launch(x, *o, None, fmt, group, 4096)
+    h_ref, res_ref = fused_add_rms_norm(y, res, w, 1e-5)
+    want = w4_linear_launch(h_ref, *gu, None, fmt, group, 4096)
+    row, rout = w4_gemv1_add_prepared(x, *o, fmt, group, 4096, res, w, 1e-5, fmt == "int4")
+    assert torch.equal(rout, res_ref)
+    got = w4_gemv1_prepared(row, *gu, fmt, group, 4096)
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("fmt", ["w4a16", "mxfp4_w4a16"])
-def test_gpu_engine_with_prepared_rows(device, fmt, tmp_path, monkeypatch):
-    """A 4-bit dummy Llama started with "w4_prepared_x" added to the defaults (CUDA graphs):
+@pytest.mark.parametrize("extra", [("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm")])
+def test_gpu_engine_with_prepared_rows(device, fmt, extra, tmp_path, monkeypatch):
+    """A 4-bit dummy Llama started with `extra` added to the default fusions (CUDA graphs):
     each greedy token is among the default engine's best, eager and teacher-forced
     (`test_gpu_quant_engine`'s check: dummy weights give near-ties)."""
     from test_gpu_quant_engine import GREEDY, PROMPTS, TOL, _quantized_config
@@ -199,9 +255,9 @@ def test_gpu_engine_with_prepared_rows(device, fmt, tmp_path, monkeypatch):
     from atom.model_engine import model_runner
     from atom.tuning.fusions import default_fusions
     folder = _quantized_config(tmp_path, fmt)
-    monkeypatch.setattr(model_runner, "default_fusions", lambda kernels: default_fusions(kernels) + ("w4_prepared_x",))
+    monkeypatch.setattr(model_runner, "default_fusions", lambda kernels: default_fusions(kernels) + extra)
     llm = LLM(folder, load_dummy="xavier", num_kvcache_blocks=32, enable_log_stats=False)
-    assert llm.engine.runner.plan.has("w4_prepared_x")
+    assert all(llm.engine.runner.plan.has(f) for f in extra)
     tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     del llm
     monkeypatch.setattr(model_runner, "default_fusions", default_fusions)

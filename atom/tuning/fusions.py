@@ -81,6 +81,11 @@ which computes the same thing with fewer kernels where the plan says so:
   (`kernels.h2_xpack`: scaled, packed into fp16 pairs, summed), instead of every GEMV program
   preparing it again (10-20% of its loop's instructions); the same launches, the same products.
   Opt-in, not in `default_fusions`, until its decode timing is in docs/perf;
+- "w4_o_proj_norm" (with "w4_prepared_x"): there, when o_proj is 4-bit too, o_proj's one-row
+  GEMV adds the residual in its epilogue and writes gate-up's input prepared from it (h w and
+  the sums of h^2; `h2_xpack.store_added_prepared`), and gate-up applies 1 / rms at its end, so
+  that the add + RMSNorm kernel between them does not run: one launch fewer a layer. Opt-in
+  until timed;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -382,8 +387,9 @@ def norm_linear_rope(norm, linear, x: torch.Tensor, residual: torch.Tensor | Non
                           positions, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg)
 
 
-def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-    """Rotate, write the cache and attend with the fused kernels; o_proj of the result."""
+def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor, project: bool = True) -> torch.Tensor:
+    """Rotate, write the cache and attend with the fused kernels; o_proj of the result (the
+    attention's output itself where not `project`)."""
     q_size, kv_size = attn.qkv_proj.q_size, attn.qkv_proj.kv_size
     meta = get_forward_context()
     rope_in = plan.has("rope_in_attention") and meta.max_query_len == 1
@@ -399,17 +405,17 @@ def _attention(attn, plan, positions: torch.Tensor, qkv: torch.Tensor) -> torch.
         norms = _qk_norms(attn)
         rotary = (attn.rotary_emb.cos_sin_cache,) + ((norms[0].weight, norms[1].weight, norms[0].eps)
                                                      if norms else ())
-        return _attend_project(attn, plan, q, k, v, rotary, qkv_sum)
+        return _attend_project(attn, plan, q, k, v, rotary, qkv_sum, project=project)
     target = attn.attn.backend.cache_target(attn.attn, meta) if plan.has("rope+kv_write") else None
     if target is not None:  # (None: the backend writes this cache itself, e.g. FP8)
         # one kernel: q/k norm, rotary, and this step's k and v into the paged cache
         attn.rotary_emb(positions, q, k, *_qk_norms(attn), kv_cache=(v, *target))
-        return _attend_project(attn, plan, q, None, None)
+        return _attend_project(attn, plan, q, None, None, project=project)
     q, k = attn.rotary_emb(positions, q, k, *_qk_norms(attn))
-    return _attend_project(attn, plan, q, k, v)
+    return _attend_project(attn, plan, q, k, v, project=project)
 
 
-def _attend_project(attn, plan, q, k, v, rotary=None, qkv_sum=None):
+def _attend_project(attn, plan, q, k, v, rotary=None, qkv_sum=None, project: bool = True):
     """o_proj(attention(q, k, v)) (`qkv_sum`: q, k, v are split-K partials the attention
     sums, `Attention.forward`); with "quant_on_load", for an 8-bit o_proj that takes a
     per-token quantized input, at one row (the swap-AB product's route; another route
@@ -417,6 +423,8 @@ def _attend_project(attn, plan, q, k, v, rotary=None, qkv_sum=None):
     head's amax of its output and o_proj quantizes the output on load
     (`pending_quant.PendingQuant`) instead of a quantizer launch in between."""
     o_proj = attn.o_proj
+    if not project:
+        return attn.attn(q, k, v, rotary, qkv_sum=qkv_sum)
     dtype = qkv_sum[2] if qkv_sum is not None else q.dtype
     iq = quant_input(plan, "quant_on_load", o_proj, q)
     if iq is None or not iq.per_token or q.shape[0] > QUANT_ON_LOAD_MAX_ROWS or not plan.has("norm+quant"):
@@ -473,8 +481,45 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     else:
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual,
                                     defer_sum=_qkv_sum_in_attention(attn, plan))
+        ops = w4_o_proj_norm_operands(self, plan, qkv)
+        if ops is not None:  # o_proj's epilogue adds the residual and prepares gate-up's input
+            return w4_o_proj_norm_mlp(self, ops, _attention(attn, plan, positions, qkv, project=False), residual)
         hidden = _attention(attn, plan, positions, qkv)
     return _mlp(self, plan, hidden, residual)
+
+
+def w4_o_proj_norm_operands(layer: nn.Module, plan, qkv) -> tuple | None:
+    """"w4_o_proj_norm" (with "w4_prepared_x"): the 4-bit operands of o_proj, gate-up and down
+    (`_w4_row_operands`) for a one-row 16-bit step on an NVIDIA GPU whose o_proj tile owns whole
+    word columns of its output (`w4_gemv1.add_prepared_applies`), a dense MLP; else None."""
+    if plan is None or not (plan.has("w4_o_proj_norm") and plan.has("w4_prepared_x")) or not dense_mlp(layer) \
+            or not isinstance(qkv, torch.Tensor) or qkv.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    ops = tuple(_w4_row_operands(m, qkv) for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    if any(o is None for o in ops):
+        return None
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    from atom.model_ops.kernels.w4_gemv1 import add_prepared_applies, half2_applies, tiles
+    o = ops[0]
+    if not all(half2_applies(qkv, FORMATS.index(op[3])) for op in ops) \
+            or not add_prepared_applies(o[0].shape[0], tiles(o[0].shape[0], o[3], o[5])):
+        return None
+    return ops
+
+
+def w4_o_proj_norm_mlp(layer: nn.Module, ops: tuple, out: torch.Tensor, residual: torch.Tensor):
+    """o_proj(out) + residual, RMSNorm, gate-up, SiLU-and-mul, down for one row of 4-bit layers:
+    o_proj's epilogue adds and prepares the norm's input (`w4_gemv1.w4_gemv1_add_prepared`),
+    gate-up applies 1 / rms (`w4_gemv1_prepared`), the SiLU kernel prepares down's input.
+    Returns (y, the new residual)."""
+    from atom.model_ops.kernels.h2_xpack import silu_prepare
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_prepared, w4_gemv1_prepared
+    norm = layer.post_attention_layernorm
+    o, gate_up, down = ops
+    row, residual = w4_gemv1_add_prepared(out, *o, residual, norm.weight, norm.eps, gate_up[3] == "int4")
+    y = w4_gemv1_prepared(row, *gate_up)
+    return w4_gemv1_prepared(silu_prepare(y, down[3] == "int4"), *down), residual
 
 
 def _qkv_sum_in_attention(attn, plan) -> bool:

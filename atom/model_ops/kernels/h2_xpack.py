@@ -35,11 +35,14 @@ COLUMNS = 128
 
 class PreparedRow(NamedTuple):
     """A row of `k` values prepared for the HALF2 GEMV: `cols` int32 [k / 8, 8]; `odd16` whether
-    int4's odd columns carry the extra 1 / 16; `dtype` the row's own dtype (the GEMV's output)."""
+    int4's odd columns carry the extra 1 / 16; `dtype` the row's own dtype (the GEMV's output);
+    `eps` None, or the columns are of h w for an RMSNorm with this eps and weight w and carry
+    their sums of h^2 (int 6), and the GEMV applies 1 / rms (`store_added_prepared`)."""
     cols: torch.Tensor
     k: int
     odd16: bool
     dtype: torch.dtype
+    eps: float | None = None
 
 
 def prepare_ref(x: torch.Tensor, odd16: bool) -> torch.Tensor:
@@ -63,7 +66,42 @@ if HAS_TRITON:
     from atom.model_ops.kernels.activation import silu_mul_cols
     from atom.model_ops.kernels.rmsnorm import add_rms_norm_row, norm_row_config
     from atom.model_ops.kernels.triton_import import pdl_start
-    from atom.model_ops.kernels.w4_gemv1 import _h2_column_e, _h2_pairs
+
+    @triton.jit
+    def _h2_pack(hi, lo, ASM: tl.constexpr = True):
+        """Two float32 tensors as one int32 of two fp16 halves (lo in bits 0-15), rounded to
+        nearest even: one PTX conversion, or (ASM False: Triton's interpreter) two."""
+        if ASM:
+            t = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+        else:
+            h16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+            l16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+            t = (h16 << 16) | (l16 & 0xFFFF)
+        return t
+
+    @triton.jit
+    def _h2_column_e(xv):
+        """The biased exponent of the largest |x| of each word column of x [1, BLOCK_W, 8] (at
+        least 40, for all-zero columns): [1, BLOCK_W, 1]."""
+        return tl.maximum(tl.max(tl.abs(xv), axis=2, keep_dims=True).to(tl.int32, bitcast=True) >> 23, 40)
+
+    @triton.jit
+    def _h2_pairs(xv, e, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr, ASM: tl.constexpr = True):
+        """x [1, BLOCK_W, 8] scaled by 2^(141 - e) (e from `_h2_column_e`, of these columns or
+        of a run of them), so that the largest |x| lies in [2^14, 2^15) (odd columns also / 16
+        when ODD16), as the fp16 pairs (i, i + 4) for i = 0..3: four int32 [1, BLOCK_W]."""
+        sc = ((268 - e) << 23).to(tl.float32, bitcast=True)
+        if ODD16:
+            xs = xv * tl.where(es % 2 == 1, sc * 0.0625, sc)
+        else:
+            xs = xv * sc
+        x_lo, x_hi = tl.split(tl.permute(tl.reshape(xs, [1, BLOCK_W, 2, 4]), (0, 1, 3, 2)))
+        xa, xb = tl.split(tl.reshape(_h2_pack(x_hi, x_lo, ASM), [1, BLOCK_W, 2, 2]))
+        x0, x2 = tl.split(xa)
+        x1, x3 = tl.split(xb)
+        return x0, x1, x2, x3
+
 
     @triton.jit
     def store_prepared(out_ptr, xv, col0, n_cols, ODD16: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):
@@ -82,6 +120,28 @@ if HAS_TRITON:
         tl.store(base + 3, x3, mask=ok)
         tl.store(base + 4, tl.reshape(e, [1, C]), mask=ok)
         tl.store(base + 5, sx.to(tl.int32, bitcast=True), mask=ok)
+
+    @triton.jit
+    def store_added_prepared(y, rows, N, r_ptr, rout_ptr, nw_ptr, out_ptr, ACT: tl.constexpr, ODD16: tl.constexpr,
+                             BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+        """A one-row product's epilogue (`w4_gemv1`'s EPI) for rows `rows` (BLOCK_N, a multiple of
+        8, from a multiple of 8) of its output y (float32): h = y + the residual at r_ptr, each
+        rounded as the unfused product and add round them (to ACT), stored to rout_ptr; then
+        each word column (8 rows) of h w (w the next RMSNorm's weight at nw_ptr) prepared as
+        `store_prepared` writes it, with the column's sum of h^2 in int 6, for a loop that
+        applies 1 / rms at its end (PNORM)."""
+        ok = rows < N
+        h = (y.to(ACT).to(tl.float32) + tl.load(r_ptr + rows, mask=ok, other=0.0).to(tl.float32)).to(ACT)
+        tl.store(rout_ptr + rows, h, mask=ok)
+        hf = h.to(tl.float32)
+        C: tl.constexpr = BLOCK_N // 8
+        hw = tl.reshape(hf * tl.load(nw_ptr + rows, mask=ok, other=0.0).to(tl.float32), [1, C, 8])
+        col0 = tl.program_id(0) * C
+        store_prepared(out_ptr, hw, col0, N // 8, ODD16, C, ASM)
+        h3 = tl.reshape(hf, [1, C, 8])
+        cols = col0 + tl.arange(0, C)[None, :]
+        tl.store(out_ptr + cols.to(tl.int64) * 8 + 6, tl.sum(h3 * h3, axis=2).to(tl.int32, bitcast=True),
+                 mask=cols < N // 8)
 
     @triton.jit
     def _prepare_row_kernel(x_ptr, out_ptr, n_cols, ODD16: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):

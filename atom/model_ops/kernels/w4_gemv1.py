@@ -167,6 +167,7 @@ def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros,
 if HAS_TRITON:
     from atom.model_ops.kernels.h2_ptx import constraints as h2_constraints
     from atom.model_ops.kernels.h2_ptx import h2_ptx
+    from atom.model_ops.kernels.h2_xpack import _h2_column_e, _h2_pairs, store_added_prepared
     from atom.model_ops.kernels.rmsnorm import add_norm_cols
     from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemm import _e8m0, _pair_word_std
@@ -205,19 +206,6 @@ if HAS_TRITON:
         else:
             t = tl.load(tl.trans(ptr), mask=tl.trans(mask), other=other)
         return tl.trans(t)
-
-    @triton.jit
-    def _h2_pack(hi, lo, ASM: tl.constexpr = True):
-        """Two float32 tensors as one int32 of two fp16 halves (lo in bits 0-15), rounded to
-        nearest even: one PTX conversion, or (ASM False: Triton's interpreter) two."""
-        if ASM:
-            t = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], dtype=tl.int32,
-                                          is_pure=True, pack=1)
-        else:
-            h16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-            l16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-            t = (h16 << 16) | (l16 & 0xFFFF)
-        return t
 
     H2_INT4 = tl.constexpr(h2_ptx("int4"))
     H2_MXFP4 = tl.constexpr(h2_ptx("mxfp4"))
@@ -258,28 +246,6 @@ if HAS_TRITON:
         else:
             t = tl.inline_asm_elementwise(H2_MXFP4_2, H2_TWO, args, dtype=tl.int32, is_pure=True, pack=1)
         return t
-
-    @triton.jit
-    def _h2_column_e(xv):
-        """The biased exponent of the largest |x| of each word column of x [1, BLOCK_W, 8] (at
-        least 40, for all-zero columns): [1, BLOCK_W, 1]."""
-        return tl.maximum(tl.max(tl.abs(xv), axis=2, keep_dims=True).to(tl.int32, bitcast=True) >> 23, 40)
-
-    @triton.jit
-    def _h2_pairs(xv, e, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr, ASM: tl.constexpr = True):
-        """x [1, BLOCK_W, 8] scaled by 2^(141 - e) (e from `_h2_column_e`, of these columns or
-        of a run of them), so that the largest |x| lies in [2^14, 2^15) (odd columns also / 16
-        when ODD16), as the fp16 pairs (i, i + 4) for i = 0..3: four int32 [1, BLOCK_W]."""
-        sc = ((268 - e) << 23).to(tl.float32, bitcast=True)
-        if ODD16:
-            xs = xv * tl.where(es % 2 == 1, sc * 0.0625, sc)
-        else:
-            xs = xv * sc
-        x_lo, x_hi = tl.split(tl.permute(tl.reshape(xs, [1, BLOCK_W, 2, 4]), (0, 1, 3, 2)))
-        xa, xb = tl.split(tl.reshape(_h2_pack(x_hi, x_lo, ASM), [1, BLOCK_W, 2, 2]))
-        x0, x2 = tl.split(xa)
-        x1, x3 = tl.split(xb)
-        return x0, x1, x2, x3
 
     @triton.jit
     def _h2_column_x(xv, es, ODD16: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -384,17 +350,15 @@ if HAS_TRITON:
         return _h2_part(t, e, sx, s_raw, zp, ok, FMT, HAS_ZP, EVEN)
 
     @triton.jit
-    def _word_sums_packed(word, s_raw, zp, ok, xk, FMT: tl.constexpr, HAS_ZP: tl.constexpr, EVEN: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    def _word_sums_packed(word, s_raw, zp, ok, pairs, e, sx, FMT: tl.constexpr, HAS_ZP: tl.constexpr,
+                          EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
         """`_word_sums` (HALF2) with x's word columns prepared once by the kernel in front
-        (XPACK: `h2_xpack`'s columns [1, BLOCK_W, 8] int32: the four fp16 pairs, e, the bits of
-        sum x, two unused): the same products without each program scaling and packing x."""
+        (XPACK: `h2_xpack`'s columns: the four fp16 pairs [1, BLOCK_W, 4], e and the bits of
+        sum x [1, BLOCK_W]): the same products without each program scaling and packing x."""
         shape: tl.constexpr = [BLOCK_N, BLOCK_W]
-        pairs, meta = xk
         xa, xb = tl.split(tl.reshape(pairs, [1, BLOCK_W, 2, 2]))
         x0, x2 = tl.split(xa)
         x1, x3 = tl.split(xb)
-        e, sx = tl.split(meta)
         t = _h2_word(tl.reshape(word, shape), tl.broadcast_to(x0, shape), tl.broadcast_to(x1, shape),
                      tl.broadcast_to(x2, shape), tl.broadcast_to(x3, shape), FMT)
         return _h2_part(t.to(tl.float32, bitcast=True)[:, :, None], e[:, :, None],
@@ -420,7 +384,9 @@ if HAS_TRITON:
                          r_ptr=None, nw_ptr=None, rout_ptr=None, up_rows=0, eps=0.0, NORM: tl.constexpr = False,
                          HAS_RES: tl.constexpr = False, GATED: tl.constexpr = False, SW: tl.constexpr = 0,
                          SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1,
-                         CHAIN: tl.constexpr = False, xk_ptr=None, XPACK: tl.constexpr = False):
+                         CHAIN: tl.constexpr = False, xk_ptr=None, XPACK: tl.constexpr = False,
+                         PNORM: tl.constexpr = False, er_ptr=None, erout_ptr=None, enw_ptr=None, ek_ptr=None,
+                         EPI: tl.constexpr = False, EODD16: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -450,10 +416,17 @@ if HAS_TRITON:
         load in one fp16 chain (`_word_sums2`). FMT 2: MXFP4 pair words (`fp4_pairs`), their
         own PTX with HALF2, put back in the checkpoint's layout (`w4_gemm._pair_word_std`) without.
         XPACK (HALF2, not CHAIN, NORM or GATED): x's word columns come prepared at xk_ptr
-        (`h2_xpack`: what each program would compute from x, computed once), x_ptr unread."""
+        (`h2_xpack`: what each program would compute from x, computed once), x_ptr unread;
+        PNORM: those columns are of h w for an RMSNorm (weight w) and carry their sum of h^2
+        (`h2_xpack.store_added_prepared`): y is scaled by the row's 1 / rms at the end, as NORM.
+        EPI (BLOCK_N a multiple of 8): y is also added to the residual at er_ptr (rounded as the
+        unfused product and add round them; stored to erout_ptr) and that row is prepared at
+        ek_ptr for a PNORM loop with the next RMSNorm's weight at enw_ptr (EODD16: for int4)."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (HALF2 and not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the HALF2 products of a plain one-row GEMV")
+        tl.static_assert(not PNORM or XPACK, "PNORM reads prepared columns (XPACK)")
+        tl.static_assert(not EPI or (BLOCK_N % 8 == 0 and not GATED), "EPI prepares whole word columns of y")
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
         tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
@@ -486,9 +459,11 @@ if HAS_TRITON:
         # channel-wise groups wider than a step) index each word's group
         GROUP_STEPS: tl.constexpr = (STEP * 8) % GROUP == 0
         xp = x_ptr + js * (8 * DW) + es
-        if XPACK:  # 8 int32 a word column, as x has 8 values
+        if XPACK:  # 8 int32 a word column, as x has 8 values: 4 pairs, e, sum x (, sum h^2 with PNORM)
+            NM: tl.constexpr = 4 if PNORM else 2
             xkp = xk_ptr + js * (8 * DW) + tl.arange(0, 4)[None, None, :]
-            xkm = xk_ptr + js * (8 * DW) + 4 + tl.arange(0, 2)[None, None, :]
+            xkm = xk_ptr + js * (8 * DW) + 4 + tl.arange(0, NM)[None, None, :]
+            psq = tl.zeros([1, BLOCK_W], tl.float32)
         acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         sq = tl.zeros([1, BLOCK_W, 8], tl.float32)
@@ -505,7 +480,7 @@ if HAS_TRITON:
             x_ok = (w0 + js * DW < n_words) & (es < 8)
             if XPACK:
                 x_ok4 = (w0 + js * DW < n_words) & (tl.arange(0, 4)[None, None, :] < 4)
-                x_ok2 = (w0 + js * DW < n_words) & (tl.arange(0, 2)[None, None, :] < 2)
+                x_okm = (w0 + js * DW < n_words) & (tl.arange(0, NM)[None, None, :] < NM)
             if EVEN:
                 if AHEAD:
                     word = word_next[:, :, None]
@@ -549,13 +524,22 @@ if HAS_TRITON:
                                           BLOCK_W)
             else:
                 for h in tl.static_range(DW):  # the words of a load: columns h 8 .. h 8 + 7 of each thread's 8 DW
-                    if XPACK:  # the pairs [1, BLOCK_W, 4] and (e, sum x) [1, BLOCK_W, 2] of each column
+                    if XPACK:  # the pairs [1, BLOCK_W, 4] and (e, sum x[, sum h^2, unused]) of each column
                         if EVEN:
-                            xk = (tl.load(xkp + h * 8), tl.load(xkm + h * 8))
+                            pairs = tl.load(xkp + h * 8)
+                            meta = tl.load(xkm + h * 8)
                         else:
-                            xk = (tl.load(xkp + h * 8, mask=x_ok4, other=0), tl.load(xkm + h * 8, mask=x_ok2, other=0))
-                        acc += _word_sums_packed(_half(word, h, DW), s_raw, zp, ok, xk, FMT, HAS_ZP, EVEN, BLOCK_N,
-                                                 BLOCK_W)
+                            pairs = tl.load(xkp + h * 8, mask=x_ok4, other=0)
+                            meta = tl.load(xkm + h * 8, mask=x_okm, other=0)
+                        if PNORM:
+                            ma, mb = tl.split(tl.reshape(meta, [1, BLOCK_W, 2, 2]))  # (e, sum h^2), (sum x, -)
+                            e, hsq = tl.split(ma)
+                            sx, _ = tl.split(mb)
+                            psq += hsq.to(tl.float32, bitcast=True)
+                        else:
+                            e, sx = tl.split(meta)
+                        acc += _word_sums_packed(_half(word, h, DW), s_raw, zp, ok, pairs, e, sx, FMT, HAS_ZP, EVEN,
+                                                 BLOCK_N, BLOCK_W)
                     else:
                         if EVEN:
                             xv = tl.load(xp + h * 8).to(tl.float32)
@@ -581,6 +565,8 @@ if HAS_TRITON:
         if NORM:  # the row's 1 / rms scales every dot product
             rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0) / (n_words * 8) + eps)
             y = y * rstd
+        if PNORM:  # the same from the prepared columns' sums of h^2
+            y = y * (1.0 / tl.sqrt(tl.sum(tl.sum(psq, axis=1), axis=0) / (n_words * 8) + eps))
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         if GATED:
@@ -590,6 +576,8 @@ if HAS_TRITON:
             g = y.to(act).to(tl.float32)
             y = g / (1.0 + tl.exp(-g)) * y_up.to(act).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+        if EPI:
+            store_added_prepared(y, rows, N, er_ptr, erout_ptr, enw_ptr, ek_ptr, act, EODD16, BLOCK_N, HALF2)
 
 
 def pairs_words(words: torch.Tensor, block_n: int, block_w: int, group: int) -> bool:
@@ -696,6 +684,46 @@ def w4_gemv1_prepared(prep, packed: torch.Tensor, scales: torch.Tensor, zeros, f
                          f"got {prep.dtype} on {y.device}")
     words = packed if fmt == "int4" else packed.view(torch.int32)
     cfg = dict(cfg if cfg is not None else tiles(n, fmt, k), HALF2=True, CHAIN=False, XPACK=True, xk_ptr=prep.cols)
+    if prep.eps is not None:  # columns of h w with their sums of h^2: the loop applies 1 / rms
+        cfg.update(PNORM=True, eps=float(prep.eps))
     w4_gemv1_launch(y, words, scales, zeros if zeros is not None else scales, None, y, fmt_id, group, cfg,
                     dict(HAS_ZP=zeros is not None, **pdl_args(y)))
     return y
+
+
+def w4_gemv1_add_prepared(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str, group: int,
+                          k: int, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, odd16: bool,
+                          cfg: dict | None = None):
+    """One row: y = x W^T for a 4-bit weight, then h = y + residual (rounded as the unfused
+    product and add round them) and the next RMSNorm's input prepared from h in the product's
+    epilogue (EPI, `h2_xpack.store_added_prepared`) instead of a norm kernel: returns
+    (PreparedRow of h w with eps, for `w4_gemv1_prepared`; h [1, N], the new residual). The
+    tile's BLOCK_N must be a multiple of 8 that divides N (`add_prepared_applies`)."""
+    from atom.model_ops.kernels.h2_xpack import PreparedRow
+    from atom.model_ops.kernels.triton_import import pdl_args
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    n = packed.shape[0]
+    cfg = dict(cfg if cfg is not None else tiles(n, fmt, k))
+    if x.dim() != 2 or x.shape != (1, k) or not add_prepared_applies(n, cfg) or residual.numel() != n \
+            or norm_weight.shape != (n,):
+        raise ValueError(f"w4_gemv1_add_prepared: one row of {k}, a residual and norm weight of {n} and a tile of "
+                         f"whole word columns (BLOCK_N a multiple of 8 dividing N), got x {tuple(x.shape)}, residual "
+                         f"{residual.numel()}, norm weight {tuple(norm_weight.shape)}, BLOCK_N {cfg['BLOCK_N']}")
+    if not supports(fmt, group, k):
+        raise ValueError(f"w4_gemv1_add_prepared: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
+                         f"got K={k}, group={group}")
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    rout = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    cols = torch.empty(n // 8, 8, dtype=torch.int32, device=x.device)
+    words = packed if fmt == "int4" else packed.view(torch.int32)
+    cfg.update(EPI=True, EODD16=odd16, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout,
+               enw_ptr=norm_weight, ek_ptr=cols)
+    w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, y, FORMATS.index(fmt), group, cfg,
+                    dict(HAS_ZP=zeros is not None, **pdl_args(x)))
+    return PreparedRow(cols, n, odd16, x.dtype, eps), rout
+
+
+def add_prepared_applies(n: int, cfg: dict) -> bool:
+    """Whether a tile's programs own whole word columns of an n-row output (EPI)."""
+    return cfg["BLOCK_N"] % 8 == 0 and n % cfg["BLOCK_N"] == 0
