@@ -9,7 +9,9 @@ griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler
 Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path;
 the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants;
 how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
-its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait).
+its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait; its
+split merged by the last segment's program; rows prepared for the 4-bit GEMV and its loops
+reading them).
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -21,6 +23,14 @@ import subprocess
 import sys
 
 import pytest
+
+
+def _with_defaults(kernel, constexprs: dict) -> dict:
+    """`constexprs` plus the defaults of the kernel's other constexpr parameters (their values
+    when a launch leaves them out)."""
+    fn = getattr(kernel, "fn", kernel)
+    params = getattr(kernel, "params", None) or getattr(fn, "params", [])
+    return {**{p.name: p.default for p in params if p.is_constexpr and p.has_default}, **constexprs}
 
 
 def _signature(kernel, constexprs: dict, types: dict) -> dict:
@@ -48,7 +58,8 @@ def _compile_all() -> dict:
     sampling = importlib.import_module("atom.model_ops.kernels.sampling")
     moe = importlib.import_module("atom.model_ops.moe.experts_triton")
     w4g1 = importlib.import_module("atom.model_ops.kernels.w4_gemv1")
-    f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr")}
+    h2x = importlib.import_module("atom.model_ops.kernels.h2_xpack")
+    f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr", "cnt_ptr")}
     cases = {
         "gemv_fused_gated": (gemv._gemv_kernel, dict(NORM=True, HAS_RES=True, GATED=True, PDL=True, BLOCK_N=1,
                                                      BLOCK_K=1024, AHEAD=False), f32),
@@ -191,9 +202,41 @@ def _compile_all() -> dict:
                                                                  BLOCK_N=8, BLOCK_W=256, EVEN=True, AHEAD=True,
                                                                  HALF2=True),
                                      dict(w_ptr="*i32", eps="fp32"), ("fma.rn.f16x2", "ex2.approx")),
+        # split decode attention merged by the last segment's program (`split_merge`): its count
+        # (an acq_rel atomic at GPU scope) and the partials read past L1
+        "attention_merge_in_kernel": (attn._unified_attn_kernel,
+                                      dict(QPKV=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16,
+                                           BLOCK_M=16, BLOCK_Q=4, TILE_N=64, NUM_SPLITS=16, DOT_PREC="tf32", PDL=True,
+                                           ROPE=True, QK_NORM=False, HAS_SINKS=False, SLIDING=False, KV_FP8=False,
+                                           EXACT_ROUND=False, HAS_AMAX=True, MERGE_LAST=True, QPAD=4, S_CHUNK=16),
+                                      dict(f32, **idx, po_ptr="*fp32", plse_ptr="*fp32", slot_ptr="*i64",
+                                           cs_ptr="*fp32", norm_eps="fp32", amax_ptr="*fp32"),
+                                      ("griddepcontrol.wait", "atom.global.gpu.acq_rel.add", "ld.global.cg")),
+        # rows prepared by the kernel in front (`h2_xpack`): the GEMV's loop reading them (int4; MXFP4
+        # word pairs with 1 / rms applied, PNORM), o_proj's epilogue preparing the next norm's input
+        # (EPI), and the SiLU and norm kernels writing them
+        "w4_gemv1_int4_prepared": (w4g1._w4_gemv1_kernel,
+                                   dict(FMT=0, GROUP=128, HAS_ZP=True, HAS_BIAS=False, PDL=True, BLOCK_N=8,
+                                        BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True, XPACK=True),
+                                   dict(w_ptr="*i32", z_ptr="*i8", xk_ptr="*i32"), ("fma.rn.f16x2", "griddepcontrol.wait")),
+        "w4_gemv1_mxfp4_prepared_norm": (w4g1._w4_gemv1_kernel,
+                                         dict(FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=512, SS=128,
+                                              SZ=128, BLOCK_N=8, BLOCK_W=64, EVEN=True, AHEAD=True, HALF2=True, DW=2,
+                                              XPACK=True, PNORM=True),
+                                         dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", xk_ptr="*i32", eps="fp32"),
+                                         ("fma.rn.f16x2", "sqrt")),
+        "w4_gemv1_int4_epilogue": (w4g1._w4_gemv1_kernel,
+                                   dict(FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8,
+                                        BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True, EPI=True, EODD16=True),
+                                   dict(w_ptr="*i32", ek_ptr="*i32"), ("fma.rn.f16x2", "cvt.rn.f16x2.f32")),
+        "h2_silu_prepare": (h2x._silu_prepare_kernel, dict(ODD16=True, C=128, ASM=True, PDL=True),
+                            dict(out_ptr="*i32"), ("griddepcontrol.wait", "cvt.rn.f16x2.f32")),
+        "h2_norm_prepare": (h2x._norm_prepare_kernel, dict(ODD16=False, BLOCK=4096, HAS_RES=True, ASM=True, PDL=True),
+                            dict(f32, out_ptr="*i32"), ("griddepcontrol.wait", "cvt.rn.f16x2.f32", "bar.sync")),
     }
     out, ptxs = {}, {}
     for name, (kernel, constexprs, types, *markers) in cases.items():
+        constexprs = _with_defaults(kernel, constexprs)
         src = ASTSource(fn=kernel, signature=_signature(kernel, constexprs, types), constexprs=constexprs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         wanted = markers[0] if markers else ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
@@ -209,7 +252,7 @@ def _compile_all() -> dict:
     # 3 stages: one with the block-table entries loaded in the tile's own iteration, two with
     # them loaded a tile ahead (`rows_ahead`)
     import re
-    decode = dict(cases["attention_decode_split"][1], NUM_SPLITS=1)
+    decode = _with_defaults(attn._unified_attn_kernel, dict(cases["attention_decode_split"][1], NUM_SPLITS=1))
     names = attn._unified_attn_kernel.arg_names  # pointers and row strides 16-aligned, as launched
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
                if a.endswith("_ptr") or (a.startswith("stride_") and a != "stride_plh")}
@@ -255,7 +298,9 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
                         "w4_gemv1_pair_words_norm",
                         "attention_prefetch_before_wait", "merge_amax",
-                        "attention_one_pass_amax", "attention_qkv_sum"}
+                        "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
+                        "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",
+                        "h2_silu_prepare", "h2_norm_prepare"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma
