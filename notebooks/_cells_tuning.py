@@ -222,6 +222,52 @@ assert (chain_err < 2e-3).all()
 display(layout, ptx_ops.to_frame(), chain_err.to_frame())
 """),
     ("md", """
+Rows prepared by the kernel in front (the plan's opt-in "w4_prepared_x", `kernels/h2_xpack.py`):
+the scaling and packing above happen once, in the add + RMSNorm or SiLU kernel, instead of in
+every GEMV program; a word column becomes 8 int32 (four fp16 pairs, its exponent e, its sum).
+`prepare_ref` is that form in torch; decoding it gives x back to fp16's 11 bits. With
+"w4_o_proj_norm" o_proj's GEMV writes gate-up's input this way itself (with the sums of h^2 for
+the norm), so no norm kernel runs between them.
+"""),
+    ("code", """
+from atom.model_ops.kernels.h2_xpack import prepare_ref
+x = torch.randn(1, 64, generator=gen).bfloat16()
+cols = prepare_ref(x, odd16=True)
+pairs = cols[:, :4]
+halves = torch.cat([(pairs & 0xFFFF).to(torch.int16).view(torch.float16), (pairs >> 16).to(torch.int16).view(torch.float16)], 1)
+back = halves.double() * torch.exp2(cols[:, 4:5].double() - 141) * torch.tensor([1.0, 16.0] * 4, dtype=torch.float64)
+prepared = pd.DataFrame({"e": cols[:, 4].numpy(), "sum x": cols[:, 5].view(torch.float32).numpy(),
+                         "largest |x|": x.float().reshape(-1, 8).abs().amax(1).numpy(),
+                         "decode error / largest": ((back - x.double().reshape(-1, 8)).abs().amax(1)
+                                                    / x.double().reshape(-1, 8).abs().amax(1)).numpy()})
+assert (prepared["decode error / largest"] < 2 ** -10).all()
+prepared
+"""),
+    ("md", """
+The opt-in "merge_in_attention": split decode attention merges its segments in the program of
+each token and kv head that finishes last (an arrival counter), so the merge kernel's launch
+goes. The Triton launches of one split decode step both ways (the interpreter on the CPU):
+"""),
+    ("code", """
+from atom.model_ops.attention.triton_unified import AttentionWorkspace, unified_attention
+from atom.tuning.launches import KernelLaunches
+B, Hkv, qpkv, D, bs = 2, 2, 2, 32, 16
+lens = torch.tensor([40, 70], dtype=torch.int32)
+tables = torch.arange(B * 5, dtype=torch.int32).reshape(B, 5)
+kc, vc = (torch.randn(B * 5, bs, Hkv, D, generator=gen) for _ in range(2))
+q = torch.randn(B, Hkv * qpkv, D, generator=gen)
+ws = AttentionWorkspace(8, Hkv * qpkv, D)
+launches, outs = {}, {}
+for merge in (False, True):
+    out = torch.empty_like(q)
+    with KernelLaunches() as trace:
+        unified_attention(q, kc, vc, out, torch.arange(B + 1, dtype=torch.int32), lens, tables, D ** -0.5, 1,
+                          workspace=ws, num_kv_splits=4, merge_in_kernel=merge)
+    launches["in the kernel" if merge else "merge kernel"], outs[merge] = trace.counts(), out
+assert torch.allclose(outs[False], outs[True], atol=1e-5) and not ws.arrival_counts.any()
+pd.DataFrame(launches).fillna(0).astype(int)
+"""),
+    ("md", """
 ## Which kernel runs a ptpc FP8 product
 An 8-bit layer's GPU product also depends on the rows of x (`quant.common.route_for`): the
 tensor-core swap-AB kernel (`dot`) up to 64 rows, and for ptpc fp8 into narrow outputs from
