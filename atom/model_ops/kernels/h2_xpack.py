@@ -7,13 +7,16 @@ the column for int4's zero point: per program and step, for the rows of that pro
 though every program computes the same. The compiled loop spends 10-20% of its instructions
 there (`python scripts/w4_gemv_sass.py`: "prepared x"). Here the kernel that makes the row
 writes it in that form, a word column as 8 int32: the four pairs, e (the biased exponent of the
-largest |x|, at least 40), the float32 bits of the column's sum, two unused (left unwritten);
-the GEMV's XPACK
-loop loads them (`w4_gemv1._word_sums_packed`), with the same products.
+largest |x|, at least 40), the float32 bits of the column's sum, then unused ints (left
+unwritten, but for int 6 below); the GEMV's XPACK loop loads them
+(`w4_gemv1._word_sums_packed`), with the same products.
 
     add + RMSNorm -> prepared row (`norm_prepare`: gate-up's input)
     SiLU-and-mul  -> prepared row (`silu_prepare`: down's input)
     any row       -> prepared row (`prepare_row`: tests, the sweep)
+    a product's epilogue: + residual, prepared for the next RMSNorm
+                  (`store_added_prepared`: h w with each column's sum of h^2 in int 6; the
+                   consuming loop applies 1 / rms, `PreparedRow.eps`)
 
 Each producer rounds the row to its dtype first (the value the unfused kernel would store and
 the GEMV would load), by the unfused kernel's own arithmetic (`rmsnorm.add_rms_norm_row`,
