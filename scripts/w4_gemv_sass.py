@@ -25,6 +25,12 @@ import re
 ISSUE_RATE = 132 * 4 * 32 * 1.98e9  # thread-instructions per second, H200 (sm90)
 
 
+def with_defaults(kernel, const: dict) -> dict:
+    """`const` plus the defaults of the kernel's other constexpr parameters (their values when
+    a launch leaves them out), so that a new option of the kernel needs no edit here."""
+    return {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **const}
+
+
 def compile_gemv(fmt: str, group: int):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -38,6 +44,7 @@ def compile_gemv(fmt: str, group: int):
                  AHEAD=False, **tiles)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16")
+    const = with_defaults(kernel, const)
     names = kernel.arg_names
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
     divisible = {"x_ptr", "w_ptr", "s_ptr", "y_ptr", "K", "n_words", "stride_xm", "stride_wn", "stride_sn",
@@ -73,6 +80,7 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
                  nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32", xk_ptr="*i32")
+    const = with_defaults(kernel, const)
     names = kernel.arg_names
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
     divisible = {"x_ptr", "y_ptr", "n_words", "xk_ptr"}  # the weight and scale pointers are not specialized on alignment
@@ -98,6 +106,7 @@ def compile_dot(fmt: str, order: int):
                  MAGIC=magic, MAGIC_F=magic_f, ORDER=order, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
                  DK=w4_dot.dot_k(256, 32), PARTIAL=True)
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", b_ptr="*bf16", y_ptr="*fp32")
+    const = with_defaults(kernel, const)
     names = kernel.arg_names
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
     divisible = {"x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "stride_xm", "stride_wn", "stride_sn", "stride_zn",
