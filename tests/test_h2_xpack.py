@@ -130,6 +130,55 @@ def test_product_epilogue_adds_and_prepares_the_next_norm(device, fmt, group):
         w4_gemv1_add_prepared(x, packed, scales, zeros, fmt, group, k, res, w, 1e-5, False, cfg=dict(cfg, BLOCK_N=4))
 
 
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("fmt", ["int4_g32_sym", "int4_g64_asym"])
+def test_prepared_fusions_against_the_unfused_mlp(device, fmt, monkeypatch):
+    """The fusions' own code with the 4-bit kernels forced onto CPU tensors (the interpreter's
+    float32 loops): o_proj, add + RMSNorm, gate-up, SiLU-and-mul and down at one row, unfused,
+    with "w4_prepared_x" (the norm and SiLU kernels write prepared rows) and with
+    "w4_o_proj_norm" too (o_proj's epilogue adds and prepares; no norm kernel): the same
+    residual, the output within x's fp16 rounding; the launches each takes."""
+    from test_quant_fusions import _decoder_parts, _meta
+
+    from atom.model_ops.attention.metadata import forward_context
+    from atom.model_ops.kernels import w4_gemm
+    from atom.tuning import fusions
+    from atom.tuning.fusions import default_fusions
+    from atom.tuning.launches import KernelLaunches
+    from atom.tuning.plan import KernelPlan
+    from atom.model_ops.quant import int4 as int4_mod
+    from atom.model_ops.quant import mxfp4 as mxfp4_mod
+    for mod in (w4_gemm, int4_mod, mxfp4_mod):  # every product on its kernel, as on a GPU
+        monkeypatch.setattr(mod, "use_w4_kernel", lambda x: True)
+    layer = _decoder_parts(fmt, I=192, o_out=128)
+    g = torch.Generator().manual_seed(2)
+    a, res = torch.randn(1, 2048, generator=g).to(torch.bfloat16), torch.randn(1, 128, generator=g).to(torch.bfloat16)
+    got, counts = {}, {}
+    for extra in ((), ("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm")):
+        plan = KernelPlan(backend="triton", fusions=default_fusions("triton") + extra, force_kernels=True)
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            lin.plan = plan
+        with forward_context(_meta(plan)), KernelLaunches() as trace:
+            ops = fusions.w4_o_proj_norm_operands(layer, plan, torch.zeros(1, 256, dtype=torch.bfloat16))
+            assert (ops is not None) == ("w4_o_proj_norm" in extra)
+            if ops is not None:
+                got[extra] = fusions.w4_o_proj_norm_mlp(layer, ops, a, res)
+            else:
+                got[extra] = fusions._mlp(layer, plan, fusions.project(plan, layer.self_attn.o_proj, a), res)
+        counts[extra] = trace.counts()
+    want_y, want_res = got[()]
+    for extra in list(got)[1:]:
+        y, r = got[extra]
+        assert torch.equal(r, want_res), extra
+        err = ((y.float() - want_y.float()).abs().max() / want_y.float().abs().max()).item()
+        assert err < 2e-2, (extra, err)
+    assert counts[()].get("_rmsnorm_kernel") == 1 and "_norm_prepare_kernel" not in counts[()]
+    assert counts[("w4_prepared_x",)].get("_norm_prepare_kernel") == 1
+    assert counts[("w4_prepared_x",)].get("_silu_prepare_kernel") == 1
+    last = counts[("w4_prepared_x", "w4_o_proj_norm")]
+    assert "_rmsnorm_kernel" not in last and "_norm_prepare_kernel" not in last and last["_w4_gemv1_kernel"] == 3
+
+
 def test_producers_refuse_rows_that_are_not_whole_words():
     with pytest.raises(ValueError, match="whole words"):
         prepare_row(torch.zeros(12), False)
@@ -144,9 +193,30 @@ def test_the_gemv_refuses_a_row_prepared_for_another_format():
     row = PreparedRow(torch.zeros(4, 8, dtype=torch.int32), 32, False, torch.bfloat16)
     with pytest.raises(ValueError, match="odd16"):
         w4_gemv1_prepared(row, torch.zeros(8, 4, dtype=torch.int32), torch.ones(8, 1), None, "int4", 32, 32)
-    with pytest.raises(ValueError, match="NVIDIA"):  # the CPU: no HALF2 products to feed
-        w4_gemv1_prepared(row, torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1, dtype=torch.uint8), None,
-                          "mxfp4", 32, 32)
+    with pytest.raises(ValueError, match="odd16"):
+        w4_gemv1_prepared(row._replace(k=64), torch.zeros(8, 32, dtype=torch.uint8),
+                          torch.ones(8, 2, dtype=torch.uint8), None, "mxfp4", 32, 32)
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("fmt,group,zp", [("int4", 64, True), ("mxfp4", 32, False), ("mxfp4_pairs", 32, False)])
+def test_prepared_loop_under_the_interpreter(device, fmt, group, zp):
+    """Without HALF2 (the interpreter) the prepared loop runs the float32 loop on the values the
+    columns stand for: the plain loop's product of x rounded to those values, and within fp16's
+    rounding of x of the plain loop's (masked tiles: 200 rows, 1,152 columns)."""
+    from atom.model_ops.kernels.w4_gemm import w4_linear_launch
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_prepared
+    n, k = 200, 1152
+    packed, scales, zeros = _w4_layer(fmt, n, k, group, device, 3, zp=zp)
+    x = _row(k, torch.float16, device, 4) * 1e-3
+    cfg = dict(BLOCK_N=8, BLOCK_W=64, num_warps=2, num_stages=1, HALF2=True)
+    got = w4_gemv1_prepared(prepare_row(x, fmt == "int4"), packed, scales, zeros, fmt, group, k, cfg=cfg)
+    plain = lambda v: w4_linear_launch(v, packed, scales, zeros, None, fmt, group, k, config=dict(cfg, kernel="w4_gemv1"))
+    stood = torch.from_numpy(_decode(prepare_ref(x, fmt == "int4"), fmt == "int4").numpy()).reshape(1, k)
+    want = plain(stood.float())  # fp32 x holding the columns' values
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-3 * want.float().abs().max().item())
+    ref = plain(x).float()
+    assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 5e-3
 
 
 def test_plan_takes_the_fusion_and_the_cpu_keeps_the_unprepared_path():
@@ -177,8 +247,8 @@ def _w4_layer(fmt, n, k, group, device, seed, zp=False):
         packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int64).to(torch.uint8)
         scales = torch.randint(115, 130, (n, k // 32), generator=g).to(torch.uint8)
         zeros = None
-        if fmt == "mxfp4_pairs":
-            packed = pair_words(packed.view(torch.int32)).view(torch.uint8)
+        if fmt == "mxfp4_pairs":  # int32 pair words, as the 4-bit kernels take them
+            packed = pair_words(packed.view(torch.int32))
     return [t.to(device) if t is not None else None for t in (packed, scales, zeros)]
 
 

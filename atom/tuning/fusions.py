@@ -289,17 +289,16 @@ def w4_prepared_mlp(plan, mlp: nn.Module, norm, hidden: torch.Tensor, residual):
     """"w4_prepared_x": down(silu_and_mul(gate_up(norm(hidden + residual)))) of one row through
     the 4-bit one-row GEMV's prepared-row loop (`kernels.h2_xpack`: the norm kernel and the
     SiLU kernel write their rows prepared), or None where that does not apply (not both
-    products 4-bit, a bias, not a 16-bit row on an NVIDIA GPU). Returns (y, hidden + residual)."""
+    products 4-bit, a bias, not a 16-bit row where the 4-bit kernels run). Returns (y,
+    hidden + residual)."""
     if plan is None or not plan.has("w4_prepared_x") or not isinstance(hidden, torch.Tensor) \
             or hidden.dtype not in (torch.bfloat16, torch.float16):
         return None
     gate_up, down = _w4_row_operands(mlp.gate_up_proj, hidden), _w4_row_operands(mlp.down_proj, hidden)
-    from atom.model_ops.kernels.w4_gemm import FORMATS
-    from atom.model_ops.kernels.w4_gemv1 import half2_applies, w4_gemv1_prepared
-    if gate_up is None or down is None \
-            or not all(half2_applies(hidden, FORMATS.index(ops[3])) for ops in (gate_up, down)):
+    if gate_up is None or down is None:
         return None
     from atom.model_ops.kernels.h2_xpack import norm_prepare, silu_prepare
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_prepared
     row, residual = norm_prepare(hidden, residual, norm.weight, norm.eps, gate_up[3] == "int4")
     y = w4_gemv1_prepared(row, *gate_up)
     return w4_gemv1_prepared(silu_prepare(y, down[3] == "int4"), *down), residual
@@ -490,8 +489,9 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
 
 def w4_o_proj_norm_operands(layer: nn.Module, plan, qkv) -> tuple | None:
     """"w4_o_proj_norm" (with "w4_prepared_x"): the 4-bit operands of o_proj, gate-up and down
-    (`_w4_row_operands`) for a one-row 16-bit step on an NVIDIA GPU whose o_proj tile owns whole
-    word columns of its output (`w4_gemv1.add_prepared_applies`), a dense MLP; else None."""
+    (`_w4_row_operands`) for a one-row 16-bit step where the 4-bit kernels run, whose o_proj tile
+    owns whole word columns of its output (`w4_gemv1.add_prepared_applies`), a dense MLP; else
+    None."""
     if plan is None or not (plan.has("w4_o_proj_norm") and plan.has("w4_prepared_x")) or not dense_mlp(layer) \
             or not isinstance(qkv, torch.Tensor) or qkv.dtype not in (torch.bfloat16, torch.float16):
         return None
@@ -499,13 +499,9 @@ def w4_o_proj_norm_operands(layer: nn.Module, plan, qkv) -> tuple | None:
     ops = tuple(_w4_row_operands(m, qkv) for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
     if any(o is None for o in ops):
         return None
-    from atom.model_ops.kernels.w4_gemm import FORMATS
-    from atom.model_ops.kernels.w4_gemv1 import add_prepared_applies, half2_applies, tiles
+    from atom.model_ops.kernels.w4_gemv1 import add_prepared_applies, tiles
     o = ops[0]
-    if not all(half2_applies(qkv, FORMATS.index(op[3])) for op in ops) \
-            or not add_prepared_applies(o[0].shape[0], tiles(o[0].shape[0], o[3], o[5])):
-        return None
-    return ops
+    return ops if add_prepared_applies(o[0].shape[0], tiles(o[0].shape[0], o[3], o[5])) else None
 
 
 def w4_o_proj_norm_mlp(layer: nn.Module, ops: tuple, out: torch.Tensor, residual: torch.Tensor):

@@ -107,6 +107,18 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def unpack_cols(pairs, e, ODD16: tl.constexpr, BLOCK_W: tl.constexpr):
+        """The x values prepared columns stand for (pairs [1, BLOCK_W, 4], e [1, BLOCK_W]): each
+        fp16 half times 2^(e - 141) (16x more for int4's odd columns), float32 [1, BLOCK_W, 8]:
+        the float32 loop's x where the fp16 pair products do not run (Triton's interpreter)."""
+        lo = (pairs & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = ((pairs >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        unscale = ((e - 14) << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(e - 141)
+        if ODD16:
+            unscale = unscale * tl.where(tl.arange(0, 4)[None, None, :] % 2 == 1, 16.0, 1.0)
+        return tl.reshape(tl.permute(tl.join(lo * unscale, hi * unscale), (0, 1, 3, 2)), [1, BLOCK_W, 8])
+
+    @triton.jit
     def store_prepared(out_ptr, xv, col0, n_cols, ODD16: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):
         """Columns col0 .. col0 + C - 1 of a row (xv float32 [1, C, 8], the values the GEMV would
         load) prepared into out_ptr (int32, 8 a column), those below n_cols."""

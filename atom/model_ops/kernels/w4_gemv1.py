@@ -167,7 +167,7 @@ def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros,
 if HAS_TRITON:
     from atom.model_ops.kernels.h2_ptx import constraints as h2_constraints
     from atom.model_ops.kernels.h2_ptx import h2_ptx
-    from atom.model_ops.kernels.h2_xpack import _h2_column_e, _h2_pairs, store_added_prepared
+    from atom.model_ops.kernels.h2_xpack import _h2_column_e, _h2_pairs, store_added_prepared, unpack_cols
     from atom.model_ops.kernels.rmsnorm import add_norm_cols
     from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemm import _e8m0, _pair_word_std
@@ -415,16 +415,17 @@ if HAS_TRITON:
         of 8; x's 16 columns are two 16-byte loads. CHAIN (HALF2, DW = 2): both words of a
         load in one fp16 chain (`_word_sums2`). FMT 2: MXFP4 pair words (`fp4_pairs`), their
         own PTX with HALF2, put back in the checkpoint's layout (`w4_gemm._pair_word_std`) without.
-        XPACK (HALF2, not CHAIN, NORM or GATED): x's word columns come prepared at xk_ptr
-        (`h2_xpack`: what each program would compute from x, computed once), x_ptr unread;
+        XPACK (not CHAIN, NORM or GATED): x's word columns come prepared at xk_ptr (`h2_xpack`:
+        what each HALF2 program would compute from x, computed once), x_ptr unread; without
+        HALF2 (the interpreter) the float32 loop runs on the values they stand for;
         PNORM: those columns are of h w for an RMSNorm (weight w) and carry their sum of h^2
         (`h2_xpack.store_added_prepared`): y is scaled by the row's 1 / rms at the end, as NORM.
         EPI (BLOCK_N a multiple of 8): y is also added to the residual at er_ptr (rounded as the
         unfused product and add round them; stored to erout_ptr) and that row is prepared at
         ek_ptr for a PNORM loop with the next RMSNorm's weight at enw_ptr (EODD16: for int4)."""
         act = x_ptr.dtype.element_ty
-        tl.static_assert(not XPACK or (HALF2 and not CHAIN and not NORM and not GATED),
-                         "prepared x (XPACK) feeds the HALF2 products of a plain one-row GEMV")
+        tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
+                         "prepared x (XPACK) feeds the products of a plain one-row GEMV")
         tl.static_assert(not PNORM or XPACK, "PNORM reads prepared columns (XPACK)")
         tl.static_assert(not EPI or (BLOCK_N % 8 == 0 and not GATED), "EPI prepares whole word columns of y")
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
@@ -538,8 +539,12 @@ if HAS_TRITON:
                             psq += hsq.to(tl.float32, bitcast=True)
                         else:
                             e, sx = tl.split(meta)
-                        acc += _word_sums_packed(_half(word, h, DW), s_raw, zp, ok, pairs, e, sx, FMT, HAS_ZP, EVEN,
-                                                 BLOCK_N, BLOCK_W)
+                        if HALF2:
+                            acc += _word_sums_packed(_half(word, h, DW), s_raw, zp, ok, pairs, e, sx, FMT, HAS_ZP,
+                                                     EVEN, BLOCK_N, BLOCK_W)
+                        else:  # the float32 loop on the values the columns stand for
+                            acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, unpack_cols(pairs, e, FMT == 0, BLOCK_W),
+                                              es, FMT, False, HAS_ZP, EVEN, BLOCK_N, BLOCK_W)
                     else:
                         if EVEN:
                             xv = tl.load(xp + h * 8).to(tl.float32)
@@ -666,8 +671,10 @@ def w4_gemv1_prepared(prep, packed: torch.Tensor, scales: torch.Tensor, zeros, f
                       cfg: dict | None = None) -> torch.Tensor:
     """y = x W^T [1, N] in x's dtype for a row x prepared by the kernel in front (`h2_xpack`:
     `PreparedRow`), a 4-bit weight (`w4_gemm`'s layouts): the HALF2 loop reading the prepared
-    columns (XPACK) instead of scaling and packing x in every program. NVIDIA GPUs, 16-bit
-    rows. `cfg`: the tile (`tiles`' keys; default `tiles`' for the shape, CHAIN off)."""
+    columns (XPACK) instead of scaling and packing x in every program (16-bit rows on NVIDIA
+    GPUs; elsewhere, under the interpreter, the float32 loop on the values the columns stand
+    for, x at fp16's 11 bits). `cfg`: the tile (`tiles`' keys; default `tiles`' for the shape,
+    CHAIN off)."""
     from atom.model_ops.kernels.triton_import import pdl_args
     from atom.model_ops.kernels.w4_gemm import FORMATS
     if prep.k != k or prep.odd16 != (fmt == "int4"):
@@ -679,9 +686,6 @@ def w4_gemv1_prepared(prep, packed: torch.Tensor, scales: torch.Tensor, zeros, f
     n = packed.shape[0]
     y = torch.empty(1, n, dtype=prep.dtype, device=prep.cols.device)
     fmt_id = FORMATS.index(fmt)
-    if not half2_applies(y, fmt_id):
-        raise ValueError(f"w4_gemv1_prepared: prepared rows feed the HALF2 products (16-bit rows on NVIDIA GPUs), "
-                         f"got {prep.dtype} on {y.device}")
     words = packed if fmt == "int4" else packed.view(torch.int32)
     cfg = dict(cfg if cfg is not None else tiles(n, fmt, k), HALF2=True, CHAIN=False, XPACK=True, xk_ptr=prep.cols)
     if prep.eps is not None:  # columns of h w with their sums of h^2: the loop applies 1 / rms
