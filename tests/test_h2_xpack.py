@@ -261,7 +261,8 @@ def test_gpu_prepared_loop_matches_the_loop(device, fmt, group, zp, n, k):
     prepares x itself (the column sums may round in another order: fp32 rounding at most)."""
     from atom.model_ops.kernels.w4_gemm import FORMATS
     from atom.model_ops.kernels.w4_gemv1 import tiles, w4_gemv1_launch, w4_gemv1_prepared
-    packed, scales, zeros = _w4_layer(fmt, n, k, group, device, n + k)
+    packed, scales, zeros = _w4_layer(fmt, n, k, group, device, n + k, zp=zp)
+    assert (zeros is not None) == zp
     x = _row(k, torch.bfloat16, device, 7) * 0.01
     words = packed if fmt == "int4" else packed.view(torch.int32)
     want = torch.empty(1, n, dtype=torch.bfloat16, device=device)
@@ -328,7 +329,8 @@ def test_gpu_engine_with_prepared_rows(device, fmt, extra, tmp_path, monkeypatch
     monkeypatch.setattr(model_runner, "default_fusions", lambda kernels: default_fusions(kernels) + extra)
     llm = LLM(folder, load_dummy="xavier", num_kvcache_blocks=32, enable_log_stats=False)
     assert all(llm.engine.runner.plan.has(f) for f in extra)
-    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # one prompt at a time: the fused paths run at one row (batch-1 decode steps, their graph)
+    tokens = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
     del llm
     monkeypatch.setattr(model_runner, "default_fusions", default_fusions)
     eager = LLM(folder, load_dummy="xavier", enforce_eager=True, num_kvcache_blocks=32, enable_log_stats=False)
