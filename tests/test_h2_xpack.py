@@ -229,7 +229,8 @@ def test_plan_takes_the_fusion_and_the_cpu_keeps_the_unprepared_path():
     mlp = SimpleNamespace(gate_up_proj=None, down_proj=None)
     assert w4_prepared_mlp(KernelPlan(backend="triton"), mlp, None, torch.zeros(1, 8), None) is None
     assert w4_prepared_mlp(plan, mlp, None, torch.zeros(1, 8), None) is None  # fp32 row
-    assert w4_o_proj_norm_operands(None, KernelPlan(backend="triton", fusions=("w4_o_proj_norm",)), None) is None
+    with pytest.raises(ValueError, match="needs 'w4_prepared_x'"):
+        KernelPlan(backend="triton", fusions=("w4_o_proj_norm",))
     layer = SimpleNamespace(mlp=SimpleNamespace(gate_up_proj=1, down_proj=1))
     assert w4_o_proj_norm_operands(layer, plan, torch.zeros(1, 8)) is None  # fp32 row
 

@@ -79,7 +79,7 @@ which computes the same thing with fewer kernels where the plan says so:
   NVIDIA GPUs gets gate-up's input row from the add + RMSNorm kernel and down's from the
   SiLU-and-mul kernel already in the form the one-row GEMV's fp16 pair products use
   (`kernels.h2_xpack`: scaled, packed into fp16 pairs, summed), instead of every GEMV program
-  preparing it again (10-20% of its loop's instructions); the same launches, the same products.
+  preparing it again (its loop's instruction counts: docs/perf); the same launches, the same products.
   Opt-in, not in `default_fusions`, until its decode timing is in docs/perf;
 - "w4_o_proj_norm" (with "w4_prepared_x"): there, when o_proj is 4-bit too, o_proj's one-row
   GEMV adds the residual in its epilogue and writes gate-up's input prepared from it (h w and

@@ -112,6 +112,9 @@ class KernelPlan:
         if bad:
             raise ValueError(f"fusions={bad} are invalid: choose among {', '.join(FUSIONS)}")
         self.fusions = tuple(self.fusions)
+        if "w4_o_proj_norm" in self.fusions and "w4_prepared_x" not in self.fusions:
+            raise ValueError("fusions=['w4_o_proj_norm'] needs 'w4_prepared_x' too: gate-up reads the row o_proj "
+                             "prepares through the prepared-row loop")
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"moe_kernel={self.moe_kernel!r} is invalid: choose one of {', '.join(MOE_KERNELS)}")
         self.moe_config_dirs = tuple(self.moe_config_dirs)

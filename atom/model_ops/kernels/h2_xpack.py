@@ -4,8 +4,8 @@ kernel in front of it, instead of by each of the GEMV's programs.
 `w4_gemv1`'s HALF2 loop scales every word column of x (8 values) by the power of two that puts
 its largest |x| in [2^14, 2^15), packs the columns (i, i + 4) into four fp16 pairs, and sums
 the column for int4's zero point: per program and step, for the rows of that program only,
-though every program computes the same. The compiled loop spends 10-20% of its instructions
-there (`python scripts/w4_gemv_sass.py`: "prepared x"). Here the kernel that makes the row
+though every program computes the same (what that costs the compiled loop:
+`python scripts/w4_gemv_sass.py`, "prepared x"; figures in docs/perf). Here the kernel that makes the row
 writes it in that form, a word column as 8 int32: the four pairs, e (the biased exponent of the
 largest |x|, at least 40), the float32 bits of the column's sum, then unused ints (left
 unwritten, but for int 6 below); the GEMV's XPACK loop loads them
