@@ -420,9 +420,9 @@ if HAS_TRITON:
         HALF2 (the interpreter) the float32 loop runs on the values they stand for;
         PNORM: those columns are of h w for an RMSNorm (weight w) and carry their sum of h^2
         (`h2_xpack.store_added_prepared`): y is scaled by the row's 1 / rms at the end, as NORM.
-        EPI (BLOCK_N a multiple of 8): y is also added to the residual at er_ptr (rounded as the
-        unfused product and add round them; stored to erout_ptr) and that row is prepared at
-        ek_ptr for a PNORM loop with the next RMSNorm's weight at enw_ptr (EODD16: for int4)."""
+        EPI (BLOCK_N a multiple of 8): instead of y, h = y + the residual at er_ptr (rounded as the
+        unfused product and add round them) is stored to erout_ptr and prepared at ek_ptr for a
+        PNORM loop with the next RMSNorm's weight at enw_ptr (EODD16: for int4); y_ptr is unread."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -580,9 +580,10 @@ if HAS_TRITON:
                 y_up = y_up * rstd
             g = y.to(act).to(tl.float32)
             y = g / (1.0 + tl.exp(-g)) * y_up.to(act).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
-        if EPI:
+        if EPI:  # y itself is not read: only h = y + residual and h's prepared columns are stored
             store_added_prepared(y, rows, N, er_ptr, erout_ptr, enw_ptr, ek_ptr, act, EODD16, BLOCK_N, HALF2)
+        else:
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
 def pairs_words(words: torch.Tensor, block_n: int, block_w: int, group: int) -> bool:
@@ -717,14 +718,13 @@ def w4_gemv1_add_prepared(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
         raise ValueError(f"w4_gemv1_add_prepared: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
                          f"got K={k}, group={group}")
     x = x.contiguous()
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rout = torch.empty(1, n, dtype=x.dtype, device=x.device)
     cols = torch.empty(n // 8, 8, dtype=torch.int32, device=x.device)
     words = packed if fmt == "int4" else packed.view(torch.int32)
     cfg.update(EPI=True, EODD16=odd16, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout,
                enw_ptr=norm_weight, ek_ptr=cols)
-    w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, y, FORMATS.index(fmt), group, cfg,
-                    dict(HAS_ZP=zeros is not None, **pdl_args(x)))
+    w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, rout, FORMATS.index(fmt), group,
+                    cfg, dict(HAS_ZP=zeros is not None, **pdl_args(x)))  # y_ptr: only its dtype is read under EPI
     return PreparedRow(cols, n, odd16, x.dtype, eps), rout
 
 
