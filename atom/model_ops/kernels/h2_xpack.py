@@ -48,15 +48,23 @@ class PreparedRow(NamedTuple):
     eps: float | None = None
 
 
+def scaled_halves(xf: torch.Tensor, odd16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of x (float32 [runs, ..., 8]) as the HALF2 loop scales them: each run by 2^(141 - e),
+    e the biased exponent of its largest |x| (at least 40), int4's odd columns also by 1 / 16,
+    rounded to fp16. Returns (e int32 [runs], the fp16 values)."""
+    e = (xf.abs().flatten(1).amax(dim=1).view(torch.int32) >> 23).clamp(min=40)
+    sc = ((268 - e) << 23).view(torch.float32).reshape(-1, *[1] * (xf.dim() - 1))
+    odd = torch.tensor([1.0, 0.0625] * 4 if odd16 else [1.0] * 8, device=xf.device)
+    return e, (xf * sc * odd).to(torch.float16)
+
+
 def prepare_ref(x: torch.Tensor, odd16: bool) -> torch.Tensor:
     """The prepared columns of one row x [K] (any float dtype, K % 8 == 0) in torch: int32 [K / 8, 8]."""
     if x.numel() % 8:
         raise ValueError(f"prepare_ref: a row of whole words (K % 8 == 0), got {x.numel()} values")
     xf = x.reshape(-1, 8).float()
-    e = (xf.abs().amax(dim=1).view(torch.int32) >> 23).clamp(min=40)
-    sc = ((268 - e) << 23).view(torch.float32)[:, None]
-    odd = torch.tensor([1.0, 0.0625] * 4 if odd16 else [1.0] * 8, device=x.device)
-    h = (xf * sc * odd).to(torch.float16).view(torch.int16).to(torch.int32)  # [C, 8]
+    e, halves = scaled_halves(xf, odd16)
+    h = halves.view(torch.int16).to(torch.int32)  # [C, 8]
     pairs = (h[:, 4:] << 16) | (h[:, :4] & 0xFFFF)  # pair i: column i low, i + 4 high
     out = torch.zeros(xf.shape[0], 8, dtype=torch.int32, device=x.device)
     out[:, :4] = pairs

@@ -120,6 +120,7 @@ def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros,
     two halves added in fp16; the rest in float64 (the kernel's float32 sums differ from it by
     float32 rounding only). x [1, K] of any float dtype, `words` int32 [N, K / 8] (MXFP4's
     bytes viewed as int32; fmt "mxfp4_pairs": `fp4_pairs` words); returns float32 [1, N]."""
+    from atom.model_ops.kernels.h2_xpack import scaled_halves
     from atom.model_ops.quant.mxfp4 import FP4_VALUES
     if fmt == "mxfp4_pairs":  # the same values, decoded by other shifts
         from atom.model_ops.kernels.fp4_pairs import standard_words
@@ -131,10 +132,8 @@ def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros,
     runs = n_words // chain
     dev = x.device
     xf = x.reshape(-1).float().reshape(runs, chain, 8)
-    e = (xf.abs().amax(dim=(1, 2)).view(torch.int32) >> 23).clamp(min=40)  # [runs]
-    sc = ((268 - e) << 23).view(torch.float32)[:, None, None]
-    odd = torch.tensor([1.0, 0.0625] * 4 if fmt == "int4" else [1.0] * 8, device=dev)
-    xs = (xf * sc * odd).to(torch.float16).double()  # [runs, chain, 8]
+    e, xs = scaled_halves(xf, fmt == "int4")  # e [runs], xs [runs, chain, 8]
+    xs = xs.double()
     codes = (words[:, :, None] >> torch.arange(0, 32, 4, device=dev, dtype=torch.int32)) & 0xF  # [N, n_words, 8]
     if fmt == "int4":  # the fp16 subnormals u 2^-24 (16 u 2^-24 for odd nibbles)
         v = codes.double() * torch.tensor([1.0, 16.0] * 4, device=dev, dtype=torch.float64) * 2.0 ** -24
