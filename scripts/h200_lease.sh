@@ -35,7 +35,8 @@
 # the bf16 GEMV reading fp8), fp8_h2 (one-row ptpc FP8: the swap-AB kernel against the CUDA-core
 # product in fp16 pairs, `fp8_gemv1`'s tiles), h2_tests (that kernel's GPU tests, quantized dummy models in
 # graphs, the fp8 cuBLASLt choice, the 8-bit fusions, the 4-bit weight written out, rows prepared for the
-# 4-bit GEMV, the attention's in-kernel merge), w4_prep (the 4-bit GEMV reading prepared rows against
+# 4-bit GEMV, the attention's in-kernel merge), xp_tests (only the last two: rows prepared for the 4-bit GEMV and
+# the in-kernel merge), w4_prep (the 4-bit GEMV reading prepared rows against
 # preparing x itself, the producers, a batch-1 MLP both ways), w4_new (Llama-3.1-8B batch-1
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
 # after the stage `before`), fz_add (batch-1 decode in FZ_FORMATS for each set in FZ_SETS, '|'-separated, of opt-in
@@ -206,6 +207,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
   h2_tests) run h2-gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp8_gemv1.py \
               tests/test_gpu_quant_engine.py tests/test_gemm_tuning_fp8.py tests/test_quant_fusions.py \
               tests/test_act_quant_fused.py tests/test_w4_dequant.py tests/test_h2_xpack.py \
+              tests/test_attention_split_merge.py;;
+  xp_tests) run xp-gpu-tests 170 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_h2_xpack.py \
               tests/test_attention_split_merge.py;;
   w4_prep) run w4-prepared-sweep 400 python3 scripts/w4_prepared_sweep.py --out $R/w4-prepared-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
