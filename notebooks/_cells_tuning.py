@@ -244,7 +244,7 @@ assert (prepared["decode error / largest"] < 2 ** -10).all()
 prepared
 """),
     ("md", """
-The opt-in "merge_in_attention": split decode attention merges its segments in the program of
+"merge_in_attention" (a default on NVIDIA GPUs): split decode attention merges its segments in the program of
 each token and kv head that finishes last (an arrival counter), so the merge kernel's launch
 goes. The Triton launches of one split decode step both ways (the interpreter on the CPU):
 """),

@@ -146,9 +146,9 @@ def test_plan_names_the_fusion():
 
 
 def test_engine_with_the_merge_in_attention(tiny_llama, monkeypatch):
-    """An engine whose plan adds "merge_in_attention" to the GPU defaults (the interpreter on
-    CPU): its decode steps ask the kernel to merge and launch no merge kernel, and the tokens
-    stay transformers' (and the defaults' tokens)."""
+    """An engine with "merge_in_attention" (a GPU default; the interpreter on CPU) and one
+    without it: with it, its decode steps ask the kernel to merge and launch no merge kernel,
+    and the tokens of both are transformers'."""
     import transformers
 
     from atom import LLM, SamplingParams
@@ -169,9 +169,10 @@ def test_engine_with_the_merge_in_attention(tiny_llama, monkeypatch):
     ps = [[5, 6, 7, 8, 9], list(range(10, 30))]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     tokens, merges = {}, {}
+    assert "merge_in_attention" in default_fusions("triton")
+    without = tuple(f for f in default_fusions("triton") if f != "merge_in_attention")
     for extra in ((), ("merge_in_attention",)):
-        runner.install_plan(KernelPlan(backend="triton", fusions=default_fusions("triton") + extra,
-                                       force_kernels=True))
+        runner.install_plan(KernelPlan(backend="triton", fusions=without + extra, force_kernels=True))
         asked.clear()
         with KernelLaunches() as trace:
             tokens[extra] = [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)]

@@ -131,12 +131,49 @@ def test_product_epilogue_adds_and_prepares_the_next_norm(device, fmt, group):
 
 
 @pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("fmt,group,n", [("int4", 64, 64), ("mxfp4", 32, 60)])
+def test_product_epilogue_adds_and_writes_the_next_norms_row(device, fmt, group, n):
+    """`w4_gemv1_add_row` (the float32 loop under the interpreter): its output added to the
+    residual as the unfused product and add round them, h w rounded once, each program's sum
+    of h^2 (60 rows: a masked last tile); `w4_gemv1_rsq` on them is the product of h w scaled
+    by h's 1 / rms, within the output's fp16 rounding."""
+    from atom.model_ops.kernels.w4_gemm import w4_linear_launch
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_row, w4_gemv1_rsq
+    k, n2 = 256, 48
+    packed, scales, zeros = _w4_layer(fmt, n, k, group, device, 9)
+    packed2, scales2, zeros2 = _w4_layer(fmt, n2, 64, group, device, 10)
+    g = torch.Generator().manual_seed(4)
+    # fp16: the interpreter rounds float32 to bf16 by truncation, not to nearest as torch does
+    x, res = (torch.randn(1, s, generator=g).to(torch.float16) for s in (k, n))
+    w = (torch.rand(n, generator=g) + 0.5).to(torch.float16)
+    cfg = dict(BLOCK_N=8, BLOCK_W=32, num_warps=1, num_stages=1, HALF2=True)
+    hw, sums, rout = w4_gemv1_add_row(x, packed, scales, zeros, fmt, group, k, res, w, cfg=cfg)
+    y = w4_linear_launch(x, packed, scales, zeros, None, fmt, group, k, config=dict(cfg, kernel="w4_gemv1"))
+    h = (y.float() + res.float()).to(torch.float16)
+    assert torch.equal(rout, h)
+    assert torch.equal(hw, (h.float() * w.float()).to(torch.float16))
+    hp = torch.nn.functional.pad(h.float().reshape(-1), (0, 8 * sums.numel() - n)).reshape(-1, 8)
+    torch.testing.assert_close(sums, hp.pow(2).sum(dim=1), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="norm weight"):
+        w4_gemv1_add_row(x, packed, scales, zeros, fmt, group, k, res, w[:8], cfg=cfg)
+    if n % 8 == 0:  # the norm's row into a second product of k = n
+        got = w4_gemv1_rsq(hw[:, :64], sums[:8], 1e-5, packed2, scales2, zeros2, fmt, group, 64, cfg=cfg)
+        plain = w4_linear_launch(hw[:, :64], packed2, scales2, zeros2, None, fmt, group, 64,
+                                 config=dict(cfg, kernel="w4_gemv1")).float()
+        rstd = torch.rsqrt(h.float()[:, :64].pow(2).mean() + 1e-5)
+        torch.testing.assert_close(got.float(), plain * rstd, rtol=2e-3, atol=2e-3 * (plain * rstd).abs().max().item())
+    with pytest.raises(ValueError, match="float32 sums"):
+        w4_gemv1_rsq(hw, sums.double(), 1e-5, packed, scales, zeros, fmt, group, n)
+
+
+@pytest.mark.parametrize("device", [CPU])
 @pytest.mark.parametrize("fmt", ["int4_g32_sym", "int4_g64_asym"])
 def test_prepared_fusions_against_the_unfused_mlp(device, fmt, monkeypatch):
     """The fusions' own code with the 4-bit kernels forced onto CPU tensors (the interpreter's
     float32 loops): o_proj, add + RMSNorm, gate-up, SiLU-and-mul and down at one row, unfused,
-    with "w4_prepared_x" (the norm and SiLU kernels write prepared rows) and with
-    "w4_o_proj_norm" too (o_proj's epilogue adds and prepares; no norm kernel): the same
+    with "w4_prepared_x" (the norm and SiLU kernels write prepared rows), with
+    "w4_o_proj_norm" too (o_proj's epilogue adds and prepares; no norm kernel) and with
+    "w4_o_proj_add_norm" (o_proj's epilogue adds and writes h w; no norm kernel): the same
     residual, the output within x's fp16 rounding; the launches each takes."""
     from test_quant_fusions import _decoder_parts, _meta
 
@@ -154,15 +191,20 @@ def test_prepared_fusions_against_the_unfused_mlp(device, fmt, monkeypatch):
     g = torch.Generator().manual_seed(2)
     a, res = torch.randn(1, 2048, generator=g).to(torch.bfloat16), torch.randn(1, 128, generator=g).to(torch.bfloat16)
     got, counts = {}, {}
-    for extra in ((), ("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm")):
+    for extra in ((), ("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm"), ("w4_o_proj_add_norm",)):
         plan = KernelPlan(backend="triton", fusions=default_fusions("triton") + extra, force_kernels=True)
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             lin.plan = plan
         with forward_context(_meta(plan)), KernelLaunches() as trace:
-            ops = fusions.w4_o_proj_norm_operands(layer, plan, torch.zeros(1, 256, dtype=torch.bfloat16))
+            qkv = torch.zeros(1, 256, dtype=torch.bfloat16)
+            ops = fusions.w4_o_proj_norm_operands(layer, plan, qkv)
+            row_ops = fusions.w4_o_proj_add_norm_operands(layer, plan, qkv)
             assert (ops is not None) == ("w4_o_proj_norm" in extra)
+            assert (row_ops is not None) == ("w4_o_proj_add_norm" in extra)
             if ops is not None:
                 got[extra] = fusions.w4_o_proj_norm_mlp(layer, ops, a, res)
+            elif row_ops is not None:
+                got[extra] = fusions.w4_o_proj_add_norm_mlp(layer, plan, row_ops, a, res)
             else:
                 got[extra] = fusions._mlp(layer, plan, fusions.project(plan, layer.self_attn.o_proj, a), res)
         counts[extra] = trace.counts()
@@ -177,6 +219,8 @@ def test_prepared_fusions_against_the_unfused_mlp(device, fmt, monkeypatch):
     assert counts[("w4_prepared_x",)].get("_silu_prepare_kernel") == 1
     last = counts[("w4_prepared_x", "w4_o_proj_norm")]
     assert "_rmsnorm_kernel" not in last and "_norm_prepare_kernel" not in last and last["_w4_gemv1_kernel"] == 3
+    rows = counts[("w4_o_proj_add_norm",)]
+    assert "_rmsnorm_kernel" not in rows and rows["_w4_gemv1_kernel"] == 3 and rows["_silu_and_mul_kernel"] == 1
 
 
 def test_producers_refuse_rows_that_are_not_whole_words():
@@ -233,6 +277,10 @@ def test_plan_takes_the_fusion_and_the_cpu_keeps_the_unprepared_path():
         KernelPlan(backend="triton", fusions=("w4_o_proj_norm",))
     layer = SimpleNamespace(mlp=SimpleNamespace(gate_up_proj=1, down_proj=1))
     assert w4_o_proj_norm_operands(layer, plan, torch.zeros(1, 8)) is None  # fp32 row
+    from atom.tuning.fusions import w4_o_proj_add_norm_operands
+    rows = KernelPlan(backend="triton", fusions=("w4_o_proj_add_norm",))
+    assert w4_o_proj_add_norm_operands(layer, rows, torch.zeros(1, 8)) is None  # fp32 row
+    assert w4_o_proj_add_norm_operands(layer, plan, torch.zeros(1, 8, dtype=torch.bfloat16)) is None  # not asked
 
 
 # --- GPU: the prepared loop against the loop's own x handling -----------------------------------
@@ -315,8 +363,32 @@ def test_gpu_o_proj_epilogue_then_the_norm_loop(device, fmt, group):
 
 
 @pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 64), ("mxfp4", 32), ("mxfp4_pairs", 32)])
+def test_gpu_o_proj_epilogue_row_then_the_norm_scale(device, fmt, group):
+    """o_proj adding the residual and writing h w with its sums of h^2, gate-up scaling by
+    1 / rms (Llama-3.1-8B's shapes), against o_proj, the add + RMSNorm kernel and gate-up: the
+    same residual bit for bit, gate-up within the normalised row's bf16 rounding."""
+    from atom.model_ops.kernels.w4_gemm import w4_linear_launch
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_row, w4_gemv1_rsq
+    o = _w4_layer(fmt, 4096, 4096, group, device, 1)
+    gu = _w4_layer(fmt, 28672, 4096, group, device, 2)
+    x = _row(4096, torch.bfloat16, device, 3) * 1e-3
+    res = torch.randn(1, 4096, device=device).to(torch.bfloat16)
+    w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
+    y = w4_linear_launch(x, *o, None, fmt, group, 4096)
+    h_ref, res_ref = fused_add_rms_norm(y, res, w, 1e-5)
+    want = w4_linear_launch(h_ref, *gu, None, fmt, group, 4096)
+    hw, sums, rout = w4_gemv1_add_row(x, *o, fmt, group, 4096, res, w)
+    assert torch.equal(rout, res_ref)
+    assert torch.equal(hw, (rout.float() * w.float()).to(torch.bfloat16))
+    got = w4_gemv1_rsq(hw, sums, 1e-5, *gu, fmt, group, 4096)
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("fmt", ["w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("extra", [("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm")])
+@pytest.mark.parametrize("extra", [("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm"), ("w4_o_proj_add_norm",)])
 def test_gpu_engine_with_prepared_rows(device, fmt, extra, tmp_path, monkeypatch):
     """A 4-bit dummy Llama started with `extra` added to the default fusions (CUDA graphs):
     each greedy token is among the default engine's best, eager and teacher-forced

@@ -229,6 +229,16 @@ def _compile_all() -> dict:
                                    dict(FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8,
                                         BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True, EPI=True, EODD16=True),
                                    dict(w_ptr="*i32", ek_ptr="*i32"), ("fma.rn.f16x2", "cvt.rn.f16x2.f32")),
+        # o_proj's epilogue writing h w and its sum of h^2, gate-up scaling by 1 / rms (EPI_ROW, RSQ)
+        "w4_gemv1_int4_epilogue_row": (w4g1._w4_gemv1_kernel,
+                                       dict(FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8,
+                                            BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True, EPI_ROW=True),
+                                       dict(w_ptr="*i32", esq_ptr="*fp32"), ("fma.rn.f16x2", "griddepcontrol.wait")),
+        "w4_gemv1_mxfp4_rsq": (w4g1._w4_gemv1_kernel,
+                               dict(FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8, BLOCK_W=64,
+                                    EVEN=True, AHEAD=True, HALF2=True, RSQ=True, RSQ_N=512),
+                               dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", rsq_ptr="*fp32", eps="fp32"),
+                               ("fma.rn.f16x2", "sqrt")),
         "h2_silu_prepare": (h2x._silu_prepare_kernel, dict(ODD16=True, C=128, ASM=True, PDL=True),
                             dict(out_ptr="*i32"), ("griddepcontrol.wait", "cvt.rn.f16x2.f32")),
         "h2_norm_prepare": (h2x._norm_prepare_kernel, dict(ODD16=False, BLOCK=4096, HAS_RES=True, ASM=True, PDL=True),
@@ -300,7 +310,7 @@ def test_kernels_compile_for_sm90():
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",
-                        "h2_silu_prepare", "h2_norm_prepare"}
+                        "w4_gemv1_int4_epilogue_row", "w4_gemv1_mxfp4_rsq", "h2_silu_prepare", "h2_norm_prepare"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

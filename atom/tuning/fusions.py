@@ -74,7 +74,8 @@ which computes the same thing with fewer kernels where the plan says so:
   the attention kernel, in the program of each token and kv head that finishes last
   (`attention.split_merge`: an arrival counter a program group), instead of `_merge_kernel`'s
   launch after it. The attention op reads it from the plan (`meta.plan`); nothing is installed
-  on the layers. Opt-in, not in `default_fusions`, until its decode timing is in docs/perf;
+  on the layers. A default on NVIDIA GPUs (Triton backend): batch-1 decode 1-2% faster in
+  every format (docs/perf);
 - "w4_prepared_x": at batch 1, a dense MLP of 4-bit layers (W4A16, MXFP4 weight-only) on
   NVIDIA GPUs gets gate-up's input row from the add + RMSNorm kernel and down's from the
   SiLU-and-mul kernel already in the form the one-row GEMV's fp16 pair products use
@@ -84,7 +85,13 @@ which computes the same thing with fewer kernels where the plan says so:
 - "w4_o_proj_norm" (with "w4_prepared_x"): there, when o_proj is 4-bit too, o_proj's one-row
   GEMV adds the residual in its epilogue and writes gate-up's input prepared from it (h w and
   the sums of h^2; `h2_xpack.store_added_prepared`), and gate-up applies 1 / rms at its end, so
-  that the add + RMSNorm kernel between them does not run: one launch fewer a layer. Opt-in
+  that the add + RMSNorm kernel between them does not run: one launch fewer a layer. Opt-in:
+  prepared rows made batch-1 decode slower (docs/perf: a prepared row is twice a 16-bit row's
+  bytes, and each of gate-up's programs reads all of it);
+- "w4_o_proj_add_norm": the same split of the add + RMSNorm without prepared rows: 4-bit
+  o_proj's epilogue adds the residual and writes h w (w the norm's weight) as a plain 16-bit
+  row with each program's sum of h^2 (`rmsnorm.store_added_row`), and gate-up's one-row GEMV
+  scales its products by 1 / rms (`w4_gemv1_rsq`); SiLU-and-mul and down as before. Opt-in
   until timed;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
@@ -132,6 +139,8 @@ def default_fusions(backend: str) -> tuple[str, ...]:
     out = ("norm+gemv", "norm+gemv+silu", "norm+gemv+rope", "rope+kv_write")
     if torch.version.hip is None:
         out += ("rope_in_attention",)
+        if backend == "triton":  # the in-kernel merge's GPU-scope counter is timed on NVIDIA only
+            out += ("merge_in_attention",)
     if backend == "triton":  # the 8-bit and 4-bit products' kernels (NVIDIA; ROCm's run the reference)
         out += ("norm+quant", "silu+quant", "w4_norm_gemv")
     return out + ("shared_overlap",)
@@ -483,6 +492,10 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
         ops = w4_o_proj_norm_operands(self, plan, qkv)
         if ops is not None:  # o_proj's epilogue adds the residual and prepares gate-up's input
             return w4_o_proj_norm_mlp(self, ops, _attention(attn, plan, positions, qkv, project=False), residual)
+        ops = w4_o_proj_add_norm_operands(self, plan, qkv)
+        if ops is not None:  # o_proj's epilogue adds the residual and writes gate-up's input
+            out = _attention(attn, plan, positions, qkv, project=False)
+            return w4_o_proj_add_norm_mlp(self, plan, ops, out, residual)
         hidden = _attention(attn, plan, positions, qkv)
     return _mlp(self, plan, hidden, residual)
 
@@ -516,6 +529,28 @@ def w4_o_proj_norm_mlp(layer: nn.Module, ops: tuple, out: torch.Tensor, residual
     row, residual = w4_gemv1_add_prepared(out, *o, residual, norm.weight, norm.eps, gate_up[3] == "int4")
     y = w4_gemv1_prepared(row, *gate_up)
     return w4_gemv1_prepared(silu_prepare(y, down[3] == "int4"), *down), residual
+
+
+def w4_o_proj_add_norm_operands(layer: nn.Module, plan, qkv) -> tuple | None:
+    """"w4_o_proj_add_norm": the 4-bit operands of o_proj and gate-up (`_w4_row_operands`) for a
+    one-row 16-bit step where the 4-bit kernels run, a dense MLP; else None."""
+    if plan is None or not plan.has("w4_o_proj_add_norm") or not dense_mlp(layer) \
+            or not isinstance(qkv, torch.Tensor) or qkv.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    ops = (_w4_row_operands(layer.self_attn.o_proj, qkv), _w4_row_operands(layer.mlp.gate_up_proj, qkv))
+    return None if any(o is None for o in ops) else ops
+
+
+def w4_o_proj_add_norm_mlp(layer: nn.Module, plan, ops: tuple, out: torch.Tensor, residual: torch.Tensor):
+    """o_proj(out) + residual, RMSNorm, gate-up, SiLU-and-mul, down for one row: o_proj's
+    epilogue adds and writes h w with its sums of h^2 (`w4_gemv1.w4_gemv1_add_row`), gate-up
+    scales by 1 / rms (`w4_gemv1_rsq`). Returns (y, the new residual)."""
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_row, w4_gemv1_rsq
+    norm = layer.post_attention_layernorm
+    o, gate_up = ops
+    hw, sums, residual = w4_gemv1_add_row(out, *o, residual, norm.weight)
+    y = w4_gemv1_rsq(hw, sums, norm.eps, *gate_up)
+    return project(plan, layer.mlp.down_proj, silu_and_mul(y)), residual
 
 
 def _qkv_sum_in_attention(attn, plan) -> bool:

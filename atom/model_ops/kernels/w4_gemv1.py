@@ -167,7 +167,7 @@ if HAS_TRITON:
     from atom.model_ops.kernels.h2_ptx import constraints as h2_constraints
     from atom.model_ops.kernels.h2_ptx import h2_ptx
     from atom.model_ops.kernels.h2_xpack import _h2_column_e, _h2_pairs, store_added_prepared, unpack_cols
-    from atom.model_ops.kernels.rmsnorm import add_norm_cols
+    from atom.model_ops.kernels.rmsnorm import add_norm_cols, store_added_row
     from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemm import _e8m0, _pair_word_std
 
@@ -385,7 +385,9 @@ if HAS_TRITON:
                          SS: tl.constexpr = 0, SZ: tl.constexpr = 0, DW: tl.constexpr = 1,
                          CHAIN: tl.constexpr = False, xk_ptr=None, XPACK: tl.constexpr = False,
                          PNORM: tl.constexpr = False, er_ptr=None, erout_ptr=None, enw_ptr=None, ek_ptr=None,
-                         EPI: tl.constexpr = False, EODD16: tl.constexpr = False):
+                         EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
+                         EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
+                         RSQ_N: tl.constexpr = 1):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -421,12 +423,18 @@ if HAS_TRITON:
         (`h2_xpack.store_added_prepared`): y is scaled by the row's 1 / rms at the end, as NORM.
         EPI (BLOCK_N a multiple of 8): instead of y, h = y + the residual at er_ptr (rounded as the
         unfused product and add round them) is stored to erout_ptr and prepared at ek_ptr for a
-        PNORM loop with the next RMSNorm's weight at enw_ptr (EODD16: for int4); y_ptr is unread."""
+        PNORM loop with the next RMSNorm's weight at enw_ptr (EODD16: for int4); y_ptr is unread.
+        EPI_ROW: the same h stored to erout_ptr, and h w (w at enw_ptr) in x's dtype to ek_ptr, a
+        plain row for the next product, with the program's sum of h^2 at esq_ptr[program]; RSQ:
+        x is such a row, and y is scaled by the row's 1 / rms from the `rsq_count` sums at
+        rsq_ptr (RSQ_N: a power of two at least rsq_count), as NORM scales it."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
         tl.static_assert(not PNORM or XPACK, "PNORM reads prepared columns (XPACK)")
         tl.static_assert(not EPI or (BLOCK_N % 8 == 0 and not GATED), "EPI prepares whole word columns of y")
+        tl.static_assert(not (EPI_ROW or RSQ) or not (GATED or EPI or NORM or PNORM),
+                         "EPI_ROW / RSQ: the add and norm split around plain one-row products")
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
         tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
@@ -571,6 +579,10 @@ if HAS_TRITON:
             y = y * rstd
         if PNORM:  # the same from the prepared columns' sums of h^2
             y = y * (1.0 / tl.sqrt(tl.sum(tl.sum(psq, axis=1), axis=0) / (n_words * 8) + eps))
+        if RSQ:  # the same from the sums of h^2 of the product in front (EPI_ROW)
+            parts = tl.arange(0, RSQ_N)
+            ssq = tl.sum(tl.load(rsq_ptr + parts, mask=parts < rsq_count, other=0.0), axis=0)
+            y = y * (1.0 / tl.sqrt(ssq / (n_words * 8) + eps))
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         if GATED:
@@ -581,6 +593,8 @@ if HAS_TRITON:
             y = g / (1.0 + tl.exp(-g)) * y_up.to(act).to(tl.float32)
         if EPI:  # y itself is not read: only h = y + residual and h's prepared columns are stored
             store_added_prepared(y, rows, N, er_ptr, erout_ptr, enw_ptr, ek_ptr, act, EODD16, BLOCK_N, HALF2)
+        elif EPI_ROW:
+            store_added_row(y, rows, N, er_ptr, erout_ptr, enw_ptr, ek_ptr, esq_ptr, act)
         else:
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
@@ -730,3 +744,59 @@ def w4_gemv1_add_prepared(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
 def add_prepared_applies(n: int, cfg: dict) -> bool:
     """Whether a tile's programs own whole word columns of an n-row output (EPI)."""
     return cfg["BLOCK_N"] % 8 == 0 and n % cfg["BLOCK_N"] == 0
+
+
+def _layer_args(packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str) -> tuple:
+    """(words, the zero-point argument, format id) of a 4-bit layer, as `w4_gemv1_launch` takes them."""
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    return (packed if fmt == "int4" else packed.view(torch.int32), zeros if zeros is not None else scales,
+            FORMATS.index(fmt))
+
+
+def w4_gemv1_add_row(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str, group: int,
+                     k: int, residual: torch.Tensor, norm_weight: torch.Tensor, cfg: dict | None = None):
+    """One row: y = x W^T for a 4-bit weight, then h = y + residual (rounded as the unfused
+    product and add round them) and the next RMSNorm's input h w in x's dtype written in the
+    product's epilogue (EPI_ROW, `rmsnorm.store_added_row`) with each program's sum of h^2,
+    instead of an add + RMSNorm kernel. Returns (h w [1, N] and the sums, for `w4_gemv1_rsq`;
+    h [1, N], the new residual)."""
+    from atom.model_ops.kernels.triton_import import pdl_args
+    n = packed.shape[0]
+    cfg = dict(cfg if cfg is not None else tiles(n, fmt, k))
+    if x.dim() != 2 or x.shape != (1, k) or residual.numel() != n or norm_weight.shape != (n,):
+        raise ValueError(f"w4_gemv1_add_row: one row of {k}, a residual and norm weight of {n}, got x "
+                         f"{tuple(x.shape)}, residual {residual.numel()}, norm weight {tuple(norm_weight.shape)}")
+    if not supports(fmt, group, k):
+        raise ValueError(f"w4_gemv1_add_row: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
+                         f"got K={k}, group={group}")
+    x = x.contiguous()
+    rout = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    hw = torch.empty_like(rout)
+    sums = torch.empty(-(-n // cfg["BLOCK_N"]), dtype=torch.float32, device=x.device)
+    words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
+    cfg.update(EPI_ROW=True, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout, enw_ptr=norm_weight,
+               ek_ptr=hw, esq_ptr=sums)
+    w4_gemv1_launch(x, words, scales, z, None, rout, fmt_id, group, cfg,  # y_ptr: only its dtype is read
+                    dict(HAS_ZP=zeros is not None, **pdl_args(x)))
+    return hw, sums, rout
+
+
+def w4_gemv1_rsq(hw: torch.Tensor, sums: torch.Tensor, eps: float, packed: torch.Tensor, scales: torch.Tensor,
+                 zeros, fmt: str, group: int, k: int, cfg: dict | None = None) -> torch.Tensor:
+    """y = RMSNorm(h) W^T [1, N] for the row h w and the sums of h^2 that `w4_gemv1_add_row`
+    wrote (RSQ): the plain one-row GEMV on h w, its products scaled by 1 / rms at the end (h w
+    rounded to x's dtype once, where the unfused norm rounds h / rms)."""
+    from atom.model_ops.kernels.triton_import import pdl_args
+    if hw.dim() != 2 or hw.shape != (1, k) or sums.dim() != 1 or sums.dtype != torch.float32:
+        raise ValueError(f"w4_gemv1_rsq: a row of {k} and float32 sums, got {tuple(hw.shape)}, "
+                         f"{tuple(sums.shape)} {sums.dtype}")
+    if not supports(fmt, group, k):
+        raise ValueError(f"w4_gemv1_rsq: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
+                         f"got K={k}, group={group}")
+    n = packed.shape[0]
+    y = torch.empty(1, n, dtype=hw.dtype, device=hw.device)
+    words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
+    cfg = dict(cfg if cfg is not None else tiles(n, fmt, k), RSQ=True, rsq_ptr=sums, rsq_count=sums.numel(),
+               RSQ_N=1 << max(0, sums.numel() - 1).bit_length(), eps=float(eps))
+    w4_gemv1_launch(hw, words, scales, z, None, y, fmt_id, group, cfg, dict(HAS_ZP=zeros is not None, **pdl_args(hw)))
+    return y
