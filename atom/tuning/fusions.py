@@ -81,13 +81,13 @@ which computes the same thing with fewer kernels where the plan says so:
   SiLU-and-mul kernel already in the form the one-row GEMV's fp16 pair products use
   (`kernels.h2_xpack`: scaled, packed into fp16 pairs, summed), instead of every GEMV program
   preparing it again (its loop's instruction counts: docs/perf); the same launches, the same products.
-  Opt-in, not in `default_fusions`, until its decode timing is in docs/perf;
+  Opt-in, not in `default_fusions`: batch-1 decode measured slower with it (docs/perf);
 - "w4_o_proj_norm" (with "w4_prepared_x"): there, when o_proj is 4-bit too, o_proj's one-row
   GEMV adds the residual in its epilogue and writes gate-up's input prepared from it (h w and
   the sums of h^2; `h2_xpack.store_added_prepared`), and gate-up applies 1 / rms at its end, so
   that the add + RMSNorm kernel between them does not run: one launch fewer a layer. Opt-in:
-  prepared rows made batch-1 decode slower (docs/perf: a prepared row is twice a 16-bit row's
-  bytes, and each of gate-up's programs reads all of it);
+  prepared rows made batch-1 decode slower (docs/perf; likely because a prepared row is twice a
+  16-bit row's bytes and every program of a product reads all of it);
 - "w4_o_proj_add_norm": the same split of the add + RMSNorm without prepared rows: 4-bit
   o_proj's epilogue adds the residual and writes h w (w the norm's weight) as a plain 16-bit
   row with each program's sum of h^2 (`rmsnorm.store_added_row`), and gate-up's one-row GEMV
