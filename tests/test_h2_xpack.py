@@ -340,36 +340,15 @@ def test_gpu_producers_match_the_reference(device):
 
 @pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 64), ("mxfp4", 32), ("mxfp4_pairs", 32)])
-def test_gpu_o_proj_epilogue_then_the_norm_loop(device, fmt, group):
-    """o_proj adding the residual and preparing the norm's input in its epilogue, gate-up applying
-    1 / rms (Llama-3.1-8B's shapes) against o_proj, the add + RMSNorm kernel and gate-up: the
-    same residual bit for bit, gate-up within the normalised row's bf16 rounding (the fused
-    path does not round it)."""
-    from atom.model_ops.kernels.w4_gemm import w4_linear_launch
-    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_prepared, w4_gemv1_prepared
-    o = _w4_layer(fmt, 4096, 4096, group, device, 1)
-    gu = _w4_layer(fmt, 28672, 4096, group, device, 2)
-    x = _row(4096, torch.bfloat16, device, 3) * 1e-3
-    res = torch.randn(1, 4096, device=device).to(torch.bfloat16)
-    w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
-    y = w4_linear_launch(x, *o, None, fmt, group, 4096)
-    h_ref, res_ref = fused_add_rms_norm(y, res, w, 1e-5)
-    want = w4_linear_launch(h_ref, *gu, None, fmt, group, 4096)
-    row, rout = w4_gemv1_add_prepared(x, *o, fmt, group, 4096, res, w, 1e-5, fmt == "int4")
-    assert torch.equal(rout, res_ref)
-    got = w4_gemv1_prepared(row, *gu, fmt, group, 4096)
-    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-    assert err < 1e-2, err
-
-
-@pytest.mark.parametrize("device", [GPU])
-@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 64), ("mxfp4", 32), ("mxfp4_pairs", 32)])
-def test_gpu_o_proj_epilogue_row_then_the_norm_scale(device, fmt, group):
-    """o_proj adding the residual and writing h w with its sums of h^2, gate-up scaling by
+@pytest.mark.parametrize("row", ["prepared", "plain"])
+def test_gpu_o_proj_epilogue_then_gate_up(device, fmt, group, row):
+    """o_proj adding the residual in its epilogue and writing gate-up's input, gate-up applying
     1 / rms (Llama-3.1-8B's shapes), against o_proj, the add + RMSNorm kernel and gate-up: the
-    same residual bit for bit, gate-up within the normalised row's bf16 rounding."""
+    same residual bit for bit, gate-up within the normalised row's bf16 rounding (the fused
+    paths do not round h / rms). `row`: prepared for the pair products (`w4_gemv1_add_prepared`,
+    `w4_gemv1_prepared`), or h w in bf16 with the sums of h^2 (`w4_gemv1_add_row`, `w4_gemv1_rsq`)."""
+    from atom.model_ops.kernels import w4_gemv1 as g1
     from atom.model_ops.kernels.w4_gemm import w4_linear_launch
-    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_row, w4_gemv1_rsq
     o = _w4_layer(fmt, 4096, 4096, group, device, 1)
     gu = _w4_layer(fmt, 28672, 4096, group, device, 2)
     x = _row(4096, torch.bfloat16, device, 3) * 1e-3
@@ -378,10 +357,14 @@ def test_gpu_o_proj_epilogue_row_then_the_norm_scale(device, fmt, group):
     y = w4_linear_launch(x, *o, None, fmt, group, 4096)
     h_ref, res_ref = fused_add_rms_norm(y, res, w, 1e-5)
     want = w4_linear_launch(h_ref, *gu, None, fmt, group, 4096)
-    hw, sums, rout = w4_gemv1_add_row(x, *o, fmt, group, 4096, res, w)
+    if row == "prepared":
+        prep, rout = g1.w4_gemv1_add_prepared(x, *o, fmt, group, 4096, res, w, 1e-5, fmt == "int4")
+        got = g1.w4_gemv1_prepared(prep, *gu, fmt, group, 4096)
+    else:
+        hw, sums, rout = g1.w4_gemv1_add_row(x, *o, fmt, group, 4096, res, w)
+        assert torch.equal(hw, (rout.float() * w.float()).to(torch.bfloat16))
+        got = g1.w4_gemv1_rsq(hw, sums, 1e-5, *gu, fmt, group, 4096)
     assert torch.equal(rout, res_ref)
-    assert torch.equal(hw, (rout.float() * w.float()).to(torch.bfloat16))
-    got = w4_gemv1_rsq(hw, sums, 1e-5, *gu, fmt, group, 4096)
     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert err < 1e-2, err
 

@@ -110,6 +110,13 @@ def supports(fmt: str, group: int, k: int) -> bool:
     return k % 8 == 0 and (fmt != "int4" or group % 8 == 0)
 
 
+def require_supported(name: str, fmt: str, group: int, k: int) -> None:
+    """Raise a ValueError naming `name` where `_w4_gemv1_kernel` does not run the format (`supports`)."""
+    if not supports(fmt, group, k):
+        raise ValueError(f"{name}: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
+                         f"got K={k}, group={group}")
+
+
 def half2_ref(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros, bias, group: int,
               fmt: str = "int4", chain: int = 1) -> torch.Tensor:
     """The HALF2 path's arithmetic in torch (CPU or GPU), rounding where the kernel rounds:
@@ -645,6 +652,13 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                            EVEN=even, **pdl, **cfg)
 
 
+def _layer_args(packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str) -> tuple:
+    """(words, the zero-point argument, format id) of a 4-bit layer, as `w4_gemv1_launch` takes them."""
+    from atom.model_ops.kernels.w4_gemm import FORMATS
+    return (packed if fmt == "int4" else packed.view(torch.int32), zeros if zeros is not None else scales,
+            FORMATS.index(fmt))
+
+
 def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: float, packed: torch.Tensor,
                    scales: torch.Tensor, zeros, fmt: str, group: int, k: int, gated: bool = False,
                    cfg: dict | None = None):
@@ -654,14 +668,11 @@ def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: fl
     rounded to x's dtype before the product (the unfused layers round it). `cfg`: the tile
     (`tiles`' keys; default `fused_tiles`). Returns (y [1, N or I], res [1, K])."""
     from atom.model_ops.kernels.triton_import import pdl_args
-    from atom.model_ops.kernels.w4_gemm import FORMATS
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
         raise ValueError(f"w4_gemv1_fused: x must be one row of {k} values, got {tuple(x.shape)}")
     if norm_weight.shape != (k,):
         raise ValueError(f"w4_gemv1_fused: norm weight shape {tuple(norm_weight.shape)} != ({k},)")
-    if not supports(fmt, group, k):
-        raise ValueError(f"w4_gemv1_fused: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
-                         f"got K={k}, group={group}")
+    require_supported("w4_gemv1_fused", fmt, group, k)
     if gated and packed.shape[0] % 2:
         raise ValueError(f"w4_gemv1_fused: a gated product needs an even number of rows, got {packed.shape[0]}")
     x = x.contiguous()
@@ -673,11 +684,11 @@ def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: fl
         r, rout = residual.reshape(1, k).contiguous(), torch.empty_like(x)
     n = packed.shape[0] // 2 if gated else packed.shape[0]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    words = packed if fmt == "int4" else packed.view(torch.int32)
+    words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
     common = dict(HAS_ZP=zeros is not None, **pdl_args(x))
     norm = dict(r_ptr=r, nw_ptr=norm_weight, rout_ptr=rout, eps=float(eps), HAS_RES=residual is not None)
-    w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, y, FORMATS.index(fmt), group,
-                    cfg if cfg is not None else fused_tiles(gated), common, norm=norm, gated=gated)
+    w4_gemv1_launch(x, words, scales, z, None, y, fmt_id, group, cfg if cfg is not None else fused_tiles(gated),
+                    common, norm=norm, gated=gated)
     return y, rout.view(1, k)
 
 
@@ -690,22 +701,17 @@ def w4_gemv1_prepared(prep, packed: torch.Tensor, scales: torch.Tensor, zeros, f
     for, x at fp16's 11 bits). `cfg`: the tile (`tiles`' keys; default `tiles`' for the shape,
     CHAIN off)."""
     from atom.model_ops.kernels.triton_import import pdl_args
-    from atom.model_ops.kernels.w4_gemm import FORMATS
     if prep.k != k or prep.odd16 != (fmt == "int4"):
         raise ValueError(f"w4_gemv1_prepared: a row of {prep.k} values prepared with odd16={prep.odd16} for a "
                          f"{fmt} product of K={k} (odd16 is int4's)")
-    if not supports(fmt, group, k):
-        raise ValueError(f"w4_gemv1_prepared: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
-                         f"got K={k}, group={group}")
+    require_supported("w4_gemv1_prepared", fmt, group, k)
     n = packed.shape[0]
     y = torch.empty(1, n, dtype=prep.dtype, device=prep.cols.device)
-    fmt_id = FORMATS.index(fmt)
-    words = packed if fmt == "int4" else packed.view(torch.int32)
+    words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
     cfg = dict(cfg if cfg is not None else tiles(n, fmt, k), HALF2=True, CHAIN=False, XPACK=True, xk_ptr=prep.cols)
     if prep.eps is not None:  # columns of h w with their sums of h^2: the loop applies 1 / rms
         cfg.update(PNORM=True, eps=float(prep.eps))
-    w4_gemv1_launch(y, words, scales, zeros if zeros is not None else scales, None, y, fmt_id, group, cfg,
-                    dict(HAS_ZP=zeros is not None, **pdl_args(y)))
+    w4_gemv1_launch(y, words, scales, z, None, y, fmt_id, group, cfg, dict(HAS_ZP=zeros is not None, **pdl_args(y)))
     return y
 
 
@@ -719,7 +725,6 @@ def w4_gemv1_add_prepared(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
     tile's BLOCK_N must be a multiple of 8 that divides N (`add_prepared_applies`)."""
     from atom.model_ops.kernels.h2_xpack import PreparedRow
     from atom.model_ops.kernels.triton_import import pdl_args
-    from atom.model_ops.kernels.w4_gemm import FORMATS
     n = packed.shape[0]
     cfg = dict(cfg if cfg is not None else tiles(n, fmt, k))
     if x.dim() != 2 or x.shape != (1, k) or not add_prepared_applies(n, cfg) or residual.numel() != n \
@@ -727,30 +732,21 @@ def w4_gemv1_add_prepared(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
         raise ValueError(f"w4_gemv1_add_prepared: one row of {k}, a residual and norm weight of {n} and a tile of "
                          f"whole word columns (BLOCK_N a multiple of 8 dividing N), got x {tuple(x.shape)}, residual "
                          f"{residual.numel()}, norm weight {tuple(norm_weight.shape)}, BLOCK_N {cfg['BLOCK_N']}")
-    if not supports(fmt, group, k):
-        raise ValueError(f"w4_gemv1_add_prepared: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
-                         f"got K={k}, group={group}")
+    require_supported("w4_gemv1_add_prepared", fmt, group, k)
     x = x.contiguous()
     rout = torch.empty(1, n, dtype=x.dtype, device=x.device)
     cols = torch.empty(n // 8, 8, dtype=torch.int32, device=x.device)
-    words = packed if fmt == "int4" else packed.view(torch.int32)
+    words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
     cfg.update(EPI=True, EODD16=odd16, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout,
                enw_ptr=norm_weight, ek_ptr=cols)
-    w4_gemv1_launch(x, words, scales, zeros if zeros is not None else scales, None, rout, FORMATS.index(fmt), group,
-                    cfg, dict(HAS_ZP=zeros is not None, **pdl_args(x)))  # y_ptr: only its dtype is read under EPI
+    w4_gemv1_launch(x, words, scales, z, None, rout, fmt_id, group, cfg,  # y_ptr: only its dtype is read under EPI
+                    dict(HAS_ZP=zeros is not None, **pdl_args(x)))
     return PreparedRow(cols, n, odd16, x.dtype, eps), rout
 
 
 def add_prepared_applies(n: int, cfg: dict) -> bool:
     """Whether a tile's programs own whole word columns of an n-row output (EPI)."""
     return cfg["BLOCK_N"] % 8 == 0 and n % cfg["BLOCK_N"] == 0
-
-
-def _layer_args(packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str) -> tuple:
-    """(words, the zero-point argument, format id) of a 4-bit layer, as `w4_gemv1_launch` takes them."""
-    from atom.model_ops.kernels.w4_gemm import FORMATS
-    return (packed if fmt == "int4" else packed.view(torch.int32), zeros if zeros is not None else scales,
-            FORMATS.index(fmt))
 
 
 def w4_gemv1_add_row(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str, group: int,
@@ -766,9 +762,7 @@ def w4_gemv1_add_row(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     if x.dim() != 2 or x.shape != (1, k) or residual.numel() != n or norm_weight.shape != (n,):
         raise ValueError(f"w4_gemv1_add_row: one row of {k}, a residual and norm weight of {n}, got x "
                          f"{tuple(x.shape)}, residual {residual.numel()}, norm weight {tuple(norm_weight.shape)}")
-    if not supports(fmt, group, k):
-        raise ValueError(f"w4_gemv1_add_row: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
-                         f"got K={k}, group={group}")
+    require_supported("w4_gemv1_add_row", fmt, group, k)
     x = x.contiguous()
     rout = torch.empty(1, n, dtype=x.dtype, device=x.device)
     hw = torch.empty_like(rout)
@@ -790,9 +784,7 @@ def w4_gemv1_rsq(hw: torch.Tensor, sums: torch.Tensor, eps: float, packed: torch
     if hw.dim() != 2 or hw.shape != (1, k) or sums.dim() != 1 or sums.dtype != torch.float32:
         raise ValueError(f"w4_gemv1_rsq: a row of {k} and float32 sums, got {tuple(hw.shape)}, "
                          f"{tuple(sums.shape)} {sums.dtype}")
-    if not supports(fmt, group, k):
-        raise ValueError(f"w4_gemv1_rsq: the one-row GEMV runs K % 8 == 0 and int4 groups of whole words, "
-                         f"got K={k}, group={group}")
+    require_supported("w4_gemv1_rsq", fmt, group, k)
     n = packed.shape[0]
     y = torch.empty(1, n, dtype=hw.dtype, device=hw.device)
     words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
