@@ -208,7 +208,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
               tests/test_gpu_quant_engine.py tests/test_gemm_tuning_fp8.py tests/test_quant_fusions.py \
               tests/test_act_quant_fused.py tests/test_w4_dequant.py tests/test_h2_xpack.py \
               tests/test_attention_split_merge.py;;
-  xp_tests) run xp-gpu-tests 170 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_h2_xpack.py \
+  xp_tests) run xp-gpu-tests 400 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_h2_xpack.py \
               tests/test_attention_split_merge.py;;
   w4_prep) run w4-prepared-sweep 400 python3 scripts/w4_prepared_sweep.py --out $R/w4-prepared-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
