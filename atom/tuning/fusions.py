@@ -74,8 +74,8 @@ which computes the same thing with fewer kernels where the plan says so:
   the attention kernel, in the program of each token and kv head that finishes last
   (`attention.split_merge`: an arrival counter a program group), instead of `_merge_kernel`'s
   launch after it. The attention op reads it from the plan (`meta.plan`); nothing is installed
-  on the layers. A default on NVIDIA GPUs (Triton backend): batch-1 decode 1-2% faster in
-  every format (docs/perf);
+  on the layers. A default on NVIDIA GPUs (Triton backend): batch-1 decode measured faster
+  with it in every format (docs/perf);
 - "w4_prepared_x": at batch 1, a dense MLP of 4-bit layers (W4A16, MXFP4 weight-only) on
   NVIDIA GPUs gets gate-up's input row from the add + RMSNorm kernel and down's from the
   SiLU-and-mul kernel already in the form the one-row GEMV's fp16 pair products use
@@ -107,6 +107,7 @@ keep their forward.
 from __future__ import annotations
 
 import logging
+import operator
 import types
 
 import torch
@@ -505,12 +506,9 @@ def w4_o_proj_norm_operands(layer: nn.Module, plan, qkv) -> tuple | None:
     (`_w4_row_operands`) for a one-row 16-bit step where the 4-bit kernels run, whose o_proj tile
     owns whole word columns of its output (`w4_gemv1.add_prepared_applies`), a dense MLP; else
     None."""
-    if plan is None or not (plan.has("w4_o_proj_norm") and plan.has("w4_prepared_x")) or not dense_mlp(layer) \
-            or not isinstance(qkv, torch.Tensor) or qkv.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    attn, mlp = layer.self_attn, layer.mlp
-    ops = tuple(_w4_row_operands(m, qkv) for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-    if any(o is None for o in ops):
+    ops = _w4_layer_rows(layer, plan, qkv, ("w4_o_proj_norm", "w4_prepared_x"),
+                         ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+    if ops is None:
         return None
     from atom.model_ops.kernels.w4_gemv1 import add_prepared_applies, tiles
     o = ops[0]
@@ -534,10 +532,17 @@ def w4_o_proj_norm_mlp(layer: nn.Module, ops: tuple, out: torch.Tensor, residual
 def w4_o_proj_add_norm_operands(layer: nn.Module, plan, qkv) -> tuple | None:
     """"w4_o_proj_add_norm": the 4-bit operands of o_proj and gate-up (`_w4_row_operands`) for a
     one-row 16-bit step where the 4-bit kernels run, a dense MLP; else None."""
-    if plan is None or not plan.has("w4_o_proj_add_norm") or not dense_mlp(layer) \
+    return _w4_layer_rows(layer, plan, qkv, ("w4_o_proj_add_norm",), ("self_attn.o_proj", "mlp.gate_up_proj"))
+
+
+def _w4_layer_rows(layer: nn.Module, plan, qkv, fusions: tuple, linears: tuple) -> tuple | None:
+    """The 4-bit one-row operands (`_w4_row_operands`) of the layer's linears named in `linears`
+    (attribute paths, read once the layer is known to be a dense MLP) for a one-row 16-bit step
+    of a layer whose plan has every one of `fusions`; else None."""
+    if plan is None or not all(plan.has(f) for f in fusions) or not dense_mlp(layer) \
             or not isinstance(qkv, torch.Tensor) or qkv.dtype not in (torch.bfloat16, torch.float16):
         return None
-    ops = (_w4_row_operands(layer.self_attn.o_proj, qkv), _w4_row_operands(layer.mlp.gate_up_proj, qkv))
+    ops = tuple(_w4_row_operands(operator.attrgetter(name)(layer), qkv) for name in linears)
     return None if any(o is None for o in ops) else ops
 
 

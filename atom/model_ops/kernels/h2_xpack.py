@@ -75,7 +75,7 @@ def prepare_ref(x: torch.Tensor, odd16: bool) -> torch.Tensor:
 
 if HAS_TRITON:
     from atom.model_ops.kernels.activation import silu_mul_cols
-    from atom.model_ops.kernels.rmsnorm import add_rms_norm_row, norm_row_config
+    from atom.model_ops.kernels.rmsnorm import add_rms_norm_row, norm_row_config, store_added
     from atom.model_ops.kernels.triton_import import pdl_start
 
     @triton.jit
@@ -154,9 +154,7 @@ if HAS_TRITON:
         `store_prepared` writes it, with the column's sum of h^2 in int 6, for a loop that
         applies 1 / rms at its end (PNORM)."""
         ok = rows < N
-        h = (y.to(ACT).to(tl.float32) + tl.load(r_ptr + rows, mask=ok, other=0.0).to(tl.float32)).to(ACT)
-        tl.store(rout_ptr + rows, h, mask=ok)
-        hf = h.to(tl.float32)
+        hf = store_added(y, rows, N, r_ptr, rout_ptr, ACT).to(tl.float32)
         C: tl.constexpr = BLOCK_N // 8
         hw = tl.reshape(hf * tl.load(nw_ptr + rows, mask=ok, other=0.0).to(tl.float32), [1, C, 8])
         col0 = tl.program_id(0) * C

@@ -62,15 +62,22 @@ if HAS_TRITON:
         return x * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32), sq + x * x
 
     @triton.jit
-    def store_added_row(y, rows, N, r_ptr, rout_ptr, w_ptr, out_ptr, sq_ptr, ACT: tl.constexpr):
+    def store_added(y, rows, N, r_ptr, rout_ptr, ACT: tl.constexpr):
         """A one-row product's epilogue for its rows `rows` of y (float32): h = y + the residual
         at r_ptr, each rounded to ACT as the unfused product and add round them, stored to
-        rout_ptr; h w (w the next RMSNorm's weight) in ACT to out_ptr, the next product's row;
-        the program's sum of h^2 to sq_ptr[program], for that product to scale by 1 / rms."""
+        rout_ptr. Returns h (ACT)."""
         ok = rows < N
         h = (y.to(ACT).to(tl.float32) + tl.load(r_ptr + rows, mask=ok, other=0.0).to(tl.float32)).to(ACT)
         tl.store(rout_ptr + rows, h, mask=ok)
-        hf = tl.where(ok, h.to(tl.float32), 0.0)
+        return h
+
+    @triton.jit
+    def store_added_row(y, rows, N, r_ptr, rout_ptr, w_ptr, out_ptr, sq_ptr, ACT: tl.constexpr):
+        """`store_added`, then h w (w the next RMSNorm's weight) in ACT to out_ptr, the next
+        product's row, and the program's sum of h^2 to sq_ptr[program], for that product to
+        scale by 1 / rms."""
+        ok = rows < N
+        hf = tl.where(ok, store_added(y, rows, N, r_ptr, rout_ptr, ACT).to(tl.float32), 0.0)
         tl.store(out_ptr + rows, (hf * tl.load(w_ptr + rows, mask=ok, other=0.0).to(tl.float32)).to(ACT), mask=ok)
         tl.store(sq_ptr + tl.program_id(0), tl.sum(hf * hf, axis=0))
 

@@ -766,7 +766,7 @@ def w4_gemv1_add_row(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     x = x.contiguous()
     rout = torch.empty(1, n, dtype=x.dtype, device=x.device)
     hw = torch.empty_like(rout)
-    sums = torch.empty(-(-n // cfg["BLOCK_N"]), dtype=torch.float32, device=x.device)
+    sums = torch.empty(triton.cdiv(n, cfg["BLOCK_N"]), dtype=torch.float32, device=x.device)  # one a program
     words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
     cfg.update(EPI_ROW=True, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout, enw_ptr=norm_weight,
                ek_ptr=hw, esq_ptr=sums)
@@ -789,6 +789,6 @@ def w4_gemv1_rsq(hw: torch.Tensor, sums: torch.Tensor, eps: float, packed: torch
     y = torch.empty(1, n, dtype=hw.dtype, device=hw.device)
     words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
     cfg = dict(cfg if cfg is not None else tiles(n, fmt, k), RSQ=True, rsq_ptr=sums, rsq_count=sums.numel(),
-               RSQ_N=1 << max(0, sums.numel() - 1).bit_length(), eps=float(eps))
+               RSQ_N=triton.next_power_of_2(sums.numel()), eps=float(eps))
     w4_gemv1_launch(hw, words, scales, z, None, y, fmt_id, group, cfg, dict(HAS_ZP=zeros is not None, **pdl_args(hw)))
     return y
