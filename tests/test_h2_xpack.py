@@ -191,8 +191,9 @@ def test_prepared_fusions_against_the_unfused_mlp(device, fmt, monkeypatch):
     g = torch.Generator().manual_seed(2)
     a, res = torch.randn(1, 2048, generator=g).to(torch.bfloat16), torch.randn(1, 128, generator=g).to(torch.bfloat16)
     got, counts = {}, {}
+    base = tuple(f for f in default_fusions("triton") if f != "w4_o_proj_add_norm")  # the unfused MLP
     for extra in ((), ("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm"), ("w4_o_proj_add_norm",)):
-        plan = KernelPlan(backend="triton", fusions=default_fusions("triton") + extra, force_kernels=True)
+        plan = KernelPlan(backend="triton", fusions=base + extra, force_kernels=True)
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             lin.plan = plan
         with forward_context(_meta(plan)), KernelLaunches() as trace:
@@ -281,6 +282,8 @@ def test_plan_takes_the_fusion_and_the_cpu_keeps_the_unprepared_path():
     rows = KernelPlan(backend="triton", fusions=("w4_o_proj_add_norm",))
     assert w4_o_proj_add_norm_operands(layer, rows, torch.zeros(1, 8)) is None  # fp32 row
     assert w4_o_proj_add_norm_operands(layer, plan, torch.zeros(1, 8, dtype=torch.bfloat16)) is None  # not asked
+    both = KernelPlan(backend="triton", fusions=("w4_o_proj_add_norm", "w4_prepared_x"))
+    assert w4_o_proj_add_norm_operands(layer, both, torch.zeros(1, 8, dtype=torch.bfloat16)) is None  # prepared first
 
 
 # --- GPU: the prepared loop against the loop's own x handling -----------------------------------
@@ -374,21 +377,23 @@ def test_gpu_o_proj_epilogue_then_gate_up(device, fmt, group, row):
 @pytest.mark.parametrize("extra", [("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm"), ("w4_o_proj_add_norm",)])
 def test_gpu_engine_with_prepared_rows(device, fmt, extra, tmp_path, monkeypatch):
     """A 4-bit dummy Llama started with `extra` added to the default fusions (CUDA graphs):
-    each greedy token is among the default engine's best, eager and teacher-forced
-    (`test_gpu_quant_engine`'s check: dummy weights give near-ties)."""
+    each greedy token is among the best of an engine without them (the defaults less `extra`),
+    eager and teacher-forced (`test_gpu_quant_engine`'s check: dummy weights give near-ties)."""
     from test_gpu_quant_engine import GREEDY, PROMPTS, TOL, _quantized_config
 
     from atom import LLM, SamplingParams
     from atom.model_engine import model_runner
     from atom.tuning.fusions import default_fusions
     folder = _quantized_config(tmp_path, fmt)
-    monkeypatch.setattr(model_runner, "default_fusions", lambda kernels: default_fusions(kernels) + extra)
+    monkeypatch.setattr(model_runner, "default_fusions",
+                        lambda kernels: tuple(f for f in default_fusions(kernels) if f not in extra) + extra)
     llm = LLM(folder, load_dummy="xavier", num_kvcache_blocks=32, enable_log_stats=False)
     assert all(llm.engine.runner.plan.has(f) for f in extra)
     # one prompt at a time: the fused paths run at one row (batch-1 decode steps, their graph)
     tokens = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
     del llm
-    monkeypatch.setattr(model_runner, "default_fusions", default_fusions)
+    monkeypatch.setattr(model_runner, "default_fusions",
+                        lambda kernels: tuple(f for f in default_fusions(kernels) if f not in extra))
     eager = LLM(folder, load_dummy="xavier", enforce_eager=True, num_kvcache_blocks=32, enable_log_stats=False)
     full = [p + t for p, t in zip(PROMPTS, tokens)]
     outs = eager.generate(full, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)

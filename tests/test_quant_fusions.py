@@ -54,7 +54,8 @@ def _count(monkeypatch, module, name, calls):
 def test_the_plan_has_shows_and_keeps_the_fusions(tmp_path):
     assert {"norm+quant", "silu+quant"} <= set(default_fusions("triton"))
     assert not set(OPT_IN) & set(default_fusions("triton"))  # opt-in (tuning/fusions.py says why)
-    assert "w4_norm_gemv" in default_fusions("triton") and "w4_norm_gemv" not in default_fusions("aiter")
+    for w4 in ("w4_norm_gemv", "w4_o_proj_add_norm"):  # the 4-bit one-row GEMV's fusions: Triton only
+        assert w4 in default_fusions("triton") and w4 not in default_fusions("aiter")
     assert not set(NEW) & set(default_fusions("aiter")) and default_fusions("torch") == ()
     plan = KernelPlan(backend="triton", fusions=NEW)
     assert all(plan.has(f) for f in NEW) and all(f in repr(plan) for f in NEW)
