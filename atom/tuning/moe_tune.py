@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from atom.model_ops.moe.tile_configs import CONFIG_DIR, TileTable, check_tile
+from atom.utils.pow2 import next_pow2
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def fits_tokens(cfg: dict, tokens: int, top_k: int, experts: int) -> bool:
     (>= 16) covering an expert's average rows (tokens * top_k / experts). A taller tile is
     mostly padding rows, which cost tensor-core time and never read less weight."""
     rows = -(-tokens * top_k // max(experts, 1))
-    return cfg["BLOCK_M"] <= 2 * max(16, 1 << max(0, rows - 1).bit_length())
+    return cfg["BLOCK_M"] <= 2 * max(16, next_pow2(rows))
 
 
 def gpu_time_us(fn) -> float:

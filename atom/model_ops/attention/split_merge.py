@@ -22,6 +22,7 @@ The counters come from the engine's `AttentionWorkspace` (`arrivals`); the kerne
 from __future__ import annotations
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.utils.pow2 import next_pow2
 
 #: partial elements (fp32) a chunk of the merge loads at most: 64 a thread over 4 warps
 MERGE_CHUNK_ELEMS = 8192
@@ -30,7 +31,7 @@ MERGE_CHUNK_ELEMS = 8192
 def merge_chunk(qpkv: int, num_splits: int, head_pad: int) -> int:
     """Segments a chunk of the in-kernel merge takes: a power of two dividing `num_splits`,
     at most `MERGE_CHUNK_ELEMS` partial values (`qpkv` heads padded to a power of two)."""
-    qpad = 1 << max(0, qpkv - 1).bit_length()
+    qpad = next_pow2(qpkv)
     chunk = num_splits
     while chunk > 1 and qpad * chunk * head_pad > MERGE_CHUNK_ELEMS:
         chunk //= 2

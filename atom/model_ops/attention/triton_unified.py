@@ -69,6 +69,7 @@ from atom.model_ops.attention.options import AttentionOptions
 from atom.model_ops.attention.split_merge import merge_chunk
 from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES
 from atom.model_ops.kernels.triton_import import HAS_TRITON, pdl_args, tl, triton  # None without triton
+from atom.utils.pow2 import next_pow2
 
 if HAS_TRITON:
     from atom.model_ops.attention.split_merge import arrive_last, merge_heads
@@ -474,10 +475,6 @@ if HAS_TRITON:
             tl.store(amax_ptr + t64 * stride_am + h, tl.max(tl.where(d_ok, tl.abs(o.to(tl.float32)), 0.0), 0))
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 _SM_COUNT: dict = {}
 
 
@@ -508,11 +505,11 @@ def pick_attention_config(
     """Tile sizes, warps and number of KV splits. Depends on shapes only."""
     qpkv = num_q_heads // num_kv_heads
     if max_query_len <= 1:
-        block_m = max(16, _next_pow2(qpkv))
+        block_m = max(16, next_pow2(qpkv))
     else:
-        block_m = max(16, _next_pow2(qpkv), min(64, _next_pow2(max_query_len * qpkv)))
+        block_m = max(16, next_pow2(qpkv), min(64, next_pow2(max_query_len * qpkv)))
     block_q = max(1, block_m // qpkv)
-    head_pad = max(16, _next_pow2(head_dim))
+    head_pad = max(16, next_pow2(head_dim))
     tile_n = 64 if head_pad <= 128 else 32
     num_q_blocks = num_tokens // block_q + num_seqs
     num_splits = 1
@@ -528,7 +525,7 @@ def pick_attention_config(
         # (4, the rule's pick) and 68.3 (2) us against 65.6 / 74.3 unsplit; at 48, 59 and 101
         # sequences 2 segments were 1-10% slower, at 77 1.2% faster. Other shapes untested.
         if progs < 3 * sms:
-            num_splits = min(max_splits, _next_pow2(math.ceil(4 * sms / progs)))
+            num_splits = min(max_splits, next_pow2(math.ceil(4 * sms / progs)))
     # H200, Qwen3-0.6B shape, CUDA-graph timing: TILE_N 64 / 4 warps / 2 stages was
     # best or within 3% for decode at batch 1-256 and for a 4x2048 prefill; splits of
     # 16 (batch 1) and 8 (batch 8) were best, none at batch 64.
@@ -782,7 +779,7 @@ def unified_attention(
     if merge_in_kernel and splits > 1 and max_query_len == 1:
         arrivals = (workspace.arrivals(grid[0]) if workspace is not None
                     else torch.zeros(grid[0], dtype=torch.int32, device=q.device))
-    qpad = _next_pow2(Hq // Hkv)
+    qpad = next_pow2(Hq // Hkv)
     _unified_attn_kernel[grid](
         q, k_cache, v_cache, out, po, plse,
         cu_seqlens_q, seq_lens, block_tables,

@@ -31,6 +31,7 @@ import torch
 
 from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES, fp8_saturate, interpreted, slot_offset
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.utils.pow2 import next_pow2
 
 _LOG2E = 1.4426950408889634
 
@@ -207,10 +208,6 @@ if HAS_TRITON:
         tl.store(cache_ptr + row + R + offs_p, pe.to(cache_ptr.dtype.element_ty), mask=offs_p < P)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 class MLAWorkspace:
     """Split-KV scratch, allocated once (CUDA-graph safe): room for `slots` (sequence, segment)
     pairs of partial outputs [H, R] and log-sum-exps [H], viewed per batch as [B, H, S, R] and
@@ -294,8 +291,8 @@ def pick_mla_config(num_seqs: int, num_heads: int, kv_lora_rank: int, num_sms: i
     sequence's segments launch next to each other: the longest-first batch order then starts
     the longest work first), lazy_rescale (the accumulator is rescaled only when a row's
     running max grows by more than 2^8, not at every tile)."""
-    block_h = max(16, min(64, _next_pow2(num_heads)))
-    r_pad = max(16, _next_pow2(kv_lora_rank))
+    block_h = max(16, min(64, next_pow2(num_heads)))
+    r_pad = max(16, next_pow2(kv_lora_rank))
     progs = num_seqs * -(-num_heads // block_h)
     splits = 1
     if progs > 0:
@@ -416,7 +413,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     fp8 = kv_cache.dtype in FP8_CACHE_DTYPES
     if fp8 and kv_scale is None:
         kv_scale = torch.ones((), dtype=torch.float32, device=q_lat.device)
-    r_pad, p_pad = max(16, _next_pow2(R)), max(16, _next_pow2(P))
+    r_pad, p_pad = max(16, next_pow2(R)), max(16, next_pow2(P))
     dot_prec = "ieee" if q_lat.dtype == torch.float32 else "tf32"
     nhb = triton.cdiv(H, cfg["BLOCK_H"])
     grid = (splits, nhb, B) if cfg["splits_first"] else (B, nhb, splits)
@@ -467,5 +464,5 @@ def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
         kv_scale = torch.ones((), dtype=torch.float32, device=kv_c.device)
     _write_latent_kernel[(T,)](
         kv_c, k_pe, kv_cache, slot_mapping, kv_scale if fp8 else kv_c, kv_c.stride(0), k_pe.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), R=R, P=P, R_PAD=_next_pow2(R), P_PAD=_next_pow2(P),
+        kv_cache.stride(0), kv_cache.stride(1), R=R, P=P, R_PAD=next_pow2(R), P_PAD=next_pow2(P),
         BLOCK_SIZE=kv_cache.shape[1], KV_FP8=fp8, EXACT_ROUND=fp8 and interpreted(), num_warps=1)

@@ -81,6 +81,7 @@ from atom.model_ops.kernels.pending_quant import PendingQuant
 from atom.model_ops.kernels.quant_gemm import _check, check_weight_scales
 from atom.model_ops.kernels.split_k import PendingSum, split_k_sum
 from atom.model_ops.kernels.triton_import import HAS_TRITON, compiled_for_sm90, pdl_args, tl, triton
+from atom.utils.pow2 import next_pow2
 
 DOT_MAX_M = 64  # the largest M this kernel takes for every 8-bit format
 MID_MAX_M = 128  # and for ptpc fp8 into narrow outputs with long rows (MID_MAX_N, MID_MIN_K)
@@ -277,7 +278,7 @@ def small_m_config(M: int, N: int, K: int, block_k: int = 0, kind: str = "fp8", 
     split = 1
     while -(-N // bn) * split < target and steps // (split * 2) >= 4:
         split *= 2
-    m_pad = max(16, triton.next_power_of_2(M)) if HAS_TRITON else max(16, 1 << (M - 1).bit_length())
+    m_pad = max(16, next_pow2(M))
     return dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages,
                 FUSE=M <= FUSE_MAX_M and act in ("token", "tensor", "group"))
 
