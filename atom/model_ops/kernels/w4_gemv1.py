@@ -581,15 +581,16 @@ if HAS_TRITON:
                 sp += (STEP * 8) // GROUP
                 zp += (STEP * 8) // GROUP
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
-        if NORM:  # the row's 1 / rms scales every dot product
-            rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0) / (n_words * 8) + eps)
+        if NORM or PNORM or RSQ:  # the row's 1 / rms scales every dot product
+            if NORM:  # from the sums of h^2 the loop made
+                ssq = tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0)
+            elif PNORM:  # from the prepared columns' sums of h^2
+                ssq = tl.sum(tl.sum(psq, axis=1), axis=0)
+            else:  # from the sums of h^2 of the product in front (EPI_ROW)
+                parts = tl.arange(0, RSQ_N)
+                ssq = tl.sum(tl.load(rsq_ptr + parts, mask=parts < rsq_count, other=0.0), axis=0)
+            rstd = 1.0 / tl.sqrt(ssq / (n_words * 8) + eps)
             y = y * rstd
-        if PNORM:  # the same from the prepared columns' sums of h^2
-            y = y * (1.0 / tl.sqrt(tl.sum(tl.sum(psq, axis=1), axis=0) / (n_words * 8) + eps))
-        if RSQ:  # the same from the sums of h^2 of the product in front (EPI_ROW)
-            parts = tl.arange(0, RSQ_N)
-            ssq = tl.sum(tl.load(rsq_ptr + parts, mask=parts < rsq_count, other=0.0), axis=0)
-            y = y * (1.0 / tl.sqrt(ssq / (n_words * 8) + eps))
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         if GATED:
@@ -724,7 +725,6 @@ def w4_gemv1_add_prepared(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
     (PreparedRow of h w with eps, for `w4_gemv1_prepared`; h [1, N], the new residual). The
     tile's BLOCK_N must be a multiple of 8 that divides N (`add_prepared_applies`)."""
     from atom.model_ops.kernels.h2_xpack import PreparedRow
-    from atom.model_ops.kernels.triton_import import pdl_args
     n = packed.shape[0]
     cfg = dict(cfg if cfg is not None else tiles(n, fmt, k))
     if x.dim() != 2 or x.shape != (1, k) or not add_prepared_applies(n, cfg) or residual.numel() != n \
@@ -733,14 +733,9 @@ def w4_gemv1_add_prepared(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
                          f"whole word columns (BLOCK_N a multiple of 8 dividing N), got x {tuple(x.shape)}, residual "
                          f"{residual.numel()}, norm weight {tuple(norm_weight.shape)}, BLOCK_N {cfg['BLOCK_N']}")
     require_supported("w4_gemv1_add_prepared", fmt, group, k)
-    x = x.contiguous()
-    rout = torch.empty(1, n, dtype=x.dtype, device=x.device)
     cols = torch.empty(n // 8, 8, dtype=torch.int32, device=x.device)
-    words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
-    cfg.update(EPI=True, EODD16=odd16, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout,
-               enw_ptr=norm_weight, ek_ptr=cols)
-    w4_gemv1_launch(x, words, scales, z, None, rout, fmt_id, group, cfg,  # y_ptr: only its dtype is read under EPI
-                    dict(HAS_ZP=zeros is not None, **pdl_args(x)))
+    rout = _launch_added(x, packed, scales, zeros, fmt, group, residual, norm_weight, cfg,
+                         EPI=True, EODD16=odd16, ek_ptr=cols)
     return PreparedRow(cols, n, odd16, x.dtype, eps), rout
 
 
@@ -756,23 +751,33 @@ def w4_gemv1_add_row(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     product's epilogue (EPI_ROW, `rmsnorm.store_added_row`) with each program's sum of h^2,
     instead of an add + RMSNorm kernel. Returns (h w [1, N] and the sums, for `w4_gemv1_rsq`;
     h [1, N], the new residual)."""
-    from atom.model_ops.kernels.triton_import import pdl_args
     n = packed.shape[0]
     cfg = dict(cfg if cfg is not None else tiles(n, fmt, k))
     if x.dim() != 2 or x.shape != (1, k) or residual.numel() != n or norm_weight.shape != (n,):
         raise ValueError(f"w4_gemv1_add_row: one row of {k}, a residual and norm weight of {n}, got x "
                          f"{tuple(x.shape)}, residual {residual.numel()}, norm weight {tuple(norm_weight.shape)}")
     require_supported("w4_gemv1_add_row", fmt, group, k)
+    hw = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    sums = torch.empty(triton.cdiv(n, cfg["BLOCK_N"]), dtype=torch.float32, device=x.device)  # one a program
+    rout = _launch_added(x, packed, scales, zeros, fmt, group, residual, norm_weight, cfg,
+                         EPI_ROW=True, ek_ptr=hw, esq_ptr=sums)
+    return hw, sums, rout
+
+
+def _launch_added(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str, group: int,
+                  residual: torch.Tensor, norm_weight: torch.Tensor, cfg: dict, **epilogue) -> torch.Tensor:
+    """The one-row GEMV of x with an epilogue that adds the residual (`epilogue`: EPI or EPI_ROW
+    and its outputs) for `w4_gemv1_add_prepared` / `w4_gemv1_add_row`, the inputs checked
+    there. Returns h = y + residual [1, N], the new residual; y itself is not stored."""
+    from atom.model_ops.kernels.triton_import import pdl_args
+    n = packed.shape[0]
     x = x.contiguous()
     rout = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    hw = torch.empty_like(rout)
-    sums = torch.empty(triton.cdiv(n, cfg["BLOCK_N"]), dtype=torch.float32, device=x.device)  # one a program
     words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
-    cfg.update(EPI_ROW=True, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout, enw_ptr=norm_weight,
-               ek_ptr=hw, esq_ptr=sums)
+    cfg = dict(cfg, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout, enw_ptr=norm_weight, **epilogue)
     w4_gemv1_launch(x, words, scales, z, None, rout, fmt_id, group, cfg,  # y_ptr: only its dtype is read
                     dict(HAS_ZP=zeros is not None, **pdl_args(x)))
-    return hw, sums, rout
+    return rout
 
 
 def w4_gemv1_rsq(hw: torch.Tensor, sums: torch.Tensor, eps: float, packed: torch.Tensor, scales: torch.Tensor,
