@@ -11,8 +11,7 @@ the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants;
 how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
 its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait; its
 split merged by the last segment's program; rows prepared for the 4-bit GEMV and its loops
-reading them; o_proj's rows fetched into L2 before the wait, "o_proj_l2_prefetch"; the one-row
-fp8 product with SiLU-and-mul in its epilogue, "fp8_gate_up_silu").
+reading them; o_proj's rows fetched into L2 before the wait, "o_proj_l2_prefetch").
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -246,12 +245,6 @@ def _compile_all() -> dict:
                          dict(HAS_BIAS=False, DW=2, BLOCK_N=4, BLOCK_W=128, AHEAD=True, PDL=True, PF=2),
                          dict(x_ptr="*i64", xs_ptr="*fp32", w_ptr="*i64", ws_ptr="*fp32", b_ptr="*fp32"),
                          ("cvt.rn.f16x2.e4m3x2", "griddepcontrol.wait", "prefetch.global.L2")),
-        # "fp8_gate_up_silu": gate and up rows a program, SiLU-and-mul and its amax in the epilogue
-        "fp8_gemv1_gated": (fp8g1._fp8_gemv1_kernel,
-                            dict(HAS_BIAS=True, DW=2, BLOCK_N=4, BLOCK_W=128, AHEAD=True, PDL=True, GATED=True),
-                            dict(x_ptr="*i64", xs_ptr="*fp32", w_ptr="*i64", ws_ptr="*fp32", b_ptr="*fp32",
-                                 pmax_ptr="*fp32"),
-                            ("cvt.rn.f16x2.e4m3x2", "griddepcontrol.wait", "ex2.approx")),
         "w4_gemv1_mxfp4_rsq": (w4g1._w4_gemv1_kernel,
                                dict(FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8, BLOCK_W=64,
                                     EVEN=True, AHEAD=True, HALF2=True, RSQ=True, RSQ_N=512),
@@ -332,7 +325,7 @@ def test_kernels_compile_for_sm90():
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",
                         "w4_gemv1_int4_epilogue_row", "w4_gemv1_mxfp4_rsq", "h2_silu_prepare", "h2_norm_prepare",
-                        "w4_gemv1_int4_epilogue_row_pf", "fp8_gemv1_pf", "fp8_gemv1_gated"}
+                        "w4_gemv1_int4_epilogue_row_pf", "fp8_gemv1_pf"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

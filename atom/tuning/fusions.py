@@ -101,12 +101,6 @@ which computes the same thing with fewer kernels where the plan says so:
   with `act_quant` and runs `forward_quantized`: the same two launches) and the 4-bit
   o_proj of "w4_o_proj_add_norm". `install` marks o_proj (`l2_prefetch`). Opt-in until its
   decode timing is in docs/perf;
-- "fp8_gate_up_silu": at one row, where down takes a per-token fp8 input and its SiLU
-  quantizer splits the row (`silu_amax`, then `quant_from_partials`: Llama's 14,336-wide
-  MLP), ptpc fp8 gate-up's one-row product (`fp8_gemv1`, GATED) runs each program's gate and
-  up rows and stores h = silu(gate) up with its partial amax itself (`method.one_row_silu`),
-  so that `silu_amax`'s launch does not run: the same bits (the product's sums and the SiLU
-  arithmetic as the two launches have them). Opt-in until its decode timing is in docs/perf;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -395,42 +389,16 @@ def _mlp(layer: nn.Module, plan, hidden: torch.Tensor, residual: torch.Tensor):
         act, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual, gated=True)
         return project(plan, mlp.down_proj, act), residual
     from atom.model_ops.kernels.act_quant_fused import silu_amax, silu_quant, splits_rows
-    pending, residual = _gate_up_silu(plan, layer, hidden, residual, iq)
-    if pending is not None:  # "fp8_gate_up_silu": h and its partial amaxes from the product's own launch
-        q, s = pending.quantize()
-        y = pending.h
+    y, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual)
+    if plan.has("quant_on_load") and iq.per_token and y.shape[0] <= QUANT_ON_LOAD_MAX_ROWS \
+            and splits_rows(y.shape[0], y.shape[1] // 2):
+        q, s = silu_amax(y, iq.kind, iq.qmax), None  # rows left for down's product to quantize on load
     else:
-        y, residual = norm_linear(norm, mlp.gate_up_proj, hidden, residual)
-        if plan.has("quant_on_load") and iq.per_token and y.shape[0] <= QUANT_ON_LOAD_MAX_ROWS \
-                and splits_rows(y.shape[0], y.shape[1] // 2):
-            q, s = silu_amax(y, iq.kind, iq.qmax), None  # rows left for down's product to quantize on load
-        else:
-            q, s = silu_quant(y, iq.kind, iq.qmax)
+        q, s = silu_quant(y, iq.kind, iq.qmax)
     lock = _lock(plan, mlp.down_proj)
     defer = getattr(layer, "defer_output", False) and lock is None and plan.has("sum+norm+quant") \
         and plan.has("norm+quant")  # the next layer's norm-quantizer sums a split K
     return mlp.down_proj.forward_quantized(q, s, y.dtype, lock, defer_sum=defer), residual
-
-
-def _gate_up_silu(plan, layer: nn.Module, hidden: torch.Tensor, residual: torch.Tensor, iq: InputQuant):
-    """"fp8_gate_up_silu": for one row where down takes a per-token fp8 input whose SiLU
-    quantizer splits the row (`act_quant_fused.splits_rows`) and gate-up reads its input
-    quantized by the norm's kernel, that kernel, then gate-up's product with SiLU-and-mul and
-    the partial amaxes in its epilogue (`method.one_row_silu`): (the `PendingQuant` of h, the
-    new residual), or (None, residual) where that does not apply, nothing run."""
-    from atom.model_ops.kernels.act_quant_fused import norm_quant, splits_rows
-    gate_up, norm = layer.mlp.gate_up_proj, layer.post_attention_layernorm
-    rows = _rows(hidden)
-    takes = getattr(gate_up.method, "takes_one_row_silu", None)
-    if not plan.has("fp8_gate_up_silu") or takes is None or iq.kind != "fp8" or not iq.per_token \
-            or rows.dim() != 2 or rows.shape[0] != 1 or residual is None or _lock(plan, gate_up) is not None \
-            or not splits_rows(1, gate_up.weight.shape[0] // 2):
-        return None, residual
-    giq = quant_input(plan, "norm+quant", gate_up, rows)
-    if giq is None or giq.kind != "fp8" or not giq.per_token or not takes(gate_up, rows):
-        return None, residual
-    q, s, residual = norm_quant(hidden, residual, norm.weight, norm.eps, giq.kind, giq.qmax)
-    return gate_up.method.one_row_silu(gate_up, q, s, rows.dtype), residual
 
 
 def norm_linear_rope(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,

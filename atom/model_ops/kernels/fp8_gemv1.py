@@ -97,23 +97,16 @@ def takes(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor)
     """Whether the kernel runs this product: one e4m3 row and one scale for it, an e4m3 weight
     with one scale a row, both contiguous and 16-byte aligned, a tile that covers the shape,
     Triton on an NVIDIA GPU of sm_89 or later."""
-    if xq.dim() != 2 or xq.shape[0] != 1 or xq.dtype != torch.float8_e4m3fn or xq.shape[1] != w.shape[-1]:
+    if not (HAS_TRITON and xq.is_cuda and torch.version.hip is None):
         return False
-    if xs.numel() != 1 or not xq.is_contiguous() or xq.data_ptr() % 16:
-        return False
-    return takes_weight(w, ws, xq.device)
-
-
-def takes_weight(w: torch.Tensor, ws: torch.Tensor, device: torch.device) -> bool:
-    """`takes`' conditions on the weight and the device, for a row on `device`."""
-    if not (HAS_TRITON and device.type == "cuda" and torch.version.hip is None):
-        return False
-    if w.dim() != 2 or w.dtype != torch.float8_e4m3fn:
+    if xq.dim() != 2 or xq.shape[0] != 1 or xq.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
         return False
     N, K = w.shape
-    if ws.numel() != N or not even(N, K, tile_for(N, K)) or not w.is_contiguous() or w.data_ptr() % 16:
+    if xq.shape[1] != K or xs.numel() != 1 or ws.numel() != N or not even(N, K, tile_for(N, K)):
         return False
-    return torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+    if not (xq.is_contiguous() and w.is_contiguous()) or xq.data_ptr() % 16 or w.data_ptr() % 16:
+        return False
+    return torch.cuda.get_device_capability(xq.device) >= MIN_CAPABILITY
 
 
 if HAS_TRITON:
@@ -132,56 +125,24 @@ if HAS_TRITON:
         hi = tl.inline_asm_elementwise(XQ_HI_C, "=r,r", [xw], dtype=tl.int32, is_pure=True, pack=1)
         return lo, hi
 
-    @triton.jit
-    def _chains(word, xv, DW: tl.constexpr, shape: tl.constexpr):
-        """Each load's fp16 chain (`h2_ptx`) of a [BLOCK_N, BLOCK_W] tile against the row's loads
-        xv [1, BLOCK_W], as float32."""
-        a0, a1 = _xq_pairs(_half(xv, 0, DW))
-        if DW == 1:
-            t = tl.inline_asm_elementwise(H2_1, "=r,r,r,r", [word, tl.broadcast_to(a0, shape),
-                                          tl.broadcast_to(a1, shape)], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            b0, b1 = _xq_pairs(_half(xv, 1, DW))
-            t = tl.inline_asm_elementwise(H2_2, "=r,r,r,r,r,r,r", [
-                _half(word, 0, DW), _half(word, 1, DW), tl.broadcast_to(a0, shape), tl.broadcast_to(a1, shape),
-                tl.broadcast_to(b0, shape), tl.broadcast_to(b1, shape)], dtype=tl.int32, is_pure=True, pack=1)
-        return t.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _scaled_rows(acc, rows, ws_ptr, xs_ptr, b_ptr, HAS_BIAS: tl.constexpr):
-        """The rows' dot products (acc's sums) times ws[row] xs 2^8, plus the bias."""
-        y = tl.sum(acc, axis=1) * (tl.load(ws_ptr + rows).to(tl.float32) * (tl.load(xs_ptr).to(tl.float32) * 256.0))
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows).to(tl.float32)
-        return y
-
     @triton.jit(do_not_specialize_on_alignment=["w_ptr", "x_ptr"])
     def _fp8_gemv1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, n_loads, stride_w, HAS_BIAS: tl.constexpr,
                           DW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, AHEAD: tl.constexpr,
-                          PDL: tl.constexpr, N=0, PF: tl.constexpr = 0, up_rows=0, pmax_ptr=None,
-                          GATED: tl.constexpr = False):
+                          PDL: tl.constexpr, N=0, PF: tl.constexpr = 0):
         """Program p: rows p BLOCK_N.. of y, a [BLOCK_N, BLOCK_W] tile of loads (int32: one word,
         int64: DW = 2 words) a step, one fp16 chain a load; even tiles only (`even`). x: the
         e4m3 row as the same loads. AHEAD: the next step's loads issued before this step's are
         used (the first before the PDL wait: the weights do not depend on the kernel before).
         PF > 0 (with PDL): before the wait, program p fetches the weight rows of programs
-        PF p .. PF p + PF - 1 (of N rows) into L2 (`w4_gemv1._w4_gemv1_kernel`'s PF).
-        GATED: the weight is [gate | up] (up row n at up_rows + n); each program also runs its
-        up rows and stores h = silu(gate) up (gate and up rounded to y's dtype first, then
-        `activation.silu_mul_cols`' arithmetic, as the unfused product and `silu_amax` store
-        them) at rows p BLOCK_N.. of y, and its largest |h| at pmax_ptr[p]."""
+        PF p .. PF p + PF - 1 (of N rows) into L2 (`w4_gemv1._w4_gemv1_kernel`'s PF)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j = tl.arange(0, BLOCK_W)[None, :]
         wp = w_ptr + rows.to(tl.int64)[:, None] * stride_w + j
-        up = up_rows.to(tl.int64) * stride_w
         xp = x_ptr + j
         shape: tl.constexpr = [BLOCK_N, BLOCK_W]
         acc = tl.zeros(shape, tl.float32)
-        acc_up = tl.zeros(shape, tl.float32)
         if AHEAD:
             nxt = tl.load(wp)
-            if GATED:
-                nxt_up = tl.load(wp + up)
         if PF > 0 and PDL:
             row0 = tl.program_id(0) * (PF * BLOCK_N)
             if row0 < N:
@@ -189,29 +150,26 @@ if HAS_TRITON:
         pdl_start(PDL)
         for w0 in range(0, n_loads, BLOCK_W):
             if AHEAD:
-                step = tl.where(w0 + BLOCK_W < n_loads, BLOCK_W, 0)  # last step: reload, unused
                 word = nxt
-                nxt = tl.load(wp + step)
-                if GATED:
-                    word_up = nxt_up
-                    nxt_up = tl.load(wp + up + step)
+                nxt = tl.load(wp + tl.where(w0 + BLOCK_W < n_loads, BLOCK_W, 0))  # last step: reload, unused
             else:
                 word = tl.load(wp)
-                if GATED:
-                    word_up = tl.load(wp + up)
             xv = tl.load(xp)  # the row's pairs for each load column, shared by the rows
-            acc += _chains(word, xv, DW, shape)
-            if GATED:
-                acc_up += _chains(word_up, xv, DW, shape)
+            a0, a1 = _xq_pairs(_half(xv, 0, DW))
+            if DW == 1:
+                t = tl.inline_asm_elementwise(H2_1, "=r,r,r,r", [word, tl.broadcast_to(a0, shape),
+                                              tl.broadcast_to(a1, shape)], dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                b0, b1 = _xq_pairs(_half(xv, 1, DW))
+                t = tl.inline_asm_elementwise(H2_2, "=r,r,r,r,r,r,r", [
+                    _half(word, 0, DW), _half(word, 1, DW), tl.broadcast_to(a0, shape), tl.broadcast_to(a1, shape),
+                    tl.broadcast_to(b0, shape), tl.broadcast_to(b1, shape)], dtype=tl.int32, is_pure=True, pack=1)
+            acc += t.to(tl.float32, bitcast=True)
             wp += BLOCK_W
             xp += BLOCK_W
-        y = _scaled_rows(acc, rows, ws_ptr, xs_ptr, b_ptr, HAS_BIAS)
-        if GATED:
-            act = y_ptr.dtype.element_ty
-            g = y.to(act).to(tl.float32)
-            u = _scaled_rows(acc_up, rows + up_rows, ws_ptr, xs_ptr, b_ptr, HAS_BIAS).to(act).to(tl.float32)
-            y = (g / (1.0 + tl.exp(-g)) * u).to(act)
-            tl.store(pmax_ptr + tl.program_id(0), tl.max(tl.abs(y.to(tl.float32)), 0))
+        y = tl.sum(acc, axis=1) * (tl.load(ws_ptr + rows).to(tl.float32) * (tl.load(xs_ptr).to(tl.float32) * 256.0))
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
 
 
@@ -222,53 +180,22 @@ def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
     """y [1, N] = (xq . w[n]) xs ws[n] (+ bias[n]) in `out_dtype` (into `out` when given) with
     `tile` (`tile_for(N, K)` by default); ValueError where the tile does not cover the shape.
     `prefetch` > 0: the kernel's PF (weight rows into L2 before its PDL wait; 0: none)."""
+    from atom.model_ops.kernels.triton_import import pdl_args
     N, K = w.shape
-    tile = _checked_tile(xq, w, N, tile)
-    if prefetch < 0 or prefetch & (prefetch - 1):
-        raise ValueError(f"fp8_gemv1: prefetch={prefetch}, allowed 0 or a power of two")
-    if out is None:
-        out = torch.empty(1, N, device=xq.device, dtype=out_dtype)
-    _launch(xq, xs, w, ws, bias, out, tile, N, N=N, PF=prefetch)
-    return out
-
-
-def fp8_gemv1_silu(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                   qmax: float = 448.0):
-    """One row into a [gate | up] e4m3 weight w [2I, K]: h = silu(gate) up [1, I] in
-    `out_dtype` and one partial amax a program, as the plain product (`fp8_gemv1_launch`, the
-    same tile: the same sums) and `act_quant_fused.silu_amax` store them, in one launch (the
-    kernel's GATED). Returns the `pending_quant.PendingQuant` of h for a per-token fp8
-    quantizer (`qmax`); ValueError where the tile does not cover I rows."""
-    from atom.model_ops.kernels.pending_quant import PendingQuant
-    N2, K = w.shape
-    if N2 % 2:
-        raise ValueError(f"fp8_gemv1_silu: a [gate | up] weight has an even number of rows, got {N2}")
-    I = N2 // 2
-    tile = _checked_tile(xq, w, I, tile_for(N2, K))  # the plain gate-up product's tile: the same sums
-    h = torch.empty(1, I, device=xq.device, dtype=out_dtype)
-    pmax = torch.empty(1, I // tile[0], device=xq.device, dtype=torch.float32)
-    _launch(xq, xs, w, ws, bias, h, tile, I, N=I, up_rows=I, pmax_ptr=pmax, GATED=True)
-    return PendingQuant(h, pmax, "fp8", float(qmax))
-
-
-def _checked_tile(xq: torch.Tensor, w: torch.Tensor, rows: int, tile: tuple | None) -> tuple:
-    """`tile` (default `tile_for` w's shape) where it covers `rows` rows of w's K and x is [1, K]."""
-    K = w.shape[1]
-    tile = tile or tile_for(w.shape[0], K)
-    if not even(rows, K, tile):
-        raise ValueError(f"fp8_gemv1: tile {tile} does not cover N={rows}, K={K}")
+    tile = tile or tile_for(N, K)
+    if not even(N, K, tile):
+        raise ValueError(f"fp8_gemv1: tile {tile} does not cover N={N}, K={K}")
     if xq.shape != (1, K):
         raise ValueError(f"fp8_gemv1: x must be [1, K={K}], got {tuple(xq.shape)}")
-    return tile
-
-
-def _launch(xq, xs, w, ws, bias, out, tile: tuple, rows: int, **extra) -> None:
-    """`_fp8_gemv1_kernel` over `rows` output rows with `tile` (checked) and the kernel's `extra`."""
-    from atom.model_ops.kernels.triton_import import pdl_args
+    if prefetch < 0 or prefetch & (prefetch - 1):
+        raise ValueError(f"fp8_gemv1: prefetch={prefetch}, allowed 0 or a power of two")
     bn, bw, warps, dw, ahead = tile
     view = torch.int32 if dw == 1 else torch.int64
     words = w.view(view)
-    _fp8_gemv1_kernel[(rows // bn,)](xq.view(view), xs, words, ws, bias if bias is not None else ws, out,
-                                     words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
-                                     BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3, **extra, **pdl_args(xq))
+    if out is None:
+        out = torch.empty(1, N, device=xq.device, dtype=out_dtype)
+    _fp8_gemv1_kernel[(N // bn,)](xq.view(view), xs, words, ws, bias if bias is not None else ws, out,
+                                  words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
+                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3, N=N, PF=prefetch,
+                                  **pdl_args(xq))
+    return out

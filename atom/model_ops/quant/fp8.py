@@ -150,27 +150,6 @@ class Fp8LinearMethod(QuantLinearMethod):
                                         prefetch=layer.__dict__.get("l2_prefetch", 0))
         return prequantized_ref(xq, xs, self.dequantized_weight(layer), layer.bias, out_dtype)
 
-    def takes_one_row_silu(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Whether `one_row_silu` runs one row x (16-bit, [1, K]) into this [gate | up] layer:
-        dynamic per-token activations on a weight with a scale a row, one row on an NVIDIA GPU
-        of sm_89+, a shape the one-row kernel's tile covers (`kernels.fp8_gemv1`)."""
-        from atom.model_ops.kernels import fp8_gemv1
-        w = layer.weight
-        if not (self.kernels and self.act == "token" and not self.static and self.weight_scheme != "block"
-                and common.ONE_ROW_FP8 and common.use_kernels(x)) or x.dim() != 2 or x.shape[0] != 1:
-            return False
-        return w.shape[0] % 2 == 0 and x.shape[1] == w.shape[1] and fp8_gemv1.takes_weight(w, layer.row_scale, x.device) \
-            and fp8_gemv1.even(w.shape[0] // 2, w.shape[1], fp8_gemv1.tile_for(*w.shape))
-
-    def one_row_silu(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype):
-        """silu(gate) up of one row already quantized per token (xq [1, K], one scale) into this
-        [gate | up] layer (`takes_one_row_silu`), in the product's own launch
-        (`kernels.fp8_gemv1.fp8_gemv1_silu`): the `PendingQuant` of h for a per-token fp8
-        quantizer, with the bits of the product and `act_quant_fused.silu_amax`."""
-        from atom.model_ops.kernels import fp8_gemv1
-        return fp8_gemv1.fp8_gemv1_silu(xq, xs.reshape(-1).float(), layer.weight, layer.row_scale.reshape(-1),
-                                        layer.bias, out_dtype, FP8_MAX)
-
     def format_spec(self) -> str:
         w = {"tensor": "per-tensor", "channel": "per-channel"}.get(self.weight_scheme)
         if w is None:
