@@ -61,10 +61,9 @@
 # dependency wheels, carry .srv) and `vllm`),
 # qdot_tma (the 8-bit swap-AB product with its weight tiles through TMA against pointer loads),
 # pw_tests (the GPU tests of MXFP4 pair words and CHAIN, the 4-bit kernels', and quantized dummy models
-# started with CUDA graphs), op_tests (the GPU tests of "o_proj_l2_prefetch": the kernels' bits with PF,
-# engines' tokens). VARIANTS names the
+# started with CUDA graphs). VARIANTS names the
 # folder of `var`'s / `var_thr`'s scripts (default .variants; tracked ones: scripts/variants/int4,
-# scripts/variants/mxfp4, scripts/variants/fp8, scripts/variants/attn, scripts/variants/oproj).
+# scripts/variants/mxfp4, scripts/variants/fp8, scripts/variants/attn).
 # Each stage's log and JSON land in /tmp/res; every call tars /tmp/res into $OUT/res.tgz.
 # ATOM_BENCH_COMMIT names the commit in the JSON (the copied tree's .git can be stale).
 set -u
@@ -209,7 +208,6 @@ for st in "$@"; do ts=$(date +%s); case $st in
               tests/test_gpu_quant_engine.py tests/test_gemm_tuning_fp8.py tests/test_quant_fusions.py \
               tests/test_act_quant_fused.py tests/test_w4_dequant.py tests/test_h2_xpack.py \
               tests/test_attention_split_merge.py;;
-  op_tests) run op-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_o_proj_prefetch.py;;
   xp_tests) run xp-gpu-tests 400 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_h2_xpack.py \
               tests/test_attention_split_merge.py;;
   w4_prep) run w4-prepared-sweep 400 python3 scripts/w4_prepared_sweep.py --out $R/w4-prepared-sweep.json;;

@@ -11,7 +11,7 @@ the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants;
 how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
 its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait; its
 split merged by the last segment's program; rows prepared for the 4-bit GEMV and its loops
-reading them; o_proj's rows fetched into L2 before the wait, "o_proj_l2_prefetch").
+reading them).
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -58,7 +58,6 @@ def _compile_all() -> dict:
     sampling = importlib.import_module("atom.model_ops.kernels.sampling")
     moe = importlib.import_module("atom.model_ops.moe.experts_triton")
     w4g1 = importlib.import_module("atom.model_ops.kernels.w4_gemv1")
-    fp8g1 = importlib.import_module("atom.model_ops.kernels.fp8_gemv1")
     h2x = importlib.import_module("atom.model_ops.kernels.h2_xpack")
     f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr", "cnt_ptr")}
     cases = {
@@ -235,16 +234,6 @@ def _compile_all() -> dict:
                                        dict(FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8,
                                             BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True, EPI_ROW=True),
                                        dict(w_ptr="*i32", esq_ptr="*fp32"), ("fma.rn.f16x2", "griddepcontrol.wait")),
-        # "o_proj_l2_prefetch": the epilogue GEMV and the one-row fp8 product fetch rows into L2 (PF)
-        "w4_gemv1_int4_epilogue_row_pf": (w4g1._w4_gemv1_kernel,
-                                          dict(FMT=0, GROUP=128, HAS_ZP=True, HAS_BIAS=False, PDL=True, BLOCK_N=8,
-                                               BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True, EPI_ROW=True, PF=2),
-                                          dict(w_ptr="*i32", z_ptr="*u8", esq_ptr="*fp32"),
-                                          ("fma.rn.f16x2", "griddepcontrol.wait", "prefetch.global.L2")),
-        "fp8_gemv1_pf": (fp8g1._fp8_gemv1_kernel,
-                         dict(HAS_BIAS=False, DW=2, BLOCK_N=4, BLOCK_W=128, AHEAD=True, PDL=True, PF=2),
-                         dict(x_ptr="*i64", xs_ptr="*fp32", w_ptr="*i64", ws_ptr="*fp32", b_ptr="*fp32"),
-                         ("cvt.rn.f16x2.e4m3x2", "griddepcontrol.wait", "prefetch.global.L2")),
         "w4_gemv1_mxfp4_rsq": (w4g1._w4_gemv1_kernel,
                                dict(FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8, BLOCK_W=64,
                                     EVEN=True, AHEAD=True, HALF2=True, RSQ=True, RSQ_N=512),
@@ -269,9 +258,6 @@ def _compile_all() -> dict:
     out["attention_prefetch_before_wait"] = {
         "prefetch.global.L2": "prefetch.global.L2" in p,
         "before the wait": 0 <= p.find("prefetch.global.L2") < p.find("griddepcontrol.wait")}
-    for name in ("w4_gemv1_int4_epilogue_row_pf", "fp8_gemv1_pf"):  # the rows' prefetches come before the wait
-        p = ptxs[name]
-        out[name]["prefetch before the wait"] = 0 <= p.find("prefetch.global.L2") < p.find("griddepcontrol.wait")
     # the attention's K / V tiles in flight (the depth of their shared-memory buffers, TTGIR) at
     # 3 stages: one with the block-table entries loaded in the tile's own iteration, two with
     # them loaded a tile ahead (`rows_ahead`)
@@ -324,8 +310,7 @@ def test_kernels_compile_for_sm90():
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",
-                        "w4_gemv1_int4_epilogue_row", "w4_gemv1_mxfp4_rsq", "h2_silu_prepare", "h2_norm_prepare",
-                        "w4_gemv1_int4_epilogue_row_pf", "fp8_gemv1_pf"}
+                        "w4_gemv1_int4_epilogue_row", "w4_gemv1_mxfp4_rsq", "h2_silu_prepare", "h2_norm_prepare"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

@@ -94,13 +94,6 @@ which computes the same thing with fewer kernels where the plan says so:
   scales its products by 1 / rms (`w4_gemv1_rsq`); SiLU-and-mul and down as before. A
   default on the Triton backend (where the 4-bit kernels run: NVIDIA): one launch fewer a
   layer, batch-1 decode measured faster in both 4-bit formats (docs/perf);
-- "o_proj_l2_prefetch": o_proj's one-row product fetches its weight rows into L2 before its
-  PDL wait (the kernels' PF: the programs resident while the batch-1 decode attention runs,
-  which leaves the memory nearly idle, fetch the rows of `O_PROJ_PREFETCH` programs each), on
-  the routes that have that step: ptpc fp8's `fp8_gemv1` (o_proj then quantizes its input
-  with `act_quant` and runs `forward_quantized`: the same two launches) and the 4-bit
-  o_proj of "w4_o_proj_add_norm". `install` marks o_proj (`l2_prefetch`). Opt-in until its
-  decode timing is in docs/perf;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -139,9 +132,6 @@ FUSED_QUANT_MAX_ROWS = {"int8": 64}
 # rows quantize the product's whole padded operand every K step, the cost that kept the fused
 # quantizer out of the table (quant_gemv_dot.FUSE_MAX_M)
 QUANT_ON_LOAD_MAX_ROWS = 1
-# "o_proj_l2_prefetch": each early program fetches the weight rows of this many programs (a
-# power of two), so that those resident beside the attention cover the ones that start after it
-O_PROJ_PREFETCH = 2
 
 
 def default_fusions(backend: str) -> tuple[str, ...]:
@@ -202,8 +192,6 @@ def install(model: nn.Module, plan) -> int:
                 m.mlp.gate_up_proj.one_row = "norm+silu" if plan.has("norm+gemv+silu") else ()
             if plan.has("split_k_fold"):
                 _give_locks(m)
-            if plan.has("o_proj_l2_prefetch"):
-                attn.o_proj.l2_prefetch = O_PROJ_PREFETCH
             m.forward = types.MethodType(fused_forward, m)
             n += 1
     for layers in (m for m in model.modules() if isinstance(m, nn.ModuleList) and plan.has("sum+norm+quant")):
@@ -247,18 +235,12 @@ def _lock(plan, linear: nn.Module) -> torch.Tensor | None:
 
 def project(plan, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`linear(x)`; with "split_k_fold" on an 8-bit layer that takes a quantized input, its
-    quantizer (`act_quant`) and then the product with the split K folded in; for one row into
-    an fp8 layer marked `l2_prefetch` ("o_proj_l2_prefetch"), its quantizer and then the
-    product on the route that fetches the weight into L2 first (`fp8_gemv1`'s prefetch)."""
-    from atom.model_ops.kernels.act_quant import act_quant
+    quantizer (`act_quant`) and then the product with the split K folded in."""
     iq = quant_input(plan, "split_k_fold", linear, x)
     lock = _lock(plan, linear)
     if iq is None or lock is None:
-        pf = linear.__dict__.get("l2_prefetch", 0)
-        iq = quant_input(plan, "o_proj_l2_prefetch", linear, x) if pf else None
-        if iq is not None and iq.kind == "fp8" and x.shape[0] == 1:  # "o_proj_l2_prefetch": fp8_gemv1's route
-            return linear.forward_quantized(*act_quant(x, iq.kind, x.shape[-1], iq.qmax), x.dtype)
         return linear(x)
+    from atom.model_ops.kernels.act_quant import act_quant
     q, s = act_quant(x, iq.kind, x.shape[-1], iq.qmax)
     return linear.forward_quantized(q, s, x.dtype, lock)
 
@@ -284,7 +266,6 @@ def project_pending(plan, linear: nn.Module, x: torch.Tensor):
 def uninstall(model: nn.Module) -> None:
     for m in model.modules():
         m.__dict__.pop("defer_output", None)
-        m.__dict__.pop("l2_prefetch", None)
         if "forward" in m.__dict__ and matches(m):
             del m.forward
             m.self_attn.qkv_proj.one_row = "plain"
@@ -574,12 +555,10 @@ def w4_o_proj_add_norm_mlp(layer: nn.Module, plan, ops: tuple, out: torch.Tensor
     """o_proj(out) + residual, RMSNorm, gate-up, SiLU-and-mul, down for one row: o_proj's
     epilogue adds and writes h w with its sums of h^2 (`w4_gemv1.w4_gemv1_add_row`), gate-up
     scales by 1 / rms (`w4_gemv1_rsq`). Returns (y, the new residual)."""
-    from atom.model_ops.kernels.w4_gemv1 import tiles, w4_gemv1_add_row, w4_gemv1_rsq
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_row, w4_gemv1_rsq
     norm = layer.post_attention_layernorm
     o, gate_up = ops
-    pf = layer.self_attn.o_proj.__dict__.get("l2_prefetch", 0)  # "o_proj_l2_prefetch"
-    cfg = dict(tiles(o[0].shape[0], o[3], o[5]), PF=pf) if pf else None
-    hw, sums, residual = w4_gemv1_add_row(out, *o, residual, norm.weight, cfg=cfg)
+    hw, sums, residual = w4_gemv1_add_row(out, *o, residual, norm.weight)
     y = w4_gemv1_rsq(hw, sums, norm.eps, *gate_up)
     return project(plan, layer.mlp.down_proj, silu_and_mul(y)), residual
 

@@ -62,7 +62,6 @@ FUSIONS = (
     "w4_prepared_x",     # batch 1, 4-bit gate-up / down: their input row prepared by the norm / SiLU kernel (opt-in)
     "w4_o_proj_norm",    # with w4_prepared_x: 4-bit o_proj adds the residual and prepares gate-up's input (opt-in)
     "w4_o_proj_add_norm",  # batch 1, 4-bit o_proj adds the residual and writes gate-up's normed input
-    "o_proj_l2_prefetch",  # batch 1, fp8 / 4-bit o_proj: its weight into L2 during the attention (opt-in)
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 # Tokens up to which "shared_overlap" runs the shared experts on the second stream: decode

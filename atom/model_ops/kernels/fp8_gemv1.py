@@ -110,7 +110,7 @@ def takes(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor)
 
 
 if HAS_TRITON:
-    from atom.model_ops.kernels.triton_import import pdl_start, prefetch_rows_l2
+    from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemv1 import _half  # word h of a load (DW = 2: an int64's halves)
 
     H2_1 = tl.constexpr(h2_ptx(1))
@@ -128,13 +128,11 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize_on_alignment=["w_ptr", "x_ptr"])
     def _fp8_gemv1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, n_loads, stride_w, HAS_BIAS: tl.constexpr,
                           DW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, AHEAD: tl.constexpr,
-                          PDL: tl.constexpr, N=0, PF: tl.constexpr = 0):
+                          PDL: tl.constexpr):
         """Program p: rows p BLOCK_N.. of y, a [BLOCK_N, BLOCK_W] tile of loads (int32: one word,
         int64: DW = 2 words) a step, one fp16 chain a load; even tiles only (`even`). x: the
         e4m3 row as the same loads. AHEAD: the next step's loads issued before this step's are
-        used (the first before the PDL wait: the weights do not depend on the kernel before).
-        PF > 0 (with PDL): before the wait, program p fetches the weight rows of programs
-        PF p .. PF p + PF - 1 (of N rows) into L2 (`w4_gemv1._w4_gemv1_kernel`'s PF)."""
+        used (the first before the PDL wait: the weights do not depend on the kernel before)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j = tl.arange(0, BLOCK_W)[None, :]
         wp = w_ptr + rows.to(tl.int64)[:, None] * stride_w + j
@@ -143,10 +141,6 @@ if HAS_TRITON:
         acc = tl.zeros(shape, tl.float32)
         if AHEAD:
             nxt = tl.load(wp)
-        if PF > 0 and PDL:
-            row0 = tl.program_id(0) * (PF * BLOCK_N)
-            if row0 < N:
-                prefetch_rows_l2(w_ptr, row0, N, stride_w, n_loads, PF * BLOCK_N, 16)
         pdl_start(PDL)
         for w0 in range(0, n_loads, BLOCK_W):
             if AHEAD:
@@ -175,11 +169,9 @@ if HAS_TRITON:
 
 def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                      bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple | None = None,
-                     prefetch: int = 0) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple | None = None) -> torch.Tensor:
     """y [1, N] = (xq . w[n]) xs ws[n] (+ bias[n]) in `out_dtype` (into `out` when given) with
-    `tile` (`tile_for(N, K)` by default); ValueError where the tile does not cover the shape.
-    `prefetch` > 0: the kernel's PF (weight rows into L2 before its PDL wait; 0: none)."""
+    `tile` (`tile_for(N, K)` by default); ValueError where the tile does not cover the shape."""
     from atom.model_ops.kernels.triton_import import pdl_args
     N, K = w.shape
     tile = tile or tile_for(N, K)
@@ -187,8 +179,6 @@ def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
         raise ValueError(f"fp8_gemv1: tile {tile} does not cover N={N}, K={K}")
     if xq.shape != (1, K):
         raise ValueError(f"fp8_gemv1: x must be [1, K={K}], got {tuple(xq.shape)}")
-    if prefetch < 0 or prefetch & (prefetch - 1):
-        raise ValueError(f"fp8_gemv1: prefetch={prefetch}, allowed 0 or a power of two")
     bn, bw, warps, dw, ahead = tile
     view = torch.int32 if dw == 1 else torch.int64
     words = w.view(view)
@@ -196,6 +186,5 @@ def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
         out = torch.empty(1, N, device=xq.device, dtype=out_dtype)
     _fp8_gemv1_kernel[(N // bn,)](xq.view(view), xs, words, ws, bias if bias is not None else ws, out,
                                   words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
-                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3, N=N, PF=prefetch,
-                                  **pdl_args(xq))
+                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3, **pdl_args(xq))
     return out

@@ -83,20 +83,6 @@ if HAS_TRITON:
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
             "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
-    @triton.jit
-    def prefetch_rows_l2(ptr, row0, n_rows, stride, row_len, ROWS: tl.constexpr, LINES: tl.constexpr):
-        """`prefetch_l2` of rows [row0, row0 + ROWS) (those below n_rows) of a matrix at `ptr`,
-        `row_len` elements each, `stride` elements apart: one address per 128-byte line, a
-        [ROWS, LINES] tile of them at a time. For a product whose weight the kernel in front
-        does not read, issued before `pdl_wait` while that kernel leaves the memory idle (the
-        attention in front of o_proj at batch 1)."""
-        PER_LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements a line
-        r = row0 + tl.arange(0, ROWS)
-        rp = ptr + r.to(tl.int64)[:, None] * stride
-        col = tl.arange(0, LINES)[None, :] * PER_LINE
-        for c in range(0, row_len, LINES * PER_LINE):
-            prefetch_l2(rp + (c + col), (r[:, None] < n_rows) & (c + col < row_len))
-
 
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch arguments of a PDL-aware kernel working on `t`: the kernel's `PDL` flag, and

@@ -175,7 +175,7 @@ if HAS_TRITON:
     from atom.model_ops.kernels.h2_ptx import h2_ptx
     from atom.model_ops.kernels.h2_xpack import _h2_column_e, _h2_pairs, store_added_prepared, unpack_cols
     from atom.model_ops.kernels.rmsnorm import add_norm_cols, store_added_row
-    from atom.model_ops.kernels.triton_import import pdl_start, prefetch_rows_l2
+    from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemm import _e8m0, _pair_word_std
 
     @triton.jit
@@ -394,7 +394,7 @@ if HAS_TRITON:
                          PNORM: tl.constexpr = False, er_ptr=None, erout_ptr=None, enw_ptr=None, ek_ptr=None,
                          EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
-                         RSQ_N: tl.constexpr = 1, PF: tl.constexpr = 0):
+                         RSQ_N: tl.constexpr = 1):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -434,11 +434,7 @@ if HAS_TRITON:
         EPI_ROW: the same h stored to erout_ptr, and h w (w at enw_ptr) in x's dtype to ek_ptr, a
         plain row for the next product, with the program's sum of h^2 at esq_ptr[program]; RSQ:
         x is such a row, and y is scaled by the row's 1 / rms from the `rsq_count` sums at
-        rsq_ptr (RSQ_N: a power of two at least rsq_count), as NORM scales it.
-        PF > 0 (with PDL, not GATED): before the wait, program p fetches into L2 the weight,
-        scale and zero-point rows of programs PF p .. PF p + PF - 1, so that the programs
-        resident while the kernel in front runs cover the rows of those that start after it
-        (`prefetch_rows_l2`; for a product behind a kernel that leaves the memory idle)."""
+        rsq_ptr (RSQ_N: a power of two at least rsq_count), as NORM scales it."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -447,7 +443,6 @@ if HAS_TRITON:
         tl.static_assert(not (EPI_ROW or RSQ) or not (GATED or EPI or NORM or PNORM),
                          "EPI_ROW / RSQ: the add and norm split around plain one-row products")
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
-        tl.static_assert(PF == 0 or not GATED, "PF fetches the rows of a plain product")
         tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
             stride_w = SW // DW
@@ -491,14 +486,6 @@ if HAS_TRITON:
             word_next = tl.load(wp)
             if GATED:
                 up_next = tl.load(wp + w_up)
-        if PF > 0 and PDL:
-            row0 = tl.program_id(0) * (PF * BLOCK_N)
-            if row0 < N:
-                n_groups = (n_words * 8 + GROUP - 1) // GROUP
-                prefetch_rows_l2(w_ptr, row0, N, stride_wn, n_words, PF * BLOCK_N, 16)
-                prefetch_rows_l2(s_ptr, row0, N, stride_sn, n_groups, PF * BLOCK_N, 1)
-                if HAS_ZP:
-                    prefetch_rows_l2(z_ptr, row0, N, stride_zn, n_groups, PF * BLOCK_N, 1)
         pdl_start(PDL)
         for w0 in range(0, n_words, STEP):
             if not GROUP_STEPS:
@@ -646,9 +633,6 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     if cfg.get("HALF2") and not half2_applies(x, fmt_id):
         cfg["HALF2"] = False  # the float32 products: fp32 activations, or not an NVIDIA GPU (the interpreter)
     N, n_words = words.shape
-    pf = cfg.get("PF", 0)
-    if pf < 0 or pf & (pf - 1) or (pf and gated):
-        raise ValueError(f"w4_linear: the one-row GEMV's PF={pf}: 0 or a power of two, 0 for a gated product")
     if cfg["BLOCK_W"] != 32 * cfg["num_warps"]:
         raise ValueError(f"w4_linear: the one-row GEMV needs BLOCK_W={cfg['BLOCK_W']} = 32 x num_warps "
                          f"({cfg['num_warps']})")

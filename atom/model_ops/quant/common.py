@@ -388,7 +388,7 @@ def quantized_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: 
 
 
 def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_scalar, lock=None, defer_sum=False,
-                      plan=None, fast_accum=False, prefetch=0):
+                      plan=None, fast_accum=False):
     """The product of quantized activations (`act_quant`'s layouts) on `route`
     (`product_route`; "dot_fused" runs "dot": x is quantized already). `lock`: the swap-AB
     kernel folds a split K into itself (`quant_gemv_dot.split_k_lock`); `defer_sum`: its split
@@ -396,8 +396,7 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
     the engine's `KernelPlan`, whose cuBLASLt choice serves "scaled_mm" where it has one,
     and "dot" (without a bias) where the start-up timing found one faster than the swap-AB
     kernel (row-wise fp8 from SCALED_MM_MIN_M rows: `tuning.gemm_choice.is_timed`).
-    `fast_accum`: "scaled_mm" with fast accumulation where no plan says (`_scaled_mm`).
-    `prefetch`: `fp8_gemv1`'s (one row)."""
+    `fast_accum`: "scaled_mm" with fast accumulation where no plan says (`_scaled_mm`)."""
     from atom.model_ops.kernels import fp8_gemv1
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
     from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot, quant_gemv_dot_launch
@@ -407,7 +406,7 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
         return y  # (timed without a bias: the swap-AB kernel adds one inside its split-K sum)
     if route in ("dot", "dot_fused"):
         if lock is None and not defer_sum and not block_k and ONE_ROW_FP8 and fp8_gemv1.takes(xq, xs, w, ws_k):
-            return fp8_gemv1.fp8_gemv1_launch(xq, xs, w, ws_k, bias, out_dtype=out_dtype, prefetch=prefetch)
+            return fp8_gemv1.fp8_gemv1_launch(xq, xs, w, ws_k, bias, out_dtype=out_dtype)
         if lock is not None or defer_sum:  # the launch itself (the custom op returns a tensor, mutates nothing)
             return quant_gemv_dot_launch(xq, xs, w, ws_k, bias, out_dtype, block_k, lock=lock, defer_sum=defer_sum)
         return quant_gemv_dot(xq, xs, w, ws_k, bias, out_dtype, block_k)
@@ -440,8 +439,7 @@ def _check_prequantized(xq: torch.Tensor, xs: torch.Tensor, K: int) -> None:
 
 def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                          bias: Optional[torch.Tensor], out_dtype: torch.dtype, w_scalar: Optional[torch.Tensor] = None,
-                         lock: Optional[torch.Tensor] = None, defer_sum: bool = False, plan=None,
-                         prefetch: int = 0):
+                         lock: Optional[torch.Tensor] = None, defer_sum: bool = False, plan=None):
     """xq [M, K] already quantized (float8_e4m3fn / int8 like w, by a kernel in front: one
     scale a row, xs [M] or [M, 1] fp32, or one scale for every row) times the 8-bit weight
     w [N, K] with its row scales ws [N, 1] -> [M, N] in `out_dtype`: `quantized_product`'s
@@ -453,9 +451,7 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
 
     xq may be a `kernels.pending_quant.PendingQuant` (xs None): rows whose quantization has
     not run; the swap-AB route quantizes them on load (one launch), the others quantize first.
-    `plan`: as for `quantized_product` (the `KernelPlan` itself). `prefetch`: the one-row
-    `fp8_gemv1` route fetches the weight into L2 before its PDL wait (its `prefetch`; other
-    routes have no such step)."""
+    `plan`: as for `quantized_product` (the `KernelPlan` itself)."""
     from atom.model_ops.kernels.pending_quant import PendingQuant
     if isinstance(xq, PendingQuant):
         M, K = xq.shape
@@ -474,8 +470,7 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
     one_scale = xs.numel() == 1 and w_scalar is not None  # both single: cuBLASLt's tensor-wise scales
     route = route_for("int8" if xq.dtype == torch.int8 else "fp8", M, K, N, out_dtype, xq.device,
                       rowwise=not one_scale)
-    return _product_on_route(route, xq, xs, w, ws, bias, out_dtype, 0, w_scalar, lock, defer_sum, plan,
-                             prefetch=prefetch)
+    return _product_on_route(route, xq, xs, w, ws, bias, out_dtype, 0, w_scalar, lock, defer_sum, plan)
 
 
 def prequantized_ref(xq: torch.Tensor, xs: torch.Tensor, w32: torch.Tensor, bias: Optional[torch.Tensor],

@@ -146,8 +146,7 @@ class Fp8LinearMethod(QuantLinearMethod):
                         lock: torch.Tensor | None = None, defer_sum: bool = False):
         if common.use_kernels(xq):
             return prequantized_product(xq, xs, layer.weight, layer.row_scale, layer.bias, out_dtype,
-                                        getattr(layer, "w_scalar", None), lock, defer_sum, getattr(layer, "plan", None),
-                                        prefetch=layer.__dict__.get("l2_prefetch", 0))
+                                        getattr(layer, "w_scalar", None), lock, defer_sum, getattr(layer, "plan", None))
         return prequantized_ref(xq, xs, self.dequantized_weight(layer), layer.bias, out_dtype)
 
     def format_spec(self) -> str:
