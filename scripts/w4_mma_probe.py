@@ -34,9 +34,9 @@ from w4_sweep import HBM_TBS, SHAPES, copies, nbytes, probe_args, write_rows  # 
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton  # noqa: E402
 
-#: (WM m-tiles of 16 rows a program, WK warps splitting K, AHEAD)
-CONFIGS = [(1, 2, True), (1, 4, True), (1, 8, True), (2, 2, True), (2, 4, True), (4, 2, True), (1, 4, False),
-           (2, 4, False)]
+#: (WM m-tiles of 16 rows a program, WK warps splitting K, U groups an iteration)
+CONFIGS = [(1, 4, 1), (1, 8, 1), (2, 4, 1), (1, 4, 2), (1, 8, 2), (2, 4, 2), (1, 2, 4), (1, 4, 4), (2, 2, 4),
+           (2, 4, 4), (1, 8, 4), (4, 2, 2)]
 
 MMA2 = """{
 .reg .b32 a0, a1, a2, a3, sa, sb;
@@ -90,9 +90,38 @@ if HAS_TRITON:
         tl.store(us_ptr, 16777216.0 / scale)
 
     @triton.jit
+    def _group(wa, wb, grp, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT: tl.constexpr):
+        """One 128-column group of rows ra, rb (wa, wb [NT, 4]: each lane's 4 words): its 8 mmas,
+        less the zero-point term, times the group's scales: the two rows' parts [NT]."""
+        a0, a1, a2, a3 = _four(wa, NT)
+        b0, b1, b2, b3 = _four(wb, NT)
+        c0 = tl.zeros([NT], tl.float32)
+        c1 = tl.zeros([NT], tl.float32)
+        c2 = tl.zeros([NT], tl.float32)
+        c3 = tl.zeros([NT], tl.float32)
+        for i in tl.static_range(4):
+            if i == 0:
+                wa_i, wb_i = a0, b0
+            elif i == 1:
+                wa_i, wb_i = a1, b1
+            elif i == 2:
+                wa_i, wb_i = a2, b2
+            else:
+                wa_i, wb_i = a3, b3
+            x0, x1, x2, x3 = _four(tl.load(f_p + (grp * 64 + 4 * i)[:, None], mask=bmask, other=0), NT)
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                MMA2_C, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [wa_i, wb_i, x0, x1, x2, x3, c0, c1, c2, c3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        sx = tl.load(sx_ptr + grp)
+        da = (c0 - sx) * tl.load(s_ptr + ra.to(tl.int64) * stride_s + grp).to(tl.float32)
+        db = (c2 - sx) * tl.load(s_ptr + rb.to(tl.int64) * stride_s + grp).to(tl.float32)
+        return da, db
+
+    @triton.jit
     def _w4_mma_kernel(f_ptr, sx_ptr, us_ptr, w_ptr, s_ptr, y_ptr, stride_w, stride_s, n_groups,
-                       WM: tl.constexpr, WK: tl.constexpr, AHEAD: tl.constexpr):
-        """Program p: rows p 16 WM.. of y; warp w: m-tile w % WM, groups w // WM + i WK."""
+                       WM: tl.constexpr, WK: tl.constexpr, U: tl.constexpr):
+        """Program p: rows p 16 WM.. of y; warp w: m-tile w % WM, groups w // WM + i WK, U groups
+        an iteration (their words loaded before any is used)."""
         NT: tl.constexpr = 32 * WM * WK
         tid = tl.arange(0, NT)
         lane = tid % 32
@@ -109,41 +138,32 @@ if HAS_TRITON:
         bmask = (g == 0)[:, None] & (q4 < 4)
         acc_a = tl.zeros([NT], tl.float32)
         acc_b = tl.zeros([NT], tl.float32)
-        if AHEAD:
-            na = tl.load(wa_p + (kp * 16)[:, None])
-            nb = tl.load(wb_p + (kp * 16)[:, None])
-        for it in range(0, n_groups // WK):
-            grp = kp + it * WK
-            if AHEAD:
-                wa, wb = na, nb
-                nxt = tl.where(it + 1 < n_groups // WK, grp + WK, grp)
-                na = tl.load(wa_p + (nxt * 16)[:, None])
-                nb = tl.load(wb_p + (nxt * 16)[:, None])
-            else:
-                wa = tl.load(wa_p + (grp * 16)[:, None])
-                wb = tl.load(wb_p + (grp * 16)[:, None])
-            a0, a1, a2, a3 = _four(wa, NT)
-            b0, b1, b2, b3 = _four(wb, NT)
-            c0 = tl.zeros([NT], tl.float32)
-            c1 = tl.zeros([NT], tl.float32)
-            c2 = tl.zeros([NT], tl.float32)
-            c3 = tl.zeros([NT], tl.float32)
-            for i in tl.static_range(4):
-                if i == 0:
-                    wa_i, wb_i = a0, b0
-                elif i == 1:
-                    wa_i, wb_i = a1, b1
-                elif i == 2:
-                    wa_i, wb_i = a2, b2
-                else:
-                    wa_i, wb_i = a3, b3
-                x0, x1, x2, x3 = _four(tl.load(f_p + (grp * 64 + 4 * i)[:, None], mask=bmask, other=0), NT)
-                c0, c1, c2, c3 = tl.inline_asm_elementwise(
-                    MMA2_C, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [wa_i, wb_i, x0, x1, x2, x3, c0, c1, c2, c3],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-            sx = tl.load(sx_ptr + grp)
-            acc_a += (c0 - sx) * tl.load(s_ptr + ra.to(tl.int64) * stride_s + grp).to(tl.float32)
-            acc_b += (c2 - sx) * tl.load(s_ptr + rb.to(tl.int64) * stride_s + grp).to(tl.float32)
+        for it in range(0, n_groups // (WK * U)):
+            g0 = kp + it * (U * WK)
+            wa0 = tl.load(wa_p + (g0 * 16)[:, None])
+            wb0 = tl.load(wb_p + (g0 * 16)[:, None])
+            if U >= 2:
+                wa1 = tl.load(wa_p + ((g0 + WK) * 16)[:, None])
+                wb1 = tl.load(wb_p + ((g0 + WK) * 16)[:, None])
+            if U >= 4:
+                wa2 = tl.load(wa_p + ((g0 + 2 * WK) * 16)[:, None])
+                wb2 = tl.load(wb_p + ((g0 + 2 * WK) * 16)[:, None])
+                wa3 = tl.load(wa_p + ((g0 + 3 * WK) * 16)[:, None])
+                wb3 = tl.load(wb_p + ((g0 + 3 * WK) * 16)[:, None])
+            da, db = _group(wa0, wb0, g0, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT)
+            acc_a += da
+            acc_b += db
+            if U >= 2:
+                da, db = _group(wa1, wb1, g0 + WK, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT)
+                acc_a += da
+                acc_b += db
+            if U >= 4:
+                da, db = _group(wa2, wb2, g0 + 2 * WK, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT)
+                acc_a += da
+                acc_b += db
+                da, db = _group(wa3, wb3, g0 + 3 * WK, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT)
+                acc_a += da
+                acc_b += db
         us = tl.load(us_ptr)
         ya = tl.sum(tl.reshape(acc_a, [WK, WM * 32]), axis=0) * us
         yb = tl.sum(tl.reshape(acc_b, [WK, WM * 32]), axis=0) * us
@@ -166,11 +186,11 @@ def prep(x: torch.Tensor):
 
 def w4_mma(prepped, packed: torch.Tensor, scales: torch.Tensor, y: torch.Tensor, cfg: tuple) -> torch.Tensor:
     """y [1, N] = x W^T for int4 g128 symmetric `packed` int32 [N, K / 8], `scales` [N, K / 128]."""
-    wm, wk, ahead = cfg
+    wm, wk, u = cfg
     f, sx, us = prepped
     N = packed.shape[0]
     _w4_mma_kernel[(N // (16 * wm),)](f, sx, us, packed, scales, y, packed.stride(0), scales.stride(0),
-                                      scales.shape[1], WM=wm, WK=wk, AHEAD=ahead, num_warps=wm * wk)
+                                      scales.shape[1], WM=wm, WK=wk, U=u, num_warps=wm * wk)
     return y
 
 
@@ -203,7 +223,7 @@ def main(argv=None) -> None:
         rows.append(dict(base, kernel="prep", us=t_prep * 1e6))
         pre = prep(x)
         for cfg in CONFIGS:
-            if N % (16 * cfg[0]) or (K // 128) % cfg[1]:
+            if N % (16 * cfg[0]) or (K // 128) % (cfg[1] * cfg[2]):
                 continue
             try:
                 w4_mma(pre, packed, scales, y, cfg)
