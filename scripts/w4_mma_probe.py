@@ -35,8 +35,8 @@ from w4_sweep import HBM_TBS, SHAPES, copies, nbytes, probe_args, write_rows  # 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton  # noqa: E402
 
 #: (WM m-tiles of 16 rows a program, WK warps splitting K, U groups an iteration)
-CONFIGS = [(1, 4, 1), (1, 8, 1), (2, 4, 1), (1, 4, 2), (1, 8, 2), (2, 4, 2), (1, 2, 4), (1, 4, 4), (2, 2, 4),
-           (2, 4, 4), (1, 8, 4), (4, 2, 2)]
+CONFIGS = [(1, 4, 1), (1, 8, 1), (2, 4, 1), (1, 2, 2), (1, 4, 2), (1, 8, 2), (2, 2, 2), (2, 4, 2), (4, 2, 2),
+           (1, 16, 1), (2, 8, 1)]
 
 MMA2 = """{
 .reg .b32 a0, a1, a2, a3, sa, sb;
@@ -90,38 +90,45 @@ if HAS_TRITON:
         tl.store(us_ptr, 16777216.0 / scale)
 
     @triton.jit
-    def _group(wa, wb, grp, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT: tl.constexpr):
-        """One 128-column group of rows ra, rb (wa, wb [NT, 4]: each lane's 4 words): its 8 mmas,
-        less the zero-point term, times the group's scales: the two rows' parts [NT]."""
+    def _loads(wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, grp):
+        """Every load of one 128-column group: the lanes' words of rows ra, rb [NT, 4], the four
+        x fragments [NT, 4] (zeros off lanes 0-3), the zero-point term and the two scales."""
+        wa = tl.load(wa_p + (grp * 16)[:, None])
+        wb = tl.load(wb_p + (grp * 16)[:, None])
+        f0 = tl.load(f_p + (grp * 64)[:, None], mask=bmask, other=0)
+        f1 = tl.load(f_p + (grp * 64 + 4)[:, None], mask=bmask, other=0)
+        f2 = tl.load(f_p + (grp * 64 + 8)[:, None], mask=bmask, other=0)
+        f3 = tl.load(f_p + (grp * 64 + 12)[:, None], mask=bmask, other=0)
+        sx = tl.load(sx_ptr + grp)
+        sa = tl.load(s_ptr + ra.to(tl.int64) * stride_s + grp).to(tl.float32)
+        sb = tl.load(s_ptr + rb.to(tl.int64) * stride_s + grp).to(tl.float32)
+        return wa, wb, f0, f1, f2, f3, sx, sa, sb
+
+    @triton.jit
+    def _mma_word(wa, wb, f, c0, c1, c2, c3, NT: tl.constexpr):
+        x0, x1, x2, x3 = _four(f, NT)
+        return tl.inline_asm_elementwise(MMA2_C, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                                         [wa, wb, x0, x1, x2, x3, c0, c1, c2, c3],
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+    @triton.jit
+    def _group(wa, wb, f0, f1, f2, f3, sx, sa, sb, NT: tl.constexpr):
+        """One group's 8 mmas (its loads made), less the zero-point term, times the scales:
+        the two rows' parts [NT]."""
         a0, a1, a2, a3 = _four(wa, NT)
         b0, b1, b2, b3 = _four(wb, NT)
-        c0 = tl.zeros([NT], tl.float32)
-        c1 = tl.zeros([NT], tl.float32)
-        c2 = tl.zeros([NT], tl.float32)
-        c3 = tl.zeros([NT], tl.float32)
-        for i in tl.static_range(4):
-            if i == 0:
-                wa_i, wb_i = a0, b0
-            elif i == 1:
-                wa_i, wb_i = a1, b1
-            elif i == 2:
-                wa_i, wb_i = a2, b2
-            else:
-                wa_i, wb_i = a3, b3
-            x0, x1, x2, x3 = _four(tl.load(f_p + (grp * 64 + 4 * i)[:, None], mask=bmask, other=0), NT)
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(
-                MMA2_C, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [wa_i, wb_i, x0, x1, x2, x3, c0, c1, c2, c3],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-        sx = tl.load(sx_ptr + grp)
-        da = (c0 - sx) * tl.load(s_ptr + ra.to(tl.int64) * stride_s + grp).to(tl.float32)
-        db = (c2 - sx) * tl.load(s_ptr + rb.to(tl.int64) * stride_s + grp).to(tl.float32)
-        return da, db
+        z = tl.zeros([NT], tl.float32)
+        c0, c1, c2, c3 = _mma_word(a0, b0, f0, z, z, z, z, NT)
+        c0, c1, c2, c3 = _mma_word(a1, b1, f1, c0, c1, c2, c3, NT)
+        c0, c1, c2, c3 = _mma_word(a2, b2, f2, c0, c1, c2, c3, NT)
+        c0, c1, c2, c3 = _mma_word(a3, b3, f3, c0, c1, c2, c3, NT)
+        return (c0 - sx) * sa, (c2 - sx) * sb
 
     @triton.jit
     def _w4_mma_kernel(f_ptr, sx_ptr, us_ptr, w_ptr, s_ptr, y_ptr, stride_w, stride_s, n_groups,
                        WM: tl.constexpr, WK: tl.constexpr, U: tl.constexpr):
         """Program p: rows p 16 WM.. of y; warp w: m-tile w % WM, groups w // WM + i WK, U groups
-        an iteration (their words loaded before any is used)."""
+        an iteration (every load of the U groups issued before any is used)."""
         NT: tl.constexpr = 32 * WM * WK
         tid = tl.arange(0, NT)
         lane = tid % 32
@@ -140,28 +147,14 @@ if HAS_TRITON:
         acc_b = tl.zeros([NT], tl.float32)
         for it in range(0, n_groups // (WK * U)):
             g0 = kp + it * (U * WK)
-            wa0 = tl.load(wa_p + (g0 * 16)[:, None])
-            wb0 = tl.load(wb_p + (g0 * 16)[:, None])
+            l0 = _loads(wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, g0)
             if U >= 2:
-                wa1 = tl.load(wa_p + ((g0 + WK) * 16)[:, None])
-                wb1 = tl.load(wb_p + ((g0 + WK) * 16)[:, None])
-            if U >= 4:
-                wa2 = tl.load(wa_p + ((g0 + 2 * WK) * 16)[:, None])
-                wb2 = tl.load(wb_p + ((g0 + 2 * WK) * 16)[:, None])
-                wa3 = tl.load(wa_p + ((g0 + 3 * WK) * 16)[:, None])
-                wb3 = tl.load(wb_p + ((g0 + 3 * WK) * 16)[:, None])
-            da, db = _group(wa0, wb0, g0, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT)
+                l1 = _loads(wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, g0 + WK)
+            da, db = _group(*l0, NT)
             acc_a += da
             acc_b += db
             if U >= 2:
-                da, db = _group(wa1, wb1, g0 + WK, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT)
-                acc_a += da
-                acc_b += db
-            if U >= 4:
-                da, db = _group(wa2, wb2, g0 + 2 * WK, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT)
-                acc_a += da
-                acc_b += db
-                da, db = _group(wa3, wb3, g0 + 3 * WK, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, NT)
+                da, db = _group(*l1, NT)
                 acc_a += da
                 acc_b += db
         us = tl.load(us_ptr)
