@@ -34,9 +34,9 @@ from w4_sweep import HBM_TBS, SHAPES, copies, nbytes, probe_args, write_rows  # 
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton  # noqa: E402
 
-#: (WM m-tiles of 16 rows a program, WK warps splitting K, U groups an iteration)
-CONFIGS = [(1, 4, 1), (1, 8, 1), (2, 4, 1), (1, 2, 2), (1, 4, 2), (1, 8, 2), (2, 2, 2), (2, 4, 2), (4, 2, 2),
-           (1, 16, 1), (2, 8, 1)]
+#: (WM m-tiles of 16 rows a program, WK warps splitting K, D groups loaded ahead)
+CONFIGS = [(1, 4, 0), (1, 8, 0), (1, 4, 1), (1, 8, 1), (2, 4, 1), (1, 16, 1), (1, 4, 2), (1, 8, 2), (2, 4, 2),
+           (2, 8, 2), (1, 16, 2), (4, 4, 2), (2, 2, 2), (1, 2, 2)]
 
 MMA2 = """{
 .reg .b32 a0, a1, a2, a3, sa, sb;
@@ -126,9 +126,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _w4_mma_kernel(f_ptr, sx_ptr, us_ptr, w_ptr, s_ptr, y_ptr, stride_w, stride_s, n_groups,
-                       WM: tl.constexpr, WK: tl.constexpr, U: tl.constexpr):
-        """Program p: rows p 16 WM.. of y; warp w: m-tile w % WM, groups w // WM + i WK, U groups
-        an iteration (every load of the U groups issued before any is used)."""
+                       WM: tl.constexpr, WK: tl.constexpr, D: tl.constexpr):
+        """Program p: rows p 16 WM.. of y; warp w: m-tile w % WM, groups w // WM + j WK. D > 0:
+        the loads of group j + D (words, x fragments, scales) are issued, carried through the
+        loop, while group j is computed (D = 1 or 2); D = 0: each group's loads, then its mmas."""
         NT: tl.constexpr = 32 * WM * WK
         tid = tl.arange(0, NT)
         lane = tid % 32
@@ -145,18 +146,33 @@ if HAS_TRITON:
         bmask = (g == 0)[:, None] & (q4 < 4)
         acc_a = tl.zeros([NT], tl.float32)
         acc_b = tl.zeros([NT], tl.float32)
-        for it in range(0, n_groups // (WK * U)):
-            g0 = kp + it * (U * WK)
-            l0 = _loads(wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, g0)
-            if U >= 2:
-                l1 = _loads(wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, g0 + WK)
-            da, db = _group(*l0, NT)
+        n_it = n_groups // WK
+        last = kp + (n_it - 1) * WK
+        if D >= 1:
+            a_wa, a_wb, a_f0, a_f1, a_f2, a_f3, a_sx, a_sa, a_sb = _loads(
+                wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, kp)
+        if D >= 2:
+            b_wa, b_wb, b_f0, b_f1, b_f2, b_f3, b_sx, b_sa, b_sb = _loads(
+                wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, tl.minimum(kp + WK, last))
+        for it in range(0, n_it):
+            if D == 0:
+                da, db = _group(*_loads(wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, kp + it * WK), NT)
+            elif D == 1:
+                c_wa, c_wb, c_f0, c_f1, c_f2, c_f3, c_sx, c_sa, c_sb = \
+                    a_wa, a_wb, a_f0, a_f1, a_f2, a_f3, a_sx, a_sa, a_sb
+                a_wa, a_wb, a_f0, a_f1, a_f2, a_f3, a_sx, a_sa, a_sb = _loads(
+                    wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, tl.minimum(kp + (it + 1) * WK, last))
+                da, db = _group(c_wa, c_wb, c_f0, c_f1, c_f2, c_f3, c_sx, c_sa, c_sb, NT)
+            else:
+                c_wa, c_wb, c_f0, c_f1, c_f2, c_f3, c_sx, c_sa, c_sb = \
+                    a_wa, a_wb, a_f0, a_f1, a_f2, a_f3, a_sx, a_sa, a_sb
+                a_wa, a_wb, a_f0, a_f1, a_f2, a_f3, a_sx, a_sa, a_sb = \
+                    b_wa, b_wb, b_f0, b_f1, b_f2, b_f3, b_sx, b_sa, b_sb
+                b_wa, b_wb, b_f0, b_f1, b_f2, b_f3, b_sx, b_sa, b_sb = _loads(
+                    wa_p, wb_p, f_p, bmask, sx_ptr, s_ptr, ra, rb, stride_s, tl.minimum(kp + (it + 2) * WK, last))
+                da, db = _group(c_wa, c_wb, c_f0, c_f1, c_f2, c_f3, c_sx, c_sa, c_sb, NT)
             acc_a += da
             acc_b += db
-            if U >= 2:
-                da, db = _group(*l1, NT)
-                acc_a += da
-                acc_b += db
         us = tl.load(us_ptr)
         ya = tl.sum(tl.reshape(acc_a, [WK, WM * 32]), axis=0) * us
         yb = tl.sum(tl.reshape(acc_b, [WK, WM * 32]), axis=0) * us
@@ -179,11 +195,11 @@ def prep(x: torch.Tensor):
 
 def w4_mma(prepped, packed: torch.Tensor, scales: torch.Tensor, y: torch.Tensor, cfg: tuple) -> torch.Tensor:
     """y [1, N] = x W^T for int4 g128 symmetric `packed` int32 [N, K / 8], `scales` [N, K / 128]."""
-    wm, wk, u = cfg
+    wm, wk, d = cfg
     f, sx, us = prepped
     N = packed.shape[0]
     _w4_mma_kernel[(N // (16 * wm),)](f, sx, us, packed, scales, y, packed.stride(0), scales.stride(0),
-                                      scales.shape[1], WM=wm, WK=wk, U=u, num_warps=wm * wk)
+                                      scales.shape[1], WM=wm, WK=wk, D=d, num_warps=wm * wk)
     return y
 
 
@@ -216,7 +232,7 @@ def main(argv=None) -> None:
         rows.append(dict(base, kernel="prep", us=t_prep * 1e6))
         pre = prep(x)
         for cfg in CONFIGS:
-            if N % (16 * cfg[0]) or (K // 128) % (cfg[1] * cfg[2]):
+            if N % (16 * cfg[0]) or (K // 128) % cfg[1] or (K // 128) // cfg[1] < 2:
                 continue
             try:
                 w4_mma(pre, packed, scales, y, cfg)
