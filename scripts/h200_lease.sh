@@ -5,15 +5,16 @@
 #
 # Here, once (the pieces plus the repository must stay under a call's 64 MiB):
 #   bash ../shared/peer/fetch_vllm.sh && bash scripts/h200_lease.sh pack
-#   (pack: .peer/q1..q4, ~55 MiB each; .srv: the wheels `vllm serve` and our server need beyond
+#   (pack: .peer/q1..q5, ~45-52 MiB each; .srv: the wheels `vllm serve` and our server need beyond
 #    vLLM's own list. For a before/after comparison put the `atom/` package of the engine to
 #    compare with in .before/atom yourself, and name its commit in BEFORE)
 # There, one call per piece, stages in order, e.g.
 #   call 1 (carry .peer/q1):                 bash scripts/h200_lease.sh stash1 q_l0 q_l3
 #   call 2 (carry .peer/q2):                 bash scripts/h200_lease.sh stash2 q_lat_l3 q_l0 q_l3
-#   call 3 (carry .peer/q3 .srv .before):    bash scripts/h200_lease.sh stash3 srv before q_before
-#   call 4 (carry .peer/q4):                 bash scripts/h200_lease.sh stash4 vllm serve
-#   call 5:                                  bash scripts/h200_lease.sh q_vllm l_vllm
+#   call 3 (carry .peer/q3 .before):         bash scripts/h200_lease.sh stash3 before q_before
+#   call 4 (carry .peer/q4):                 bash scripts/h200_lease.sh stash4
+#   call 5 (carry .peer/q5 .srv):            bash scripts/h200_lease.sh stash5 srv vllm serve
+#   call 6:                                  bash scripts/h200_lease.sh q_vllm l_vllm
 # Other stages: moe_k (the experts kernel at 1 / 64 / 2048 tokens), l_kv (Llama long-context
 # workload, bf16 against FP8 KV), l_fp8 (Llama workload, bf16 against ptpc FP8), g_vllm
 # (GPT-OSS-20B beside vLLM), w4_vllm / mx_vllm / fp8_vllm (Llama W4A16 / MXFP4 / ptpc FP8 batch-1 decode beside vLLM), moe_tests (the
@@ -69,16 +70,16 @@
 set -u
 if [ "${1:-}" = pack ]; then
   set -e
-  mkdir -p .peer/q1 .peer/q2 .peer/q3 .peer/q4 .srv .before
-  (cd .peer/full && rm -f piece.* && split -b 58000000 -d slim.whl piece.)
-  mv .peer/full/piece.00 .peer/q1/; mv .peer/full/piece.01 .peer/q2/; mv .peer/full/piece.02 .peer/q3/
-  cp .peer/p3/*.whl .peer/q3/; cp .peer/p4/*.whl .peer/q4/
+  rm -rf .peer/q1 .peer/q2 .peer/q3 .peer/q4 .peer/q5; mkdir -p .peer/q1 .peer/q2 .peer/q3 .peer/q4 .peer/q5 .srv .before
+  (cd .peer/full && rm -f piece.* && split -b 50000000 -d slim.whl piece.)  # ~57 MB a call beside the ~9 MB tree
+  mv .peer/full/piece.00 .peer/q1/; mv .peer/full/piece.01 .peer/q2/; mv .peer/full/piece.0[2-9] .peer/q3/
+  cp .peer/p3/*.whl .peer/q4/; cp .peer/p4/*.whl .peer/q5/
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .srv \
     fastapi==0.135.0 starlette==1.0.1 watchfiles==1.3.0 model_hosting_container_standards==0.1.16 \
     jmespath==1.1.0 supervisor==4.3.0
   printf '/.srv/\n/.before/\n' >> .git/info/exclude
-  du -sb .peer/q1 .peer/q2 .peer/q3 .peer/q4 .srv .before
+  du -sb .peer/q1 .peer/q2 .peer/q3 .peer/q4 .peer/q5 .srv .before
   exit 0
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0
@@ -111,7 +112,7 @@ tune() {  # experts width hidden top_k name: moe_tune's file, under a name that 
 before=(env -C $B PYTHONPATH=$B:/tmp/site ATOM_BENCH_COMMIT="${BEFORE:-before}")
 Q="--model qwen3-0.6b"; L="--model llama-3.1-8b"; LAT="--modes graphs --new-tokens 256"
 for st in "$@"; do ts=$(date +%s); case $st in
-  stash[1-4]) cp .peer/q${st#stash}/* /tmp/peer/; log "stashed ${st#stash}: $(ls /tmp/peer | wc -l) files";;
+  stash[1-5]) cp .peer/q${st#stash}/* /tmp/peer/; log "stashed ${st#stash}: $(ls /tmp/peer | wc -l) files";;
   before) rm -rf $B; mkdir -p $B; cp -r .before/atom $B/; log "before tree at $B";;
   srv) (cd /tmp/peer && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
          $(ls *.whl | grep -v -E '^(fastapi|starlette|xgrammar)-')) &&
