@@ -12,6 +12,60 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _interpreter_patches_once_per_launch() -> None:
+    """Triton's interpreter (3.x) re-patches `triton.language` on every call of a
+    @triton.jit helper inside a kernel (`InterpretedFunction.__call__` -> `_patch_lang`:
+    `inspect.getmembers` over tl, tl.core, tl.math, ...), although the launch
+    (`GridExecutor.__call__`) patched the same modules already and keeps them patched until
+    it returns: about a quarter of an interpreted test's time. The same patches again are a
+    no-op (builtins already swapped are skipped, the rest are equivalent stateless closures),
+    so inside a launch a helper whose language modules are patched skips it; a helper that
+    sees a module the launch did not patch, or a call outside a launch, patches as before.
+    What runs, and every value, is the interpreter's own; only the repeated patching goes.
+    Left alone where triton is missing, not interpreted, or its internals differ."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        import threading
+
+        import triton.language as tl
+        from triton.runtime import interpreter as ip
+    except ImportError:
+        return
+    grid_call = getattr(getattr(ip, "GridExecutor", None), "__call__", None)
+    patch_lang = getattr(ip, "_patch_lang", None)
+    if grid_call is None or patch_lang is None or not hasattr(ip, "_LangPatchScope") \
+            or getattr(patch_lang, "once_per_launch", False):
+        return
+    state = threading.local()  # .patched: the language modules this thread's launch has patched
+
+    def _patch_lang(fn):
+        patched = getattr(state, "patched", None)
+        if patched is None:  # outside a launch: as before
+            return patch_lang(fn)
+        langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        if langs and langs <= patched:
+            return ip._LangPatchScope()  # patched by this launch already (nothing to restore)
+        scope = patch_lang(fn)
+        state.patched = patched | langs
+        return scope
+
+    def _grid_call(self, *args, **kwargs):
+        outer = getattr(state, "patched", None)
+        state.patched = frozenset()
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    _patch_lang.once_per_launch = True
+    ip._patch_lang = _patch_lang
+    ip.GridExecutor.__call__ = _grid_call
+
+
+_interpreter_patches_once_per_launch()
+
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
             initializer_range=0.45)
