@@ -59,8 +59,8 @@ import json, os, tempfile
 path = os.path.join(tempfile.mkdtemp(), "online_quant_config.json")
 cfg = write_online_config(dec, keep=2, path=path)
 print(json.load(open(path)))
-rows = {"everything ptpc_fp8": ex.evaluate({"global_quant_config": "ptpc_fp8"}),
-        "2 decoder layers left out": ex.evaluate(cfg)}
+everything_fp8 = ex.evaluate({"global_quant_config": "ptpc_fp8"})
+rows = {"everything ptpc_fp8": everything_fp8, "2 decoder layers left out": ex.evaluate(cfg)}
 summary = pd.DataFrame(rows).T[["kl", "top1", "ppl", "layers_quantized", "linear_bytes"]]
 print(summary.to_string())
 assert cfg["exclude_layer"] == top2 and summary["layers_quantized"].tolist() == [120, 112]
@@ -78,7 +78,8 @@ MXFP4 (4.25 bits a weight) and per-channel FP8.
     ("code", """
 from atom.quant import choose_formats, mixed_config, plot_choice
 tables = [ex.run(fmt) for fmt in ("mxfp4", "ptpc_fp8")]          # 2 x 120 rows
-uniform = {fmt: ex.evaluate({"global_quant_config": fmt}) for fmt in ("mxfp4", "w4a16_g32", "ptpc_fp8")}
+uniform = {fmt: ex.evaluate({"global_quant_config": fmt}) for fmt in ("mxfp4", "w4a16_g32")}
+uniform["ptpc_fp8"] = everything_fp8                               # evaluated above
 choice = choose_formats(tables, budget_bytes=uniform["w4a16_g32"]["linear_bytes"])
 print(choice["format"].value_counts().to_string())
 plot_choice(choice)

@@ -2,6 +2,7 @@
 
     base = teacher_forced_logits(runner, ids)   # [T, vocab] fp32, the engine's model on ids
     scores(base, quantized, ids)                # kl, top1, ppl (of the second), ...
+    ref = Reference(base, ids); ref.scores(q)   # the same, base's terms computed once
 
 Teacher forcing: the whole text is one prefill; the logits at position t predict token
 t + 1, so both models see the same inputs whatever they would have generated.
@@ -69,19 +70,35 @@ def teacher_forced_logits(runner, token_ids: list[int]) -> torch.Tensor:
     return TeacherForcedRun(runner, token_ids).logits()
 
 
+class Reference:
+    """What `scores` needs of `base` ([T, vocab]) on `token_ids`, computed once: its log-softmax,
+    probabilities, argmax and NLL on the T - 1 predicted positions (a sensitivity run scores
+    every group against the same base)."""
+
+    def __init__(self, base: torch.Tensor, token_ids: list[int]):
+        self.b = base[:-1].float()
+        self.lb = torch.log_softmax(self.b, -1)
+        self.pb = self.lb.exp()
+        self.argmax = self.b.argmax(-1)
+        self.target = torch.as_tensor(token_ids[1:])
+        self.nll = -self.lb.gather(1, self.target[:, None]).mean()
+
+    def scores(self, other: torch.Tensor) -> dict[str, float]:
+        """`scores(base, other, token_ids)`, the base's terms reused."""
+        o = other[:-1].float()
+        lo = torch.log_softmax(o, -1)
+        kl = (self.pb * (self.lb - lo)).sum(-1).clamp(min=0)
+        nll_o = -lo.gather(1, self.target[:, None]).mean()
+        return {"kl": float(kl.mean()), "kl_max": float(kl.max()),
+                "top1": float((self.argmax == o.argmax(-1)).float().mean()),
+                "ppl": math.exp(float(nll_o)), "ppl_base": math.exp(float(self.nll)), "positions": int(self.b.shape[0])}
+
+
 def scores(base: torch.Tensor, other: torch.Tensor, token_ids: list[int]) -> dict[str, float]:
     """How `other`'s next-token distributions compare with `base`'s ([T, vocab] each) on
     the T - 1 predicted positions: mean KL(base || other) in nats, top-1 agreement (share
     of positions with the same argmax), and both perplexities on `token_ids`."""
-    b, o = base[:-1].float(), other[:-1].float()
-    lb, lo = torch.log_softmax(b, -1), torch.log_softmax(o, -1)
-    kl = (lb.exp() * (lb - lo)).sum(-1).clamp(min=0)
-    target = torch.as_tensor(token_ids[1:])
-    nll_b = -lb.gather(1, target[:, None]).mean()
-    nll_o = -lo.gather(1, target[:, None]).mean()
-    return {"kl": float(kl.mean()), "kl_max": float(kl.max()),
-            "top1": float((b.argmax(-1) == o.argmax(-1)).float().mean()),
-            "ppl": math.exp(float(nll_o)), "ppl_base": math.exp(float(nll_b)), "positions": int(b.shape[0])}
+    return Reference(base, token_ids).scores(other)
 
 
 @torch.inference_mode()

@@ -26,7 +26,7 @@ import pandas as pd
 
 from atom.model_loader.online_quant import OnlineQuantPlan, linear_layers
 from atom.model_ops.quant.online import requantize_layer, target_for
-from atom.quant.metrics import TeacherForcedRun, scores
+from atom.quant.metrics import Reference, TeacherForcedRun
 from atom.quant.text import TEXT
 from atom.quant_spec import ONLINE_QUANT_FORMATS
 
@@ -76,6 +76,7 @@ class SensitivityExplorer:
         self.layers = linear_layers(self.runner.model)
         self.forward = TeacherForcedRun(self.runner, self.token_ids)
         self.base = self.forward.logits()  # also records each decoder layer's input
+        self.reference = Reference(self.base, self.token_ids)  # base's terms of the scores, once
 
     def groups(self, by: str = "layer") -> dict[str, list[str]]:
         """Group name -> the linear layers in it, in model order."""
@@ -96,7 +97,7 @@ class SensitivityExplorer:
                 before += layer.method.weight_bytes(layer)
                 undos.append(requantize_layer(layer, target_for(fmt, n)))
                 after += layer.method.weight_bytes(layer)
-            out = scores(self.base, self.forward.logits(start=_first_decoder(names)), self.token_ids)
+            out = self.reference.scores(self.forward.logits(start=_first_decoder(names)))
         finally:
             for undo in reversed(undos):
                 undo()
@@ -130,7 +131,7 @@ class SensitivityExplorer:
                 df[col] = math.nan
         df["rank"] = df["kl"].rank(ascending=False, method="first")
         df = df[COLUMNS]
-        base = scores(self.base, self.base, self.token_ids)
+        base = self.reference.scores(self.base)
         df.attrs.update(format=fmt, by=by, tokens=len(self.token_ids), ppl_base=base["ppl_base"])
         return df
 
@@ -149,7 +150,7 @@ class SensitivityExplorer:
                     before += layer.method.weight_bytes(layer)
                     undos.append(requantize_layer(layer, target_for(fmt, n)))
                     after += layer.method.weight_bytes(layer)
-            out = scores(self.base, self.forward.logits(), self.token_ids)
+            out = self.reference.scores(self.forward.logits())
         finally:
             for undo in reversed(undos):
                 undo()
