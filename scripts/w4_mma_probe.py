@@ -12,15 +12,17 @@ the weight as A (16 rows) and x as column 0 of B (the other 7 columns zero). The
 comes from the checkpoint's own layout (no repacking): lane (g, t) of a warp loads 16 bytes
 (4 words, 32 codes) of rows g and g + 8 at words 4t.. of a 128-column group; each word gives
 two mmas' A registers, nibbles (0, 4) and (1, 5) masked in place as fp16 subnormals u 2^-24
-(16 u 2^-24 for the odd ones), then (2, 6), (3, 7) after a shift by 8: 5 instructions and 2
-mmas a word pair of 16 codes. The mma's k order is the lanes' own (k slots 2t, 2t + 1, 2t +
+(16 u 2^-24 for the odd ones), then (2, 6), (3, 7) after a shift by 8: for a word of each of
+the two rows (16 codes), 8 masks, 2 shifts and 2 mmas. The mma's k order is the lanes' own (k slots 2t, 2t + 1, 2t +
 8, 2t + 9 hold the word's nibbles), so B carries x in that order: `_prep_kernel` writes x once
 per product as fp16 pairs in the fragment order (x scaled by a power of two into fp16's range,
 the odd nibbles' x / 16) with 8 x the group sums of x in the mma's units (the symmetric zero
 point), which lanes 0-3 (column 0) load; the others load nothing (zeros). A group's mma sum
 less that term, times the group's scale, adds into each lane's row; warps that split K are
 summed at the end. (In an engine the kernel in front would write the pairs, as the prepared
-rows of `h2_xpack` do.)
+rows of `h2_xpack` do.) What it found is in docs/perf: no faster than `w4_gemv1` but at the
+gate-up shape, as the Gluon kernel of 2026-12-04i (`w4_mma1`) before it; the loads in flight
+per SM, not the instructions, set the speed.
 """
 from __future__ import annotations
 
