@@ -150,18 +150,6 @@ def test_gpu_kernel_matches_the_exact_product_and_its_model(n, k, tile):
 
 @pytest.mark.gpu
 @GPU_ONLY
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-def test_gpu_x_loaded_ahead_keeps_the_bits(n, k, monkeypatch):
-    """`X_AHEAD` (the kernel's PRE: the row's next loads carried a step ahead) gives the bits of
-    the default tiles without it."""
-    xq, xs, w8, ws = _operands(n, k, seed=3)
-    want = fp8_gemv1.fp8_gemv1_launch(xq, xs, w8, ws)
-    monkeypatch.setattr(fp8_gemv1, "X_AHEAD", True)
-    assert torch.equal(fp8_gemv1.fp8_gemv1_launch(xq, xs, w8, ws), want)
-
-
-@pytest.mark.gpu
-@GPU_ONLY
 def test_gpu_bias_output_dtype_and_takes():
     xq, xs, w8, ws = _operands(4096, 4096, seed=1)
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)

@@ -11,8 +11,7 @@ the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants;
 how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
 its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait; its
 split merged by the last segment's program; rows prepared for the 4-bit GEMV and its loops
-reading them; scales and x loaded a step ahead (PRE); the tensor-core probe
-`scripts/w4_mma_probe.py`).
+reading them; the tensor-core probe `scripts/w4_mma_probe.py`).
 
     python tests/test_kernel_compile.py    # the child: prints one JSON line
 """
@@ -59,7 +58,6 @@ def _compile_all() -> dict:
     sampling = importlib.import_module("atom.model_ops.kernels.sampling")
     moe = importlib.import_module("atom.model_ops.moe.experts_triton")
     w4g1 = importlib.import_module("atom.model_ops.kernels.w4_gemv1")
-    fp8g1 = importlib.import_module("atom.model_ops.kernels.fp8_gemv1")
     import importlib.util
     spec = importlib.util.spec_from_file_location(  # the tensor-core probe (a script, not a package module)
         "w4_mma_probe", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
@@ -242,17 +240,6 @@ def _compile_all() -> dict:
                                        dict(FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8,
                                             BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True, EPI_ROW=True),
                                        dict(w_ptr="*i32", esq_ptr="*fp32"), ("fma.rn.f16x2", "griddepcontrol.wait")),
-        # scales and x loaded a step ahead with the words (PRE): o_proj's epilogue GEMV, MXFP4 pairs of words;
-        # the one-row fp8 product's x
-        "w4_gemv1_mxfp4_pre": (w4g1._w4_gemv1_kernel,
-                               dict(FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8, BLOCK_W=256,
-                                    EVEN=True, AHEAD=True, HALF2=True, DW=2, EPI_ROW=True, PRE=True),
-                               dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", esq_ptr="*fp32"),
-                               ("fma.rn.f16x2", "griddepcontrol.wait")),
-        "fp8_gemv1_pre": (fp8g1._fp8_gemv1_kernel,
-                          dict(HAS_BIAS=False, DW=2, BLOCK_N=4, BLOCK_W=128, AHEAD=True, PDL=True, PRE=True),
-                          dict(x_ptr="*i64", xs_ptr="*fp32", w_ptr="*i64", ws_ptr="*fp32", b_ptr="*fp32"),
-                          ("cvt.rn.f16x2.e4m3x2", "griddepcontrol.wait")),
         # `scripts/w4_mma_probe.py`: int4 groups on mma.sync, x in fragment order, loads carried a group ahead
         "w4_mma_probe": (mma._w4_mma_kernel, dict(WM=1, WK=8, D=1),
                          dict(f_ptr="*i32", sx_ptr="*fp32", us_ptr="*fp32", w_ptr="*i32", s_ptr="*bf16"),
@@ -336,7 +323,7 @@ def test_kernels_compile_for_sm90():
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",
                         "w4_gemv1_int4_epilogue_row", "w4_gemv1_mxfp4_rsq", "h2_silu_prepare", "h2_norm_prepare",
-                        "w4_mma_probe", "w4_mma_probe_prep", "w4_gemv1_mxfp4_pre", "fp8_gemv1_pre"}
+                        "w4_mma_probe", "w4_mma_probe_prep"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

@@ -143,38 +143,6 @@ def test_one_row_gemv_with_two_words_a_load(fmt, N, K, g, zp, dtype, ahead):
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)) < TOL.get(dtype, 1e-5)
 
 
-@pytest.mark.parametrize("dw", [1, 2])
-@pytest.mark.parametrize("fmt, N, K, g, zp", [("int4", 8, 1024, 128, False), ("int4", 4, 2048, 32, True),
-                                              ("int4", 8, 768, 96, True), ("mxfp4", 8, 1024, 32, False)])
-def test_one_row_gemv_with_scales_and_x_ahead(fmt, N, K, g, zp, dw):
-    """PRE (with AHEAD): the next step's scales (groups that tile a step; 96 does not, its
-    scales stay in the step) and x loaded with its words, carried through the loop: the
-    plain product, o_proj's epilogue (EPI_ROW) and gate-up's 1 / rms (RSQ) give the bits of
-    the loop without it, and the norm GEMV (NORM: x stays in the step) too."""
-    packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=K + N + 7)
-    if dw == 2 and not w4_gemv1.pairs_words(packed if fmt == "int4" else packed.view(torch.int32), 2, 32, g):
-        pytest.skip("these words do not pair up (DW = 2 falls back to one word)")
-    torch.manual_seed(N + 7)
-    x = (torch.randn(1, K) * 3).to(torch.bfloat16)
-    base = dict(BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1, AHEAD=True, DW=dw)
-    pre = dict(base, PRE=True)
-    y0 = w4_linear_launch(x, packed, scales, zeros, None, fmt, g, K, config=dict(base, kernel="w4_gemv1"))
-    y1 = w4_linear_launch(x, packed, scales, zeros, None, fmt, g, K, config=dict(pre, kernel="w4_gemv1"))
-    assert torch.equal(y1, y0) and rel_err(y1, w4_linear_ref(x, packed, scales, zeros, None, fmt, g, K)) < 2e-2
-    res, w = torch.randn(1, N).to(torch.bfloat16), (torch.rand(N) + 0.5).to(torch.bfloat16)
-    got = w4_gemv1.w4_gemv1_add_row(x, packed, scales, zeros, fmt, g, K, res, w, cfg=pre)
-    want = w4_gemv1.w4_gemv1_add_row(x, packed, scales, zeros, fmt, g, K, res, w, cfg=base)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    hw, sums = (torch.randn(1, K) * 2).to(torch.bfloat16), torch.rand(3) * K
-    assert torch.equal(w4_gemv1.w4_gemv1_rsq(hw, sums, 1e-5, packed, scales, zeros, fmt, g, K, cfg=pre),
-                       w4_gemv1.w4_gemv1_rsq(hw, sums, 1e-5, packed, scales, zeros, fmt, g, K, cfg=base))
-    nw = (torch.rand(K) + 0.5).to(torch.bfloat16)
-    r = torch.randn(1, K).to(torch.bfloat16)
-    got = w4_gemv1.w4_gemv1_fused(x, r, nw, 1e-5, packed, scales, zeros, fmt, g, K, cfg=pre)
-    want = w4_gemv1.w4_gemv1_fused(x, r, nw, 1e-5, packed, scales, zeros, fmt, g, K, cfg=base)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
 def test_two_words_a_load_only_where_the_words_pair_up():
     """`pairs_words`: an odd row stride, a start off 8 bytes, steps that do not tile the row or
     groups of 8 columns keep one word a load (the launcher falls back to DW = 1 and the result
@@ -590,21 +558,6 @@ def test_gpu_half2_gemv_computes_its_reference_arithmetic(fmt, N, K, g, zp, kind
     h2 = w4_gemv1.half2_ref(x, words, scales, zeros, bias, g, fmt)
     assert rel_err(y, h2) < (6e-4 if dtype == torch.float16 else 4e-3)
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)) < TOL[torch.bfloat16]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("xt", [False, True], ids=["scales", "scales_x"])
-@pytest.mark.parametrize("N, K", LLAMA)
-@pytest.mark.parametrize("fmt, g, zp", [("int4", 128, False), ("int4", 128, True), ("mxfp4", 32, False)])
-def test_gpu_half2_gemv_with_loads_ahead_keeps_its_bits(fmt, g, zp, N, K, xt):
-    """The table's tile at M = 1 with PRE (scales, and x where `xt`, a step ahead; the tiles
-    without AHEAD take it on here) gives the bits of the tile without it."""
-    packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=N + K + 5)
-    x = half2_x(K, "outliers", torch.bfloat16, "cuda")
-    cfg = dict(w4_gemv1.tiles(N, fmt, K), kernel="w4_gemv1", AHEAD=True)
-    want = w4_linear_launch(x, packed, scales, zeros, None, fmt, g, K, config=cfg)
-    got = w4_linear_launch(x, packed, scales, zeros, None, fmt, g, K, config=dict(cfg, PRE=True, PRE_XT=xt))
-    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

@@ -32,11 +32,9 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 X_SHIFT = 8  # the row is scaled by 2^-X_SHIFT into fp16, y by 2^X_SHIFT back
 #: (BLOCK_N rows a program, BLOCK_W loads a row a step, num_warps, DW words a load, AHEAD) by
 #: (N, K); DEFAULT_TILE elsewhere. AHEAD: the next step's loads issued before this step's are used
-#: (with X_AHEAD, the row's loads too: the kernel's PRE)
 DEFAULT_TILE = (4, 128, 4, 2, True)
 TILES = {(6144, 4096): (8, 128, 4, 2, True)}
 MIN_CAPABILITY = (8, 9)  # cvt.rn.f16x2.e4m3x2
-X_AHEAD = False  # AHEAD tiles also load the next step's x with its words (PRE); off until timed
 
 
 def h2_ptx(words: int) -> str:
@@ -130,13 +128,11 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize_on_alignment=["w_ptr", "x_ptr"])
     def _fp8_gemv1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, n_loads, stride_w, HAS_BIAS: tl.constexpr,
                           DW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, AHEAD: tl.constexpr,
-                          PDL: tl.constexpr, PRE: tl.constexpr = False):
+                          PDL: tl.constexpr):
         """Program p: rows p BLOCK_N.. of y, a [BLOCK_N, BLOCK_W] tile of loads (int32: one word,
         int64: DW = 2 words) a step, one fp16 chain a load; even tiles only (`even`). x: the
         e4m3 row as the same loads. AHEAD: the next step's loads issued before this step's are
-        used (the first before the PDL wait: the weights do not depend on the kernel before).
-        PRE (with AHEAD): the row's next loads too, a step ahead of their use (after the wait:
-        the row is written by the kernel in front); the last step reloads the first's."""
+        used (the first before the PDL wait: the weights do not depend on the kernel before)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j = tl.arange(0, BLOCK_W)[None, :]
         wp = w_ptr + rows.to(tl.int64)[:, None] * stride_w + j
@@ -146,19 +142,13 @@ if HAS_TRITON:
         if AHEAD:
             nxt = tl.load(wp)
         pdl_start(PDL)
-        if PRE:
-            x_nxt = tl.load(xp)
         for w0 in range(0, n_loads, BLOCK_W):
             if AHEAD:
                 word = nxt
                 nxt = tl.load(wp + tl.where(w0 + BLOCK_W < n_loads, BLOCK_W, 0))  # last step: reload, unused
             else:
                 word = tl.load(wp)
-            if PRE:
-                xv = x_nxt
-                x_nxt = tl.load(xp + tl.where(w0 + BLOCK_W < n_loads, BLOCK_W, -w0))
-            else:
-                xv = tl.load(xp)  # the row's pairs for each load column, shared by the rows
+            xv = tl.load(xp)  # the row's pairs for each load column, shared by the rows
             a0, a1 = _xq_pairs(_half(xv, 0, DW))
             if DW == 1:
                 t = tl.inline_asm_elementwise(H2_1, "=r,r,r,r", [word, tl.broadcast_to(a0, shape),
@@ -196,6 +186,5 @@ def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
         out = torch.empty(1, N, device=xq.device, dtype=out_dtype)
     _fp8_gemv1_kernel[(N // bn,)](xq.view(view), xs, words, ws, bias if bias is not None else ws, out,
                                   words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
-                                  BLOCK_W=bw, AHEAD=ahead, PRE=bool(ahead and X_AHEAD), num_warps=warps, num_stages=3,
-                                  **pdl_args(xq))
+                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3, **pdl_args(xq))
     return out

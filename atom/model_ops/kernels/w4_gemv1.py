@@ -394,7 +394,7 @@ if HAS_TRITON:
                          PNORM: tl.constexpr = False, er_ptr=None, erout_ptr=None, enw_ptr=None, ek_ptr=None,
                          EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
-                         RSQ_N: tl.constexpr = 1, PRE: tl.constexpr = False, PRE_XT: tl.constexpr = True):
+                         RSQ_N: tl.constexpr = 1):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -434,12 +434,7 @@ if HAS_TRITON:
         EPI_ROW: the same h stored to erout_ptr, and h w (w at enw_ptr) in x's dtype to ek_ptr, a
         plain row for the next product, with the program's sum of h^2 at esq_ptr[program]; RSQ:
         x is such a row, and y is scaled by the row's 1 / rms from the `rsq_count` sums at
-        rsq_ptr (RSQ_N: a power of two at least rsq_count), as NORM scales it.
-        PRE (with AHEAD, not GATED): the next step's scale tile is loaded with its words (where
-        the groups tile a step), and, where the loop reads x as it is (not NORM, XPACK or
-        CHAIN), the next step's x too (PRE_XT False: the scales only): their loads are then a
-        step ahead of their use instead of inside the step (the same values; the last step
-        reloads the first step's)."""
+        rsq_ptr (RSQ_N: a power of two at least rsq_count), as NORM scales it."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -448,7 +443,6 @@ if HAS_TRITON:
         tl.static_assert(not (EPI_ROW or RSQ) or not (GATED or EPI or NORM or PNORM),
                          "EPI_ROW / RSQ: the add and norm split around plain one-row products")
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
-        tl.static_assert(not PRE or (AHEAD and EVEN and not GATED), "PRE loads ahead with the words (AHEAD)")
         tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
             stride_w = SW // DW
@@ -488,20 +482,11 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         sq = tl.zeros([1, BLOCK_W, 8], tl.float32)
-        PRE_S: tl.constexpr = PRE and GROUP_STEPS  # the scales a step ahead
-        PRE_X: tl.constexpr = PRE and PRE_XT and not (NORM or XPACK or CHAIN)  # x a step ahead
         if AHEAD:
             word_next = tl.load(wp)
             if GATED:
                 up_next = tl.load(wp + w_up)
-        if PRE_S:
-            s_next = _load_t(sp)
         pdl_start(PDL)
-        if PRE_X:  # x is written by the kernel in front: after the wait
-            x_next0 = tl.load(xp)
-            x_next1 = x_next0
-            if DW == 2:
-                x_next1 = tl.load(xp + 8)
         for w0 in range(0, n_words, STEP):
             if not GROUP_STEPS:
                 sp = s_row + ((w0 + j2 * DW) * 8) // GROUP
@@ -532,18 +517,7 @@ if HAS_TRITON:
                     word = tl.load(wp)[:, :, None]
                     if GATED:
                         word_up = tl.load(wp + w_up)[:, :, None]
-                if PRE_S:  # this step's scales were loaded a step ago; the next step's now
-                    s_raw = s_next[:, :, None]
-                    s_next = _load_t(sp + tl.where(w0 + STEP < n_words, (STEP * 8) // GROUP, -((w0 * 8) // GROUP)))
-                else:
-                    s_raw = _load_t(sp)[:, :, None]
-                if PRE_X:
-                    x_cur0 = x_next0
-                    x_cur1 = x_next1
-                    x_step = tl.where(w0 + STEP < n_words, STEP * 8, -(w0 * 8))
-                    x_next0 = tl.load(xp + x_step)
-                    if DW == 2:
-                        x_next1 = tl.load(xp + x_step + 8)
+                s_raw = _load_t(sp)[:, :, None]
                 if GATED:
                     s_raw_up = _load_t(sp + s_up)[:, :, None]
             else:
@@ -586,12 +560,7 @@ if HAS_TRITON:
                             acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, unpack_cols(pairs, e, FMT == 0, BLOCK_W),
                                               es, FMT, False, HAS_ZP, EVEN, BLOCK_N, BLOCK_W)
                     else:
-                        if PRE_X:
-                            if h == 0:
-                                xv = x_cur0.to(tl.float32)
-                            else:
-                                xv = x_cur1.to(tl.float32)
-                        elif EVEN:
+                        if EVEN:
                             xv = tl.load(xp + h * 8).to(tl.float32)
                         else:
                             xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
@@ -672,8 +641,6 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     if cfg.get("CHAIN") and not (cfg.get("HALF2") and cfg.get("DW", 1) == 2):
         cfg["CHAIN"] = False  # the chain is of a word pair's fp16 products
     even = N % cfg["BLOCK_N"] == 0 and n_words % (cfg["BLOCK_W"] * cfg.get("DW", 1)) == 0 and n_words > 0
-    if not even or gated or not cfg.get("AHEAD"):
-        cfg.pop("PRE", None)  # (loads ahead with the words of a plain product)
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
     elif cfg.get("AHEAD") and FIXED_STRIDES[FORMATS[fmt_id]]:  # one compile per weight shape
