@@ -3,8 +3,17 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# pytest-xdist workers share the cores (`make test`: -n 2 on 2 cores) while torch gives each of
+# them a thread per core: a worker's OpenMP threads that wait for a descheduled sibling spin
+# (libgomp's default wait policy) and take the core from the other worker. They sleep instead
+# (set before torch loads libgomp); the threads, the split of the work, and so every value are
+# as before. (test_token_id_forms_are_one_prompt_each: 1.4 s alone; beside another worker
+# 18 s spinning, 2 s asleep.)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
