@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 
-# pytest-xdist workers share the cores (`make test`: -n 2 on 2 cores) while torch gives each of
-# them a thread per core: a worker's OpenMP threads that wait for a descheduled sibling spin
+# pytest-xdist workers share the cores (-n 2 on 2 cores); where they run without
+# OMP_NUM_THREADS=1 (which `make test` sets, so there this changes nothing), torch gives each a
+# thread per core, and a worker's OpenMP threads that wait for a descheduled sibling spin
 # (libgomp's default wait policy) and take the core from the other worker. They sleep instead
 # (set before torch loads libgomp); the threads, the split of the work, and so every value are
-# as before. (test_token_id_forms_are_one_prompt_each: 1.4 s alone; beside another worker
-# 18 s spinning, 2 s asleep.)
+# as before. (test_token_id_forms_are_one_prompt_each under plain `pytest -n 2`: 1.4 s alone;
+# beside another worker 18 s spinning, 2 s asleep.)
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
