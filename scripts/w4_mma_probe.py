@@ -20,9 +20,7 @@ the odd nibbles' x / 16) with 8 x the group sums of x in the mma's units (the sy
 point), which lanes 0-3 (column 0) load; the others load nothing (zeros). A group's mma sum
 less that term, times the group's scale, adds into each lane's row; warps that split K are
 summed at the end. (In an engine the kernel in front would write the pairs, as the prepared
-rows of `h2_xpack` do.) What it found is in docs/perf: no faster than `w4_gemv1` but at the
-gate-up shape, as the Gluon kernel of 2026-12-04i (`w4_mma1`) before it; the loads in flight
-per SM, not the instructions, set the speed.
+rows of `h2_xpack` do.) Its timings against `w4_gemv1` are in docs/perf.
 """
 from __future__ import annotations
 
