@@ -4,6 +4,7 @@ bf16 `F.linear`, and prints TB/s of the stored weight next to the ~4.3 TB/s HBM 
 probe for `w4_gemv1.TILES`, not a benchmark: JSON of every timing to --out.
 
     python3 scripts/w4_gemv1_sweep.py --out w4_gemv1_sweep.json [--formats int4 int4_asym mxfp4 mxfp4_pairs]
+    python3 scripts/w4_gemv1_sweep.py --out o.json --options   # the table's tile with each of OPTIONS
 
 mxfp4_pairs: the MXFP4 weights as pair words (`kernels.fp4_pairs`, the plan's "fp4_pair_words").
 
@@ -36,6 +37,11 @@ TILES = [(8, 8, True, False, 1, False),
          (16, 4, False, True, 2, True), (8, 8, True, True, 2, True), (8, 4, True, True, 2, True),
          (16, 4, True, True, 2, True), (8, 2, True, True, 2, True), (16, 2, True, True, 2, True)]
 
+# --options: the table's tile as it is, then with each of these (the kernel's L2D: L2 prefetches
+# that many steps ahead; STAGES: the loop's loads pipelined through shared memory, AHEAD off)
+OPTIONS = [{}, dict(L2D=1), dict(L2D=2), dict(L2D=3), dict(AHEAD=False, STAGES=2), dict(AHEAD=False, STAGES=3),
+           dict(AHEAD=False, STAGES=4), dict(AHEAD=False, STAGES=3, L2D=2)]
+
 
 def weights(fmt: str, N: int, K: int, g: int, zp: bool):
     """Random packed weights of a sweep format (pair words: MXFP4's, repacked)."""
@@ -47,7 +53,8 @@ def weights(fmt: str, N: int, K: int, g: int, zp: bool):
 
 
 def main(argv=None) -> int:
-    args = probe_args(__doc__, argv, formats=dict(nargs="*", default=list(FORMATS), choices=list(FORMATS)))
+    args = probe_args(__doc__, argv, formats=dict(nargs="*", default=list(FORMATS), choices=list(FORMATS)),
+                      options=dict(action="store_true", help="time the table's tile with each of OPTIONS"))
     if args is None:
         return 2
     from atom.model_ops.kernels import w4_gemm, w4_gemv1
@@ -79,6 +86,10 @@ def main(argv=None) -> int:
             best = None
             table = w4_config(1, N, K, torch.bfloat16, g, fmt)[1]
             words = one[0] if one[0].dtype == torch.int32 else one[0].view(torch.int32)
+            if args.options:
+                time_options(args, rows, name, N, K, x, one, table, timed, ref, wbytes, t_old, t16)
+                del sets, one
+                continue
             for bn, warps, ahead, half2, dw, chain in TILES:
                 if dw == 2 and not w4_gemv1.pairs_words(words, bn, 32 * warps, g):
                     continue  # the launcher would run one word a load (and no CHAIN): timed as such already
@@ -109,6 +120,25 @@ def main(argv=None) -> int:
             del sets, one
     write_rows(args.out, rows)
     return 0
+
+
+def time_options(args, rows, name, N, K, x, one, table, timed, ref, wbytes, t_old, t16) -> None:
+    """The table's tile with each of OPTIONS at one shape: a row each, printed beside the tile as it is."""
+    from atom.model_ops.kernels.w4_gemm import w4_linear_launch
+    fmt, g, _ = FORMATS[name]
+    base_us = None
+    for opts in OPTIONS:
+        cfg = dict(table, kernel="w4_gemv1", **opts)
+        y = w4_linear_launch(x, *one, None, fmt, g, K, config=cfg)
+        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        t = timed(cfg)
+        base_us = t * 1e6 if base_us is None else base_us
+        rows.append(dict(format=name, N=N, K=K, cfg=cfg, options=opts, us=t * 1e6, tbs=wbytes / t / 1e12, rel_err=err,
+                         old_us=t_old * 1e6, bf16_us=t16 * 1e6, is_table=not opts))
+        print(f"{name:<10}{N:>6}{K:>6} {t * 1e6:>8.1f}{wbytes / t / 1e12:>6.2f}{wbytes / t / 1e12 / HBM_TBS:>5.0%}"
+              f"{t_old * 1e6:>8.1f}{t_old / t:>6.2f}{t16 * 1e6:>8.1f}{t16 / t:>7.2f}  "
+              f"table / this {base_us / (t * 1e6):.3f}  {opts or 'the table tile'} "
+              f"(rel err {err:.1e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -57,10 +57,12 @@ def compile_gemv(fmt: str, group: int):
     return compiled, weights_per_step // (32 * warps)  # per thread
 
 
-def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False, xpack: bool = False):
+def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False, xpack: bool = False,
+                  l2d: int = 0, stages=None):
     """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 4096 weight, sm90, the reference tile below
     (dw: words a thread's load, the kernel's DW; xpack: x's columns prepared by the kernel in
-    front, `h2_xpack`); (kernel, weights per thread a loop step)."""
+    front, `h2_xpack`; l2d: L2 prefetches that many steps ahead; stages: the loads pipelined
+    through shared memory instead of carried ahead); (kernel, weights per thread a loop step)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -70,12 +72,13 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     kernel = g1._w4_gemv1_kernel
     # one reference tile for both formats: the table's up to 8192 outputs (8 rows over 8 warps,
     # the words ahead)
-    tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=True, HALF2=half2, DW=dw, CHAIN=chain, XPACK=xpack)
+    tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=stages is None, HALF2=half2, DW=dw, CHAIN=chain, XPACK=xpack, L2D=l2d,
+                 STAGES=stages)
     warps, stages = 8, 3
     n_scales = 4096 // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
                  NORM=False, HAS_RES=False, GATED=False, SW=0, SS=0, SZ=0, **tiles)
-    if g1.FIXED_STRIDES[fmt]:  # the launcher compiles the row strides in
+    if g1.FIXED_STRIDES[fmt] and tiles["AHEAD"]:  # the launcher compiles the row strides in (with AHEAD)
         const.update(SW=4096 // 8, SS=n_scales, SZ=n_scales)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
@@ -144,6 +147,10 @@ def main() -> None:
     chain = functools.partial(compile_gemv1, half2=True, dw=2, chain=True)
     prepared = functools.partial(compile_gemv1, half2=True, xpack=True)
     prepared2 = functools.partial(compile_gemv1, half2=True, dw=2, xpack=True)
+    l2d = functools.partial(compile_gemv1, half2=True, l2d=2)
+    l2d_pairs = functools.partial(compile_gemv1, half2=True, dw=2, l2d=2)
+    staged = functools.partial(compile_gemv1, half2=True, stages=3)
+    staged_pairs = functools.partial(compile_gemv1, half2=True, dw=2, stages=3)
     for name, compile_fn, fmt, group in (("w4_gemv1", compile_gemv1, "int4", 128),
                                          ("w4_gemv1 HALF2", half2, "int4", 128),
                                          ("w4_gemv1 HALF2", half2, "mxfp4", 32),
@@ -157,6 +164,10 @@ def main() -> None:
                                          ("w4_gemv1 HALF2 DW2 prepared x", prepared2, "int4", 128),
                                          ("w4_gemv1 HALF2 DW2 prepared x", prepared2, "mxfp4", 32),
                                          ("w4_gemv1 HALF2 DW2 prepared x", prepared2, "mxfp4_pairs", 32),
+                                         ("w4_gemv1 HALF2 L2D2", l2d, "int4", 128),
+                                         ("w4_gemv1 HALF2 DW2 L2D2", l2d_pairs, "mxfp4", 32),
+                                         ("w4_gemv1 HALF2 STAGES3", staged, "int4", 128),
+                                         ("w4_gemv1 HALF2 DW2 STAGES3", staged_pairs, "mxfp4", 32),
                                          ("w4_gemv1", compile_gemv1, "mxfp4", 32),
                                          ("w4_gemv", compile_gemv, "int4", 128), ("w4_gemv", compile_gemv, "mxfp4", 32),
                                          ("w4_gemv", compile_gemv, "mxfp4_pairs", 32)):

@@ -7,7 +7,8 @@ builds those kernels for sm90, in a child process where TRITON_INTERPRET is unse
 kernels of this process may already be interpreted functions), and checks the PTX (PDL's
 griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler's exp2 and
 Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path;
-the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants;
+the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants, its L2 prefetches and
+its loads pipelined through shared memory;
 how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
 its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait; its
 split merged by the last segment's program; rows prepared for the 4-bit GEMV and its loops
@@ -182,6 +183,20 @@ def _compile_all() -> dict:
                                       HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8, BLOCK_W=128,
                                       EVEN=True, AHEAD=True, HALF2=True, DW=2),
                                  dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("fma.rn.f16x2", "ld.global.b64")),
+        # the tile options that change only how the weights travel: L2 prefetches of the step two
+        # ahead (L2D: words, scales and zero points, int4 with the words ahead) and MXFP4's word
+        # pairs pipelined through shared memory (STAGES: asynchronous copies) with L2D
+        "w4_gemv1_int4_l2_prefetch": (w4g1._w4_gemv1_kernel,
+                                      dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=128,
+                                           HAS_ZP=True, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, BLOCK_N=8,
+                                           BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=1, L2D=2),
+                                      dict(w_ptr="*i32", z_ptr="*i8"), ("prefetch.global.L2", "griddepcontrol.wait")),
+        "w4_gemv1_mxfp4_stages": (w4g1._w4_gemv1_kernel,
+                                  dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32,
+                                       HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, BLOCK_N=8,
+                                       BLOCK_W=128, EVEN=True, AHEAD=False, HALF2=True, DW=2, STAGES=3, L2D=2),
+                                  dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"),
+                                  ("cp.async.ca.shared.global", "cp.async.wait_group", "prefetch.global.L2")),
         # MXFP4 pair words (`fp4_pairs`) with a word pair's products in one fp16 chain (CHAIN), and
         # int4's chain with zero points
         "w4_gemv1_pair_words_chain": (w4g1._w4_gemv1_kernel,
@@ -318,7 +333,7 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2",
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
-                        "w4_gemv1_pair_words_norm",
+                        "w4_gemv1_pair_words_norm", "w4_gemv1_int4_l2_prefetch", "w4_gemv1_mxfp4_stages",
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",

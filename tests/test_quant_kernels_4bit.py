@@ -143,6 +143,39 @@ def test_one_row_gemv_with_two_words_a_load(fmt, N, K, g, zp, dtype, ahead):
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)) < TOL.get(dtype, 1e-5)
 
 
+@pytest.mark.parametrize("opts", [dict(STAGES=2), dict(STAGES=3, DW=2), dict(L2D=2), dict(L2D=1, AHEAD=True, DW=2),
+                                  dict(L2D=2, STAGES=3)], ids=["stages2", "stages3_dw2", "l2d2", "l2d1_ahead_dw2",
+                                                               "l2d2_stages3"])
+@pytest.mark.parametrize("fmt, N, K, g, zp", [("int4", 8, 1024, 128, False), ("int4", 8, 2048, 32, True),
+                                              ("int4", 6, 1280, 64, False), ("mxfp4", 8, 2048, 32, False)])
+def test_one_row_gemv_pipelined_and_prefetching_tiles(fmt, N, K, g, zp, opts):
+    """The tile options that only change how the weights travel give the plain tile's result
+    bit for bit: STAGES (the loop pipelined through shared memory; the interpreter runs it as
+    a plain loop) and L2D (L2 prefetches a few steps ahead; inline PTX, so the launcher drops it
+    off NVIDIA GPUs, here), on even tiles of several steps and on the masked loop (6 rows)."""
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=K + N + 2)
+    torch.manual_seed(N + 2)
+    x = (torch.randn(1, K) * 3).to(torch.bfloat16)
+    plain = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1, DW=opts.get("DW", 1))
+    want = w4_linear_launch(x, packed, scales, zeros, None, fmt, g, K, config=plain)
+    got = w4_linear_launch(x, packed, scales, zeros, None, fmt, g, K, config=dict(plain, **opts))
+    assert torch.equal(got, want)
+    assert rel_err(got, w4_linear_ref(x, packed, scales, zeros, None, fmt, g, K)) < TOL[torch.bfloat16]
+
+
+def test_one_row_gemv_refuses_tile_options_that_do_not_combine():
+    """STAGES pipelines the loads AHEAD would carry in registers (one or the other), and L2D
+    gives each of a warp's word and scale lines a lane (BLOCK_N x (DW + 1) lanes of 32)."""
+    packed, scales, zeros = random_w4("int4", 16, 1024, 128, False)
+    cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1)
+    with pytest.raises(ValueError, match="STAGES.*AHEAD"):
+        w4_linear_launch(torch.randn(1, 1024), packed, scales, zeros, None, "int4", 128, 1024,
+                         config=dict(cfg, STAGES=3, AHEAD=True))
+    with pytest.raises(ValueError, match="L2D"):
+        w4_linear_launch(torch.randn(1, 1024), packed, scales, zeros, None, "int4", 128, 1024,
+                         config=dict(cfg, BLOCK_N=16, DW=2, L2D=2))
+
+
 def test_two_words_a_load_only_where_the_words_pair_up():
     """`pairs_words`: an odd row stride, a start off 8 bytes, steps that do not tile the row or
     groups of 8 columns keep one word a load (the launcher falls back to DW = 1 and the result
@@ -174,7 +207,9 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     layout (Triton 3.6: 3.37 against 3.90); a word pair in one fp16 chain (CHAIN) under 0.95x
     of two (3.6: int4 2.68 against 2.99, MXFP4 3.55 against 3.90, pair words 3.05); x prepared by
     the kernel in front (XPACK) under 0.85x (int4, one word a load) / 0.92x (word pairs) of the
-    loop preparing it."""
+    loop preparing it; L2 prefetches two steps ahead (L2D: two prefetches and their addresses
+    a step) and the loads pipelined through shared memory (STAGES: asynchronous copies, their
+    waits, barriers and shared-memory reads) under 1.1x of the loop with the words ahead."""
     import json
     import os
     import subprocess
@@ -206,6 +241,9 @@ def test_one_row_gemv_loop_fits_the_issue_budget():
     for fmt in ("int4", "mxfp4", "mxfp4_pairs"):
         assert per_weight[f"w4_gemv1 HALF2 DW2 prepared x {fmt}"] < 0.92 * per_weight[f"w4_gemv1 HALF2 DW2 {fmt}"], \
             per_weight
+    for fmt, tile in (("int4", "w4_gemv1 HALF2"), ("mxfp4", "w4_gemv1 HALF2 DW2")):
+        for option in ("L2D2", "STAGES3"):
+            assert per_weight[f"{tile} {option} {fmt}"] < 1.1 * per_weight[f"{tile} {fmt}"], per_weight
     assert per_weight["w4_gemv int4"] > 1.5 * per_weight["w4_gemv1 int4"], per_weight
     assert per_weight["w4_gemv mxfp4"] > 1.5 * per_weight["w4_gemv1 mxfp4"], per_weight
 
@@ -530,6 +568,25 @@ def test_gpu_llama_shapes(fmt, g, zp, N, K, M):
     ref = w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
     assert rel_err(y, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(L2D=1), dict(L2D=2), dict(L2D=4), dict(STAGES=2, AHEAD=False),
+                                  dict(STAGES=3, AHEAD=False), dict(STAGES=3, AHEAD=False, L2D=2)],
+                         ids=["l2d1", "l2d2", "l2d4", "stages2", "stages3", "stages3_l2d2"])
+@pytest.mark.parametrize("N, K", LLAMA)
+@pytest.mark.parametrize("fmt, g, zp", [("int4", 128, False), ("int4", 128, True), ("mxfp4", 32, False)])
+def test_gpu_pipelined_and_prefetching_tiles_change_no_bit(fmt, g, zp, N, K, opts):
+    """The table's one-row tile at Llama-3.1-8B's shapes with L2 prefetches ahead (L2D) or its
+    loads pipelined through shared memory (STAGES): the same bits as the table's tile (the
+    arithmetic and its order are the same; only how the weights travel differs)."""
+    packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=N + K + 5)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    table = dict(w4_gemv1.tiles(N, fmt, K), kernel="w4_gemv1")
+    want = w4_linear_launch(x, packed, scales, zeros, None, fmt, g, K, config=table)
+    got = w4_linear_launch(x, packed, scales, zeros, None, fmt, g, K, config=dict(table, **opts))
+    assert torch.equal(got, want)
+    assert rel_err(got, w4_linear_ref(x, packed, scales, zeros, None, fmt, g, K)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

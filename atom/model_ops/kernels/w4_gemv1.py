@@ -97,11 +97,15 @@ def fused_tiles(gated: bool) -> dict:
     return dict(FUSED_TILES[gated])
 
 
+def ptx_applies(x: torch.Tensor) -> bool:
+    """The kernel's inline PTX runs for x: on an NVIDIA GPU, compiled (not the interpreter)."""
+    return x.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def half2_applies(x: torch.Tensor, fmt_id: int) -> bool:
     """The HALF2 path (fp16 products, inline PTX) runs 16-bit activations (fp16 rounding
     would cost fp32 activations bits they have) on NVIDIA GPUs, not under the interpreter."""
-    return (fmt_id in (0, 1, 2) and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
-            and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+    return fmt_id in (0, 1, 2) and x.dtype in (torch.bfloat16, torch.float16) and ptx_applies(x)
 
 
 def supports(fmt: str, group: int, k: int) -> bool:
@@ -175,7 +179,7 @@ if HAS_TRITON:
     from atom.model_ops.kernels.h2_ptx import h2_ptx
     from atom.model_ops.kernels.h2_xpack import _h2_column_e, _h2_pairs, store_added_prepared, unpack_cols
     from atom.model_ops.kernels.rmsnorm import add_norm_cols, store_added_row
-    from atom.model_ops.kernels.triton_import import pdl_start
+    from atom.model_ops.kernels.triton_import import pdl_start, prefetch_l2
     from atom.model_ops.kernels.w4_gemm import _e8m0, _pair_word_std
 
     @triton.jit
@@ -381,6 +385,30 @@ if HAS_TRITON:
         else:
             return (word >> 32).to(tl.int32)
 
+    @triton.jit
+    def _prefetch_step(w_ptr, s_ptr, z_ptr, row0, w_at, n_words, stride_wn, stride_sn, stride_zn, GROUP: tl.constexpr,
+                       HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DW: tl.constexpr):
+        """L2 prefetches of the step whose words start at w_at (nothing past the row's end), one
+        line a lane: a warp's columns of a row are DW 128-byte word lines, and lane l < BLOCK_N DW
+        asks for one of them; lanes BLOCK_N DW + r ask for row r's scale line at the warp's first
+        column, and (zero points, where 32 lanes hold them) the lanes after those for its
+        zero-point line. A thread's element of [BLOCK_W] is its lane's (32 threads a warp)."""
+        t = tl.arange(0, BLOCK_W)
+        lane = t % 32
+        LINES: tl.constexpr = BLOCK_N * DW
+        col = w_at + (t // 32) * (32 * DW)  # the warp's first word of the step
+        live = w_at < n_words
+        q = tl.where(lane < LINES, lane, 0)
+        word_at = w_ptr + (row0 + q // DW).to(tl.int64) * stride_wn + col + (q % DW) * 32
+        prefetch_l2(word_at, live & (lane < LINES))
+        r = tl.where((lane >= LINES) & (lane < LINES + BLOCK_N), lane - LINES, 0)
+        s_at = s_ptr + (row0 + r).to(tl.int64) * stride_sn + (col * 8) // GROUP
+        prefetch_l2(s_at, live & (lane >= LINES) & (lane < LINES + BLOCK_N))
+        if HAS_ZP and LINES + 2 * BLOCK_N <= 32:
+            rz = tl.where((lane >= LINES + BLOCK_N) & (lane < LINES + 2 * BLOCK_N), lane - LINES - BLOCK_N, 0)
+            z_at = z_ptr + (row0 + rz).to(tl.int64) * stride_zn + (col * 8) // GROUP
+            prefetch_l2(z_at, live & (lane >= LINES + BLOCK_N) & (lane < LINES + 2 * BLOCK_N))
+
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn", "up_rows"],
                 do_not_specialize_on_alignment=["w_ptr", "s_ptr", "z_ptr"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
@@ -394,7 +422,7 @@ if HAS_TRITON:
                          PNORM: tl.constexpr = False, er_ptr=None, erout_ptr=None, enw_ptr=None, ek_ptr=None,
                          EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
-                         RSQ_N: tl.constexpr = 1):
+                         RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -434,7 +462,13 @@ if HAS_TRITON:
         EPI_ROW: the same h stored to erout_ptr, and h w (w at enw_ptr) in x's dtype to ek_ptr, a
         plain row for the next product, with the program's sum of h^2 at esq_ptr[program]; RSQ:
         x is such a row, and y is scaled by the row's 1 / rms from the `rsq_count` sums at
-        rsq_ptr (RSQ_N: a power of two at least rsq_count), as NORM scales it."""
+        rsq_ptr (RSQ_N: a power of two at least rsq_count), as NORM scales it.
+        L2D > 0 (even tiles, not GATED; NVIDIA only: inline PTX): each step first asks L2 for
+        the word, scale (and, where lanes are left, zero-point) lines of the step L2D ahead
+        (`_prefetch_step`), so that more of the weight stream is in flight than the registers
+        hold and the step's own loads find L2. STAGES (not AHEAD): the loop pipelined by
+        Triton into that many stages, its loads as asynchronous copies into shared memory.
+        Neither changes the arithmetic."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -444,6 +478,9 @@ if HAS_TRITON:
                          "EPI_ROW / RSQ: the add and norm split around plain one-row products")
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
         tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")
+        tl.static_assert(L2D == 0 or (EVEN and not GATED and BLOCK_N * (DW + 1) <= 32),
+                         "L2D prefetches even tiles' word and scale lines, a lane each")
+        tl.static_assert(STAGES is None or not AHEAD, "STAGES pipelines the loads that AHEAD would carry")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
             stride_w = SW // DW
             stride_s = SS
@@ -487,7 +524,14 @@ if HAS_TRITON:
             if GATED:
                 up_next = tl.load(wp + w_up)
         pdl_start(PDL)
-        for w0 in range(0, n_words, STEP):
+        if L2D > 0:  # the steps before the loop's first prefetch reaches
+            for d in tl.static_range(1, L2D):
+                _prefetch_step(w_ptr, s_ptr, z_ptr, tl.program_id(0) * BLOCK_N, d * STEP, n_words, stride_w * DW,
+                               stride_s, stride_z, GROUP, HAS_ZP, BLOCK_N, BLOCK_W, DW)
+        for w0 in tl.range(0, n_words, STEP, num_stages=STAGES):
+            if L2D > 0:
+                _prefetch_step(w_ptr, s_ptr, z_ptr, tl.program_id(0) * BLOCK_N, w0 + L2D * STEP, n_words,
+                               stride_w * DW, stride_s, stride_z, GROUP, HAS_ZP, BLOCK_N, BLOCK_W, DW)
             if not GROUP_STEPS:
                 sp = s_row + ((w0 + j2 * DW) * 8) // GROUP
                 zp = z_row + ((w0 + j2 * DW) * 8) // GROUP
@@ -620,7 +664,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     bias, y: torch.Tensor, fmt_id: int, group: int, cfg: dict, common: dict,
                     norm: dict | None = None, gated: bool = False) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
-    int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages.
+    int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages and
+    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES).
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
     of a [gate | up] weight of 2N rows, y = silu(gate) up."""
     from atom.model_ops.kernels.w4_gemm import FORMATS
@@ -640,7 +685,14 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         cfg["DW"] = 1  # words that do not pair into aligned 8-byte loads over even tiles
     if cfg.get("CHAIN") and not (cfg.get("HALF2") and cfg.get("DW", 1) == 2):
         cfg["CHAIN"] = False  # the chain is of a word pair's fp16 products
+    if cfg.get("STAGES") and cfg.get("AHEAD"):
+        raise ValueError("w4_linear: a one-row GEMV tile pipelines its loads (STAGES) or carries them (AHEAD), "
+                         f"not both: {cfg}")
+    if cfg.get("L2D") and cfg["BLOCK_N"] * (cfg.get("DW", 1) + 1) > 32:
+        raise ValueError(f"w4_linear: L2D prefetches a line a lane, BLOCK_N x (DW + 1) <= 32 of them: {cfg}")
     even = N % cfg["BLOCK_N"] == 0 and n_words % (cfg["BLOCK_W"] * cfg.get("DW", 1)) == 0 and n_words > 0
+    if cfg.get("L2D") and not (even and not gated and ptx_applies(x)):
+        cfg["L2D"] = 0  # the prefetch is inline PTX (NVIDIA, compiled) for even, plain tiles
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
     elif cfg.get("AHEAD") and FIXED_STRIDES[FORMATS[fmt_id]]:  # one compile per weight shape
