@@ -422,7 +422,8 @@ if HAS_TRITON:
                          PNORM: tl.constexpr = False, er_ptr=None, erout_ptr=None, enw_ptr=None, ek_ptr=None,
                          EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
-                         RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None):
+                         RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None,
+                         WCACHE: tl.constexpr = ""):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -468,7 +469,9 @@ if HAS_TRITON:
         (`_prefetch_step`), so that more of the weight stream is in flight than the registers
         hold and the step's own loads find L2. STAGES (not AHEAD): the loop pipelined by
         Triton into that many stages, its loads as asynchronous copies into shared memory.
-        Neither changes the arithmetic."""
+        WCACHE: the word loads' cache modifier (".cg": L2 only, so that the weight stream, read
+        once, does not evict x and the scales from L1; "": the default). None of these three
+        changes the arithmetic."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -520,9 +523,9 @@ if HAS_TRITON:
         acc_up = tl.zeros([BLOCK_N, BLOCK_W, 1], tl.float32)
         sq = tl.zeros([1, BLOCK_W, 8], tl.float32)
         if AHEAD:
-            word_next = tl.load(wp)
+            word_next = tl.load(wp, cache_modifier=WCACHE)
             if GATED:
-                up_next = tl.load(wp + w_up)
+                up_next = tl.load(wp + w_up, cache_modifier=WCACHE)
         pdl_start(PDL)
         if L2D > 0:  # the steps before the loop's first prefetch reaches
             for d in tl.static_range(1, L2D):
@@ -550,25 +553,26 @@ if HAS_TRITON:
                         # unused): a scalar select in place of a mask a thread (with runtime strides
                         # the moved pointer costs an address sum a row, slower than the mask)
                         nxt = tl.where(w0 + STEP < n_words, BLOCK_W, -(w0 // DW))
-                        word_next = tl.load(wp + nxt)
+                        word_next = tl.load(wp + nxt, cache_modifier=WCACHE)
                         if GATED:
-                            up_next = tl.load(wp + w_up + nxt)
+                            up_next = tl.load(wp + w_up + nxt, cache_modifier=WCACHE)
                     else:
-                        word_next = tl.load(wp + BLOCK_W, mask=w0 + STEP + j2 * DW < n_words, other=0)
+                        more = w0 + STEP + j2 * DW < n_words
+                        word_next = tl.load(wp + BLOCK_W, mask=more, other=0, cache_modifier=WCACHE)
                         if GATED:
-                            up_next = tl.load(wp + w_up + BLOCK_W, mask=w0 + STEP + j2 * DW < n_words, other=0)
+                            up_next = tl.load(wp + w_up + BLOCK_W, mask=more, other=0, cache_modifier=WCACHE)
                 else:
-                    word = tl.load(wp)[:, :, None]
+                    word = tl.load(wp, cache_modifier=WCACHE)[:, :, None]
                     if GATED:
-                        word_up = tl.load(wp + w_up)[:, :, None]
+                        word_up = tl.load(wp + w_up, cache_modifier=WCACHE)[:, :, None]
                 s_raw = _load_t(sp)[:, :, None]
                 if GATED:
                     s_raw_up = _load_t(sp + s_up)[:, :, None]
             else:
-                word = tl.load(wp, mask=ok, other=0)[:, :, None]
+                word = tl.load(wp, mask=ok, other=0, cache_modifier=WCACHE)[:, :, None]
                 s_raw = _load_t(sp, ok, 0)[:, :, None]
                 if GATED:
-                    word_up = tl.load(wp + w_up, mask=ok, other=0)[:, :, None]
+                    word_up = tl.load(wp + w_up, mask=ok, other=0, cache_modifier=WCACHE)[:, :, None]
                     s_raw_up = _load_t(sp + s_up, ok, 0)[:, :, None]
             if CHAIN:  # both words of the load in one fp16 chain (EVEN: DW = 2 runs even tiles only)
                 xa = tl.load(xp).to(tl.float32)
