@@ -39,10 +39,10 @@ TILES = [(8, 8, True, False, 1, False),
 
 # --options: the table's tile as it is, then with each of these (the kernel's L2D: L2 prefetches
 # that many steps ahead; STAGES: the loop's loads pipelined through shared memory, AHEAD off;
-# WCACHE ".cg": the word loads cached in L2 only)
+# WCACHE ".cg": the word loads cached in L2 only; SPF: the scale rows asked of L2 at the start)
 OPTIONS = [{}, dict(L2D=1), dict(L2D=2), dict(L2D=3), dict(AHEAD=False, STAGES=2), dict(AHEAD=False, STAGES=3),
            dict(AHEAD=False, STAGES=4), dict(AHEAD=False, STAGES=3, L2D=2), dict(WCACHE=".cg"),
-           dict(WCACHE=".cg", L2D=2)]
+           dict(WCACHE=".cg", L2D=2), dict(SPF=True), dict(SPF=True, L2D=2), dict(SPF=True, WCACHE=".cg")]
 
 
 def weights(fmt: str, N: int, K: int, g: int, zp: bool):

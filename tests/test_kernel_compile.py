@@ -8,7 +8,8 @@ kernels of this process may already be interpreted functions), and checks the PT
 griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler's exp2 and
 Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path;
 the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants, its L2 prefetches, its
-loads pipelined through shared memory and its word loads cached in L2 only;
+loads pipelined through shared memory, its word loads cached in L2 only and its scale rows
+prefetched before the PDL wait;
 how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
 its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait; its
 split merged by the last segment's program; rows prepared for the 4-bit GEMV and its loops
@@ -197,6 +198,14 @@ def _compile_all() -> dict:
                                          HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
                                          BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=2, WCACHE=".cg"),
                                     dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("ld.global.cg.b64",)),
+        # the scale and zero-point rows prefetched before the PDL wait (SPF), a gated int4 product
+        "w4_gemv1_int4_scale_rows_first": (w4g1._w4_gemv1_kernel,
+                                           dict(CHAIN=False, NORM=True, HAS_RES=True, GATED=True, FMT=0,
+                                                GROUP=128, HAS_ZP=True, HAS_BIAS=False, PDL=True, SW=0, SS=0,
+                                                SZ=0, BLOCK_N=8, BLOCK_W=128, EVEN=True, AHEAD=False, HALF2=True,
+                                                DW=1, SPF=True),
+                                           dict(w_ptr="*i32", z_ptr="*i8", eps="fp32"),
+                                           ("prefetch.global.L2", "griddepcontrol.wait")),
         "w4_gemv1_mxfp4_stages": (w4g1._w4_gemv1_kernel,
                                   dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32,
                                        HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, BLOCK_N=8,
@@ -287,6 +296,9 @@ def _compile_all() -> dict:
         ptxs[name] = ptx
     # the decode attention prefetches its first K / V tile into L2 before it waits for the
     # kernel in front (PDL), and the merge reads the partials only after its wait
+    p = ptxs["w4_gemv1_int4_scale_rows_first"]  # the scale rows before the wait, the loop's loads after
+    out["w4_gemv1_scale_rows_before_wait"] = {
+        "before the wait": 0 <= p.find("prefetch.global.L2") < p.find("griddepcontrol.wait")}
     p = ptxs["attention_decode_split"]
     out["attention_prefetch_before_wait"] = {
         "prefetch.global.L2": "prefetch.global.L2" in p,
@@ -340,7 +352,8 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
                         "w4_gemv1_pair_words_norm", "w4_gemv1_int4_l2_prefetch", "w4_gemv1_mxfp4_stages",
-                        "w4_gemv1_mxfp4_words_cg",
+                        "w4_gemv1_mxfp4_words_cg", "w4_gemv1_int4_scale_rows_first",
+                        "w4_gemv1_scale_rows_before_wait",
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",

@@ -409,6 +409,19 @@ if HAS_TRITON:
             z_at = z_ptr + (row0 + rz).to(tl.int64) * stride_zn + (col * 8) // GROUP
             prefetch_l2(z_at, live & (lane >= LINES + BLOCK_N) & (lane < LINES + 2 * BLOCK_N))
 
+    @triton.jit
+    def _prefetch_rows(ptr, n_rows, stride, n_elems, BLOCK_W: tl.constexpr):
+        """L2 prefetches of every 128-byte line that holds one of the first n_elems elements of
+        n_rows rows from ptr (a row every `stride` elements) (the last line of a row that does
+        not start on a line included; nothing past a row's last element), a line a thread a pass."""
+        PER: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
+        lines = (n_elems + PER - 1) // PER + 1
+        t = tl.arange(0, BLOCK_W)
+        for i in range(0, n_rows * lines, BLOCK_W):
+            idx = i + t
+            at = tl.minimum((idx % lines) * PER, n_elems - 1)
+            prefetch_l2(ptr + (idx // lines).to(tl.int64) * stride + at, idx < n_rows * lines)
+
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn", "up_rows"],
                 do_not_specialize_on_alignment=["w_ptr", "s_ptr", "z_ptr"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
@@ -423,7 +436,7 @@ if HAS_TRITON:
                          EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
                          RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None,
-                         WCACHE: tl.constexpr = ""):
+                         WCACHE: tl.constexpr = "", SPF: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -470,7 +483,9 @@ if HAS_TRITON:
         hold and the step's own loads find L2. STAGES (not AHEAD): the loop pipelined by
         Triton into that many stages, its loads as asynchronous copies into shared memory.
         WCACHE: the word loads' cache modifier (".cg": L2 only, so that the weight stream, read
-        once, does not evict x and the scales from L1; "": the default). None of these three
+        once, does not evict x and the scales from L1; "": the default). SPF (NVIDIA only): the
+        program's whole scale (and zero-point) rows asked of L2 before the PDL wait (a few lines
+        a row; `_prefetch_rows`), so that no step waits for them from memory. None of these
         changes the arithmetic."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
@@ -526,6 +541,18 @@ if HAS_TRITON:
             word_next = tl.load(wp, cache_modifier=WCACHE)
             if GATED:
                 up_next = tl.load(wp + w_up, cache_modifier=WCACHE)
+        if SPF:  # the scale rows are weights: no kernel in the stream writes them
+            row0 = tl.program_id(0) * BLOCK_N
+            n_rows = tl.minimum(N - row0, BLOCK_N)
+            n_groups = (n_words * 8 + GROUP - 1) // GROUP
+            _prefetch_rows(s_ptr + row0.to(tl.int64) * stride_s, n_rows, stride_s, n_groups, BLOCK_W)
+            if HAS_ZP:
+                _prefetch_rows(z_ptr + row0.to(tl.int64) * stride_z, n_rows, stride_z, n_groups, BLOCK_W)
+            if GATED:
+                _prefetch_rows(s_ptr + row0.to(tl.int64) * stride_s + s_up, n_rows, stride_s, n_groups, BLOCK_W)
+                if HAS_ZP:
+                    _prefetch_rows(z_ptr + row0.to(tl.int64) * stride_z + z_up, n_rows, stride_z, n_groups,
+                                   BLOCK_W)
         pdl_start(PDL)
         if L2D > 0:  # the steps before the loop's first prefetch reaches
             for d in tl.static_range(1, L2D):
@@ -669,7 +696,7 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     norm: dict | None = None, gated: bool = False) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages and
-    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES).
+    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF).
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
     of a [gate | up] weight of 2N rows, y = silu(gate) up."""
     from atom.model_ops.kernels.w4_gemm import FORMATS
@@ -697,6 +724,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     even = N % cfg["BLOCK_N"] == 0 and n_words % (cfg["BLOCK_W"] * cfg.get("DW", 1)) == 0 and n_words > 0
     if cfg.get("L2D") and not (even and not gated and ptx_applies(x)):
         cfg["L2D"] = 0  # the prefetch is inline PTX (NVIDIA, compiled) for even, plain tiles
+    if cfg.get("SPF") and not ptx_applies(x):
+        cfg["SPF"] = False  # inline PTX too
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
     elif cfg.get("AHEAD") and FIXED_STRIDES[FORMATS[fmt_id]]:  # one compile per weight shape
