@@ -31,7 +31,8 @@
 # prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order),
 # overlap (DeepSeek-V2-Lite's MoE block with the shared experts on a second stream against one),
 # w4_sweep (the one-row 4-bit GEMV's tiles at Llama-3.1-8B's shapes, the formats in SWEEP_FORMATS), w4_opts
-# (the table's tile with each of the sweep's OPTIONS, L2 prefetches and pipelined loads, and their GPU tests),
+# (the table's tile with each of the sweep's OPTIONS: prefetches, pipelined loads, cache modifier), w4_opts_tests
+# (their GPU tests: the same bits as the table's tile),
 # w4_tests (the 4-bit kernels' GPU tests), fp8_accum (ptpc FP8 products at 128-1024 rows: cuBLASLt with and
 # without fast accumulation, the Triton GEMM promoting its sums or not), fp8_sweep (one-row ptpc FP8: the swap-AB kernel against
 # the bf16 GEMV reading fp8), fp8_h2 (one-row ptpc FP8: the swap-AB kernel against the CUDA-core
@@ -196,10 +197,10 @@ for st in "$@"; do ts=$(date +%s); case $st in
               tests/test_mla_decode_knobs.py
             run w4-gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;
   w4_sweep) run w4-gemv1-sweep 560 python3 scripts/w4_gemv1_sweep.py --formats ${SWEEP_FORMATS:-int4 mxfp4} --out $R/w4-gemv1-sweep.json;;
-  w4_opts) run w4-gemv1-options 300 python3 scripts/w4_gemv1_sweep.py --options --formats ${SWEEP_FORMATS:-int4 mxfp4} \
-             --out $R/w4-gemv1-options.json
-           run w4-options-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA -m gpu \
-             tests/test_quant_kernels_4bit.py -k pipelined_and_prefetching;;
+  w4_opts) run w4-gemv1-options 540 python3 scripts/w4_gemv1_sweep.py --options --formats ${SWEEP_FORMATS:-int4 mxfp4} \
+             --out $R/w4-gemv1-options.json;;
+  w4_opts_tests) run w4-options-gpu-tests 400 python3 -m pytest -q -p no:cacheprovider -rA -m gpu \
+                   tests/test_quant_kernels_4bit.py -k pipelined_and_prefetching;;
   fp8_gemm) run fp8-gemm-sweep 400 python3 scripts/fp8_gemm_sweep.py --out $R/fp8-gemm-sweep.json;;
   lt_tests) run lt-gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_gemm_tuning.py \
               tests/test_gemm_tuning_fp8.py;;
