@@ -42,7 +42,8 @@ TILES = [(8, 8, True, False, 1, False),
 # WCACHE ".cg": the word loads cached in L2 only; SPF: the scale rows asked of L2 at the start)
 OPTIONS = [{}, dict(L2D=1), dict(L2D=2), dict(L2D=3), dict(AHEAD=False, STAGES=2), dict(AHEAD=False, STAGES=3),
            dict(AHEAD=False, STAGES=4), dict(AHEAD=False, STAGES=3, L2D=2), dict(WCACHE=".cg"),
-           dict(WCACHE=".cg", L2D=2), dict(SPF=True), dict(SPF=True, L2D=2), dict(SPF=True, WCACHE=".cg")]
+           dict(WCACHE=".cg", L2D=2), dict(SPF=True), dict(SPF=True, L2D=1), dict(SPF=True, L2D=2),
+           dict(SPF=True, WCACHE=".cg")]
 
 
 def weights(fmt: str, N: int, K: int, g: int, zp: bool):
