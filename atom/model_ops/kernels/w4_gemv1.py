@@ -696,7 +696,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     norm: dict | None = None, gated: bool = False) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages and
-    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF).
+    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF) and launch options
+    (maxnreg).
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
     of a [gate | up] weight of 2N rows, y = silu(gate) up."""
     from atom.model_ops.kernels.w4_gemm import FORMATS
