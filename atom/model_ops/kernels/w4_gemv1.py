@@ -412,8 +412,8 @@ if HAS_TRITON:
     @triton.jit
     def _prefetch_rows(ptr, n_rows, stride, n_elems, BLOCK_W: tl.constexpr):
         """L2 prefetches of every 128-byte line that holds one of the first n_elems elements of
-        n_rows rows from ptr (a row every `stride` elements) (the last line of a row that does
-        not start on a line included; nothing past a row's last element), a line a thread a pass."""
+        n_rows rows from ptr, a row every `stride` elements: the last line of a row that does not
+        start on a line included, nothing past a row's last element; a line a thread a pass."""
         PER: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
         lines = (n_elems + PER - 1) // PER + 1
         t = tl.arange(0, BLOCK_W)
