@@ -124,8 +124,24 @@ def main(argv=None) -> int:
                 print(f"    best with HALF2={half2} DW={dw} CHAIN={chain}: {b['us']:.1f} us, BLOCK_N={b['cfg']['BLOCK_N']} "
                       f"warps={b['cfg']['num_warps']} AHEAD={b['cfg']['AHEAD']} (rel err {b['rel_err']:.1e})", flush=True)
             del sets, one
+    if args.options:
+        print_option_totals(rows)
     write_rows(args.out, rows)
     return 0
+
+
+def print_option_totals(rows: list) -> None:
+    """Per format, each option's time summed over the shapes (one product of each a decoder
+    layer, as a batch-1 step runs them) against the table tile's sum."""
+    for name in dict.fromkeys(r["format"] for r in rows):
+        mine = [r for r in rows if r["format"] == name]
+        shapes = {(r["N"], r["K"]) for r in mine}
+        table = sum(r["us"] for r in mine if r["is_table"])
+        print(f"{name}: the table's tile {table:.1f} us over {len(shapes)} shapes; with each option:")
+        for opts in OPTIONS[1:]:
+            total = [r["us"] for r in mine if r["options"] == opts]
+            if len(total) == len(shapes):
+                print(f"    {sum(total):8.1f} us  {sum(total) / table - 1:+6.1%}  {opts}")
 
 
 def time_options(args, rows, name, N, K, x, one, table, timed, ref, wbytes, t_old, t16) -> None:
