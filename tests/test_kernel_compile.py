@@ -198,6 +198,14 @@ def _compile_all() -> dict:
                                          HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
                                          BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=2, WCACHE=".cg"),
                                     dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("ld.global.cg.b64",)),
+        # the prefetches into L1 too (PF1) for MXFP4's scale rows (SPF) and next steps (L2D)
+        "w4_gemv1_mxfp4_prefetch_l1": (w4g1._w4_gemv1_kernel,
+                                       dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32,
+                                            HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
+                                            BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=2, L2D=1, SPF=True,
+                                            PF1=True),
+                                       dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"),
+                                       ("prefetch.global.L1", "griddepcontrol.wait")),
         # the scale and zero-point rows prefetched before the PDL wait (SPF), a gated int4 product
         "w4_gemv1_int4_scale_rows_first": (w4g1._w4_gemv1_kernel,
                                            dict(CHAIN=False, NORM=True, HAS_RES=True, GATED=True, FMT=0,
@@ -352,7 +360,7 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
                         "w4_gemv1_pair_words_norm", "w4_gemv1_int4_l2_prefetch", "w4_gemv1_mxfp4_stages",
-                        "w4_gemv1_mxfp4_words_cg", "w4_gemv1_int4_scale_rows_first",
+                        "w4_gemv1_mxfp4_words_cg", "w4_gemv1_int4_scale_rows_first", "w4_gemv1_mxfp4_prefetch_l1",
                         "w4_gemv1_scale_rows_before_wait",
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",

@@ -385,42 +385,64 @@ if HAS_TRITON:
         else:
             return (word >> 32).to(tl.int32)
 
+    # prefetch [$1 + $2 $3 + $4] where $5 != 0: a row's base, the row, its bytes, a byte in it. The
+    # address is formed in the PTX, out of the compiler's sight: formed in Triton, the row
+    # arithmetic it shares with the loop changed how the compiled loop forms its own addresses
+    # (int4's gate-up tile: 389 instructions a step with L2D, 360 with SPF, against 343)
+    _PF_AT = ("{{ .reg .pred p; .reg .b64 a, o; setp.ne.b32 p, $5, 0; mad.wide.s32 a, $2, $3, $1; "
+              "cvt.s64.s32 o, $4; add.s64 a, a, o; @p prefetch.global.{} [a]; mov.b32 $0, 0; }}")
+    PF_AT_L1 = tl.constexpr(_PF_AT.format("L1"))
+    PF_AT_L2 = tl.constexpr(_PF_AT.format("L2"))
+
+    @triton.jit
+    def _prefetch_at(base, row, row_bytes, byte, mask, L1: tl.constexpr):
+        """Asks L2 (L1: and L1) for the line of byte `byte` of row `row` (rows `row_bytes` apart
+        from `base`) where mask holds; NVIDIA only (inline PTX)."""
+        args = [base, row, row_bytes, byte, mask.to(tl.int32)]
+        if L1:
+            tl.inline_asm_elementwise(PF_AT_L1, "=r,l,r,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(PF_AT_L2, "=r,l,r,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+
     @triton.jit
     def _prefetch_step(w_ptr, s_ptr, z_ptr, row0, w_at, n_words, stride_wn, stride_sn, stride_zn, GROUP: tl.constexpr,
-                       HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DW: tl.constexpr):
+                       HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DW: tl.constexpr,
+                       L1: tl.constexpr):
         """L2 prefetches of the step whose words start at w_at (nothing past the row's end), one
         line a lane: a warp's columns of a row are DW 128-byte word lines, and lane l < BLOCK_N DW
         asks for one of them; lanes BLOCK_N DW + r ask for row r's scale line at the warp's first
         column, and (zero points, where 32 lanes hold them) the lanes after those for its
-        zero-point line. A thread's element of [BLOCK_W] is its lane's (32 threads a warp)."""
+        zero-point line. A thread's element of [BLOCK_W] is its lane's (32 threads a warp). L1:
+        into L1 as well."""
         t = tl.arange(0, BLOCK_W)
         lane = t % 32
         LINES: tl.constexpr = BLOCK_N * DW
         col = w_at + (t // 32) * (32 * DW)  # the warp's first word of the step
         live = w_at < n_words
         q = tl.where(lane < LINES, lane, 0)
-        word_at = w_ptr + (row0 + q // DW).to(tl.int64) * stride_wn + col + (q % DW) * 32
-        prefetch_l2(word_at, live & (lane < LINES))
+        _prefetch_at(w_ptr, row0 + q // DW, stride_wn * 4, (col + (q % DW) * 32) * 4, live & (lane < LINES), L1)
+        S: tl.constexpr = s_ptr.dtype.element_ty.primitive_bitwidth // 8
         r = tl.where((lane >= LINES) & (lane < LINES + BLOCK_N), lane - LINES, 0)
-        s_at = s_ptr + (row0 + r).to(tl.int64) * stride_sn + (col * 8) // GROUP
-        prefetch_l2(s_at, live & (lane >= LINES) & (lane < LINES + BLOCK_N))
+        _prefetch_at(s_ptr, row0 + r, stride_sn * S, (col * 8) // GROUP * S,
+                     live & (lane >= LINES) & (lane < LINES + BLOCK_N), L1)
         if HAS_ZP and LINES + 2 * BLOCK_N <= 32:
+            Z: tl.constexpr = z_ptr.dtype.element_ty.primitive_bitwidth // 8
             rz = tl.where((lane >= LINES + BLOCK_N) & (lane < LINES + 2 * BLOCK_N), lane - LINES - BLOCK_N, 0)
-            z_at = z_ptr + (row0 + rz).to(tl.int64) * stride_zn + (col * 8) // GROUP
-            prefetch_l2(z_at, live & (lane >= LINES + BLOCK_N) & (lane < LINES + 2 * BLOCK_N))
+            _prefetch_at(z_ptr, row0 + rz, stride_zn * Z, (col * 8) // GROUP * Z,
+                         live & (lane >= LINES + BLOCK_N) & (lane < LINES + 2 * BLOCK_N), L1)
 
     @triton.jit
-    def _prefetch_rows(ptr, n_rows, stride, n_elems, BLOCK_W: tl.constexpr):
-        """L2 prefetches of every 128-byte line that holds one of the first n_elems elements of
-        n_rows rows from ptr, a row every `stride` elements: the last line of a row that does not
-        start on a line included, nothing past a row's last element; a line a thread a pass."""
-        PER: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-        lines = (n_elems + PER - 1) // PER + 1
+    def _prefetch_rows(ptr, row0, n_rows, stride, n_elems, BLOCK_W: tl.constexpr, L1: tl.constexpr):
+        """L2 prefetches of the 128-byte lines that hold the first n_elems elements of rows
+        row0 .. row0 + n_rows - 1 from ptr, a row every `stride` elements: BLOCK_W // 16 lines a
+        row from its start (the last clamped to its last element), a line a thread: 16 rows of up
+        to 1 KB with 128 threads (a hint: lines past those are left to the loads). L1: into L1
+        as well."""
+        S: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+        LPR: tl.constexpr = BLOCK_W // 16  # lines a row
         t = tl.arange(0, BLOCK_W)
-        for i in range(0, n_rows * lines, BLOCK_W):
-            idx = i + t
-            at = tl.minimum((idx % lines) * PER, n_elems - 1)
-            prefetch_l2(ptr + (idx // lines).to(tl.int64) * stride + at, idx < n_rows * lines)
+        _prefetch_at(ptr, row0 + t // LPR, stride * S, tl.minimum((t % LPR) * (128 // S), n_elems - 1) * S,
+                     t // LPR < n_rows, L1)
 
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn", "up_rows"],
                 do_not_specialize_on_alignment=["w_ptr", "s_ptr", "z_ptr"])
@@ -436,7 +458,7 @@ if HAS_TRITON:
                          EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
                          RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None,
-                         WCACHE: tl.constexpr = "", SPF: tl.constexpr = False):
+                         WCACHE: tl.constexpr = "", SPF: tl.constexpr = False, PF1: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -485,8 +507,9 @@ if HAS_TRITON:
         WCACHE: the word loads' cache modifier (".cg": L2 only, so that the weight stream, read
         once, does not evict x and the scales from L1; "": the default). SPF (NVIDIA only): the
         program's whole scale (and zero-point) rows asked of L2 before the PDL wait (a few lines
-        a row; `_prefetch_rows`), so that no step waits for them from memory. None of these
-        changes the arithmetic."""
+        a row; `_prefetch_rows`), so that no step waits for them from memory. PF1: L2D's and
+        SPF's lines into L1 as well (with WCACHE ".cg" the words' loads do not look there; the
+        scales' and x's do). None of these changes the arithmetic."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -545,23 +568,22 @@ if HAS_TRITON:
             row0 = tl.program_id(0) * BLOCK_N
             n_rows = tl.minimum(N - row0, BLOCK_N)
             n_groups = (n_words * 8 + GROUP - 1) // GROUP
-            _prefetch_rows(s_ptr + row0.to(tl.int64) * stride_s, n_rows, stride_s, n_groups, BLOCK_W)
+            _prefetch_rows(s_ptr, row0, n_rows, stride_s, n_groups, BLOCK_W, PF1)
             if HAS_ZP:
-                _prefetch_rows(z_ptr + row0.to(tl.int64) * stride_z, n_rows, stride_z, n_groups, BLOCK_W)
+                _prefetch_rows(z_ptr, row0, n_rows, stride_z, n_groups, BLOCK_W, PF1)
             if GATED:
-                _prefetch_rows(s_ptr + row0.to(tl.int64) * stride_s + s_up, n_rows, stride_s, n_groups, BLOCK_W)
+                _prefetch_rows(s_ptr, row0 + up_rows, n_rows, stride_s, n_groups, BLOCK_W, PF1)
                 if HAS_ZP:
-                    _prefetch_rows(z_ptr + row0.to(tl.int64) * stride_z + z_up, n_rows, stride_z, n_groups,
-                                   BLOCK_W)
+                    _prefetch_rows(z_ptr, row0 + up_rows, n_rows, stride_z, n_groups, BLOCK_W, PF1)
         pdl_start(PDL)
         if L2D > 0:  # the steps before the loop's first prefetch reaches
             for d in tl.static_range(1, L2D):
                 _prefetch_step(w_ptr, s_ptr, z_ptr, tl.program_id(0) * BLOCK_N, d * STEP, n_words, stride_w * DW,
-                               stride_s, stride_z, GROUP, HAS_ZP, BLOCK_N, BLOCK_W, DW)
+                               stride_s, stride_z, GROUP, HAS_ZP, BLOCK_N, BLOCK_W, DW, PF1)
         for w0 in tl.range(0, n_words, STEP, num_stages=STAGES):
             if L2D > 0:
                 _prefetch_step(w_ptr, s_ptr, z_ptr, tl.program_id(0) * BLOCK_N, w0 + L2D * STEP, n_words,
-                               stride_w * DW, stride_s, stride_z, GROUP, HAS_ZP, BLOCK_N, BLOCK_W, DW)
+                               stride_w * DW, stride_s, stride_z, GROUP, HAS_ZP, BLOCK_N, BLOCK_W, DW, PF1)
             if not GROUP_STEPS:
                 sp = s_row + ((w0 + j2 * DW) * 8) // GROUP
                 zp = z_row + ((w0 + j2 * DW) * 8) // GROUP
@@ -696,7 +718,7 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     norm: dict | None = None, gated: bool = False) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages and
-    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF) and launch options
+    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF, PF1) and launch options
     (maxnreg).
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
     of a [gate | up] weight of 2N rows, y = silu(gate) up."""
