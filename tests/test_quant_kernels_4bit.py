@@ -577,16 +577,17 @@ def test_gpu_llama_shapes(fmt, g, zp, N, K, M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(L2D=1), dict(L2D=2), dict(L2D=4), dict(STAGES=2, AHEAD=False),
                                   dict(STAGES=3, AHEAD=False), dict(STAGES=3, AHEAD=False, L2D=2),
-                                  dict(WCACHE=".cg", L2D=2), dict(SPF=True), dict(SPF=True, L2D=2), dict(maxnreg=64)],
+                                  dict(WCACHE=".cg", L2D=2), dict(SPF=True), dict(SPF=True, L2D=2), dict(maxnreg=64),
+                                  dict(WCACHE=".cg", SPF=True, PF1=True, L2D=1)],
                          ids=["l2d1", "l2d2", "l2d4", "stages2", "stages3", "stages3_l2d2", "cg_l2d2", "spf",
-                              "spf_l2d2", "maxnreg64"])
+                              "spf_l2d2", "maxnreg64", "cg_spf_l1_l2d1"])
 @pytest.mark.parametrize("N, K", LLAMA)
 @pytest.mark.parametrize("fmt, g, zp", [("int4", 128, False), ("int4", 128, True), ("mxfp4", 32, False)])
 def test_gpu_pipelined_and_prefetching_tiles_change_no_bit(fmt, g, zp, N, K, opts):
     """The table's one-row tile at Llama-3.1-8B's shapes with L2 prefetches ahead (L2D), its
     loads pipelined through shared memory (STAGES), its word loads cached in L2 only
-    (WCACHE), its scale rows prefetched at the start (SPF) or its registers capped at 64
-    (maxnreg): the same bits as the table's tile (the arithmetic and its order are the same;
+    (WCACHE), its scale rows prefetched at the start (SPF; PF1: into L1 too) or its registers
+    capped at 64 (maxnreg): the same bits as the table's tile (the arithmetic and its order are the same;
     only how the weights travel differs)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=N + K + 5)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)

@@ -413,14 +413,14 @@ if HAS_TRITON:
         asks for one of them; lanes BLOCK_N DW + r ask for row r's scale line at the warp's first
         column, and (zero points, where 32 lanes hold them) the lanes after those for its
         zero-point line. A thread's element of [BLOCK_W] is its lane's (32 threads a warp). L1:
-        into L1 as well."""
+        the scale and zero-point lines into L1 as well (the words are read once a program)."""
         t = tl.arange(0, BLOCK_W)
         lane = t % 32
         LINES: tl.constexpr = BLOCK_N * DW
         col = w_at + (t // 32) * (32 * DW)  # the warp's first word of the step
         live = w_at < n_words
         q = tl.where(lane < LINES, lane, 0)
-        _prefetch_at(w_ptr, row0 + q // DW, stride_wn * 4, (col + (q % DW) * 32) * 4, live & (lane < LINES), L1)
+        _prefetch_at(w_ptr, row0 + q // DW, stride_wn * 4, (col + (q % DW) * 32) * 4, live & (lane < LINES), False)
         S: tl.constexpr = s_ptr.dtype.element_ty.primitive_bitwidth // 8
         r = tl.where((lane >= LINES) & (lane < LINES + BLOCK_N), lane - LINES, 0)
         _prefetch_at(s_ptr, row0 + r, stride_sn * S, (col * 8) // GROUP * S,
@@ -508,8 +508,9 @@ if HAS_TRITON:
         once, does not evict x and the scales from L1; "": the default). SPF (NVIDIA only): the
         program's whole scale (and zero-point) rows asked of L2 before the PDL wait (a few lines
         a row; `_prefetch_rows`), so that no step waits for them from memory. PF1: L2D's and
-        SPF's lines into L1 as well (with WCACHE ".cg" the words' loads do not look there; the
-        scales' and x's do). None of these changes the arithmetic."""
+        SPF's scale and zero-point lines into L1 as well, where each step's loads of them find
+        them (with WCACHE ".cg" the word stream does not evict them). None of these changes the
+        arithmetic."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
