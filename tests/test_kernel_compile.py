@@ -192,6 +192,12 @@ def _compile_all() -> dict:
                                            HAS_ZP=True, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, BLOCK_N=8,
                                            BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=1, L2D=2),
                                       dict(w_ptr="*i32", z_ptr="*i8"), ("prefetch.global.L2", "griddepcontrol.wait")),
+        "w4_gemv1_mxfp4_stages": (w4g1._w4_gemv1_kernel,
+                                  dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32,
+                                       HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, BLOCK_N=8,
+                                       BLOCK_W=128, EVEN=True, AHEAD=False, HALF2=True, DW=2, STAGES=3, L2D=2),
+                                  dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"),
+                                  ("cp.async.ca.shared.global", "cp.async.wait_group", "prefetch.global.L2")),
         # the word loads cached in L2 only (WCACHE ".cg"), MXFP4 word pairs with the words ahead
         "w4_gemv1_mxfp4_words_cg": (w4g1._w4_gemv1_kernel,
                                     dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32,
@@ -214,12 +220,6 @@ def _compile_all() -> dict:
                                                 DW=1, SPF=True),
                                            dict(w_ptr="*i32", z_ptr="*i8", eps="fp32"),
                                            ("prefetch.global.L2", "griddepcontrol.wait")),
-        "w4_gemv1_mxfp4_stages": (w4g1._w4_gemv1_kernel,
-                                  dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32,
-                                       HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, BLOCK_N=8,
-                                       BLOCK_W=128, EVEN=True, AHEAD=False, HALF2=True, DW=2, STAGES=3, L2D=2),
-                                  dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"),
-                                  ("cp.async.ca.shared.global", "cp.async.wait_group", "prefetch.global.L2")),
         # MXFP4 pair words (`fp4_pairs`) with a word pair's products in one fp16 chain (CHAIN), and
         # int4's chain with zero points
         "w4_gemv1_pair_words_chain": (w4g1._w4_gemv1_kernel,

@@ -587,8 +587,8 @@ def test_gpu_pipelined_and_prefetching_tiles_change_no_bit(fmt, g, zp, N, K, opt
     """The table's one-row tile at Llama-3.1-8B's shapes with L2 prefetches ahead (L2D), its
     loads pipelined through shared memory (STAGES), its word loads cached in L2 only
     (WCACHE), its scale rows prefetched at the start (SPF; PF1: into L1 too) or its registers
-    capped at 64 (maxnreg): the same bits as the table's tile (the arithmetic and its order are the same;
-    only how the weights travel differs)."""
+    capped at 64 (maxnreg): the same bits as the table's tile (the arithmetic and its order
+    are the same; only how the weights travel differs)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=N + K + 5)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     table = dict(w4_gemv1.tiles(N, fmt, K), kernel="w4_gemv1")
