@@ -150,6 +150,17 @@ def test_gpu_kernel_matches_the_exact_product_and_its_model(n, k, tile):
 
 @pytest.mark.gpu
 @GPU_ONLY
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_gpu_weights_cached_in_l2_only_change_no_bit(n, k):
+    """The weight loads with ".cg" (`WORD_CACHE`'s opt-in: L2 only) give the default's bits at
+    Llama-3.1-8B's shapes: only where the weights are cached differs."""
+    xq, xs, w8, ws = _operands(n, k, seed=2)
+    want = fp8_gemv1.fp8_gemv1_launch(xq, xs, w8, ws)
+    assert torch.equal(fp8_gemv1.fp8_gemv1_launch(xq, xs, w8, ws, word_cache=".cg"), want)
+
+
+@pytest.mark.gpu
+@GPU_ONLY
 def test_gpu_bias_output_dtype_and_takes():
     xq, xs, w8, ws = _operands(4096, 4096, seed=1)
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)

@@ -9,8 +9,8 @@ griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler
 Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path;
 the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants, its L2 prefetches, its
 loads pipelined through shared memory, its word loads cached in L2 only and its scale rows
-prefetched before the PDL wait;
-how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
+prefetched (into L1 too) before the PDL wait; the one-row FP8 product's weight loads cached in
+L2 only; how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
 its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait; its
 split merged by the last segment's program; rows prepared for the 4-bit GEMV and its loops
 reading them; the tensor-core probe `scripts/w4_mma_probe.py`).
@@ -67,6 +67,7 @@ def _compile_all() -> dict:
     mma = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mma)
     h2x = importlib.import_module("atom.model_ops.kernels.h2_xpack")
+    fp8g1 = importlib.import_module("atom.model_ops.kernels.fp8_gemv1")
     f32, idx = {"eps": "fp32", "scale_log2": "fp32"}, {n: "*i32" for n in ("cu_ptr", "seq_lens_ptr", "bt_ptr", "cnt_ptr")}
     cases = {
         "gemv_fused_gated": (gemv._gemv_kernel, dict(NORM=True, HAS_RES=True, GATED=True, PDL=True, BLOCK_N=1,
@@ -220,6 +221,12 @@ def _compile_all() -> dict:
                                                 DW=1, SPF=True),
                                            dict(w_ptr="*i32", z_ptr="*i8", eps="fp32"),
                                            ("prefetch.global.L2", "griddepcontrol.wait")),
+        # the one-row ptpc FP8 product (word pairs, the next words ahead) with its weight loads
+        # cached in L2 only (`fp8_gemv1.WORD_CACHE` ".cg")
+        "fp8_gemv1_words_cg": (fp8g1._fp8_gemv1_kernel, dict(HAS_BIAS=False, DW=2, BLOCK_N=4, BLOCK_W=128,
+                                                             AHEAD=True, PDL=True, WCACHE=".cg"),
+                               dict(x_ptr="*i64", xs_ptr="*fp32", w_ptr="*i64", ws_ptr="*fp32", b_ptr="*fp32"),
+                               ("ld.global.cg.b64", "cvt.rn.f16x2.e4m3x2", "griddepcontrol.wait")),
         # MXFP4 pair words (`fp4_pairs`) with a word pair's products in one fp16 chain (CHAIN), and
         # int4's chain with zero points
         "w4_gemv1_pair_words_chain": (w4g1._w4_gemv1_kernel,
@@ -361,7 +368,7 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
                         "w4_gemv1_pair_words_norm", "w4_gemv1_int4_l2_prefetch", "w4_gemv1_mxfp4_stages",
                         "w4_gemv1_mxfp4_words_cg", "w4_gemv1_int4_scale_rows_first", "w4_gemv1_mxfp4_prefetch_l1",
-                        "w4_gemv1_scale_rows_before_wait",
+                        "w4_gemv1_scale_rows_before_wait", "fp8_gemv1_words_cg",
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",

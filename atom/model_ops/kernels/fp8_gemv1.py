@@ -35,6 +35,10 @@ X_SHIFT = 8  # the row is scaled by 2^-X_SHIFT into fp16, y by 2^X_SHIFT back
 DEFAULT_TILE = (4, 128, 4, 2, True)
 TILES = {(6144, 4096): (8, 128, 4, 2, True)}
 MIN_CAPABILITY = (8, 9)  # cvt.rn.f16x2.e4m3x2
+#: the weight loads' cache modifier: "" the default; ".cg" L2 only, so that the weight stream (read
+#: once) does not evict the row x, which every step loads again, from L1 (opt-in until timed:
+#: `scripts/fp8_h2_probe.py` times both)
+WORD_CACHE = ""
 
 
 def h2_ptx(words: int) -> str:
@@ -128,11 +132,12 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize_on_alignment=["w_ptr", "x_ptr"])
     def _fp8_gemv1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, n_loads, stride_w, HAS_BIAS: tl.constexpr,
                           DW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, AHEAD: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, WCACHE: tl.constexpr = ""):
         """Program p: rows p BLOCK_N.. of y, a [BLOCK_N, BLOCK_W] tile of loads (int32: one word,
         int64: DW = 2 words) a step, one fp16 chain a load; even tiles only (`even`). x: the
         e4m3 row as the same loads. AHEAD: the next step's loads issued before this step's are
-        used (the first before the PDL wait: the weights do not depend on the kernel before)."""
+        used (the first before the PDL wait: the weights do not depend on the kernel before).
+        WCACHE: the weight loads' cache modifier (`WORD_CACHE`)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j = tl.arange(0, BLOCK_W)[None, :]
         wp = w_ptr + rows.to(tl.int64)[:, None] * stride_w + j
@@ -140,14 +145,15 @@ if HAS_TRITON:
         shape: tl.constexpr = [BLOCK_N, BLOCK_W]
         acc = tl.zeros(shape, tl.float32)
         if AHEAD:
-            nxt = tl.load(wp)
+            nxt = tl.load(wp, cache_modifier=WCACHE)
         pdl_start(PDL)
         for w0 in range(0, n_loads, BLOCK_W):
             if AHEAD:
                 word = nxt
-                nxt = tl.load(wp + tl.where(w0 + BLOCK_W < n_loads, BLOCK_W, 0))  # last step: reload, unused
+                nxt = tl.load(wp + tl.where(w0 + BLOCK_W < n_loads, BLOCK_W, 0),  # last step: reload, unused
+                              cache_modifier=WCACHE)
             else:
-                word = tl.load(wp)
+                word = tl.load(wp, cache_modifier=WCACHE)
             xv = tl.load(xp)  # the row's pairs for each load column, shared by the rows
             a0, a1 = _xq_pairs(_half(xv, 0, DW))
             if DW == 1:
@@ -169,9 +175,11 @@ if HAS_TRITON:
 
 def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                      bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple | None = None,
+                     word_cache: str | None = None) -> torch.Tensor:
     """y [1, N] = (xq . w[n]) xs ws[n] (+ bias[n]) in `out_dtype` (into `out` when given) with
-    `tile` (`tile_for(N, K)` by default); ValueError where the tile does not cover the shape."""
+    `tile` (`tile_for(N, K)` by default) and the weight loads' cache modifier `word_cache`
+    (`WORD_CACHE` by default); ValueError where the tile does not cover the shape."""
     from atom.model_ops.kernels.triton_import import pdl_args
     N, K = w.shape
     tile = tile or tile_for(N, K)
@@ -186,5 +194,6 @@ def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
         out = torch.empty(1, N, device=xq.device, dtype=out_dtype)
     _fp8_gemv1_kernel[(N // bn,)](xq.view(view), xs, words, ws, bias if bias is not None else ws, out,
                                   words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
-                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3, **pdl_args(xq))
+                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3,
+                                  WCACHE=WORD_CACHE if word_cache is None else word_cache, **pdl_args(xq))
     return out
