@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             table = w4_config(1, N, K, torch.bfloat16, g, fmt)[1]
             words = one[0] if one[0].dtype == torch.int32 else one[0].view(torch.int32)
             if args.options:
-                time_options(args, rows, name, N, K, x, one, table, timed, ref, wbytes, t_old, t16)
+                time_options(rows, name, N, K, x, one, table, timed, ref, wbytes, t_old, t16)
                 del sets, one
                 continue
             for bn, warps, ahead, half2, dw, chain in TILES:
@@ -146,7 +146,7 @@ def print_option_totals(rows: list) -> None:
                 print(f"    {sum(total):8.1f} us  {sum(total) / table - 1:+6.1%}  {opts}")
 
 
-def time_options(args, rows, name, N, K, x, one, table, timed, ref, wbytes, t_old, t16) -> None:
+def time_options(rows, name, N, K, x, one, table, timed, ref, wbytes, t_old, t16) -> None:
     """The table's tile with each of OPTIONS at one shape: a row each, printed beside the tile as it is."""
     from atom.model_ops.kernels.w4_gemm import w4_linear_launch
     fmt, g, _ = FORMATS[name]

@@ -75,21 +75,13 @@ if HAS_TRITON:
         pdl_wait(PDL)
 
     @triton.jit
-    def prefetch_l2(ptrs, mask, L1: tl.constexpr = False):
+    def prefetch_l2(ptrs, mask):
         """prefetch.global.L2 of each address where mask holds (a hint: L2 is where the GPU's
         memory is coherent, so a line fetched early is never stale; safe before `pdl_wait`).
-        L1: prefetch.global.L1 instead, the line into the SM's L1 too (a weight no kernel in
-        the stream writes: a line in L1 could be stale only for data written since).
         NVIDIA only (inline PTX); returns nothing useful."""
-        if L1:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }",
-                "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch arguments of a PDL-aware kernel working on `t`: the kernel's `PDL` flag, and

@@ -179,7 +179,7 @@ if HAS_TRITON:
     from atom.model_ops.kernels.h2_ptx import h2_ptx
     from atom.model_ops.kernels.h2_xpack import _h2_column_e, _h2_pairs, store_added_prepared, unpack_cols
     from atom.model_ops.kernels.rmsnorm import add_norm_cols, store_added_row
-    from atom.model_ops.kernels.triton_import import pdl_start, prefetch_l2
+    from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemm import _e8m0, _pair_word_std
 
     @triton.jit
@@ -387,8 +387,8 @@ if HAS_TRITON:
 
     # prefetch [$1 + $2 $3 + $4] where $5 != 0: a row's base, the row, its bytes, a byte in it. The
     # address is formed in the PTX, out of the compiler's sight: formed in Triton, the row
-    # arithmetic it shares with the loop changed how the compiled loop forms its own addresses
-    # (int4's gate-up tile: 389 instructions a step with L2D, 360 with SPF, against 343)
+    # arithmetic it shares with the loop changed how the compiled loop forms its own addresses,
+    # with more instructions a step (the counts: docs/perf/raw/history.md, 2026-12-06d)
     _PF_AT = ("{{ .reg .pred p; .reg .b64 a, o; setp.ne.b32 p, $5, 0; mad.wide.s32 a, $2, $3, $1; "
               "cvt.s64.s32 o, $4; add.s64 a, a, o; @p prefetch.global.{} [a]; mov.b32 $0, 0; }}")
     PF_AT_L1 = tl.constexpr(_PF_AT.format("L1"))
