@@ -168,8 +168,9 @@ def test_one_row_gemv_pipelined_and_prefetching_tiles(fmt, N, K, g, zp, opts):
 
 
 def test_one_row_gemv_refuses_tile_options_that_do_not_combine():
-    """STAGES pipelines the loads AHEAD would carry in registers (one or the other), and L2D
-    gives each of a warp's word and scale lines a lane (BLOCK_N x (DW + 1) lanes of 32)."""
+    """STAGES pipelines the loads AHEAD would carry in registers (one or the other), L2D
+    gives each of a warp's word and scale lines a lane (BLOCK_N x (DW + 1) lanes of 32), and
+    PF1 is a level for SPF's and L2D's prefetches (nothing without them)."""
     packed, scales, zeros = random_w4("int4", 16, 1024, 128, False)
     cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1)
     with pytest.raises(ValueError, match="STAGES.*AHEAD"):
@@ -178,6 +179,9 @@ def test_one_row_gemv_refuses_tile_options_that_do_not_combine():
     with pytest.raises(ValueError, match="L2D"):
         w4_linear_launch(torch.randn(1, 1024), packed, scales, zeros, None, "int4", 128, 1024,
                          config=dict(cfg, BLOCK_N=16, DW=2, L2D=2))
+    with pytest.raises(ValueError, match="PF1"):
+        w4_linear_launch(torch.randn(1, 1024), packed, scales, zeros, None, "int4", 128, 1024,
+                         config=dict(cfg, PF1=True))
 
 
 def test_two_words_a_load_only_where_the_words_pair_up():

@@ -743,6 +743,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     if cfg.get("STAGES") and cfg.get("AHEAD"):
         raise ValueError("w4_linear: a one-row GEMV tile pipelines its loads (STAGES) or carries them (AHEAD), "
                          f"not both: {cfg}")
+    if cfg.get("PF1") and not (cfg.get("SPF") or cfg.get("L2D")):
+        raise ValueError(f"w4_linear: PF1 sends SPF's and L2D's scale prefetches into L1 too; neither is on: {cfg}")
     if cfg.get("L2D") and cfg["BLOCK_N"] * (cfg.get("DW", 1) + 1) > 32:
         raise ValueError(f"w4_linear: L2D prefetches a line a lane, BLOCK_N x (DW + 1) <= 32 of them: {cfg}")
     even = N % cfg["BLOCK_N"] == 0 and n_words % (cfg["BLOCK_W"] * cfg.get("DW", 1)) == 0 and n_words > 0
