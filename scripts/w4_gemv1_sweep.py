@@ -42,16 +42,13 @@ TILES = [(8, 8, True, False, 1, False),
 # step that uses them (int4 at its top; MXFP4's loops spread them through it); STAGES: the
 # loop's loads pipelined through shared memory, AHEAD off;
 # WCACHE ".cg": the word loads cached in L2 only; SPF: the scale rows asked of L2 at the start
-# (PF1: of L1 too, where the steps' scale loads look first); EARLY: the first steps' word and
-# scale lines asked of L2 before the PDL wait;
+# (PF1: of L1 too, where the steps' scale loads look first);
 # maxnreg: Triton's register cap, e.g. 8 instead of 7 programs an SM for int4's wide tile at 71)
 OPTIONS = [{}, dict(L2D=1), dict(L2D=2), dict(AHEAD=False, STAGES=2), dict(AHEAD=False, STAGES=3),
            dict(AHEAD=False, STAGES=3, L2D=2), dict(WCACHE=".cg"), dict(SPF=True), dict(SPF=True, L2D=1),
            dict(SPF=True, L2D=2), dict(SPF=True, WCACHE=".cg"), dict(AHEAD=False, SPF=True, L2D=1),
            dict(AHEAD=False, SPF=True, L2D=2), dict(maxnreg=64), dict(maxnreg=64, SPF=True, L2D=1),
-           dict(WCACHE=".cg", SPF=True, PF1=True), dict(WCACHE=".cg", SPF=True, PF1=True, L2D=1),
-           dict(SPF=True, EARLY=1), dict(SPF=True, EARLY=2), dict(SPF=True, EARLY=4), dict(SPF=True, EARLY=8),
-           dict(SPF=True, maxnreg=64)]
+           dict(WCACHE=".cg", SPF=True, PF1=True), dict(WCACHE=".cg", SPF=True, PF1=True, L2D=1)]
 
 
 def weights(fmt: str, N: int, K: int, g: int, zp: bool):

@@ -221,14 +221,6 @@ def _compile_all() -> dict:
                                                 DW=1, SPF=True),
                                            dict(w_ptr="*i32", z_ptr="*i8", eps="fp32"),
                                            ("prefetch.global.L2", "griddepcontrol.wait")),
-        # the first steps' word and scale lines prefetched before the PDL wait (EARLY) with SPF,
-        # MXFP4 word pairs with the words ahead
-        "w4_gemv1_mxfp4_early": (w4g1._w4_gemv1_kernel,
-                                 dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32,
-                                      HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
-                                      BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=2, SPF=True, EARLY=2),
-                                 dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"),
-                                 ("prefetch.global.L2", "griddepcontrol.wait")),
         # the one-row ptpc FP8 product (word pairs, the next words ahead) with its weight loads
         # cached in L2 only (`fp8_gemv1.WORD_CACHE` ".cg")
         "fp8_gemv1_words_cg": (fp8g1._fp8_gemv1_kernel, dict(HAS_BIAS=False, DW=2, BLOCK_N=4, BLOCK_W=128,
@@ -375,8 +367,7 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
                         "w4_gemv1_pair_words_norm", "w4_gemv1_int4_l2_prefetch", "w4_gemv1_mxfp4_stages",
-                        "w4_gemv1_mxfp4_words_cg", "w4_gemv1_mxfp4_early", "w4_gemv1_int4_scale_rows_first",
-                        "w4_gemv1_mxfp4_prefetch_l1",
+                        "w4_gemv1_mxfp4_words_cg", "w4_gemv1_int4_scale_rows_first", "w4_gemv1_mxfp4_prefetch_l1",
                         "w4_gemv1_scale_rows_before_wait", "fp8_gemv1_words_cg",
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",

@@ -145,17 +145,16 @@ def test_one_row_gemv_with_two_words_a_load(fmt, N, K, g, zp, dtype, ahead):
 
 @pytest.mark.parametrize("opts", [dict(STAGES=2), dict(STAGES=3, DW=2), dict(L2D=2), dict(L2D=1, AHEAD=True, DW=2),
                                   dict(L2D=2, STAGES=3), dict(WCACHE=".cg", AHEAD=True), dict(SPF=True, AHEAD=True),
-                                  dict(maxnreg=64), dict(EARLY=2, AHEAD=True), dict(EARLY=1, DW=2)],
+                                  dict(maxnreg=64)],
                          ids=["stages2", "stages3_dw2", "l2d2", "l2d1_ahead_dw2", "l2d2_stages3", "cg_ahead", "spf",
-                              "maxnreg", "early2_ahead", "early1_dw2"])
+                              "maxnreg"])
 @pytest.mark.parametrize("fmt, N, K, g, zp", [("int4", 8, 1024, 128, False), ("int4", 8, 2048, 32, True),
                                               ("int4", 6, 1280, 64, False), ("mxfp4", 8, 2048, 32, False)])
 def test_one_row_gemv_pipelined_and_prefetching_tiles(fmt, N, K, g, zp, opts):
     """The tile options that only change how the weights travel give the plain tile's result
     bit for bit: STAGES (the loop pipelined through shared memory; the interpreter runs it as
     a plain loop), L2D (L2 prefetches a few steps ahead; inline PTX, so the launcher drops it
-    off NVIDIA GPUs, here, as it drops SPF, the scale rows' prefetch, and EARLY, the first
-    steps' prefetch before the PDL wait), WCACHE (the word
+    off NVIDIA GPUs, here, as it drops SPF, the scale rows' prefetch), WCACHE (the word
     loads' cache modifier) and Triton's register cap (maxnreg, a launch option the kernel call
     passes on), on even tiles of several steps and on the masked loop (6 rows)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=K + N + 2)
@@ -169,9 +168,9 @@ def test_one_row_gemv_pipelined_and_prefetching_tiles(fmt, N, K, g, zp, opts):
 
 
 def test_one_row_gemv_refuses_tile_options_that_do_not_combine():
-    """STAGES pipelines the loads AHEAD would carry in registers (one or the other), L2D and
-    EARLY give each of a warp's word and scale lines a lane (BLOCK_N x (DW + 1) lanes of 32),
-    and PF1 is a level for SPF's, L2D's and EARLY's prefetches (nothing without them)."""
+    """STAGES pipelines the loads AHEAD would carry in registers (one or the other), L2D
+    gives each of a warp's word and scale lines a lane (BLOCK_N x (DW + 1) lanes of 32), and
+    PF1 is a level for SPF's and L2D's prefetches (nothing without them)."""
     packed, scales, zeros = random_w4("int4", 16, 1024, 128, False)
     cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1)
     with pytest.raises(ValueError, match="STAGES.*AHEAD"):
@@ -180,9 +179,6 @@ def test_one_row_gemv_refuses_tile_options_that_do_not_combine():
     with pytest.raises(ValueError, match="L2D"):
         w4_linear_launch(torch.randn(1, 1024), packed, scales, zeros, None, "int4", 128, 1024,
                          config=dict(cfg, BLOCK_N=16, DW=2, L2D=2))
-    with pytest.raises(ValueError, match="EARLY"):
-        w4_linear_launch(torch.randn(1, 1024), packed, scales, zeros, None, "int4", 128, 1024,
-                         config=dict(cfg, BLOCK_N=16, DW=2, EARLY=1))
     with pytest.raises(ValueError, match="PF1"):
         w4_linear_launch(torch.randn(1, 1024), packed, scales, zeros, None, "int4", 128, 1024,
                          config=dict(cfg, PF1=True))
@@ -586,17 +582,16 @@ def test_gpu_llama_shapes(fmt, g, zp, N, K, M):
 @pytest.mark.parametrize("opts", [dict(L2D=1), dict(L2D=2), dict(L2D=4), dict(STAGES=2, AHEAD=False),
                                   dict(STAGES=3, AHEAD=False), dict(STAGES=3, AHEAD=False, L2D=2),
                                   dict(WCACHE=".cg", L2D=2), dict(SPF=True), dict(SPF=True, L2D=2), dict(maxnreg=64),
-                                  dict(WCACHE=".cg", SPF=True, PF1=True, L2D=1), dict(EARLY=2), dict(SPF=True, EARLY=4),
-                                  dict(AHEAD=False, EARLY=3)],
+                                  dict(WCACHE=".cg", SPF=True, PF1=True, L2D=1)],
                          ids=["l2d1", "l2d2", "l2d4", "stages2", "stages3", "stages3_l2d2", "cg_l2d2", "spf",
-                              "spf_l2d2", "maxnreg64", "cg_spf_l1_l2d1", "early2", "spf_early4", "noahead_early3"])
+                              "spf_l2d2", "maxnreg64", "cg_spf_l1_l2d1"])
 @pytest.mark.parametrize("N, K", LLAMA)
 @pytest.mark.parametrize("fmt, g, zp", [("int4", 128, False), ("int4", 128, True), ("mxfp4", 32, False)])
 def test_gpu_pipelined_and_prefetching_tiles_change_no_bit(fmt, g, zp, N, K, opts):
     """The table's one-row tile at Llama-3.1-8B's shapes with L2 prefetches ahead (L2D), its
     loads pipelined through shared memory (STAGES), its word loads cached in L2 only
-    (WCACHE), its scale rows prefetched at the start (SPF; PF1: into L1 too), its first steps'
-    lines prefetched before the PDL wait (EARLY) or its registers capped at 64 (maxnreg): the same bits as the table's tile (the arithmetic and its order
+    (WCACHE), its scale rows prefetched at the start (SPF; PF1: into L1 too) or its registers
+    capped at 64 (maxnreg): the same bits as the table's tile (the arithmetic and its order
     are the same; only how the weights travel differs)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp, device="cuda", seed=N + K + 5)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)

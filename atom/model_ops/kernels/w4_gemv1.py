@@ -458,8 +458,7 @@ if HAS_TRITON:
                          EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
                          RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None,
-                         WCACHE: tl.constexpr = "", SPF: tl.constexpr = False, PF1: tl.constexpr = False,
-                         EARLY: tl.constexpr = 0):
+                         WCACHE: tl.constexpr = "", SPF: tl.constexpr = False, PF1: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -510,10 +509,8 @@ if HAS_TRITON:
         program's whole scale (and zero-point) rows asked of L2 before the PDL wait (a few lines
         a row; `_prefetch_rows`), so that no step waits for them from memory. PF1: L2D's and
         SPF's scale and zero-point lines into L1 as well, where each step's loads of them find
-        them (with WCACHE ".cg" the word stream does not evict them). EARLY > 0 (as L2D: even
-        tiles, not GATED, NVIDIA only): the word and scale lines of steps 1 .. EARLY (and step 0 without
-        AHEAD) asked of L2 before the PDL wait (`_prefetch_step`), while the kernel in front still runs, so that the
-        loop does not start from an empty pipe. None of these changes the arithmetic."""
+        them (with WCACHE ".cg" the word stream does not evict them). None of these changes the
+        arithmetic."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -525,8 +522,6 @@ if HAS_TRITON:
         tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")
         tl.static_assert(L2D == 0 or (EVEN and not GATED and BLOCK_N * (DW + 1) <= 32),
                          "L2D prefetches even tiles' word and scale lines, a lane each")
-        tl.static_assert(EARLY == 0 or (EVEN and not GATED and BLOCK_N * (DW + 1) <= 32),
-                         "EARLY prefetches even tiles' word and scale lines, a lane each")
         tl.static_assert(STAGES is None or not AHEAD, "STAGES pipelines the loads that AHEAD would carry")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
             stride_w = SW // DW
@@ -581,10 +576,6 @@ if HAS_TRITON:
                 _prefetch_rows(s_ptr, row0 + up_rows, n_rows, stride_s, n_groups, BLOCK_W, PF1)
                 if HAS_ZP:
                     _prefetch_rows(z_ptr, row0 + up_rows, n_rows, stride_z, n_groups, BLOCK_W, PF1)
-        if EARLY > 0:  # weights: no kernel in the stream writes them
-            for d in tl.static_range(1 if AHEAD else 0, EARLY + 1):
-                _prefetch_step(w_ptr, s_ptr, z_ptr, tl.program_id(0) * BLOCK_N, d * STEP, n_words, stride_w * DW,
-                               stride_s, stride_z, GROUP, HAS_ZP, BLOCK_N, BLOCK_W, DW, PF1)
         pdl_start(PDL)
         if L2D > 0:  # the steps before the loop's first prefetch reaches
             for d in tl.static_range(1, L2D):
@@ -728,7 +719,7 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     norm: dict | None = None, gated: bool = False) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages and
-    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF, PF1, EARLY) and launch options
+    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF, PF1) and launch options
     (maxnreg).
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
     of a [gate | up] weight of 2N rows, y = silu(gate) up."""
@@ -752,15 +743,13 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     if cfg.get("STAGES") and cfg.get("AHEAD"):
         raise ValueError("w4_linear: a one-row GEMV tile pipelines its loads (STAGES) or carries them (AHEAD), "
                          f"not both: {cfg}")
-    if cfg.get("PF1") and not (cfg.get("SPF") or cfg.get("L2D") or cfg.get("EARLY")):
+    if cfg.get("PF1") and not (cfg.get("SPF") or cfg.get("L2D")):
         raise ValueError(f"w4_linear: PF1 sends SPF's and L2D's scale prefetches into L1 too; neither is on: {cfg}")
-    for opt in ("L2D", "EARLY"):
-        if cfg.get(opt) and cfg["BLOCK_N"] * (cfg.get("DW", 1) + 1) > 32:
-            raise ValueError(f"w4_linear: {opt} prefetches a line a lane, BLOCK_N x (DW + 1) <= 32 of them: {cfg}")
+    if cfg.get("L2D") and cfg["BLOCK_N"] * (cfg.get("DW", 1) + 1) > 32:
+        raise ValueError(f"w4_linear: L2D prefetches a line a lane, BLOCK_N x (DW + 1) <= 32 of them: {cfg}")
     even = N % cfg["BLOCK_N"] == 0 and n_words % (cfg["BLOCK_W"] * cfg.get("DW", 1)) == 0 and n_words > 0
-    for opt in ("L2D", "EARLY"):
-        if cfg.get(opt) and not (even and not gated and ptx_applies(x)):
-            cfg[opt] = 0  # the prefetch is inline PTX (NVIDIA, compiled) for even, plain tiles
+    if cfg.get("L2D") and not (even and not gated and ptx_applies(x)):
+        cfg["L2D"] = 0  # the prefetch is inline PTX (NVIDIA, compiled) for even, plain tiles
     if cfg.get("SPF") and not ptx_applies(x):
         cfg["SPF"] = False  # inline PTX too
     if not even:
