@@ -60,14 +60,17 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 #: step ahead; wider ones (28672 x 4096) int4 16 rows over 4 warps, MXFP4 8 rows over 2 warps
 #: ahead; MXFP4 from more than DEEP_K inputs (4096 x 14336) 8 rows over 4 warps ahead. MXFP4
 #: reads word pairs (DW = 2) everywhere, int4 single words: its sweep gains from pairs (at
-#: 28672 x 4096) did not carry into decode (docs/perf has both)
-TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True),
-         "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True, DW=2)}
-TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True),
-              "mxfp4": dict(BLOCK_N=8, BLOCK_W=64, num_warps=2, num_stages=3, AHEAD=True, HALF2=True, DW=2)}
+#: 28672 x 4096) did not carry into decode (docs/perf has both). Every tile asks L2 for its
+#: program's scale (and zero-point) rows before the PDL wait (SPF; faster decode in both formats)
+TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True, SPF=True),
+         "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True, DW=2, SPF=True)}
+TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True, SPF=True),
+              "mxfp4": dict(BLOCK_N=8, BLOCK_W=64, num_warps=2, num_stages=3, AHEAD=True, HALF2=True, DW=2,
+                            SPF=True)}
 #: layers of up to WIDE_N outputs from more than DEEP_K inputs (Llama's down product, 4096 x 14336)
 TILES_DEEP = {"int4": dict(TILES["int4"]),
-              "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True, DW=2)}
+              "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True, DW=2,
+                            SPF=True)}
 # MXFP4 pair words (`fp4_pairs`: the same weights, bits placed for fewer decode instructions)
 # take MXFP4's tiles until a sweep of their own
 for _table in (TILES, TILES_WIDE, TILES_DEEP):
@@ -86,14 +89,15 @@ def tiles(n: int, fmt: str = "int4", k: int = 0) -> dict:
     return dict(table[fmt])
 
 
-FUSED_TILES = {False: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True),
-               True: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True)}
+FUSED_TILES = {False: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True, SPF=True),
+               True: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True, SPF=True)}
 
 
 def fused_tiles(gated: bool) -> dict:
     """The tile of `w4_gemv1_fused` (`scripts/w4_fused_sweep.py`'s best at Llama-3.1-8B's q/k/v
     and gate-up products, both formats): 8 rows (a gated product: 8 gate and 8 up rows) of
-    128 words a step, the next step's words loaded ahead where not gated."""
+    128 words a step, the next step's words loaded ahead where not gated, the scale rows asked of
+    L2 before the PDL wait (SPF) as in `tiles`."""
     return dict(FUSED_TILES[gated])
 
 
