@@ -61,7 +61,8 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 #: ahead; MXFP4 from more than DEEP_K inputs (4096 x 14336) 8 rows over 4 warps ahead. MXFP4
 #: reads word pairs (DW = 2) everywhere, int4 single words: its sweep gains from pairs (at
 #: 28672 x 4096) did not carry into decode (docs/perf has both). Every tile asks L2 for its
-#: program's scale (and zero-point) rows before the PDL wait (SPF; faster decode in both formats)
+#: program's scale (and zero-point) rows before the PDL wait (SPF; faster decode in both formats),
+#: and MXFP4's tiles cap their registers at 64 (Triton's maxnreg; no spills, faster decode)
 TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True, SPF=True),
          "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True, DW=2, SPF=True)}
 TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True, SPF=True),
@@ -71,6 +72,8 @@ TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, H
 TILES_DEEP = {"int4": dict(TILES["int4"]),
               "mxfp4": dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True, DW=2,
                             SPF=True)}
+for _table in (TILES, TILES_WIDE, TILES_DEEP):
+    _table["mxfp4"]["maxnreg"] = 64
 # MXFP4 pair words (`fp4_pairs`: the same weights, bits placed for fewer decode instructions)
 # take MXFP4's tiles until a sweep of their own
 for _table in (TILES, TILES_WIDE, TILES_DEEP):
