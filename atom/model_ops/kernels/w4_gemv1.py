@@ -62,7 +62,8 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 #: reads word pairs (DW = 2) everywhere, int4 single words: its sweep gains from pairs (at
 #: 28672 x 4096) did not carry into decode (docs/perf has both). Every tile asks L2 for its
 #: program's scale (and zero-point) rows before the PDL wait (SPF; faster decode in both formats),
-#: and MXFP4's tiles cap their registers at 64 (Triton's maxnreg; no spills, faster decode)
+#: and MXFP4's tiles pass Triton's maxnreg = 64 (ptxas then allocates 64 registers instead of
+#: 60-62, the same programs an SM and no spills, and schedules the loop otherwise: faster decode)
 TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True, SPF=True),
          "mxfp4": dict(BLOCK_N=8, BLOCK_W=256, num_warps=8, num_stages=3, AHEAD=True, HALF2=True, DW=2, SPF=True)}
 TILES_WIDE = {"int4": dict(BLOCK_N=16, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True, SPF=True),
