@@ -37,18 +37,17 @@ TILES = [(8, 8, True, False, 1, False),
          (16, 4, False, True, 2, True), (8, 8, True, True, 2, True), (8, 4, True, True, 2, True),
          (16, 4, True, True, 2, True), (8, 2, True, True, 2, True), (16, 2, True, True, 2, True)]
 
-# --options: the table's tile as it is, then with each of these (the kernel's L2D: L2 prefetches
-# that many steps ahead, with the next words carried in registers or, AHEAD off, loaded in the
-# step that uses them (int4 at its top; MXFP4's loops spread them through it); STAGES: the
-# loop's loads pipelined through shared memory, AHEAD off;
-# WCACHE ".cg": the word loads cached in L2 only; SPF: the scale rows asked of L2 at the start
-# (PF1: of L1 too, where the steps' scale loads look first);
+# --options: the table's tile as it is (SPF on; MXFP4's with maxnreg 64), then with each of these
+# (SPF off: the scale rows not asked of L2 at the start; the kernel's L2D: L2 prefetches that many
+# steps ahead, with the next words carried in registers or, AHEAD off, loaded in the step that
+# uses them (int4 at its top; MXFP4's loops spread them through it); STAGES: the loop's loads
+# pipelined through shared memory, AHEAD off; WCACHE ".cg": the word loads cached in L2 only;
+# PF1: SPF's and L2D's scale lines into L1 too, where the steps' scale loads look first;
 # maxnreg: Triton's register cap, e.g. 8 instead of 7 programs an SM for int4's wide tile at 71)
-OPTIONS = [{}, dict(L2D=1), dict(L2D=2), dict(AHEAD=False, STAGES=2), dict(AHEAD=False, STAGES=3),
-           dict(AHEAD=False, STAGES=3, L2D=2), dict(WCACHE=".cg"), dict(SPF=True), dict(SPF=True, L2D=1),
-           dict(SPF=True, L2D=2), dict(SPF=True, WCACHE=".cg"), dict(AHEAD=False, SPF=True, L2D=1),
-           dict(AHEAD=False, SPF=True, L2D=2), dict(maxnreg=64), dict(maxnreg=64, SPF=True, L2D=1),
-           dict(WCACHE=".cg", SPF=True, PF1=True), dict(WCACHE=".cg", SPF=True, PF1=True, L2D=1)]
+OPTIONS = [{}, dict(SPF=False), dict(L2D=1), dict(L2D=2), dict(AHEAD=False, STAGES=2), dict(AHEAD=False, STAGES=3),
+           dict(AHEAD=False, STAGES=3, L2D=2), dict(WCACHE=".cg"), dict(AHEAD=False, L2D=1),
+           dict(AHEAD=False, L2D=2), dict(maxnreg=64), dict(maxnreg=64, L2D=1), dict(WCACHE=".cg", PF1=True),
+           dict(WCACHE=".cg", PF1=True, L2D=1)]
 
 
 def weights(fmt: str, N: int, K: int, g: int, zp: bool):
