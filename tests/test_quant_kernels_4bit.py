@@ -184,6 +184,25 @@ def test_one_row_gemv_refuses_tile_options_that_do_not_combine():
                          config=dict(cfg, PF1=True))
 
 
+def test_one_row_gemv_register_cap_only_on_nvidia(monkeypatch):
+    """maxnreg (MXFP4's table tiles pass 64) is an option of Triton's NVIDIA backend: the
+    launcher passes it on there and drops it under ROCm, where Triton would refuse it."""
+    packed, scales, zeros = random_w4("mxfp4", 8, 1024, 32, False)
+    x = torch.randn(1, 1024).to(torch.bfloat16)
+    cfg = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1, maxnreg=64)
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw)
+
+    monkeypatch.setattr(w4_gemv1, "_w4_gemv1_kernel", Recorder())
+    w4_linear_launch(x, packed, scales, zeros, None, "mxfp4", 32, 1024, config=cfg)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    w4_linear_launch(x, packed, scales, zeros, None, "mxfp4", 32, 1024, config=cfg)
+    assert [kw.get("maxnreg") for kw in seen] == [64, None]
+
+
 def test_two_words_a_load_only_where_the_words_pair_up():
     """`pairs_words`: an odd row stride, a start off 8 bytes, steps that do not tile the row or
     groups of 8 columns keep one word a load (the launcher falls back to DW = 1 and the result
