@@ -222,6 +222,32 @@ assert (chain_err < 2e-3).all()
 display(layout, ptx_ops.to_frame(), chain_err.to_frame())
 """),
     ("md", """
+How the weights travel. Options of the one-row tile that change no bit of the result, only
+how the weight stream is fetched: the scale rows asked of L2 before the PDL wait (SPF), L2
+prefetches a few steps ahead (L2D), the loop pipelined through shared memory (STAGES), L2-only
+word loads (WCACHE ".cg", PF1: scale lines into L1 too) and Triton's register cap (maxnreg).
+From the H100 options sweep under `docs/perf/raw` (`scripts/w4_gemv1_sweep.py --options`):
+each option's time over Llama-3.1-8B's four shapes against the table's tile then (no SPF, no
+cap). SPF and MXFP4's maxnreg = 64 are in the tables now (batch-1 decode agreed); the rest
+were slower.
+"""),
+    ("code", """
+raw = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw" / "2026-12-06e-h100-call1-w4-gemv1-options.json"
+opts = pd.DataFrame(json.loads(raw.read_text())["rows"])
+opts["option"] = opts["options"].map(lambda o: ", ".join(f"{k}={v}" for k, v in o.items()) or "table")
+total = opts.pivot_table(index="option", columns="format", values="us", aggfunc="sum")
+travel = (total / total.loc["table"] - 1).mul(100).round(1).sort_values("mxfp4")
+assert travel.loc["AHEAD=False, STAGES=3", "int4"] > 50 and travel.loc["SPF=True", "mxfp4"] < 0
+assert all(w4_gemv1.tiles(n, f, k)["SPF"] for f in ("int4", "mxfp4") for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)))
+assert all(w4_gemv1.tiles(n, "mxfp4", k)["maxnreg"] == 64 for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)))
+fig = Figure(figsize=(7.0, 3.6), layout="constrained")
+ax = fig.add_subplot()
+travel[travel.abs().max(axis=1) < 40].plot.barh(ax=ax)
+ax.set_xlabel("% time against the table's tile (H100, 4 shapes)"); ax.set_title("one-row GEMV: how the weights travel")
+display(travel)
+fig
+"""),
+    ("md", """
 Rows prepared by the kernel in front (the plan's opt-in "w4_prepared_x", `kernels/h2_xpack.py`):
 the scaling and packing above happen once, in the add + RMSNorm or SiLU kernel, instead of in
 every GEMV program; a word column becomes 8 int32 (four fp16 pairs, its exponent e, its sum).
