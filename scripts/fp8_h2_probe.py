@@ -13,7 +13,8 @@ max |ref| against the exact product (float64) of the same operands; `fp8_gemv1.h
 kernel's rounding in torch ("vs model"). Each timing replays a CUDA graph over enough weight
 copies to miss L2 (`w4_sweep`'s helpers); a tile that fails to compile or errs by more than
 2e-2 is reported, not fatal. The table's tile is timed again with its weight loads cached in L2
-only (`fp8_gemv1.WORD_CACHE` ".cg").
+only (`fp8_gemv1.WORD_CACHE` ".cg") and with its scales loaded before the loop
+(`fp8_gemv1.SCALES_FIRST`).
 """
 from __future__ import annotations
 
@@ -40,19 +41,21 @@ def rel(y, ref) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
 
-def tile_rows(tiles, x, xs, sets, ws, ref, N, K, iters, base, word_cache: str = "") -> list:
+def tile_rows(tiles, x, xs, sets, ws, ref, N, K, iters, base, word_cache: str = "", scales_first: bool = False) -> list:
     """Each tile: checked once (errors against the exact product and `h2_ref`), then timed;
-    `word_cache`: the weight loads' cache modifier (`fp8_gemv1.WORD_CACHE`)."""
+    `word_cache`: the weight loads' cache modifier (`fp8_gemv1.WORD_CACHE`); `scales_first`:
+    `fp8_gemv1.SCALES_FIRST`."""
     from atom.utils.cuda_timing import graph_time
     out, models = [], {}
     for tile in tiles:
         bn, bw, warps, dw, ahead = tile
         row = dict(base, kind="ptpc", BLOCK_N=bn, BLOCK_W=bw, num_warps=warps, DW=dw, AHEAD=ahead,
-                   words_a_step=bw * dw, word_cache=word_cache)
-        name = f"{tile}{' ' + word_cache if word_cache else ''}"
+                   words_a_step=bw * dw, word_cache=word_cache, scales_first=scales_first)
+        name = f"{tile}{' ' + word_cache if word_cache else ''}{' scales first' if scales_first else ''}"
+        opts = dict(word_cache=word_cache, scales_first=scales_first)
         y = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
         try:
-            fp8_gemv1_launch(x, xs, sets[0], ws, out=y, tile=tile, word_cache=word_cache)
+            fp8_gemv1_launch(x, xs, sets[0], ws, out=y, tile=tile, **opts)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - a probe reports a tile that does not build or run
             out.append(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"))
@@ -61,7 +64,7 @@ def tile_rows(tiles, x, xs, sets, ws, ref, N, K, iters, base, word_cache: str = 
         if dw not in models:
             models[dw] = h2_ref(x, sets[0], dw) * ws * xs
         err, err_model = rel(y, ref), rel(y, models[dw])
-        t = graph_time([lambda w=w: fp8_gemv1_launch(x, xs, w, ws, out=y, tile=tile, word_cache=word_cache)
+        t = graph_time([lambda w=w: fp8_gemv1_launch(x, xs, w, ws, out=y, tile=tile, **opts)
                         for w in sets], iters)
         out.append(dict(row, us=t * 1e6, tbs=N * K / t / 1e12, rel_err=err, model_err=err_model, ok=err <= BAD))
         print(f"   {name}: {t * 1e6:8.1f} us {N * K / t / 1e12:5.2f} TB/s"
@@ -97,6 +100,7 @@ def main(argv=None) -> int:
         rows.append(dict(base, kind="swap_ab", us=t_dot * 1e6, tbs=N * K / t_dot / 1e12, rel_err=err_dot))
         rows += tile_rows(TILES, xq, xs, sets, ws, ref, N, K, args.iters, base)
         rows += tile_rows([tile_for(N, K)], xq, xs, sets, ws, ref, N, K, args.iters, base, word_cache=".cg")
+        rows += tile_rows([tile_for(N, K)], xq, xs, sets, ws, ref, N, K, args.iters, base, scales_first=True)
         del sets, w8
     write_rows(args.out, rows)
     summary(rows)
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
 def summary(rows) -> None:
     """One line a shape: the swap-AB kernel, the best correct tile, bf16."""
     print(f"\n{'N':>6}{'K':>6} {'swap-AB us':>10}{'TB/s':>6} {'ptpc us':>8}{'TB/s':>6}{'x dot':>6} "
-          f"{'bf16 us':>8}  best tile (BLOCK_N, BLOCK_W, warps, DW, AHEAD), cache modifier")
+          f"{'bf16 us':>8}  best tile (BLOCK_N, BLOCK_W, warps, DW, AHEAD), cache modifier, scales first")
     for N, K in SHAPES:
         at = [r for r in rows if (r["N"], r["K"]) == (N, K)]
         if not at:
@@ -117,7 +121,8 @@ def summary(rows) -> None:
             print(f"{N:>6}{K:>6} {b0['dot_us']:>10.1f}{b0['dot_tbs']:>6.2f}  no correct tile")
             continue
         b = min(good, key=lambda r: r["us"])
-        tile = f"({b['BLOCK_N']}, {b['BLOCK_W']}, {b['num_warps']}, {b['DW']}, {b['AHEAD']}) {b['word_cache']}"
+        tile = (f"({b['BLOCK_N']}, {b['BLOCK_W']}, {b['num_warps']}, {b['DW']}, {b['AHEAD']}) {b['word_cache']}"
+                f"{' scales first' if b.get('scales_first') else ''}")
         print(f"{N:>6}{K:>6} {b0['dot_us']:>10.1f}{b0['dot_tbs']:>6.2f} {b['us']:>8.1f}{b['tbs']:>6.2f}"
               f"{b0['dot_us'] / b['us']:>6.2f} {b0['bf16_us']:>8.1f}  {tile}")
 

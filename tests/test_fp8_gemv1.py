@@ -161,6 +161,19 @@ def test_gpu_weights_cached_in_l2_only_change_no_bit(n, k):
 
 @pytest.mark.gpu
 @GPU_ONLY
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_gpu_scales_loaded_first_change_no_bit(n, k, with_bias):
+    """The scales (and bias) loaded before the loop (`SCALES_FIRST`'s opt-in) give the
+    default's bits at Llama-3.1-8B's shapes: only when they are loaded differs."""
+    xq, xs, w8, ws = _operands(n, k, seed=3)
+    bias = torch.randn(n, device="cuda").bfloat16() if with_bias else None
+    want = fp8_gemv1.fp8_gemv1_launch(xq, xs, w8, ws, bias=bias, scales_first=False)
+    assert torch.equal(fp8_gemv1.fp8_gemv1_launch(xq, xs, w8, ws, bias=bias, scales_first=True), want)
+
+
+@pytest.mark.gpu
+@GPU_ONLY
 def test_gpu_bias_output_dtype_and_takes():
     xq, xs, w8, ws = _operands(4096, 4096, seed=1)
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)

@@ -343,6 +343,18 @@ def _compile_all() -> dict:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     out["attention_fp8_f16_dots"] = {"cvt.rn.f16x2.e4m3x2": "cvt.rn.f16x2.e4m3x2" in ptx,
                                      "no cvt.bf16.f16": "cvt.bf16.f16" not in ptx}
+    # the one-row FP8 product's scales and bias loaded before the PDL wait (`fp8_gemv1.SCALES_FIRST`):
+    # more global loads ahead of `griddepcontrol.wait` than the default's (its first weight tile)
+    loads_first = {}
+    for first in (False, True):
+        cx = _with_defaults(fp8g1._fp8_gemv1_kernel, dict(HAS_BIAS=True, DW=2, BLOCK_N=4, BLOCK_W=128, AHEAD=True,
+                                                          PDL=True, SFIRST=first))
+        types = dict(x_ptr="*i64", xs_ptr="*fp32", w_ptr="*i64", ws_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16")
+        src = ASTSource(fn=fp8g1._fp8_gemv1_kernel, signature=_signature(fp8g1._fp8_gemv1_kernel, cx, types),
+                        constexprs=cx)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+        loads_first[first] = ptx.split("griddepcontrol.wait")[0].count("ld.global")
+    out["fp8_gemv1_scales_first"] = {"scale and bias loads before the wait": loads_first[True] > loads_first[False]}
     return out
 
 
@@ -368,7 +380,7 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
                         "w4_gemv1_pair_words_norm", "w4_gemv1_int4_l2_prefetch", "w4_gemv1_mxfp4_stages",
                         "w4_gemv1_mxfp4_words_cg", "w4_gemv1_int4_scale_rows_first", "w4_gemv1_mxfp4_prefetch_l1",
-                        "w4_gemv1_scale_rows_before_wait", "fp8_gemv1_words_cg",
+                        "w4_gemv1_scale_rows_before_wait", "fp8_gemv1_words_cg", "fp8_gemv1_scales_first",
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",

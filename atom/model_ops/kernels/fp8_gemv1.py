@@ -39,6 +39,10 @@ MIN_CAPABILITY = (8, 9)  # cvt.rn.f16x2.e4m3x2
 #: once) does not evict the row x, which every step loads again, from L1 (opt-in until timed:
 #: `scripts/fp8_h2_probe.py` times both)
 WORD_CACHE = ""
+#: load each program's weight scales (and bias) before the PDL wait and x's scale right after it,
+#: instead of after the loop's sums, where the compiled kernel issues them and each program then
+#: waits a memory round trip at its end (opt-in until timed: variant `scripts/variants/fp8/scales_first.sh`)
+SCALES_FIRST = False
 
 
 def h2_ptx(words: int) -> str:
@@ -132,12 +136,15 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize_on_alignment=["w_ptr", "x_ptr"])
     def _fp8_gemv1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, n_loads, stride_w, HAS_BIAS: tl.constexpr,
                           DW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, AHEAD: tl.constexpr,
-                          PDL: tl.constexpr, WCACHE: tl.constexpr = ""):
+                          PDL: tl.constexpr, WCACHE: tl.constexpr = "", SFIRST: tl.constexpr = False):
         """Program p: rows p BLOCK_N.. of y, a [BLOCK_N, BLOCK_W] tile of loads (int32: one word,
         int64: DW = 2 words) a step, one fp16 chain a load; even tiles only (`even`). x: the
         e4m3 row as the same loads. AHEAD: the next step's loads issued before this step's are
         used (the first before the PDL wait: the weights do not depend on the kernel before).
-        WCACHE: the weight loads' cache modifier (`WORD_CACHE`)."""
+        WCACHE: the weight loads' cache modifier (`WORD_CACHE`). SFIRST (`SCALES_FIRST`): the
+        rows' weight scales and bias loaded before the PDL wait (weights: no kernel in the stream
+        writes them) and x's scale right after it, held through the loop, instead of loaded
+        after it; the same arithmetic."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j = tl.arange(0, BLOCK_W)[None, :]
         wp = w_ptr + rows.to(tl.int64)[:, None] * stride_w + j
@@ -146,7 +153,13 @@ if HAS_TRITON:
         acc = tl.zeros(shape, tl.float32)
         if AHEAD:
             nxt = tl.load(wp, cache_modifier=WCACHE)
+        if SFIRST:
+            w_scale = tl.load(ws_ptr + rows).to(tl.float32)
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + rows).to(tl.float32)
         pdl_start(PDL)
+        if SFIRST:
+            x_scale = tl.load(xs_ptr).to(tl.float32)
         for w0 in range(0, n_loads, BLOCK_W):
             if AHEAD:
                 word = nxt
@@ -167,19 +180,26 @@ if HAS_TRITON:
             acc += t.to(tl.float32, bitcast=True)
             wp += BLOCK_W
             xp += BLOCK_W
-        y = tl.sum(acc, axis=1) * (tl.load(ws_ptr + rows).to(tl.float32) * (tl.load(xs_ptr).to(tl.float32) * 256.0))
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows).to(tl.float32)
+        if SFIRST:
+            y = tl.sum(acc, axis=1) * (w_scale * (x_scale * 256.0))
+            if HAS_BIAS:
+                y += bias
+        else:
+            y = tl.sum(acc, axis=1) * (tl.load(ws_ptr + rows).to(tl.float32)
+                                       * (tl.load(xs_ptr).to(tl.float32) * 256.0))
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rows).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
 
 
 def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                      bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                      out_dtype: torch.dtype = torch.bfloat16, tile: tuple | None = None,
-                     word_cache: str | None = None) -> torch.Tensor:
+                     word_cache: str | None = None, scales_first: bool | None = None) -> torch.Tensor:
     """y [1, N] = (xq . w[n]) xs ws[n] (+ bias[n]) in `out_dtype` (into `out` when given) with
     `tile` (`tile_for(N, K)` by default) and the weight loads' cache modifier `word_cache`
-    (`WORD_CACHE` by default); ValueError where the tile does not cover the shape."""
+    (`WORD_CACHE` by default), the scales loaded first or not (`scales_first`, `SCALES_FIRST` by
+    default); ValueError where the tile does not cover the shape."""
     from atom.model_ops.kernels.triton_import import pdl_args
     N, K = w.shape
     tile = tile or tile_for(N, K)
@@ -195,5 +215,6 @@ def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
     _fp8_gemv1_kernel[(N // bn,)](xq.view(view), xs, words, ws, bias if bias is not None else ws, out,
                                   words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
                                   BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3,
-                                  WCACHE=WORD_CACHE if word_cache is None else word_cache, **pdl_args(xq))
+                                  WCACHE=WORD_CACHE if word_cache is None else word_cache,
+                                  SFIRST=SCALES_FIRST if scales_first is None else scales_first, **pdl_args(xq))
     return out
