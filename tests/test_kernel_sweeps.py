@@ -1,5 +1,6 @@
 """The kernel sweep scripts' grids and arguments, without a GPU: `quant_gemv_sweep.py --wide`
-(the M = 1 grid behind the swap-AB decode tiles), `moe_offsets_sweep.py`, and `moe_route_sweep.py`."""
+(the M = 1 grid behind the swap-AB decode tiles), `moe_offsets_sweep.py`, `moe_route_sweep.py`,
+and `attention_bs1_sweep.py` (the engine's batch-1 decode attention call it times)."""
 from __future__ import annotations
 
 import importlib.util
@@ -54,3 +55,37 @@ def test_moe_route_sweep_says_it_needs_a_gpu(monkeypatch):
     monkeypatch.setattr("sys.argv", ["moe_route_sweep.py", "--out", "unused.json"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         _script("moe_route_sweep").main()
+
+
+@pytest.mark.parametrize("splits, cfg", [(None, None), (4, dict(TILE_N=16, num_warps=2)), (1, dict(TILE_N=32))])
+def test_attention_bs1_sweep_times_the_engines_decode_call(splits, cfg):
+    """The call the batch-1 attention sweep times is the engine's decode step: on a copy of its
+    caches (fp16 here: the interpreter's bf16 dots are wrong) the output equals the rotary
+    embedding with its cache write followed by paged attention, and the cache gets this step's
+    rotated k and v, whatever the splits and tiles."""
+    from atom.model_ops.attention.triton_unified import AttentionWorkspace, paged_attention_ref
+    from atom.model_ops.kernels import rotary_embedding_ref
+    sweep = _script("attention_bs1_sweep")
+    ctx = 40
+    steps, s = sweep.step_copies(ctx, torch.device("cpu"), torch.float16)
+    assert len(steps) >= 2 and s["bytes"] == 2 * 3 * sweep.BS * sweep.HKV * sweep.D * 2
+    kc, vc, bt, slot = steps[0]
+    want_k, want_v = kc.clone(), vc.clone()
+    q_ref, k_ref = s["q"].reshape(1, -1).clone(), s["k"].reshape(1, -1).clone()
+    rotary_embedding_ref(torch.tensor([ctx - 1]), q_ref, k_ref, s["cs"], sweep.D, None, None, 1e-6,
+                         kv_cache=(s["v"].reshape(1, -1), want_k, want_v, slot))
+    ref = paged_attention_ref(q_ref.view(1, sweep.HQ, sweep.D), want_k, want_v, torch.empty_like(s["q"]),
+                              cu_seqlens_q=s["cu"], seq_lens=s["sl"], block_tables=bt,
+                              softmax_scale=sweep.D ** -0.5, max_query_len=1)
+    out = torch.full_like(s["q"], float("nan"))
+    sweep.engine_call(s, steps[0], out, AttentionWorkspace(1, sweep.HQ, sweep.D), cfg, splits)
+    assert (out.float() - ref.float()).abs().max() < 2e-3
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_attention_bs1_sweep_says_it_needs_a_gpu(capsys):
+    sweep = _script("attention_bs1_sweep")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert sweep.main(["--out", "unused.json"]) == 2
+    assert "nothing was timed" in capsys.readouterr().err
