@@ -25,7 +25,11 @@ import sys
 import torch
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-HBM_TBS = 4.3  # H200; an H100 80GB reads at ~3.35
+HBM_TBS = {"H100": 3.35, "H200": 4.3}  # copy rates, TB/s, by the device name's model
+
+
+def hbm_tbs(name: str) -> float:
+    return next((v for k, v in HBM_TBS.items() if k in name), HBM_TBS["H200"])
 L2_MISS_BYTES = 160 << 20
 
 
@@ -107,13 +111,14 @@ def main(argv=None) -> int:
         return 2
     from atom.model_ops.attention.triton_unified import pick_attention_config
     dev = torch.device("cuda")
+    tbs = hbm_tbs(torch.cuda.get_device_name())
     rows = []
     for ctx in args.contexts:
         steps, s = step_copies(ctx, dev)
-        floor_us = s["bytes"] / (HBM_TBS * 1e12) * 1e6
+        floor_us = s["bytes"] / (tbs * 1e12) * 1e6
         pick = pick_attention_config(1, 1, HQ, HKV, D, 1, dev)
         t0, ref = time_config(steps, s, None, None, args.iters)
-        print(f"context {ctx:5d}: KV {s['bytes'] / 2 ** 20:6.2f} MiB, {floor_us:5.2f} us at {HBM_TBS} TB/s; "
+        print(f"context {ctx:5d}: KV {s['bytes'] / 2 ** 20:6.2f} MiB, {floor_us:5.2f} us at {tbs} TB/s; "
               f"the engine's choice (splits {pick['num_splits']}, TILE_N {pick['TILE_N']}, "
               f"{pick['num_warps']} warps) {t0:6.2f} us", flush=True)
         rows.append(dict(context=ctx, config="engine", splits=pick["num_splits"], TILE_N=pick["TILE_N"],
