@@ -153,12 +153,12 @@ if HAS_TRITON:
         acc = tl.zeros(shape, tl.float32)
         if AHEAD:
             nxt = tl.load(wp, cache_modifier=WCACHE)
-        if SFIRST:
+        if SFIRST:  # weights: no kernel in the stream writes them
             w_scale = tl.load(ws_ptr + rows).to(tl.float32)
             if HAS_BIAS:
                 bias = tl.load(b_ptr + rows).to(tl.float32)
         pdl_start(PDL)
-        if SFIRST:
+        if SFIRST:  # written by the quantizer in front: after the wait
             x_scale = tl.load(xs_ptr).to(tl.float32)
         for w0 in range(0, n_loads, BLOCK_W):
             if AHEAD:
