@@ -180,15 +180,15 @@ if HAS_TRITON:
             acc += t.to(tl.float32, bitcast=True)
             wp += BLOCK_W
             xp += BLOCK_W
-        if SFIRST:
-            y = tl.sum(acc, axis=1) * (w_scale * (x_scale * 256.0))
-            if HAS_BIAS:
-                y += bias
-        else:
-            y = tl.sum(acc, axis=1) * (tl.load(ws_ptr + rows).to(tl.float32)
-                                       * (tl.load(xs_ptr).to(tl.float32) * 256.0))
-            if HAS_BIAS:
-                y += tl.load(b_ptr + rows).to(tl.float32)
+        dot = tl.sum(acc, axis=1)
+        if not SFIRST:  # loaded after the sums, the bias after the scaling
+            w_scale = tl.load(ws_ptr + rows).to(tl.float32)
+            x_scale = tl.load(xs_ptr).to(tl.float32)
+        y = dot * (w_scale * (x_scale * 256.0))
+        if HAS_BIAS:
+            if not SFIRST:
+                bias = tl.load(b_ptr + rows).to(tl.float32)
+            y += bias
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
 
 
