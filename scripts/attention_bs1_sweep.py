@@ -4,7 +4,7 @@ step's k / v written by the kernel (`DecodeRope`), the split segments merged in 
 ("merge_in_attention"), timed in CUDA-graph replays over enough cache copies to miss L2 (a
 layer's cache was last read a whole step of weights ago). For each context: the engine's own
 choice (`pick_attention_config`) and a grid of KV splits x TILE_N x warps, beside the time
-the KV read takes at HBM speed. A diagnosis tool, not a benchmark: where the ~6-8 us a layer
+the KV read takes at the H200's copy rate. A diagnosis tool, not a benchmark: where the ~6-8 us a layer
 of batch-1 attention (docs/perf, "Where a batch-1 decode step goes") can come from.
 
     python3 scripts/attention_bs1_sweep.py --out attn_bs1.json
@@ -18,25 +18,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import subprocess
 import sys
 
 import torch
 
+from atom.benchmarks.provenance import git_commit
+from atom.benchmarks.roofline import H200_BANDWIDTH
+from atom.model_ops.rotary import RotaryEmbedding
+
 HQ, HKV, D, BS = 32, 8, 128, 16
-HBM_TBS = {"H100": 3.35, "H200": 4.3}  # copy rates, TB/s, by the device name's model
-
-
-def hbm_tbs(name: str) -> float:
-    return next((v for k, v in HBM_TBS.items() if k in name), HBM_TBS["H200"])
 L2_MISS_BYTES = 160 << 20
-
-
-def cos_sin(max_pos: int) -> torch.Tensor:
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-    f = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
-    return torch.cat((f.cos(), f.sin()), dim=-1)
 
 
 def step_copies(ctx: int, dev, dtype=torch.bfloat16) -> tuple[list, dict]:
@@ -57,7 +48,8 @@ def step_copies(ctx: int, dev, dtype=torch.bfloat16) -> tuple[list, dict]:
         steps.append((kc, vc, bt, slot))
     qkv = torch.randn(1, (HQ + 2 * HKV) * D, device=dev, generator=g).to(dtype)
     q, k, v = (t.view(1, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=-1))
-    shared = dict(q=q, k=k, v=v, cs=cos_sin(ctx + 1).to(dev), cu=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+    cs = RotaryEmbedding(D, ctx + 1, dict(rope_theta=10000.0, rope_type="default")).cos_sin_cache
+    shared = dict(q=q, k=k, v=v, cs=cs.to(dev), cu=torch.tensor([0, 1], dtype=torch.int32, device=dev),
                   sl=torch.tensor([ctx], dtype=torch.int32, device=dev), rope=DecodeRope, bytes=one)
     return steps, shared
 
@@ -87,16 +79,6 @@ def time_config(steps, s, cfg, splits, iters):
     return t * 1e6, first
 
 
-def commit() -> str:
-    if os.environ.get("ATOM_BENCH_COMMIT"):
-        return os.environ["ATOM_BENCH_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -111,14 +93,14 @@ def main(argv=None) -> int:
         return 2
     from atom.model_ops.attention.triton_unified import pick_attention_config
     dev = torch.device("cuda")
-    tbs = hbm_tbs(torch.cuda.get_device_name())
     rows = []
     for ctx in args.contexts:
         steps, s = step_copies(ctx, dev)
-        floor_us = s["bytes"] / (tbs * 1e12) * 1e6
+        floor_us = s["bytes"] / H200_BANDWIDTH * 1e6  # at the H200's copy rate, as docs/perf's floors
         pick = pick_attention_config(1, 1, HQ, HKV, D, 1, dev)
         t0, ref = time_config(steps, s, None, None, args.iters)
-        print(f"context {ctx:5d}: KV {s['bytes'] / 2 ** 20:6.2f} MiB, {floor_us:5.2f} us at {tbs} TB/s; "
+        print(f"context {ctx:5d}: KV {s['bytes'] / 2 ** 20:6.2f} MiB, {floor_us:5.2f} us at "
+              f"{H200_BANDWIDTH / 1e12} TB/s; "
               f"the engine's choice (splits {pick['num_splits']}, TILE_N {pick['TILE_N']}, "
               f"{pick['num_warps']} warps) {t0:6.2f} us", flush=True)
         rows.append(dict(context=ctx, config="engine", splits=pick["num_splits"], TILE_N=pick["TILE_N"],
@@ -138,7 +120,7 @@ def main(argv=None) -> int:
                   f"{'' if err < 2e-2 else f'  DIFFERS ({err:.1e})'}", flush=True)
         del steps
     with open(args.out, "w") as f:
-        json.dump(dict(commit=commit(), device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+        json.dump(dict(commit=git_commit() or "unknown", device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     print("\ncontext  engine us  best us  (splits, TILE_N, warps)  KV floor us")
     for ctx in args.contexts:
         at = [r for r in rows if r["context"] == ctx and r.get("us") is not None and r.get("ok", True)]
