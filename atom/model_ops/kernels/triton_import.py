@@ -83,6 +83,7 @@ if HAS_TRITON:
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
             "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
+
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch arguments of a PDL-aware kernel working on `t`: the kernel's `PDL` flag, and
     Triton's `launch_pdl` where it applies (off the interpreter, on NVIDIA sm90+)."""
