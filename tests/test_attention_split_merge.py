@@ -64,6 +64,31 @@ def test_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, dtyp
 
 
 @pytest.mark.parametrize("device", [CPU])
+def test_segments_without_keys_store_nothing(device):
+    """A short context has keys for only its first n_seg segments: the others leave at once
+    (their scratch keeps its NaNs), and the merge counts and reads only those n_seg."""
+    D, Hkv, qpkv, splits = 64, 2, 2, 8
+    kinds = [(1, 1), (1, 70), (1, 200), (1, 600)]  # 1, 2, 4 and 10 tiles of 64 keys
+    batch = _make_batch(kinds, Hkv * qpkv, Hkv, D, 16, torch.float32, device, 600, seed=3)
+    ws = AttentionWorkspace(8, Hkv * qpkv, D, device=device)
+    ws.partial_out.fill_(float("nan"))
+    ws.partial_lse.fill_(float("nan"))
+    out = torch.full_like(batch["q"], float("nan"))
+    unified_attention(batch["q"], batch["k_cache"], batch["v_cache"], out, **_args(batch), workspace=ws,
+                      num_kv_splits=splits, merge_in_kernel=True)
+    ref = paged_attention_ref(batch["q"], batch["k_cache"], batch["v_cache"], torch.empty_like(batch["q"]),
+                              **_args(batch))
+    _check_close(out, ref, torch.float32, "segments without keys")
+    tile = triton_unified.pick_attention_config(4, 4, Hkv * qpkv, Hkv, D, 1, torch.device(device))["TILE_N"]
+    assert tile == 64
+    for b, n_seg in enumerate([1, 2, 4, 5]):  # 10 tiles: 2 a segment, so 5 of the 8 have keys
+        assert not ws.partial_lse[b, :, :n_seg].isnan().any(), f"seq {b}: its {n_seg} segments stored"
+        assert ws.partial_lse[b, :, n_seg:].isnan().all(), f"seq {b}: segments {n_seg}.. stored nothing"
+        assert ws.partial_out[b, :, n_seg:].isnan().all(), f"seq {b}: segments {n_seg}.. stored nothing"
+    assert not ws.arrival_counts.any(), "every counter back at 0 for the next launch"
+
+
+@pytest.mark.parametrize("device", [CPU])
 def test_merge_in_chunks_of_segments(device, monkeypatch):
     """Fewer segments a chunk than the step has (`merge_chunk`): the same output."""
     monkeypatch.setattr(split_merge, "MERGE_CHUNK_ELEMS", 4 * 2 * 64)
