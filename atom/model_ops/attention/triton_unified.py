@@ -33,8 +33,9 @@ sequences of 900-2048; `scripts/attention_order.py`).
 Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
 sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
 partial output and its log-sum-exp, and ``_merge_kernel`` combines them (or, with
-``merge_in_kernel``, the segment that finishes last: `split_merge`).  The scratch buffers
-come from an :class:`AttentionWorkspace` allocated once.
+``merge_in_kernel``, the segment that finishes last: `split_merge`; there the segments a
+short context leaves without keys exit at once and the merge reads only the others).  The
+scratch buffers come from an :class:`AttentionWorkspace` allocated once.
 
 Per layer (:class:`AttentionOptions`): a sliding window W narrows each row to keys
 ``position - W < j <= position`` (tiles wholly before every row's window are skipped, the
