@@ -335,12 +335,13 @@ if HAS_TRITON:
             lo_full = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
         if NUM_SPLITS > 1:
             per_split = tl.cdiv(n_tiles - t_first, NUM_SPLITS)
-            n_seg = tl.cdiv(n_tiles - t_first, per_split)  # segments with keys: splits 0 .. n_seg - 1
+            # the in-kernel merge counts and reads only the segments with keys, 0 .. n_seg - 1;
+            # `_merge_kernel` reads all (the others store their empty partials)
+            n_seg = NUM_SPLITS
+            if MERGE_LAST:
+                n_seg = tl.cdiv(n_tiles - t_first, per_split)
             t_lo = t_first + split * per_split
             t_hi = tl.minimum(t_lo + per_split, n_tiles)
-            if MERGE_LAST:
-                if split >= n_seg:
-                    return  # no keys: the in-kernel merge counts and reads only the n_seg segments
         else:
             n_seg = 1
             t_lo = t_first
@@ -429,13 +430,16 @@ if HAS_TRITON:
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             base = tok * stride_pot + head * stride_poh + split * stride_pos
-            tl.store(po_ptr + base[:, None] + offs_d[None, :], o, mask=st_mask)
-            tl.store(plse_ptr + tok * stride_plt + head * stride_plh + split, lse, mask=row_ok)
+            seg_ok = (tl.zeros([BLOCK_M], tl.int32) + split) < n_seg  # (a tensor: the interpreter's masks)
+            tl.store(po_ptr + base[:, None] + offs_d[None, :], o, mask=st_mask & seg_ok[:, None])
+            tl.store(plse_ptr + tok * stride_plt + head * stride_plh + split, lse, mask=row_ok & seg_ok)
             if MERGE_LAST:  # decode: the segment that finishes last merges (`split_merge`)
-                if arrive_last(cnt_ptr + tl.program_id(0), n_seg):
-                    merge_heads(out_ptr, po_ptr, plse_ptr, amax_ptr, q_start.to(tl.int64), kvh * QPKV,
-                                stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
-                                stride_am, n_seg, QPKV, QPAD, HEAD_DIM, HEAD_PAD, NUM_SPLITS, S_CHUNK, HAS_AMAX)
+                if split < n_seg:  # (a segment without keys neither stores nor counts itself in)
+                    if arrive_last(cnt_ptr + tl.program_id(0), n_seg):
+                        merge_heads(out_ptr, po_ptr, plse_ptr, amax_ptr, q_start.to(tl.int64), kvh * QPKV,
+                                    stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt,
+                                    stride_plh, stride_am, n_seg, QPKV, QPAD, HEAD_DIM, HEAD_PAD, NUM_SPLITS,
+                                    S_CHUNK, HAS_AMAX)
 
     @triton.jit
     def _merge_kernel(
