@@ -3,7 +3,8 @@
 step's k / v written by the kernel (`DecodeRope`), the split segments merged in the kernel
 ("merge_in_attention"), timed in CUDA-graph replays over enough cache copies to miss L2 (a
 layer's cache was last read a whole step of weights ago). For each context: the engine's own
-choice (`pick_attention_config`) and a grid of KV splits x TILE_N x warps, beside the time
+choice (`pick_attention_config`), the same with the opt-in "skip_empty" (segments without keys
+storing nothing: `triton_unified.SKIP_EMPTY_SEGMENTS`) and a grid of KV splits x TILE_N x warps, beside the time
 the KV read takes at the H200's copy rate. A diagnosis tool, not a benchmark: where the ~6-8 us a layer
 of batch-1 attention (docs/perf, "Where a batch-1 decode step goes") can come from.
 
@@ -105,6 +106,13 @@ def main(argv=None) -> int:
               f"{pick['num_warps']} warps) {t0:6.2f} us", flush=True)
         rows.append(dict(context=ctx, config="engine", splits=pick["num_splits"], TILE_N=pick["TILE_N"],
                          num_warps=pick["num_warps"], us=t0, floor_us=floor_us))
+        # the same choice with the segments that have no keys storing nothing (opt-in "skip_empty")
+        t_skip, out = time_config(steps, s, dict(skip_empty=True), None, args.iters)
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        print(f"   the engine's choice with skip_empty: {t_skip:6.2f} us{'' if err == 0 else f'  DIFFERS ({err:.1e})'}",
+              flush=True)
+        rows.append(dict(context=ctx, config="engine+skip_empty", splits=pick["num_splits"], TILE_N=pick["TILE_N"],
+                         num_warps=pick["num_warps"], us=t_skip, floor_us=floor_us, rel_diff=err, ok=err == 0))
         for splits, tile_n, warps in itertools.product(args.splits, args.tiles, args.warps):
             cfg = dict(TILE_N=tile_n, num_warps=warps)
             row = dict(context=ctx, config="grid", splits=splits, TILE_N=tile_n, num_warps=warps, floor_us=floor_us)

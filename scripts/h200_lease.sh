@@ -64,7 +64,8 @@
 # dependency wheels, carry .srv) and `vllm`),
 # qdot_tma (the 8-bit swap-AB product with its weight tiles through TMA against pointer loads),
 # attn_bs1 (the engine's batch-1 decode attention, rotary and merge inside, at 128-4096 tokens of context:
-# its choice against a grid of splits, TILE_N and warps, beside the KV read's time at HBM speed),
+# its choice, the same with the opt-in skip_empty, and a grid of splits, TILE_N and warps, beside the KV read's
+# time at HBM speed),
 # pw_tests (the GPU tests of MXFP4 pair words and CHAIN, the 4-bit kernels', and quantized dummy models
 # started with CUDA graphs). VARIANTS names the
 # folder of `var`'s / `var_thr`'s scripts (default .variants; tracked ones: scripts/variants/int4,

@@ -47,7 +47,9 @@ def _assert_same(two, one, n, dtype, what):
 @pytest.mark.parametrize("splits", [2, 8])
 @pytest.mark.parametrize("D,Hkv,qpkv,bs,dtype", [(64, 2, 2, 16, torch.float32), (32, 1, 3, 16, torch.float16),
                                                  (64, 2, 4, 32, torch.float32)])
-def test_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, dtype, splits):
+@pytest.mark.parametrize("skip_empty", [False, True])
+def test_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, dtype, splits, skip_empty, monkeypatch):
+    monkeypatch.setattr(triton_unified, "SKIP_EMPTY_SEGMENTS", skip_empty)
     kinds = ["decode", "decode", "empty", (1, 1), "decode", (1, 70)]  # a 1-token context; more splits than tiles
     batch = _make_batch(kinds, Hkv * qpkv, Hkv, D, bs, dtype, device, 90, seed=D + qpkv + splits, pad_tokens=2)
     ws = AttentionWorkspace(16, Hkv * qpkv, D, device=device)
@@ -64,9 +66,11 @@ def test_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, dtyp
 
 
 @pytest.mark.parametrize("device", [CPU])
-def test_segments_without_keys_store_nothing(device):
-    """A short context has keys for only its first n_seg segments: the others leave at once
-    (their scratch keeps its NaNs), and the merge counts and reads only those n_seg."""
+def test_segments_without_keys_store_nothing(device, monkeypatch):
+    """With the opt-in SKIP_EMPTY_SEGMENTS a short context's segments past its first n_seg (those
+    without keys) store nothing (their scratch keeps its NaNs), and the merge counts and reads
+    only those n_seg."""
+    monkeypatch.setattr(triton_unified, "SKIP_EMPTY_SEGMENTS", True)
     D, Hkv, qpkv, splits = 64, 2, 2, 8
     kinds = [(1, 1), (1, 70), (1, 200), (1, 600)]  # 1, 2, 4 and 10 tiles of 64 keys
     batch = _make_batch(kinds, Hkv * qpkv, Hkv, D, 16, torch.float32, device, 600, seed=3)
@@ -213,9 +217,12 @@ def test_engine_with_the_merge_in_attention(tiny_llama, monkeypatch):
 @pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("splits", [2, 4, 16])
 @pytest.mark.parametrize("D,Hkv,qpkv,bs", [(128, 8, 4, 16), (128, 8, 2, 16), (64, 2, 8, 64), (128, 4, 6, 32)])
-def test_gpu_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, splits):
+@pytest.mark.parametrize("skip_empty", [False, True])
+def test_gpu_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, splits, skip_empty, monkeypatch):
     """Many programs count in on their counters at once (40 decode sequences, a long one; the
-    splits forced: the rule would run this batch unsplit)."""
+    splits forced: the rule would run this batch unsplit); with SKIP_EMPTY_SEGMENTS, short
+    contexts' segments without keys do not."""
+    monkeypatch.setattr(triton_unified, "SKIP_EMPTY_SEGMENTS", skip_empty)
     kinds = ["decode"] * 40 + ["empty", (1, 1), (1, 4000)]
     for dtype in (torch.bfloat16, torch.float32):
         batch = _make_batch(kinds, Hkv * qpkv, Hkv, D, bs, dtype, device, 4096, seed=D + bs, pad_tokens=3)

@@ -2,19 +2,21 @@
 head to finish combines the segments' partials, instead of a second launch (`_merge_kernel`).
 
 A decode step with few sequences cuts each context into `NUM_SPLITS` segments, one program
-each (`triton_unified`). A short context has keys for only the first `n_seg` of them (whole
-tiles, `ceil(tiles / NUM_SPLITS)` a segment); every program computes `n_seg` from the
-sequence's length, and those past it leave at once, storing and counting nothing. Each of the
-`n_seg` stores its normalised partial output and log-sum-exp, then counts itself in on an int32
-counter of its (query block, kv head) with one atomic add. Before the add a block barrier
-orders the program's stores; the add releases them and acquires the others' at GPU scope (the
-order CUTLASS's split-K semaphore relies on). The program that reads `n_seg - 1` is the last:
-it sets the counter back to 0 (the next launch, graph replays and the next layer reuse it) and
-merges its kv head's `QPKV` query heads from those `n_seg` partials, read past L1 (`.cg`), as
-`_merge_kernel` does: per head, m = the largest log-sum-exp, weights 2^(lse - m) (an empty
-row's -inf gives 0), the weighted partials summed and divided by the weights' sum; the head's
-amax as stored too where a product quantizes on load. (`_merge_kernel`, a second launch that
-cannot know the contexts, reads all `NUM_SPLITS`: there every program stores.)
+each (`triton_unified`): every program stores its normalised partial output and log-sum-exp,
+then counts itself in on an int32 counter of its (query block, kv head) with one atomic add.
+Before the add a block barrier orders the program's stores; the add releases them and acquires
+the others' at GPU scope (the order CUTLASS's split-K semaphore relies on). The program that
+reads `n_seg - 1` is the last: it sets the counter back to 0 (the next launch, graph replays
+and the next layer reuse it) and merges its kv head's `QPKV` query heads, reading the partials
+past L1 (`.cg`), as `_merge_kernel` does: per head, m = the largest log-sum-exp, weights
+2^(lse - m) (an empty segment's -inf gives 0), the weighted partials summed and divided by the
+weights' sum; the head's amax as stored too where a product quantizes on load.
+
+`n_seg` is `NUM_SPLITS`, or with `triton_unified.SKIP_EMPTY_SEGMENTS` (opt-in) the segments
+that have keys: a short context fills only the first `ceil(tiles / ceil(tiles / NUM_SPLITS))`
+(whole tiles a segment), every program computes that count from the sequence's length, and
+the ones past it store nothing and do not count themselves in; the merge then reads only the
+first `n_seg` partials (`FEWER`).
 
 The rows merge `S_CHUNK` segments at a time (`merge_chunk`), so that a chunk's partials stay
 near 64 registers a thread; the chunks' loads do not depend on each other. Decode steps only:
@@ -46,9 +48,9 @@ if HAS_TRITON:
 
     @triton.jit
     def arrive_last(cnt_ptr, n_seg):
-        """Count this program in on its counter; True in the last of the `n_seg` segments
-        that arrive, which also sets the counter back to 0. The program's stores come before
-        the count (block barrier, then an acq_rel atomic at GPU scope)."""
+        """Count this program in on its counter; True in the last of the `n_seg` that arrive,
+        which also sets the counter back to 0. The program's stores come before the count
+        (block barrier, then an acq_rel atomic at GPU scope)."""
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         last = arrived == n_seg - 1
@@ -60,10 +62,11 @@ if HAS_TRITON:
     def merge_heads(out_ptr, po_ptr, plse_ptr, amax_ptr, tok, head0,
                     stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh, stride_am, n_seg,
                     QPKV: tl.constexpr, QPAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr, HAS_AMAX: tl.constexpr):
-        """Token `tok`'s heads head0 .. head0 + QPKV - 1: the partials of their first `n_seg`
-        segments (those with keys; the others wrote nothing) combined into `out` (and each
-        head's amax as stored), `_merge_kernel`'s arithmetic."""
+                    NUM_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr, HAS_AMAX: tl.constexpr,
+                    FEWER: tl.constexpr = False):
+        """Token `tok`'s heads head0 .. head0 + QPKV - 1: their partials combined into `out`
+        (and each head's amax as stored), `_merge_kernel`'s arithmetic. FEWER: only the first
+        `n_seg` segments stored theirs (the others had no keys), so only those are read."""
         offs_h = tl.arange(0, QPAD)
         offs_s = tl.arange(0, NUM_SPLITS)
         offs_d = tl.arange(0, HEAD_PAD)
@@ -71,9 +74,10 @@ if HAS_TRITON:
         d_ok = offs_d < HEAD_DIM
         head = head0 + offs_h
         lse_row = plse_ptr + tok * stride_plt + head * stride_plh
-        lse = tl.load(lse_row[:, None] + offs_s[None, :], mask=h_ok[:, None] & (offs_s < n_seg)[None, :],
-                      other=float("-inf"),
-                      cache_modifier=".cg")
+        lse_ok = h_ok[:, None]
+        if FEWER:
+            lse_ok = lse_ok & (offs_s < n_seg)[None, :]
+        lse = tl.load(lse_row[:, None] + offs_s[None, :], mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
         m = tl.max(lse, 1)
         m = tl.where(m == float("-inf"), 0.0, m)
         denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
@@ -82,12 +86,15 @@ if HAS_TRITON:
         acc = tl.zeros([QPAD, HEAD_PAD], tl.float32)
         for c in tl.static_range(NUM_SPLITS // S_CHUNK):
             offs_c = c * S_CHUNK + tl.arange(0, S_CHUNK)
-            c_ok = offs_c < n_seg
-            w = tl.exp2(tl.load(lse_row[:, None] + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :],
-                                other=float("-inf"), cache_modifier=".cg") - m[:, None])
+            w_ok = h_ok[:, None]
+            po_ok = h_ok[:, None, None] & d_ok[None, None, :]
+            if FEWER:
+                w_ok = w_ok & (offs_c < n_seg)[None, :]
+                po_ok = po_ok & (offs_c < n_seg)[None, :, None]
+            w = tl.exp2(tl.load(lse_row[:, None] + offs_c[None, :], mask=w_ok, other=float("-inf"),
+                                cache_modifier=".cg") - m[:, None])
             po = tl.load(po_row[:, None, None] + offs_c[None, :, None] * stride_pos + offs_d[None, None, :],
-                         mask=h_ok[:, None, None] & c_ok[None, :, None] & d_ok[None, None, :], other=0.0,
-                         cache_modifier=".cg")
+                         mask=po_ok, other=0.0, cache_modifier=".cg")
             acc += tl.sum(tl.where((w > 0.0)[:, :, None], po * w[:, :, None], 0.0), 1)
         o = (acc / denom[:, None]).to(out_ptr.dtype.element_ty)
         st = h_ok[:, None] & d_ok[None, :]

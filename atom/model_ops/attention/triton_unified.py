@@ -33,9 +33,8 @@ sequences of 900-2048; `scripts/attention_order.py`).
 Split-KV: for small decode batches (``max_query_len == 1``) a 3-D grid cuts each
 sequence's context into ``NUM_SPLITS`` segments; each writes a normalised
 partial output and its log-sum-exp, and ``_merge_kernel`` combines them (or, with
-``merge_in_kernel``, the segment that finishes last: `split_merge`; there the segments a
-short context leaves without keys exit at once and the merge reads only the others).  The
-scratch buffers come from an :class:`AttentionWorkspace` allocated once.
+``merge_in_kernel``, the segment that finishes last: `split_merge`).  The scratch buffers
+come from an :class:`AttentionWorkspace` allocated once.
 
 Per layer (:class:`AttentionOptions`): a sliding window W narrows each row to keys
 ``position - W < j <= position`` (tiles wholly before every row's window are skipped, the
@@ -88,6 +87,13 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
+
+#: Opt-in: under the in-kernel merge, the segments a short context leaves without keys store
+#: no partial and do not count themselves in, and the merge reads only the others
+#: (`split_merge`). A `config` may set "skip_empty" for one call. Not a default: a form whose
+#: empty segments returned at once was faster alone at 128-512 tokens of context but slower
+#: in batch-1 decode (docs/perf); this form, without the early return, is not timed yet.
+SKIP_EMPTY_SEGMENTS = False
 
 if HAS_TRITON:
 
@@ -293,6 +299,7 @@ if HAS_TRITON:
         HAS_AMAX: tl.constexpr = False,
         QKV_SPLITS: tl.constexpr = 0,
         MERGE_LAST: tl.constexpr = False,
+        SKIP_EMPTY: tl.constexpr = False,
         QPAD: tl.constexpr = 1,
         S_CHUNK: tl.constexpr = 1,
     ):
@@ -335,10 +342,8 @@ if HAS_TRITON:
             lo_full = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
         if NUM_SPLITS > 1:
             per_split = tl.cdiv(n_tiles - t_first, NUM_SPLITS)
-            # the in-kernel merge counts and reads only the segments with keys, 0 .. n_seg - 1;
-            # `_merge_kernel` reads all (the others store their empty partials)
             n_seg = NUM_SPLITS
-            if MERGE_LAST:
+            if SKIP_EMPTY:  # (in-kernel merge only) segments 0 .. n_seg - 1 have keys
                 n_seg = tl.cdiv(n_tiles - t_first, per_split)
             t_lo = t_first + split * per_split
             t_hi = tl.minimum(t_lo + per_split, n_tiles)
@@ -430,16 +435,22 @@ if HAS_TRITON:
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             base = tok * stride_pot + head * stride_poh + split * stride_pos
-            seg_ok = (tl.zeros([BLOCK_M], tl.int32) + split) < n_seg  # (a tensor: the interpreter's masks)
-            tl.store(po_ptr + base[:, None] + offs_d[None, :], o, mask=st_mask & seg_ok[:, None])
-            tl.store(plse_ptr + tok * stride_plt + head * stride_plh + split, lse, mask=row_ok & seg_ok)
+            lse_ok = row_ok
+            if SKIP_EMPTY:  # a segment without keys stores nothing and does not count itself in
+                lse_ok = row_ok & ((tl.zeros([BLOCK_M], tl.int32) + split) < n_seg)
+                st_mask = st_mask & lse_ok[:, None]
+            tl.store(po_ptr + base[:, None] + offs_d[None, :], o, mask=st_mask)
+            tl.store(plse_ptr + tok * stride_plt + head * stride_plh + split, lse, mask=lse_ok)
             if MERGE_LAST:  # decode: the segment that finishes last merges (`split_merge`)
-                if split < n_seg:  # (a segment without keys neither stores nor counts itself in)
+                counted = True
+                if SKIP_EMPTY:
+                    counted = split < n_seg
+                if counted:
                     if arrive_last(cnt_ptr + tl.program_id(0), n_seg):
                         merge_heads(out_ptr, po_ptr, plse_ptr, amax_ptr, q_start.to(tl.int64), kvh * QPKV,
                                     stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt,
                                     stride_plh, stride_am, n_seg, QPKV, QPAD, HEAD_DIM, HEAD_PAD, NUM_SPLITS,
-                                    S_CHUNK, HAS_AMAX)
+                                    S_CHUNK, HAS_AMAX, SKIP_EMPTY)
 
     @triton.jit
     def _merge_kernel(
@@ -815,6 +826,7 @@ def unified_attention(
         HAS_AMAX=amax is not None and (splits == 1 or arrivals is not None),
         QKV_SPLITS=splits_qkv if qkv_sum is not None else 0,
         MERGE_LAST=arrivals is not None, QPAD=qpad, S_CHUNK=merge_chunk(Hq // Hkv, splits, cfg["HEAD_PAD"]),
+        SKIP_EMPTY=arrivals is not None and bool(cfg.get("skip_empty", SKIP_EMPTY_SEGMENTS)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
