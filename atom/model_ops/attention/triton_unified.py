@@ -94,6 +94,11 @@ _LOG2E = 1.4426950408889634
 #: empty segments returned at once was faster alone at 128-512 tokens of context but slower
 #: in batch-1 decode (docs/perf); this form, without the early return, is not timed yet.
 SKIP_EMPTY_SEGMENTS = False
+#: Registers a thread at most for a launch with SKIP_EMPTY_SEGMENTS (NVIDIA; 0: no cap). Its
+#: masks take the Llama-shape decode tile from 115 to 149 registers as compiled for sm90
+#: (Triton 3.6; both forms above), 3 programs an SM instead of 4 beside the kernel in front
+#: under PDL; at 128 ptxas spills nothing. A `config`'s "maxnreg" wins.
+SKIP_EMPTY_MAXNREG = 128
 
 if HAS_TRITON:
 
@@ -801,6 +806,10 @@ def unified_attention(
         arrivals = (workspace.arrivals(grid[0]) if workspace is not None
                     else torch.zeros(grid[0], dtype=torch.int32, device=q.device))
     qpad = next_pow2(Hq // Hkv)
+    skip_empty = arrivals is not None and bool(cfg.get("skip_empty", SKIP_EMPTY_SEGMENTS))
+    maxnreg = cfg.get("maxnreg")
+    if not maxnreg and skip_empty and q.device.type == "cuda" and torch.version.hip is None:
+        maxnreg = SKIP_EMPTY_MAXNREG
     _unified_attn_kernel[grid](
         q, k_cache, v_cache, out, po, plse,
         cu_seqlens_q, seq_lens, block_tables,
@@ -826,9 +835,8 @@ def unified_attention(
         HAS_AMAX=amax is not None and (splits == 1 or arrivals is not None),
         QKV_SPLITS=splits_qkv if qkv_sum is not None else 0,
         MERGE_LAST=arrivals is not None, QPAD=qpad, S_CHUNK=merge_chunk(Hq // Hkv, splits, cfg["HEAD_PAD"]),
-        SKIP_EMPTY=arrivals is not None and bool(cfg.get("skip_empty", SKIP_EMPTY_SEGMENTS)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
-        **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
+        SKIP_EMPTY=skip_empty, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
+        **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     if splits > 1 and arrivals is None:
         _merge_kernel[(T, Hq)](
