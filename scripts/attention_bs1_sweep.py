@@ -10,6 +10,8 @@ of batch-1 attention (docs/perf, "Where a batch-1 decode step goes") can come fr
 
     python3 scripts/attention_bs1_sweep.py --out attn_bs1.json
     python3 scripts/attention_bs1_sweep.py --out attn_bs1.json --contexts 256 1024 --splits 4 16 --tiles 16 64
+    python3 scripts/attention_bs1_sweep.py --out attn_bs1_long.json --contexts 2048 4096 8192 --splits 16 32 64 \
+        --tiles 32 64 --warps 4    # more segments than the engine's 16 at long contexts
 
 Each configuration's output is checked once against the engine's choice (which the GPU tests
 check against the reference); a configuration that fails to build or differs is reported.
@@ -69,7 +71,8 @@ def time_config(steps, s, cfg, splits, iters):
     """(us a call, output of the first copy) for one configuration (None: the engine's choice)."""
     from atom.model_ops.attention.triton_unified import AttentionWorkspace
     from atom.utils.cuda_timing import graph_time
-    ws = AttentionWorkspace(1, HQ, D, device=s["q"].device)
+    # room for the configuration's segments (the engine's workspace holds 16: more would run unsplit)
+    ws = AttentionWorkspace(1, HQ, D, max_splits=max(16, splits or 1), device=s["q"].device)
     out = torch.empty_like(s["q"])
 
     def call(st):

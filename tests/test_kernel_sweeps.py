@@ -58,7 +58,7 @@ def test_moe_route_sweep_says_it_needs_a_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("splits, cfg", [(None, None), (4, dict(TILE_N=16, num_warps=2)), (1, dict(TILE_N=32)),
-                                         (None, dict(skip_empty=True))])
+                                         (None, dict(skip_empty=True)), (32, None)])
 def test_attention_bs1_sweep_times_the_engines_decode_call(splits, cfg):
     """The call the batch-1 attention sweep times is the engine's decode step: on a copy of its
     caches (fp16 here: the interpreter's bf16 dots are wrong) the output equals the rotary
@@ -79,7 +79,11 @@ def test_attention_bs1_sweep_times_the_engines_decode_call(splits, cfg):
                               cu_seqlens_q=s["cu"], seq_lens=s["sl"], block_tables=bt,
                               softmax_scale=sweep.D ** -0.5, max_query_len=1)
     out = torch.full_like(s["q"], float("nan"))
-    sweep.engine_call(s, steps[0], out, AttentionWorkspace(1, sweep.HQ, sweep.D), cfg, splits)
+    ws = AttentionWorkspace(1, sweep.HQ, sweep.D, max_splits=max(16, splits or 1))
+    ws.partial_lse.fill_(float("nan"))
+    sweep.engine_call(s, steps[0], out, ws, cfg, splits)
+    if splits and splits > 1:  # the segments ran: each segment's log-sum-exp written
+        assert not ws.partial_lse[0, :, :splits].isnan().any()
     assert (out.float() - ref.float()).abs().max() < 2e-3
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
