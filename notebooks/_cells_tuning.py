@@ -294,6 +294,32 @@ assert torch.allclose(outs[False], outs[True], atol=1e-5) and not ws.arrival_cou
 pd.DataFrame(launches).fillna(0).astype(int)
 """),
     ("md", """
+`triton_unified.SKIP_EMPTY_SEGMENTS` (opt-in, not timed in decode yet): under that merge, the segments a
+short context leaves without keys store no partial and are not counted in, and the merge reads only the
+others. Which of the 4 segments stored a partial (its log-sum-exp no longer the NaN written before),
+both ways, with the same output:
+"""),
+    ("code", """
+from atom.model_ops.attention import triton_unified
+stored, merged = {}, {}
+for skip in (False, True):
+    ws.partial_lse.fill_(float("nan"))
+    out = torch.empty_like(q)
+    try:
+        triton_unified.SKIP_EMPTY_SEGMENTS = skip
+        unified_attention(q, kc, vc, out, torch.arange(B + 1, dtype=torch.int32), lens, tables, D ** -0.5, 1,
+                          workspace=ws, num_kv_splits=4, merge_in_kernel=True)
+    finally:
+        triton_unified.SKIP_EMPTY_SEGMENTS = False
+    merged[skip] = out
+    for b in range(B):
+        stored[("skip_empty" if skip else "default", f"{int(lens[b])} keys")] = (~ws.partial_lse[b, 0, :4].isnan()).tolist()
+assert torch.equal(merged[False], merged[True]) and not ws.arrival_counts.any()
+segments = pd.DataFrame(stored, index=[f"segment {i}" for i in range(4)])
+assert segments["default"].all().all() and segments["skip_empty"].sum().tolist() == [1, 2]  # 64-key tiles
+segments
+"""),
+    ("md", """
 ## Which kernel runs a ptpc FP8 product
 An 8-bit layer's GPU product also depends on the rows of x (`quant.common.route_for`): the
 tensor-core swap-AB kernel (`dot`) up to 64 rows, and for ptpc fp8 into narrow outputs from
