@@ -12,6 +12,8 @@ of batch-1 attention (docs/perf, "Where a batch-1 decode step goes") can come fr
     python3 scripts/attention_bs1_sweep.py --out attn_bs1.json --contexts 256 1024 --splits 4 16 --tiles 16 64
     python3 scripts/attention_bs1_sweep.py --out attn_bs1_long.json --contexts 2048 4096 8192 --splits 16 32 64 \
         --tiles 32 64 --warps 4    # more segments than the engine's 16 at long contexts
+    python3 scripts/attention_bs1_sweep.py --out attn_bs1_ahead.json --ahead --stages 3 --splits 4 8 16 32 \
+        --tiles 32 64 --warps 4    # a program's tiles pipelined (compiled for sm90, the default keeps one K / V buffer)
 
 Each configuration's output is checked once against the engine's choice (which the GPU tests
 check against the reference); a configuration that fails to build or differs is reported.
@@ -91,6 +93,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", type=int, nargs="+", default=[16, 32, 64], help="TILE_N values")
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--stages", type=int, default=None, help="the grid's num_stages (default: the engine's, 2)")
+    ap.add_argument("--ahead", action="store_true",
+                    help="the grid's tiles with `rows_ahead` (each tile's block-table entries loaded a tile ahead: "
+                         "with 3 stages the K / V tiles get two buffers, so a program's tiles overlap)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"{sys.argv[0]}: no CUDA GPU here; nothing was timed", file=sys.stderr)
@@ -117,8 +123,11 @@ def main(argv=None) -> int:
         rows.append(dict(context=ctx, config="engine+skip_empty", splits=pick["num_splits"], TILE_N=pick["TILE_N"],
                          num_warps=pick["num_warps"], us=t_skip, floor_us=floor_us, rel_diff=err, ok=err == 0))
         for splits, tile_n, warps in itertools.product(args.splits, args.tiles, args.warps):
-            cfg = dict(TILE_N=tile_n, num_warps=warps)
-            row = dict(context=ctx, config="grid", splits=splits, TILE_N=tile_n, num_warps=warps, floor_us=floor_us)
+            cfg = dict(TILE_N=tile_n, num_warps=warps, rows_ahead=args.ahead)
+            if args.stages:
+                cfg["num_stages"] = args.stages
+            row = dict(context=ctx, config="grid", splits=splits, TILE_N=tile_n, num_warps=warps, floor_us=floor_us,
+                       num_stages=args.stages or pick["num_stages"], rows_ahead=args.ahead)
             try:
                 t, out = time_config(steps, s, cfg, splits, args.iters)
             except Exception as e:  # noqa: BLE001 - a sweep reports a configuration that does not build or run

@@ -65,7 +65,7 @@
 # qdot_tma (the 8-bit swap-AB product with its weight tiles through TMA against pointer loads),
 # attn_bs1 (the engine's batch-1 decode attention, rotary and merge inside, at 128-4096 tokens of context:
 # its choice, the same with the opt-in skip_empty, and a grid of splits, TILE_N and warps, beside the KV read's
-# time at HBM speed),
+# time at HBM speed), attn_bs1_ahead (the same grid's tiles with `rows_ahead` at 3 stages, 4-64 splits, to 8192 tokens),
 # pw_tests (the GPU tests of MXFP4 pair words and CHAIN, the 4-bit kernels', and quantized dummy models
 # started with CUDA graphs). VARIANTS names the
 # folder of `var`'s / `var_thr`'s scripts (default .variants; tracked ones: scripts/variants/int4,
@@ -215,6 +215,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   fp8_h2) run fp8-h2-probe 240 python3 scripts/fp8_h2_probe.py --out $R/fp8-h2-probe.json;;
   attn_bs1) run attn-bs1 400 python3 scripts/attention_bs1_sweep.py --out $R/attn-bs1.json;;
+  attn_bs1_ahead) run attn-bs1-ahead 400 python3 scripts/attention_bs1_sweep.py --out $R/attn-bs1-ahead.json --ahead \
+                    --stages 3 --splits 4 8 16 32 64 --tiles 32 64 --warps 4 --contexts 256 1024 4096 8192;;
   h2_tests) run h2-gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp8_gemv1.py \
               tests/test_gpu_quant_engine.py tests/test_gemm_tuning_fp8.py tests/test_quant_fusions.py \
               tests/test_act_quant_fused.py tests/test_w4_dequant.py tests/test_h2_xpack.py \
