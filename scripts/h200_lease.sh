@@ -273,8 +273,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
   act_tests) run act-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_act_quant_fused.py \
                tests/test_quant_fusions.py tests/test_quant_gemv_dot.py tests/test_triton_kernels.py::test_attention_stores_each_heads_amax \
                tests/test_attention_rope.py::test_decode_rope_sums_split_qkv_on_load_gpu;;
-  attn_tests) run attn-gpu-tests 540 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_triton_kernels.py \
-                tests/test_gpu_attention_fp8.py tests/test_attention_split_merge.py -k "attention or attn or merge";;
+  attn_tests) run attn-gpu-tests 540 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_attention_split_merge.py \
+                tests/test_gpu_attention_fp8.py tests/test_triton_kernels.py -k "attention or attn or merge";;
   w4_var) for v in .variants/*.py; do  # each variant file appended to a copy's w4_gemv1.py (e.g. table edits), 4-bit decode
             n=$(basename $v .py); rm -rf /tmp/var-$n; mkdir -p /tmp/var-$n; cp -r atom /tmp/var-$n/
             cat $v >> /tmp/var-$n/atom/model_ops/kernels/w4_gemv1.py
