@@ -3,25 +3,8 @@
 # ahead, so that the K / V tiles get two shared-memory buffers and a program's tiles overlap; compiled for
 # sm90 the default keeps one buffer), from `pick_attention_config` for every decode batch.
 set -e
-python3 - <<'PY'
-p = "atom/model_ops/attention/triton_unified.py"
-s = open(p).read()
-old = """    num_stages = 2
-    if device.type != "cuda":
-        num_stages = 1
-    return dict(
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, HEAD_PAD=head_pad,
-        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        num_q_blocks=num_q_blocks,
-    )"""
-new = """    num_stages = 3 if max_query_len <= 1 else 2
-    if device.type != "cuda":
-        num_stages = 1
-    return dict(
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, HEAD_PAD=head_pad,
-        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        num_q_blocks=num_q_blocks, rows_ahead=max_query_len <= 1,
-    )"""
-assert s.count(old) == 1, "pick_attention_config's return changed: update this variant"
-open(p, "w").write(s.replace(old, new))
-PY
+f=atom/model_ops/attention/triton_unified.py
+[ "$(grep -c '^    num_stages = 2$' $f)" = 1 ] && [ "$(grep -c '^        num_q_blocks=num_q_blocks,$' $f)" = 1 ]
+sed -i 's/^    num_stages = 2$/    num_stages = 3 if max_query_len <= 1 else 2/' $f
+sed -i 's/^        num_q_blocks=num_q_blocks,$/        num_q_blocks=num_q_blocks, rows_ahead=max_query_len <= 1,/' $f
+grep -q 'rows_ahead=max_query_len <= 1,' $f && grep -q 'num_stages = 3 if max_query_len <= 1 else 2' $f
