@@ -300,17 +300,12 @@ others. Which of the 4 segments stored a partial (its log-sum-exp no longer the 
 both ways, with the same output:
 """),
     ("code", """
-from atom.model_ops.attention import triton_unified
 stored, merged = {}, {}
-for skip in (False, True):
+for skip in (False, True):  # one call's "skip_empty" (the module's SKIP_EMPTY_SEGMENTS stays as it is)
     ws.partial_lse.fill_(float("nan"))
     out = torch.empty_like(q)
-    try:
-        triton_unified.SKIP_EMPTY_SEGMENTS = skip
-        unified_attention(q, kc, vc, out, torch.arange(B + 1, dtype=torch.int32), lens, tables, D ** -0.5, 1,
-                          workspace=ws, num_kv_splits=4, merge_in_kernel=True)
-    finally:
-        triton_unified.SKIP_EMPTY_SEGMENTS = False
+    unified_attention(q, kc, vc, out, torch.arange(B + 1, dtype=torch.int32), lens, tables, D ** -0.5, 1,
+                      workspace=ws, num_kv_splits=4, merge_in_kernel=True, config=dict(skip_empty=skip))
     merged[skip] = out
     for b in range(B):
         stored[("skip_empty" if skip else "default", f"{int(lens[b])} keys")] = (~ws.partial_lse[b, 0, :4].isnan()).tolist()

@@ -353,7 +353,6 @@ if HAS_TRITON:
             t_lo = t_first + split * per_split
             t_hi = tl.minimum(t_lo + per_split, n_tiles)
         else:
-            n_seg = 1
             t_lo = t_first
             t_hi = n_tiles
         bt_row = bt_ptr + b * stride_bt
