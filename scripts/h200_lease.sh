@@ -66,6 +66,8 @@
 # attn_bs1 (the engine's batch-1 decode attention, rotary and merge inside, at 128-4096 tokens of context:
 # its choice, the same with the opt-in skip_empty, and a grid of splits, TILE_N and warps, beside the KV read's
 # time at HBM speed), attn_bs1_ahead (the same grid's tiles with `rows_ahead` at 3 stages, 4-64 splits, to 8192 tokens),
+# attn_seg (the engine's choice with "seg_min" 1-3 at TILE_N 32 / 64, with and without `rows_ahead` at 3 stages, no grid),
+# merge_tests (the GPU tests of the in-kernel merge: skip_empty and SEG_MIN_TILES included),
 # pw_tests (the GPU tests of MXFP4 pair words and CHAIN, the 4-bit kernels', and quantized dummy models
 # started with CUDA graphs). VARIANTS names the
 # folder of `var`'s / `var_thr`'s scripts (default .variants; tracked ones: scripts/variants/int4,
@@ -215,6 +217,9 @@ for st in "$@"; do ts=$(date +%s); case $st in
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   fp8_h2) run fp8-h2-probe 240 python3 scripts/fp8_h2_probe.py --out $R/fp8-h2-probe.json;;
   attn_bs1) run attn-bs1 400 python3 scripts/attention_bs1_sweep.py --out $R/attn-bs1.json;;
+  attn_seg) run attn-seg 300 python3 scripts/attention_bs1_sweep.py --out $R/attn-seg.json --contexts 128 256 512 640 1024 4096 \
+              --seg-min 1 2 3 --seg-tiles 32 64 --seg-ahead --no-grid;;
+  merge_tests) run merge-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_attention_split_merge.py;;
   attn_bs1_ahead) run attn-bs1-ahead 400 python3 scripts/attention_bs1_sweep.py --out $R/attn-bs1-ahead.json --ahead \
                     --stages 3 --splits 4 8 16 32 64 --tiles 32 64 --warps 4 --contexts 256 1024 4096 8192;;
   h2_tests) run h2-gpu-tests 420 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_fp8_gemv1.py \
@@ -286,8 +291,9 @@ for st in "$@"; do ts=$(date +%s); case $st in
   var) for v in ${VARIANTS:-.variants}/*.sh; do  # each variant script run inside a copy of the tree (e.g. a sed of a constant), batch-1 decode
         variant_tree $v || continue
         for f in ${VAR_FORMATS:-w4a16 mxfp4_w4a16}; do
+          q=(--quantization $f); [ $f = bf16 ] && q=()
           run l-lat1-var$n-$f 150 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.latency \
-            $L $LAT --batches 1 --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
+            $L $LAT --batches 1 --peer none --repeat 1 "${q[@]}" --cache-dir /tmp/lc --out $R/l-lat1-var$n-$f.json
         done
       done;;
   var_thr) for v in ${VARIANTS:-.variants}/*.sh; do  # the same variants, the Llama-3.1-8B workload in VAR_FORMATS
