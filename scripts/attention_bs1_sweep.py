@@ -14,8 +14,6 @@ of batch-1 attention (docs/perf, "Where a batch-1 decode step goes") can come fr
         --tiles 32 64 --warps 4    # more segments than the engine's 16 at long contexts
     python3 scripts/attention_bs1_sweep.py --out attn_bs1_ahead.json --ahead --stages 3 --splits 4 8 16 32 \
         --tiles 32 64 --warps 4    # a program's tiles pipelined (compiled for sm90, the default keeps one K / V buffer)
-    python3 scripts/attention_bs1_sweep.py --out attn_seg.json --seg-min 1 2 3 --seg-tiles 32 64 --seg-ahead \
-        --no-grid    # the engine's 16 splits as segments of at least 1-3 tiles ("seg_min"), no grid
 
 Each configuration's output is checked once against the engine's choice (which the GPU tests
 check against the reference); a configuration that fails to build or differs is reported.
@@ -96,13 +94,6 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--stages", type=int, default=None, help="the grid's num_stages (default: the engine's, 2)")
-    ap.add_argument("--seg-min", type=int, nargs="*", default=[],
-                    help="also the engine's splits with these \"seg_min\" values (segments of at least that many tiles, "
-                         "the programs past them returning at once: `triton_unified.SEG_MIN_TILES`)")
-    ap.add_argument("--seg-tiles", type=int, nargs="+", default=[64], help="TILE_N values of the seg_min rows")
-    ap.add_argument("--seg-ahead", action="store_true",
-                    help="the seg_min rows also with `rows_ahead` at 3 stages")
-    ap.add_argument("--no-grid", action="store_true", help="skip the grid of splits x TILE_N x warps")
     ap.add_argument("--ahead", action="store_true",
                     help="the grid's tiles with `rows_ahead` (each tile's block-table entries loaded a tile ahead: "
                          "with 3 stages the K / V tiles get two buffers, so a program's tiles overlap)")
@@ -131,23 +122,7 @@ def main(argv=None) -> int:
               flush=True)
         rows.append(dict(context=ctx, config="engine+skip_empty", splits=pick["num_splits"], TILE_N=pick["TILE_N"],
                          num_warps=pick["num_warps"], us=t_skip, floor_us=floor_us, rel_diff=err, ok=err == 0))
-        for seg_min, tile_n, ahead in itertools.product(args.seg_min, args.seg_tiles,
-                                                        (False, True) if args.seg_ahead else (False,)):
-            cfg = dict(seg_min=seg_min, TILE_N=tile_n, **(dict(rows_ahead=True, num_stages=3) if ahead else {}))
-            name = f"seg_min {seg_min} TILE_N {tile_n}{' ahead' if ahead else ''}"
-            row = dict(context=ctx, config="engine+seg_min", seg_min=seg_min, splits=pick["num_splits"], TILE_N=tile_n,
-                       num_warps=pick["num_warps"], rows_ahead=ahead, floor_us=floor_us)
-            try:
-                t, out = time_config(steps, s, cfg, None, args.iters)
-            except Exception as e:  # noqa: BLE001 - a sweep reports a configuration that does not build or run
-                rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))
-                print(f"   the engine's splits, {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            rows.append(dict(row, us=t, rel_diff=err, ok=err < 2e-2))
-            print(f"   the engine's splits, {name}: {t:6.2f} us{'' if err < 2e-2 else f'  DIFFERS ({err:.1e})'}",
-                  flush=True)
-        for splits, tile_n, warps in itertools.product([] if args.no_grid else args.splits, args.tiles, args.warps):
+        for splits, tile_n, warps in itertools.product(args.splits, args.tiles, args.warps):
             cfg = dict(TILE_N=tile_n, num_warps=warps, rows_ahead=args.ahead)
             if args.stages:
                 cfg["num_stages"] = args.stages
@@ -171,8 +146,7 @@ def main(argv=None) -> int:
         at = [r for r in rows if r["context"] == ctx and r.get("us") is not None and r.get("ok", True)]
         eng = next(r for r in at if r["config"] == "engine")
         best = min(at, key=lambda r: r["us"])
-        how = f"seg_min {best['seg_min']}, " if "seg_min" in best else ""
-        print(f"{ctx:7d} {eng['us']:10.2f} {best['us']:8.2f}  ({how}{best['splits']}, {best['TILE_N']}, {best['num_warps']})"
+        print(f"{ctx:7d} {eng['us']:10.2f} {best['us']:8.2f}  ({best['splits']}, {best['TILE_N']}, {best['num_warps']})"
               f"{'':10s}{eng['floor_us']:6.2f}")
     return 0
 

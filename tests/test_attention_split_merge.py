@@ -47,11 +47,9 @@ def _assert_same(two, one, n, dtype, what):
 @pytest.mark.parametrize("splits", [2, 8])
 @pytest.mark.parametrize("D,Hkv,qpkv,bs,dtype", [(64, 2, 2, 16, torch.float32), (32, 1, 3, 16, torch.float16),
                                                  (64, 2, 4, 32, torch.float32)])
-@pytest.mark.parametrize("skip_empty,seg_min", [(False, 0), (True, 0), (False, 2)])
-def test_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, dtype, splits, skip_empty, seg_min,
-                                                  monkeypatch):
+@pytest.mark.parametrize("skip_empty", [False, True])
+def test_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, dtype, splits, skip_empty, monkeypatch):
     monkeypatch.setattr(triton_unified, "SKIP_EMPTY_SEGMENTS", skip_empty)
-    monkeypatch.setattr(triton_unified, "SEG_MIN_TILES", seg_min)
     kinds = ["decode", "decode", "empty", (1, 1), "decode", (1, 70)]  # a 1-token context; more splits than tiles
     batch = _make_batch(kinds, Hkv * qpkv, Hkv, D, bs, dtype, device, 90, seed=D + qpkv + splits, pad_tokens=2)
     ws = AttentionWorkspace(16, Hkv * qpkv, D, device=device)
@@ -95,46 +93,16 @@ def test_segments_without_keys_store_nothing(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", [CPU])
-@pytest.mark.parametrize("seg_min,segments", [(1, [1, 2, 4, 5]), (2, [1, 1, 2, 5]), (3, [1, 1, 2, 4])])
-def test_segments_of_at_least_seg_min_tiles(device, seg_min, segments):
-    """A call's "seg_min": each context cut into as many segments as hold seg_min tiles (at most
-    the 8 splits, the tiles spread evenly); only those store and count themselves in, the
-    programs past them return at once (their scratch keeps its NaNs), and the output is the
-    reference's."""
-    D, Hkv, qpkv, splits = 64, 2, 2, 8
-    kinds = [(1, 1), (1, 70), (1, 200), (1, 600)]  # 1, 2, 4 and 10 tiles of 64 keys
-    batch = _make_batch(kinds, Hkv * qpkv, Hkv, D, 16, torch.float32, device, 600, seed=4)
-    ws = AttentionWorkspace(8, Hkv * qpkv, D, device=device)
-    ws.partial_out.fill_(float("nan"))
-    ws.partial_lse.fill_(float("nan"))
-    out = torch.full_like(batch["q"], float("nan"))
-    unified_attention(batch["q"], batch["k_cache"], batch["v_cache"], out, **_args(batch), workspace=ws,
-                      num_kv_splits=splits, merge_in_kernel=True, config=dict(seg_min=seg_min))
-    ref = paged_attention_ref(batch["q"], batch["k_cache"], batch["v_cache"], torch.empty_like(batch["q"]),
-                              **_args(batch))
-    _check_close(out, ref, torch.float32, f"seg_min={seg_min}")
-    for b, n_seg in enumerate(segments):
-        assert not ws.partial_lse[b, :, :n_seg].isnan().any(), f"seq {b}: its {n_seg} segments stored"
-        assert ws.partial_lse[b, :, n_seg:].isnan().all(), f"seq {b}: segments {n_seg}.. stored nothing"
-        assert ws.partial_out[b, :, n_seg:].isnan().all(), f"seq {b}: segments {n_seg}.. stored nothing"
-    assert not ws.arrival_counts.any(), "every counter back at 0 for the next launch"
-
-
-@pytest.mark.parametrize("device", [CPU])
-@pytest.mark.parametrize("key,value", [("seg_min", 2), ("skip_empty", True)])
-def test_segment_options_need_the_in_kernel_merge(device, key, value):
-    """A call asking for "seg_min" / "skip_empty" where no in-kernel merge runs (the merge launch,
-    or one split) is refused, naming the field, before anything runs."""
+def test_skip_empty_needs_the_in_kernel_merge(device):
+    """A call asking for "skip_empty" where no in-kernel merge runs (the merge launch, or one
+    split) is refused, naming the field, before anything runs."""
     batch = _make_batch(["decode", (1, 70)], 4, 2, 64, 16, torch.float32, device, 80, seed=6)
     out = torch.full_like(batch["q"], float("nan"))
     for merge, splits in ((False, 4), (True, 1)):
-        with pytest.raises(ValueError, match=rf"config\['{key}'\]"):
+        with pytest.raises(ValueError, match=r"config\['skip_empty'\]=True needs the in-kernel merge"):
             unified_attention(batch["q"], batch["k_cache"], batch["v_cache"], out, **_args(batch),
-                              num_kv_splits=splits, merge_in_kernel=merge, config={key: value})
+                              num_kv_splits=splits, merge_in_kernel=merge, config=dict(skip_empty=True))
     assert out.isnan().all()
-    with pytest.raises(ValueError, match="seg_min must be >= 0"):
-        unified_attention(batch["q"], batch["k_cache"], batch["v_cache"], out, **_args(batch),
-                          num_kv_splits=4, merge_in_kernel=True, config=dict(seg_min=-1))
 
 
 @pytest.mark.parametrize("device", [CPU])
@@ -262,15 +230,12 @@ def test_engine_with_the_merge_in_attention(tiny_llama, monkeypatch):
 @pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("splits", [2, 4, 16])
 @pytest.mark.parametrize("D,Hkv,qpkv,bs", [(128, 8, 4, 16), (128, 8, 2, 16), (64, 2, 8, 64), (128, 4, 6, 32)])
-@pytest.mark.parametrize("skip_empty,seg_min", [(False, 0), (True, 0), (False, 2)])
-def test_gpu_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, splits, skip_empty, seg_min,
-                                                      monkeypatch):
+@pytest.mark.parametrize("skip_empty", [False, True])
+def test_gpu_in_kernel_merge_matches_the_merge_launch(device, D, Hkv, qpkv, bs, splits, skip_empty, monkeypatch):
     """Many programs count in on their counters at once (40 decode sequences, a long one; the
     splits forced: the rule would run this batch unsplit); with SKIP_EMPTY_SEGMENTS, short
-    contexts' segments without keys do not; with SEG_MIN_TILES 2 they get fewer segments, the
-    programs past them returning at once."""
+    contexts' segments without keys do not."""
     monkeypatch.setattr(triton_unified, "SKIP_EMPTY_SEGMENTS", skip_empty)
-    monkeypatch.setattr(triton_unified, "SEG_MIN_TILES", seg_min)
     kinds = ["decode"] * 40 + ["empty", (1, 1), (1, 4000)]
     for dtype in (torch.bfloat16, torch.float32):
         batch = _make_batch(kinds, Hkv * qpkv, Hkv, D, bs, dtype, device, 4096, seed=D + bs, pad_tokens=3)

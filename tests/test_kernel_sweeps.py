@@ -58,8 +58,7 @@ def test_moe_route_sweep_says_it_needs_a_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("splits, cfg", [(None, None), (4, dict(TILE_N=16, num_warps=2)), (1, dict(TILE_N=32)),
-                                         (None, dict(skip_empty=True)), (32, None), (None, dict(seg_min=2)),
-                                         (None, dict(seg_min=1, TILE_N=32, rows_ahead=True, num_stages=3)),
+                                         (None, dict(skip_empty=True)), (32, None),
                                          (4, dict(TILE_N=16, rows_ahead=True, num_stages=3))])
 def test_attention_bs1_sweep_times_the_engines_decode_call(splits, cfg):
     """The call the batch-1 attention sweep times is the engine's decode step: on a copy of its

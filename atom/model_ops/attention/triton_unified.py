@@ -90,17 +90,11 @@ _LOG2E = 1.4426950408889634
 
 #: Opt-in: under the in-kernel merge, the segments a short context leaves without keys store
 #: no partial and do not count themselves in, and the merge reads only the others
-#: (`split_merge`). A `config` may set "skip_empty" for one call. Not a default: a form whose
-#: empty segments returned at once was faster alone at 128-512 tokens of context but slower
-#: in batch-1 decode (docs/perf); this form, without the early return, is not timed yet.
+#: (`split_merge`). A `config` may set "skip_empty" for one call (refused where no in-kernel
+#: merge runs). Not a default: a form whose empty segments returned at once was faster alone at
+#: 128-512 tokens of context but slower in batch-1 decode, and this form (with its register cap)
+#: is slower alone from 256 tokens on (docs/perf).
 SKIP_EMPTY_SEGMENTS = False
-#: Opt-in: under the in-kernel merge, a decode token's context is cut into as many segments as
-#: hold at least this many KV tiles (at most the launch's splits), every program computing the
-#: count from the sequence's length; the programs past it return at once and the merge reads
-#: only the segments that ran. 0: every split is a segment (a short context leaves some without
-#: keys). A `config`'s "seg_min" wins for one call. At batch 1 the grid's best at 128-512 tokens
-#: had 2-5 segments of 1-2 tiles against the engine's 16 splits (docs/perf); not timed in decode.
-SEG_MIN_TILES = 0
 #: Registers a thread at most for a launch with SKIP_EMPTY_SEGMENTS (NVIDIA; 0: no cap). Its
 #: masks take the Llama-shape decode tile from 115 to 149 registers as compiled for sm90
 #: (Triton 3.6; both forms above), 3 programs an SM instead of 4 beside the kernel in front
@@ -312,7 +306,6 @@ if HAS_TRITON:
         QKV_SPLITS: tl.constexpr = 0,
         MERGE_LAST: tl.constexpr = False,
         SKIP_EMPTY: tl.constexpr = False,
-        SEG_MIN: tl.constexpr = 0,
         QPAD: tl.constexpr = 1,
         S_CHUNK: tl.constexpr = 1,
     ):
@@ -354,17 +347,10 @@ if HAS_TRITON:
             t_first = tl.maximum(ctx_len + local * BLOCK_Q - window + 1, 0) // TILE_N
             lo_full = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
         if NUM_SPLITS > 1:
-            n_own = n_tiles - t_first  # >= 1: a decode token sees itself
-            if SEG_MIN > 0:  # (in-kernel merge only) segments of SEG_MIN tiles or more, NUM_SPLITS at most
-                per_split = tl.cdiv(n_own, tl.minimum(tl.cdiv(n_own, SEG_MIN), NUM_SPLITS))
-            else:
-                per_split = tl.cdiv(n_own, NUM_SPLITS)
+            per_split = tl.cdiv(n_tiles - t_first, NUM_SPLITS)
             n_seg = NUM_SPLITS
-            if SKIP_EMPTY or SEG_MIN > 0:  # (in-kernel merge only) segments 0 .. n_seg - 1 have keys
-                n_seg = tl.cdiv(n_own, per_split)
-            if SEG_MIN > 0:
-                if split >= n_seg:
-                    return  # a segment without keys: nothing to read, store or count
+            if SKIP_EMPTY:  # (in-kernel merge only) segments 0 .. n_seg - 1 have keys
+                n_seg = tl.cdiv(n_tiles - t_first, per_split)
             t_lo = t_first + split * per_split
             t_hi = tl.minimum(t_lo + per_split, n_tiles)
         else:
@@ -469,7 +455,7 @@ if HAS_TRITON:
                         merge_heads(out_ptr, po_ptr, plse_ptr, amax_ptr, q_start.to(tl.int64), kvh * QPKV,
                                     stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_plt,
                                     stride_plh, stride_am, n_seg, QPKV, QPAD, HEAD_DIM, HEAD_PAD, NUM_SPLITS,
-                                    S_CHUNK, HAS_AMAX, SKIP_EMPTY or SEG_MIN > 0)
+                                    S_CHUNK, HAS_AMAX, SKIP_EMPTY)
 
     @triton.jit
     def _merge_kernel(
@@ -820,17 +806,13 @@ def unified_attention(
         arrivals = (workspace.arrivals(grid[0]) if workspace is not None
                     else torch.zeros(grid[0], dtype=torch.int32, device=q.device))
     qpad = next_pow2(Hq // Hkv)
-    for key in ("skip_empty", "seg_min"):
-        if config and config.get(key) and arrivals is None:
-            raise ValueError(f"config[{key!r}]={config[key]!r} needs the in-kernel merge of a split decode step "
-                             f"(merge_in_kernel=True, max_query_len 1, more than one split); this call has "
-                             f"merge_in_kernel={merge_in_kernel}, max_query_len={max_query_len}, {splits} split(s)")
+    if config and config.get("skip_empty") and arrivals is None:
+        raise ValueError(f"config['skip_empty']={config['skip_empty']!r} needs the in-kernel merge of a split decode "
+                         f"step (merge_in_kernel=True, max_query_len 1, more than one split); this call has "
+                         f"merge_in_kernel={merge_in_kernel}, max_query_len={max_query_len}, {splits} split(s)")
     skip_empty = arrivals is not None and bool(cfg.get("skip_empty", SKIP_EMPTY_SEGMENTS))
-    seg_min = int(cfg.get("seg_min", SEG_MIN_TILES)) if arrivals is not None else 0
-    if seg_min < 0:
-        raise ValueError(f"seg_min must be >= 0 (0: every split a segment), got {seg_min}")
     maxnreg = cfg.get("maxnreg")
-    if not maxnreg and (skip_empty or seg_min) and q.device.type == "cuda" and torch.version.hip is None:
+    if not maxnreg and skip_empty and q.device.type == "cuda" and torch.version.hip is None:
         maxnreg = SKIP_EMPTY_MAXNREG
     _unified_attn_kernel[grid](
         q, k_cache, v_cache, out, po, plse,
@@ -857,7 +839,7 @@ def unified_attention(
         HAS_AMAX=amax is not None and (splits == 1 or arrivals is not None),
         QKV_SPLITS=splits_qkv if qkv_sum is not None else 0,
         MERGE_LAST=arrivals is not None, QPAD=qpad, S_CHUNK=merge_chunk(Hq // Hkv, splits, cfg["HEAD_PAD"]),
-        SKIP_EMPTY=skip_empty, SEG_MIN=seg_min, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
+        SKIP_EMPTY=skip_empty, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     if splits > 1 and arrivals is None:
