@@ -56,9 +56,12 @@ def test_ptx_has_four_instructions_a_word_and_one_chain():
 def test_tiles_cover_the_llama_shapes_and_refuse_remainders():
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         assert fp8_gemv1.even(n, k, fp8_gemv1.tile_for(n, k))
-    assert fp8_gemv1.tile_for(6144, 4096) == (8, 128, 4, 2, True)
-    assert fp8_gemv1.tile_for(4096, 4096) == fp8_gemv1.DEFAULT_TILE
-    assert not fp8_gemv1.even(4096, 4096 + 512, fp8_gemv1.DEFAULT_TILE)  # K not a multiple of 1024
+    assert fp8_gemv1.tile_for(6144, 4096) == fp8_gemv1.tile_for(4096, 14336) == fp8_gemv1.DEFAULT_TILE
+    # K a multiple of 1024 but not of the default's 2048 bytes a step (Qwen3-0.6B's 1024 and 3072)
+    for n, k in [(1024, 3072), (3072, 1024), (2048, 5120)]:
+        assert not fp8_gemv1.even(n, k, fp8_gemv1.DEFAULT_TILE)
+        assert fp8_gemv1.tile_for(n, k) == fp8_gemv1.SHORT_K_TILE and fp8_gemv1.even(n, k, fp8_gemv1.SHORT_K_TILE)
+    assert not fp8_gemv1.even(4096, 4096 + 512, fp8_gemv1.tile_for(4096, 4096 + 512))  # K not a multiple of 1024
     assert not fp8_gemv1.even(4098, 4096, fp8_gemv1.DEFAULT_TILE)  # N not a multiple of 4
     with pytest.raises(ValueError, match="does not cover N=4098"):
         fp8_gemv1.fp8_gemv1_launch(torch.zeros(1, 4096).to(E4M3), torch.ones(1), torch.zeros(4098, 4096).to(E4M3),
@@ -126,7 +129,7 @@ def _operands(n, k, seed=0):
 
 
 TILES = [(4, 128, 4, 1, True), (8, 128, 4, 1, False), (8, 256, 8, 1, True), (8, 128, 4, 2, True),
-         (4, 128, 4, 2, True), (16, 128, 4, 2, False)]
+         (4, 128, 4, 2, True), (16, 128, 4, 2, False), (4, 256, 8, 2, True), (2, 128, 4, 2, True)]
 
 
 @pytest.mark.gpu
