@@ -31,9 +31,9 @@ from atom.model_ops.kernels.fp8_gemv1 import MIN_CAPABILITY, fp8_gemv1_launch, h
 from atom.model_ops.kernels.triton_import import HAS_TRITON  # noqa: E402
 
 #: (BLOCK_N rows a program, BLOCK_W loads a row a step, num_warps, DW words a load, AHEAD)
-#: (the single-word tiles, 16-row tiles and 64-load 4-warp tiles of the first grid were slower at every
-#: Llama shape on H100s and H200s: docs/perf/raw/2026-12-06e-h100-call5-fp8-h2-probe.log; this grid
-#: explores fewer rows a program and other warps around the double-word tiles that won)
+#: (the single-word, 16-row and 64-load 4-warp tiles of an earlier grid were slower at every Llama
+#: shape, docs/perf; this grid explores fewer rows a program and other warps around the double-word
+#: tiles that won)
 TILES = [(4, 128, 4, 1, True), (8, 128, 4, 2, True), (4, 128, 4, 2, True), (4, 128, 4, 2, False),
          (2, 128, 4, 2, True), (1, 128, 4, 2, True), (4, 256, 8, 2, True), (2, 256, 8, 2, True),
          (4, 64, 2, 2, True), (8, 64, 2, 2, True), (2, 64, 2, 2, True)]

@@ -32,10 +32,9 @@ from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 X_SHIFT = 8  # the row is scaled by 2^-X_SHIFT into fp16, y by 2^X_SHIFT back
 #: (BLOCK_N rows a program, BLOCK_W loads a row a step, num_warps, DW words a load, AHEAD) by
 #: (N, K); DEFAULT_TILE elsewhere, SHORT_K_TILE where K is not a multiple of DEFAULT_TILE's 2048
-#: bytes a step. AHEAD: the next step's loads issued before this step's are used. From
-#: `scripts/fp8_h2_probe.py` at Llama-3.1-8B's shapes (H100): 4 rows over 8 warps, 256 double-word
-#: loads a step, was best or within 0.5% at all four (down 20.9 against 21.7 us with 4 warps of
-#: 128 loads), and batch-1 decode agreed (docs/perf)
+#: bytes a step. AHEAD: the next step's loads issued before this step's are used. DEFAULT_TILE is
+#: `scripts/fp8_h2_probe.py`'s best (or level) tile at Llama-3.1-8B's four shapes, confirmed by
+#: batch-1 decode; the figures are in docs/perf
 DEFAULT_TILE = (4, 256, 8, 2, True)
 SHORT_K_TILE = (4, 128, 4, 2, True)
 TILES: dict = {}
