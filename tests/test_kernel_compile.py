@@ -227,6 +227,14 @@ def _compile_all() -> dict:
                                                              AHEAD=True, PDL=True, WCACHE=".cg"),
                                dict(x_ptr="*i64", xs_ptr="*fp32", w_ptr="*i64", ws_ptr="*fp32", b_ptr="*fp32"),
                                ("ld.global.cg.b64", "cvt.rn.f16x2.e4m3x2", "griddepcontrol.wait")),
+        # the same quantizing its bf16 row on load from partial amaxes (QX: `fp8_gemv1_pending_launch`)
+        "fp8_gemv1_quantized_on_load": (fp8g1._fp8_gemv1_kernel,
+                                        dict(HAS_BIAS=False, DW=2, BLOCK_N=4, BLOCK_W=256, AHEAD=True, PDL=True,
+                                             QX=1, PARTS=32),
+                                        dict(x_ptr="*i64", xs_ptr="*fp32", w_ptr="*i64", ws_ptr="*fp32",
+                                             b_ptr="*fp32", pm_ptr="*fp32"),
+                                        ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "fma.rn.f32",
+                                         "griddepcontrol.wait")),
         # MXFP4 pair words (`fp4_pairs`) with a word pair's products in one fp16 chain (CHAIN), and
         # int4's chain with zero points
         "w4_gemv1_pair_words_chain": (w4g1._w4_gemv1_kernel,
@@ -381,6 +389,7 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_pair_words_norm", "w4_gemv1_int4_l2_prefetch", "w4_gemv1_mxfp4_stages",
                         "w4_gemv1_mxfp4_words_cg", "w4_gemv1_int4_scale_rows_first", "w4_gemv1_mxfp4_prefetch_l1",
                         "w4_gemv1_scale_rows_before_wait", "fp8_gemv1_words_cg", "fp8_gemv1_scales_first",
+                        "fp8_gemv1_quantized_on_load",
                         "attention_prefetch_before_wait", "merge_amax",
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",

@@ -33,7 +33,8 @@ which computes the same thing with fewer kernels where the plan says so:
   norm): two launches fewer a layer, the same bits. Opt-in, not in `default_fusions`, until
   its decode timing is in docs/perf (its GPU tests are marked `gpu`);
 - "quant_on_load": at one row (`QUANT_ON_LOAD_MAX_ROWS`: batch-1 decode), 8-bit products
-  that take a per-token quantized input on the swap-AB route quantize it as they load it,
+  that take a per-token quantized input on the swap-AB route (ptpc fp8 at one row: on
+  `fp8_gemv1`) quantize it as they load it,
   from rows stored unquantized beside partial amaxes (`kernels.pending_quant.PendingQuant`),
   instead of a quantizer launch in front: down, where SiLU-and-mul's quantizer splits rows
   over programs (`act_quant_fused.splits_rows`: Llama's 14,336-wide MLP; its first launch,
@@ -47,10 +48,11 @@ which computes the same thing with fewer kernels where the plan says so:
   reduction's order and rounding: the same bits): one launch fewer a layer. Opt-in until its
   decode timing is in docs/perf;
 - one row of ptpc fp8 runs its products on `kernels.fp8_gemv1` (CUDA cores, no split K;
-  `quant.common.ONE_ROW_FP8`), not the swap-AB kernel: "sum+norm+quant", "split_k_fold",
-  "quant_on_load" and "qkv_sum_in_attention" act on that kernel's split K or its loads, so the
-  products they take at one row go back to the swap-AB kernel (docs/perf has their decode
-  timings);
+  `quant.common.ONE_ROW_FP8`), not the swap-AB kernel: "sum+norm+quant", "split_k_fold" and
+  "qkv_sum_in_attention" act on that kernel's split K, so the products they take at one row
+  go back to the swap-AB kernel (docs/perf has their decode timings); "quant_on_load" stays
+  on `fp8_gemv1`, which quantizes the pending row as it loads it
+  (`fp8_gemv1.fp8_gemv1_pending_launch`);
 - "moe+shared": MoE layers whose shared experts are an unquantized SiLU-gated MLP (DeepSeek)
   run them as extra experts of the grouped GEMM (`moe.shared_stack`). Opt-in only, not in
   `default_fusions`: the DeepSeek-V2-Lite workload ran slower with it than without (docs/perf),

@@ -22,6 +22,19 @@ Timings at Llama-3.1-8B's four shapes against the swap-AB kernel (its split K an
 included) are in docs/perf (`scripts/fp8_h2_probe.py`): faster at q/k/v, o_proj and gate-up,
 level or faster at down; `DEFAULT_TILE` / `TILES` its best tiles. `takes` says where the
 engine's one-row route (`quant.common`) runs it.
+
+Rows quantized on load (`fp8_gemv1_pending_launch`, a `pending_quant.PendingQuant`: the kernel
+plan's "quant_on_load"): x comes as the 16-bit row the kernel in front stored, with partial
+amaxes; each program takes the row's scale from the partials as `act_quant` does (xs =
+max(amax, 1e-12) / 448, a correctly rounded division) and quantizes each load of x itself, so
+that no quantizer runs in between. `act_quant` divides each value by xs (`div_rn`, ~10
+instructions a value); here x / xs is q0 = x r, rem = x - q0 xs (exact with an FMA), q0 + rem r
+(r = 1 / xs correctly rounded, once a program): Markstein's correction, which gives the
+correctly rounded quotient where it lies in the normal range, then the hardware's e4m3
+rounding (`cvt.rn.satfinite.e4m3x2.f32`: to nearest, ties to even, saturated at 448, as
+`act_quant` clamps then rounds). Quotients below the normal range round to e4m3's zero either
+way (xs >= 1e-12 / 448). 5.5 instructions a value of x (`QX_PTX`, shared by a program's
+BLOCK_N rows), the same bits as the quantizer then the kernel (`qx_ref` models it in torch).
 """
 from __future__ import annotations
 
@@ -47,6 +60,49 @@ WORD_CACHE = ""
 #: instead of after the loop's sums, where the compiled kernel issues them and each program then
 #: waits a memory round trip at its end (opt-in until timed: variant `scripts/variants/fp8/scales_first.sh`)
 SCALES_FIRST = False
+
+
+#: the 16-bit rows `fp8_gemv1_pending_launch` quantizes on load, by the kernel's QX code
+QX_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+QMAX = 448.0  # e4m3's largest value: the satfinite conversion's clamp
+
+
+def qx_ptx(dtype: torch.dtype) -> str:
+    """The inline asm that quantizes 4 values of a 16-bit row on load: $2 an int64 of four
+    bf16 / fp16 values, $3 r = 1 / xs and $4 -xs (float32 bits); $0, $1 their e4m3 values as the
+    fp16 pairs (values 0, 1) and (2, 3), times 2^-8, as `XQ_LO` / `XQ_HI` decode a quantized row.
+    Per value: widen, q0 = x r, rem = fma(q0, -xs, x), q = fma(rem, r, q0); per pair: one
+    satfinite e4m3x2 conversion, one back to f16x2, one multiply by 2^-8."""
+    if dtype not in QX_DTYPES:
+        raise ValueError(f"qx_ptx: dtype {dtype}, one of {list(QX_DTYPES)}")
+    if dtype == torch.bfloat16:  # a bf16's bits are a float32's upper half
+        widen = ["mov.b64 {lo, hi}, $2;", "shl.b32 v0, lo, 16;", "and.b32 v1, lo, 0xFFFF0000;",
+                 "shl.b32 v2, hi, 16;", "and.b32 v3, hi, 0xFFFF0000;"]
+    else:
+        widen = ["mov.b64 {x0, x1, x2, x3}, $2;"] + [f"cvt.f32.f16 v{i}, x{i};" for i in range(4)]
+    lines = widen + [f"mul.rn.f32 q{i}, v{i}, $3;" for i in range(4)] \
+        + [f"fma.rn.f32 r{i}, q{i}, $4, v{i};" for i in range(4)] \
+        + [f"fma.rn.f32 q{i}, r{i}, $3, q{i};" for i in range(4)] \
+        + ["cvt.rn.satfinite.e4m3x2.f32 e0, q1, q0;", "cvt.rn.satfinite.e4m3x2.f32 e1, q3, q2;",
+           "cvt.rn.f16x2.e4m3x2 p0, e0;", "cvt.rn.f16x2.e4m3x2 p1, e1;", "mov.b32 s, 0x1C001C00;",
+           "mul.rn.f16x2 $0, p0, s;", "mul.rn.f16x2 $1, p1, s;"]
+    return ("{\n.reg .b32 lo, hi, v0, v1, v2, v3, q0, q1, q2, q3, r0, r1, r2, r3, p0, p1, s;\n"
+            ".reg .b16 x0, x1, x2, x3, e0, e1;\n" + "\n".join(lines) + "\n}")
+
+
+def qx_ref(h: torch.Tensor, pmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The on-load quantization in torch (CPU or GPU): h [1, K] (16-bit), pmax fp32 [1, P] ->
+    (xq e4m3 [1, K], xs fp32 [1]): the scale as `act_quant`'s, x / xs by the kernel's
+    reciprocal and Markstein correction (FMAs exact: a float32 product is exact in float64 and
+    the remainder's sum too; the last one rounds in float64 then float32, which can differ from
+    one rounding only at a tie of the two, ~2^-29 of values), then e4m3's rounding."""
+    xs = (torch.clamp(pmax.float().amax(), min=1e-12) / QMAX).reshape(1)
+    r = torch.ones_like(xs) / xs
+    x = h.float()
+    q0 = x * r
+    rem = (x.double() - q0.double() * xs.double()).float()
+    q = (rem.double() * r.double() + q0.double()).float()
+    return q.clamp(-QMAX, QMAX).to(torch.float8_e4m3fn), xs
 
 
 def h2_ptx(words: int) -> str:
@@ -125,6 +181,25 @@ def takes(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor)
     return torch.cuda.get_device_capability(xq.device) >= MIN_CAPABILITY
 
 
+def takes_pending(p, w: torch.Tensor, ws: torch.Tensor) -> bool:
+    """Whether `fp8_gemv1_pending_launch` runs this product: `takes`' conditions for the
+    weight, and a `PendingQuant` of one contiguous, 16-byte aligned bf16 / fp16 row with fp8
+    kind, qmax 448 (the satfinite conversion's clamp) and fp32 partials [1, P]."""
+    if not (HAS_TRITON and p.is_cuda and torch.version.hip is None):
+        return False
+    h, pm = p.h, p.pmax
+    if p.kind != "fp8" or p.qmax != QMAX or h.dim() != 2 or h.shape[0] != 1 or h.dtype not in QX_DTYPES:
+        return False
+    if pm.dtype != torch.float32 or pm.dim() != 2 or pm.shape[0] != 1 or not pm.is_contiguous():
+        return False
+    if w.dtype != torch.float8_e4m3fn or not w.is_contiguous() or w.data_ptr() % 16 or ws.numel() != w.shape[0]:
+        return False
+    N, K = w.shape
+    if h.shape[1] != K or not h.is_contiguous() or h.data_ptr() % 16 or not even(N, K, tile_for(N, K)):
+        return False
+    return torch.cuda.get_device_capability(h.device) >= MIN_CAPABILITY
+
+
 if HAS_TRITON:
     from atom.model_ops.kernels.triton_import import pdl_start
     from atom.model_ops.kernels.w4_gemv1 import _half  # word h of a load (DW = 2: an int64's halves)
@@ -133,6 +208,17 @@ if HAS_TRITON:
     H2_2 = tl.constexpr(h2_ptx(2))
     XQ_LO_C = tl.constexpr(XQ_LO)
     XQ_HI_C = tl.constexpr(XQ_HI)
+
+    QX_BF16_C = tl.constexpr(qx_ptx(torch.bfloat16))
+    QX_FP16_C = tl.constexpr(qx_ptx(torch.float16))
+
+    @triton.jit
+    def _qx_pairs(xw, inv, nxs, QX: tl.constexpr):
+        """An int64 of four 16-bit row values (QX 1: bf16, 2: fp16) -> their e4m3 values as the
+        fp16 pairs (0, 1), (2, 3), times 2^-8 (`qx_ptx`); inv / nxs: 1 / xs and -xs as int32 bits."""
+        asm: tl.constexpr = QX_BF16_C if QX == 1 else QX_FP16_C
+        return tl.inline_asm_elementwise(asm, "=r,=r,l,r,r", [xw, inv, nxs], dtype=(tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
 
     @triton.jit
     def _xq_pairs(xw):
@@ -144,7 +230,8 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize_on_alignment=["w_ptr", "x_ptr"])
     def _fp8_gemv1_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, n_loads, stride_w, HAS_BIAS: tl.constexpr,
                           DW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, AHEAD: tl.constexpr,
-                          PDL: tl.constexpr, WCACHE: tl.constexpr = "", SFIRST: tl.constexpr = False):
+                          PDL: tl.constexpr, WCACHE: tl.constexpr = "", SFIRST: tl.constexpr = False,
+                          pm_ptr=None, n_parts=0, QX: tl.constexpr = 0, PARTS: tl.constexpr = 1):
         """Program p: rows p BLOCK_N.. of y, a [BLOCK_N, BLOCK_W] tile of loads (int32: one word,
         int64: DW = 2 words) a step, one fp16 chain a load; even tiles only (`even`). x: the
         e4m3 row as the same loads. AHEAD: the next step's loads issued before this step's are
@@ -152,11 +239,14 @@ if HAS_TRITON:
         WCACHE: the weight loads' cache modifier (`WORD_CACHE`). SFIRST (`SCALES_FIRST`): the
         rows' weight scales and bias loaded before the PDL wait (weights: no kernel in the stream
         writes them) and x's scale right after it, held through the loop, instead of loaded
-        after it; the same arithmetic."""
+        after it; the same arithmetic. QX (1: bf16, 2: fp16; `fp8_gemv1_pending_launch`): x_ptr
+        is the unquantized row as int64s of four values (DW a load column) and pm_ptr its n_parts
+        partial amaxes (PARTS a power of two >= n_parts): each program computes the row's scale
+        and quantizes each load of x as it comes (module docstring); xs_ptr is not read."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j = tl.arange(0, BLOCK_W)[None, :]
         wp = w_ptr + rows.to(tl.int64)[:, None] * stride_w + j
-        xp = x_ptr + j
+        xp = x_ptr + j * (DW if QX else 1)  # QX: DW int64s of four values a load column
         shape: tl.constexpr = [BLOCK_N, BLOCK_W]
         acc = tl.zeros(shape, tl.float32)
         if AHEAD:
@@ -166,7 +256,14 @@ if HAS_TRITON:
             if HAS_BIAS:
                 bias = tl.load(b_ptr + rows).to(tl.float32)
         pdl_start(PDL)
-        if SFIRST:  # written by the quantizer in front: after the wait
+        if QX:  # the row's scale from the partials of the kernel in front, as act_quant computes it
+            parts = tl.arange(0, PARTS)
+            pm = tl.load(pm_ptr + parts, mask=parts < n_parts, other=0.0)
+            x_scale = tl.math.div_rn(tl.maximum(tl.max(pm, 0), 1e-12), 448.0)
+            inv = tl.math.div_rn(tl.full([1, BLOCK_W], 1.0, tl.float32), x_scale).to(tl.int32, bitcast=True)
+            nxs = tl.full([1, BLOCK_W], 0.0, tl.float32) - x_scale
+            nxs = nxs.to(tl.int32, bitcast=True)
+        elif SFIRST:  # written by the quantizer in front: after the wait
             x_scale = tl.load(xs_ptr).to(tl.float32)
         for w0 in range(0, n_loads, BLOCK_W):
             if AHEAD:
@@ -175,23 +272,30 @@ if HAS_TRITON:
                               cache_modifier=WCACHE)
             else:
                 word = tl.load(wp, cache_modifier=WCACHE)
-            xv = tl.load(xp)  # the row's pairs for each load column, shared by the rows
-            a0, a1 = _xq_pairs(_half(xv, 0, DW))
+            if QX:  # the row's values quantized here, shared by the rows
+                a0, a1 = _qx_pairs(tl.load(xp), inv, nxs, QX)
+                if DW == 2:
+                    b0, b1 = _qx_pairs(tl.load(xp + 1), inv, nxs, QX)
+            else:
+                xv = tl.load(xp)  # the row's pairs for each load column, shared by the rows
+                a0, a1 = _xq_pairs(_half(xv, 0, DW))
+                if DW == 2:
+                    b0, b1 = _xq_pairs(_half(xv, 1, DW))
             if DW == 1:
                 t = tl.inline_asm_elementwise(H2_1, "=r,r,r,r", [word, tl.broadcast_to(a0, shape),
                                               tl.broadcast_to(a1, shape)], dtype=tl.int32, is_pure=True, pack=1)
             else:
-                b0, b1 = _xq_pairs(_half(xv, 1, DW))
                 t = tl.inline_asm_elementwise(H2_2, "=r,r,r,r,r,r,r", [
                     _half(word, 0, DW), _half(word, 1, DW), tl.broadcast_to(a0, shape), tl.broadcast_to(a1, shape),
                     tl.broadcast_to(b0, shape), tl.broadcast_to(b1, shape)], dtype=tl.int32, is_pure=True, pack=1)
             acc += t.to(tl.float32, bitcast=True)
             wp += BLOCK_W
-            xp += BLOCK_W
+            xp += BLOCK_W * (DW if QX else 1)
         dot = tl.sum(acc, axis=1)
         if not SFIRST:  # loaded after the sums, the bias after the scaling
             w_scale = tl.load(ws_ptr + rows).to(tl.float32)
-            x_scale = tl.load(xs_ptr).to(tl.float32)
+            if not QX:
+                x_scale = tl.load(xs_ptr).to(tl.float32)
         y = dot * (w_scale * (x_scale * 256.0))
         if HAS_BIAS:
             if not SFIRST:
@@ -225,4 +329,31 @@ def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
                                   BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3,
                                   WCACHE=WORD_CACHE if word_cache is None else word_cache,
                                   SFIRST=SCALES_FIRST if scales_first is None else scales_first, **pdl_args(xq))
+    return out
+
+
+def fp8_gemv1_pending_launch(p, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None = None,
+                             out_dtype: torch.dtype = torch.bfloat16, tile: tuple | None = None) -> torch.Tensor:
+    """`fp8_gemv1_launch` for a `pending_quant.PendingQuant` row (`takes_pending`): the kernel
+    quantizes p.h on load with the scale of p.pmax (QX; module docstring), the bits of
+    `fp8_gemv1_launch(*p.quantize(), ...)`."""
+    from atom.model_ops.kernels.triton_import import pdl_args
+    N, K = w.shape
+    tile = tile or tile_for(N, K)
+    if not even(N, K, tile):
+        raise ValueError(f"fp8_gemv1: tile {tile} does not cover N={N}, K={K}")
+    h, pm = p.h, p.pmax
+    if h.shape != (1, K) or h.dtype not in QX_DTYPES:
+        raise ValueError(f"fp8_gemv1: the pending row must be [1, K={K}] bf16 / fp16, got {tuple(h.shape)} {h.dtype}")
+    if p.kind != "fp8" or p.qmax != QMAX:
+        raise ValueError(f"fp8_gemv1: quantizes on load to fp8 with qmax {QMAX}, got {p.kind} {p.qmax}")
+    bn, bw, warps, dw, ahead = tile
+    words = w.view(torch.int32 if dw == 1 else torch.int64)
+    out = torch.empty(1, N, device=h.device, dtype=out_dtype)
+    n_parts = pm.shape[-1]
+    _fp8_gemv1_kernel[(N // bn,)](h.view(torch.int64), pm, words, ws, bias if bias is not None else ws, out,
+                                  words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
+                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3, WCACHE=WORD_CACHE,
+                                  SFIRST=SCALES_FIRST, pm_ptr=pm, n_parts=n_parts, QX=QX_DTYPES[h.dtype],
+                                  PARTS=triton.next_power_of_2(n_parts), **pdl_args(h))
     return out

@@ -450,13 +450,17 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
     torch.compile the layers run `quantized_product`).
 
     xq may be a `kernels.pending_quant.PendingQuant` (xs None): rows whose quantization has
-    not run; the swap-AB route quantizes them on load (one launch), the others quantize first.
+    not run; the swap-AB route quantizes them on load (one launch; at one row `fp8_gemv1` where
+    it takes the product, as for quantized rows), the others quantize first.
     `plan`: as for `quantized_product` (the `KernelPlan` itself)."""
     from atom.model_ops.kernels.pending_quant import PendingQuant
     if isinstance(xq, PendingQuant):
         M, K = xq.shape
         route = route_for(xq.kind, M, K, w.shape[0], out_dtype, xq.device)
         if route in ("dot", "dot_fused"):
+            from atom.model_ops.kernels import fp8_gemv1
+            if lock is None and not defer_sum and ONE_ROW_FP8 and fp8_gemv1.takes_pending(xq, w, ws.reshape(-1)):
+                return fp8_gemv1.fp8_gemv1_pending_launch(xq, w, ws.reshape(-1), bias, out_dtype=out_dtype)
             from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_pending_launch
             return quant_gemv_dot_pending_launch(xq, w, ws.reshape(-1), bias, out_dtype, lock=lock,
                                                  defer_sum=defer_sum)
