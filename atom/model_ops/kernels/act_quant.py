@@ -3,8 +3,9 @@ x [M, K] -> (q [M, K] float8_e4m3fn or int8, scales [M, K / group] fp32).
 
 Exactly the reference's arithmetic (`atom.model_ops.quant.common.fake_quant_act`): per row
 (`group` = K, per-token) or per `group` columns (FP8 block's 1 x 128), scale = max(amax,
-1e-12) / qmax, q = x / scale rounded to nearest (correctly rounded divisions, `div_rn`:
-Triton's plain fp32 `/` is approximate on NVIDIA), fp8 clamped to +-448 then rounded to
+1e-12) / qmax, q = x / scale rounded to nearest (correctly rounded divisions: Triton's plain
+fp32 `/` is approximate on NVIDIA; `div_by` gets `div_rn`'s quotient from one reciprocal a
+scale and two FMAs a value), fp8 clamped to +-448 then rounded to
 e4m3 (nearest, ties to even) in fp32 arithmetic before the cast, which is then exact (the
 same result as the hardware conversion; Triton's interpreter rounds fp8 casts wrongly, so
 the explicit rounding also keeps the CPU tests meaningful), int8 rounded half to even (the 1.5 * 2^23 trick, exact for |v| < 2^22) then
@@ -52,9 +53,23 @@ if HAS_TRITON:
         return _rint(v * up) * down
 
     @triton.jit
+    def div_by(v, scale):
+        """v / scale correctly rounded (`div_rn`'s quotient) at the cost of a product and two
+        FMAs a value: r = 1 / scale correctly rounded (once per scale), q0 = v r, then
+        Markstein's correction q0 + (v - q0 scale) r, whose remainder the FMA computes exactly;
+        the quotient is the correctly rounded one wherever it is a normal float (Markstein's
+        theorem). A quotient below the normal range may be a step off in its last bit, far
+        below any grid it is rounded to next (e4m3's least step is 2^-9, int8's 1). Where
+        v / scale overflows or scale is zero, `div_rn`'s infinity or NaN (q0's)."""
+        r = tl.math.div_rn(scale * 0.0 + 1.0, scale)
+        q0 = v * r
+        rem = tl.fma(-q0, scale, v)
+        return tl.where(rem == rem, tl.fma(rem, r, q0), q0)
+
+    @triton.jit
     def _quantize(v, scale, INT8: tl.constexpr):
         """v / scale rounded to the target's grid, still fp32 (its cast is then exact)."""
-        v = tl.math.div_rn(v, scale)
+        v = div_by(v, scale)
         if INT8:
             v = tl.minimum(tl.maximum(_rint(v), -128.0), 127.0)
         else:
