@@ -369,6 +369,37 @@ want = routes[both].apply(lambda col: (col == "scaled_mm") | ((col == "dot") & (
 assert (timed[both] == want).all().all()
 timed
 """),
+    ("md", """
+The quantizers divide each activation by its row's scale with a correctly rounded division.
+`act_quant.div_by` and the one-row FP8 product quantizing its row on load ("quant_on_load",
+`fp8_gemv1.fp8_gemv1_pending_launch`) get that quotient from one reciprocal r = 1 / xs a row
+and two FMAs a value (Markstein's correction: q0 = x r, then q0 + (x - q0 xs) r), where
+`div_rn` takes ~10 instructions and a slow-path branch a value; `fp8_gemv1.qx_ref` models the
+on-load path in torch. Over every finite 16-bit value and a few scales whose reciprocal is
+inexact, how many e4m3 values differ from `act_quant`'s, with the correction and with the
+product x r alone:
+"""),
+    ("code", """
+from atom.model_ops.kernels import fp8_gemv1
+from atom.model_ops.kernels.act_quant import act_quant_ref
+e4m3 = lambda v: v.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+rows = []
+for dtype in (torch.bfloat16, torch.float16):
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    for amax in (1.0, 69.0, 76.0, 3968.0):
+        h = every[torch.isfinite(every) & (every.float().abs() <= amax)]
+        h = torch.cat([h, torch.tensor([amax], dtype=dtype)])[None, :]
+        pm = h.float().abs().amax(1, keepdim=True)
+        q, xs = fp8_gemv1.qx_ref(h, pm)
+        ref, _ = act_quant_ref(h, "fp8", h.shape[1], 448.0)
+        alone = e4m3(h.float() * (torch.ones(1) / xs))
+        rows.append({"row": str(dtype)[6:], "amax": amax, "values": h.shape[1],
+                     "differ, corrected": int((q.float() != ref.float()).sum()),
+                     "differ, x r alone": int((alone != ref.float()).sum())})
+on_load = pd.DataFrame(rows).set_index(["row", "amax"])
+assert (on_load["differ, corrected"] == 0).all() and on_load["differ, x r alone"].sum() > 0
+on_load
+"""),
 ]
 
 GRAPHS = [
