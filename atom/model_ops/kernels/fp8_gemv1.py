@@ -27,14 +27,14 @@ Rows quantized on load (`fp8_gemv1_pending_launch`, a `pending_quant.PendingQuan
 plan's "quant_on_load"): x comes as the 16-bit row the kernel in front stored, with partial
 amaxes; each program takes the row's scale from the partials as `act_quant` does (xs =
 max(amax, 1e-12) / 448, a correctly rounded division) and quantizes each load of x itself, so
-that no quantizer runs in between. `act_quant` divides each value by xs (`div_rn`, ~10
-instructions a value); here x / xs is q0 = x r, rem = x - q0 xs (exact with an FMA), q0 + rem r
-(r = 1 / xs correctly rounded, once a program): Markstein's correction, which gives the
-correctly rounded quotient where it lies in the normal range, then the hardware's e4m3
-rounding (`cvt.rn.satfinite.e4m3x2.f32`: to nearest, ties to even, saturated at 448, as
-`act_quant` clamps then rounds). Quotients below the normal range round to e4m3's zero either
-way (xs >= 1e-12 / 448). 5.5 instructions a value of x (`QX_PTX`, shared by a program's
-BLOCK_N rows), the same bits as the quantizer then the kernel (`qx_ref` models it in torch).
+that no quantizer runs in between. x / xs is computed as `act_quant.div_by` computes it: q0 =
+x r, rem = x - q0 xs (exact with an FMA), q0 + rem r (r = 1 / xs correctly rounded, once a
+program), Markstein's correction, which gives the correctly rounded quotient where it lies in
+the normal range; then the hardware's e4m3 rounding (`cvt.rn.satfinite.e4m3x2.f32`: to
+nearest, ties to even, saturated at 448, as `act_quant` clamps then rounds in software).
+Quotients below the normal range round to e4m3's zero either way (xs >= 1e-12 / 448). 5.5
+instructions a value of x (`qx_ptx`, shared by a program's BLOCK_N rows), the same bits as the
+quantizer then the kernel (`qx_ref` models it in torch).
 """
 from __future__ import annotations
 
