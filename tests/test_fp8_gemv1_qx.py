@@ -288,14 +288,35 @@ def test_gpu_kernel_quantizing_on_load_gives_the_quantizers_bits(dtype, n, k, pa
 @pytest.mark.gpu
 @GPU_ONLY
 def test_gpu_down_quantizes_silu_rows_on_load_in_the_one_row_kernel(monkeypatch):
-    """"quant_on_load" at one row with `ONE_ROW_FP8` on: down's product runs
-    `fp8_gemv1_pending_launch` on SiLU-and-mul's rows and partials, the bits of the plan
-    without it and no quantizer launch in between."""
-    from test_quant_fusions import _check_quant_on_load
-    launch, ran = fp8_gemv1.fp8_gemv1_pending_launch, []
-    monkeypatch.setattr(fp8_gemv1, "fp8_gemv1_pending_launch", lambda *a, **k: ran.append(1) or launch(*a, **k))
-    _check_quant_on_load("fp8_channel", "cuda", monkeypatch)
-    assert ran  # (the one-row step's down: K 2048 is covered by the default tile)
+    """"quant_on_load" at one row with `ONE_ROW_FP8` on: down's product (K 2048, SiLU-and-mul's
+    rows split) runs `fp8_gemv1_pending_launch` on SiLU-and-mul's rows and partials, with the
+    bits of the plan without it, which quantizes them first and runs `fp8_gemv1_launch`; no
+    quantizer launch in between."""
+    from test_quant_fusions import _count, _decoder_parts, _meta, _plan_pair
+
+    from atom.model_ops.kernels import act_quant_fused
+    from atom.model_ops.attention import forward_context
+    from atom.tuning import fusions
+    calls = []
+    for mod, name in ((act_quant_fused, "quant_from_partials"), (fp8_gemv1, "fp8_gemv1_pending_launch"),
+                      (fp8_gemv1, "fp8_gemv1_launch")):
+        _count(monkeypatch, mod, name, calls)
+    layer = _decoder_parts("fp8_channel", I=2048, device="cuda")
+    unfused, fused = _plan_pair("quant_on_load")
+    g = torch.Generator().manual_seed(11)
+    x, res = (torch.randn(1, 128, generator=g).to(torch.bfloat16).cuda() for _ in range(2))
+    got = {}
+    for name, plan in (("unfused", unfused), ("fused", fused)):
+        for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            lin.plan = plan
+        calls.clear()
+        with forward_context(_meta(plan)):
+            got[name] = fusions._mlp(layer, plan, x, res), list(calls)
+    (out_u, r_u), calls_u = got["unfused"]
+    (out_f, r_f), calls_f = got["fused"]
+    assert torch.equal(out_f, out_u) and torch.equal(r_f, r_u)
+    assert "fp8_gemv1_launch" in calls_u and "fp8_gemv1_pending_launch" not in calls_u
+    assert calls_f.count("fp8_gemv1_pending_launch") == 1 and "quant_from_partials" not in calls_f
 
 
 @pytest.mark.gpu

@@ -40,8 +40,9 @@ which computes the same thing with fewer kernels where the plan says so:
   over programs (`act_quant_fused.splits_rows`: Llama's 14,336-wide MLP; its first launch,
   `silu_amax`, stays), and o_proj, whose attention (the one-pass kernel or the split merge)
   stores each head's amax beside its output (under "norm+quant"). Two launches fewer a
-  layer, the same bits; other routes quantize first. Opt-in until its decode timing is in
-  docs/perf;
+  layer, the same bits; other routes quantize first. Opt-in: with `fp8_gemv1` quantizing on
+  load, batch-1 ptpc FP8 decode measured slower than with the two quantizer launches
+  (docs/perf: every program of the product quantizes the whole row again);
 - "qkv_sum_in_attention": under "norm+quant" and "rope_in_attention", in decode steps, an
   8-bit q/k/v product without a bias whose K splits leaves its partials unsummed
   (`split_k.PendingSum`) and the attention kernel sums q, k and v as it loads them (the
