@@ -65,6 +65,17 @@ def _bits16(v: float) -> int:
     return int(np.array([v], dtype=np.float16).view(np.uint16)[0])
 
 
+def ptx_instructions(ptx: str):
+    """(opcode, operands) of each instruction of an inline-asm body (braces, directives and
+    register declarations skipped; a {a, b} vector operand stays one operand)."""
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        yield op, [t.strip() for t in re.split(r",(?![^{]*})", rest)]
+
+
 def run_ptx(ptx: str, args: list[int]) -> float:
     """Evaluates the inline-asm body `h2_ptx` generates (its instructions only), operands
     $1.. = args (int32 bits); returns $0 as a float32. fp16 operations round each result once
@@ -78,12 +89,7 @@ def run_ptx(ptx: str, args: list[int]) -> float:
         b = val(tok)
         return _h(b), _h(b >> 16)
 
-    for line in ptx.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}." or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        ops = [t.strip() for t in re.split(r",(?![^{]*})", rest)]
+    for op, ops in ptx_instructions(ptx):
         if op == "shl.b32":
             regs[ops[0]] = (val(ops[1]) << int(ops[2])) & 0xFFFFFFFF
         elif op == "shr.u32":

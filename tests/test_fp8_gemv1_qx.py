@@ -6,7 +6,6 @@ it; on a GPU (marked gpu) the kernel against the quantizer then `fp8_gemv1_launc
 and the MLP's down quantizing SiLU-and-mul's rows on load through it."""
 from __future__ import annotations
 
-import re
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -18,6 +17,7 @@ from atom.model_ops.kernels import fp8_gemv1
 from atom.model_ops.kernels.act_quant import act_quant_ref
 from atom.model_ops.kernels.pending_quant import PendingQuant
 from atom.model_ops.quant import common
+from test_fp4_pair_words import ptx_instructions
 
 E4M3 = torch.float8_e4m3fn
 NVIDIA = torch.cuda.is_available() and torch.version.hip is None \
@@ -124,12 +124,7 @@ def run_qx(ptx: str, word: int, inv: float, nxs: float) -> tuple[int, int]:
     def val(tok: str) -> int:
         return regs[tok] if tok in regs else int(tok, 0)
 
-    for line in ptx.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}" or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        ops = [t.strip() for t in re.split(r",(?![^{]*})", rest)]
+    for op, ops in ptx_instructions(ptx):
         if op == "mov.b64":
             parts = [t.strip() for t in ops[0].strip("{}").split(",")]
             width = 64 // len(parts)
@@ -184,7 +179,7 @@ def test_generated_ptx_computes_the_model(dtype, ties):
 def test_ptx_costs_five_and_a_half_instructions_a_value():
     for dtype in (torch.bfloat16, torch.float16):
         asm = fp8_gemv1.qx_ptx(dtype)
-        ops = [ln.split()[0] for ln in asm.splitlines() if ln and ln[0] not in "{}." and not ln.startswith(".reg")]
+        ops = [op for op, _ in ptx_instructions(asm)]
         assert ops.count("mul.rn.f32") == 4 and ops.count("fma.rn.f32") == 8
         assert ops.count("cvt.rn.satfinite.e4m3x2.f32") == 2 and ops.count("cvt.rn.f16x2.e4m3x2") == 2
         assert ops.count("mul.rn.f16x2") == 2
@@ -290,33 +285,14 @@ def test_gpu_kernel_quantizing_on_load_gives_the_quantizers_bits(dtype, n, k, pa
 def test_gpu_down_quantizes_silu_rows_on_load_in_the_one_row_kernel(monkeypatch):
     """"quant_on_load" at one row with `ONE_ROW_FP8` on: down's product (K 2048, SiLU-and-mul's
     rows split) runs `fp8_gemv1_pending_launch` on SiLU-and-mul's rows and partials, with the
-    bits of the plan without it, which quantizes them first and runs `fp8_gemv1_launch`; no
-    quantizer launch in between."""
-    from test_quant_fusions import _count, _decoder_parts, _meta, _plan_pair
-
-    from atom.model_ops.kernels import act_quant_fused
-    from atom.model_ops.attention import forward_context
-    from atom.tuning import fusions
+    bits of the plan without it (its quantizer, then `fp8_gemv1_launch`) and no quantizer launch
+    in between; 3 and 80 rows keep the quantizer (`_check_quant_on_load`, without its deferred
+    swap-AB sum, which the one-row kernel does not leave)."""
+    from test_quant_fusions import _check_quant_on_load, _count
     calls = []
-    for mod, name in ((act_quant_fused, "quant_from_partials"), (fp8_gemv1, "fp8_gemv1_pending_launch"),
-                      (fp8_gemv1, "fp8_gemv1_launch")):
-        _count(monkeypatch, mod, name, calls)
-    layer = _decoder_parts("fp8_channel", I=2048, device="cuda")
-    unfused, fused = _plan_pair("quant_on_load")
-    g = torch.Generator().manual_seed(11)
-    x, res = (torch.randn(1, 128, generator=g).to(torch.bfloat16).cuda() for _ in range(2))
-    got = {}
-    for name, plan in (("unfused", unfused), ("fused", fused)):
-        for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            lin.plan = plan
-        calls.clear()
-        with forward_context(_meta(plan)):
-            got[name] = fusions._mlp(layer, plan, x, res), list(calls)
-    (out_u, r_u), calls_u = got["unfused"]
-    (out_f, r_f), calls_f = got["fused"]
-    assert torch.equal(out_f, out_u) and torch.equal(r_f, r_u)
-    assert "fp8_gemv1_launch" in calls_u and "fp8_gemv1_pending_launch" not in calls_u
-    assert calls_f.count("fp8_gemv1_pending_launch") == 1 and "quant_from_partials" not in calls_f
+    _count(monkeypatch, fp8_gemv1, "fp8_gemv1_pending_launch", calls)
+    _check_quant_on_load("fp8_channel", "cuda", monkeypatch, defer=False)
+    assert calls == ["fp8_gemv1_pending_launch"]  # the one-row step's down, once
 
 
 @pytest.mark.gpu
