@@ -74,6 +74,28 @@ def test_act_quant_static_scale():
     assert torch.equal(q.float() * 0.01, fake_quant_act(x, "fp8", "tensor", static_scale=scale))
 
 
+@pytest.mark.parametrize("kind,qmax", [("fp8", 448.0), ("int8", 127.0)])
+def test_act_quant_divides_as_div_rn_at_the_edges(kind, qmax):
+    """`act_quant.div_by` (a reciprocal and Markstein's correction) gives the reference's
+    correctly rounded x / scale: e4m3 ties that the product x (1 / scale) alone rounds the other
+    way (amax 69), static scales whose quotients overflow float32 (clamped) or whose scale is
+    infinite (every quotient 0), and a row of every magnitude."""
+    ties = torch.tensor([[69.0, 0.10107421875, -0.10107421875, 0.111328125, 1.0, -3.0]])
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every) & (every.float().abs() < 1e30)][None, :4096 * 15]
+    cases = [(ties, None), (every, None), (_x(2, 64, torch.float32) * 1e30, torch.tensor(1e-12)),
+             (_x(2, 64, torch.float32), torch.tensor(float("inf"))), (every, torch.tensor(3.0e-3))]
+    for x, scale in cases:
+        x = x.to(DEV)
+        scale = scale.to(DEV) if scale is not None else None
+        q, s = act_quant(x, kind, x.shape[1], qmax, scale)
+        qr, sr = act_quant_ref(x, kind, x.shape[1], qmax, scale)
+        assert torch.equal(s, sr) and torch.equal(q.float(), qr.float()), (x.shape, scale)
+    if kind == "fp8":  # the tie at amax 69: 0.65625 to even (0.625), where x r alone gives 0.6875
+        q, _ = act_quant(ties.to(DEV), kind, ties.shape[1], qmax)
+        assert q.float()[0, 1:3].tolist() == [0.625, -0.625]
+
+
 def test_act_quant_rejects_bad_group():
     with pytest.raises(ValueError, match="group=32 must divide K=40"):
         act_quant_launch(torch.zeros(2, 40), "fp8", 32, 448.0)

@@ -59,12 +59,13 @@ if HAS_TRITON:
         Markstein's correction q0 + (v - q0 scale) r, whose remainder the FMA computes exactly;
         the quotient is the correctly rounded one wherever it is a normal float (Markstein's
         theorem). A quotient below the normal range may be a step off in its last bit, far
-        below any grid it is rounded to next (e4m3's least step is 2^-9, int8's 1). Where
-        v / scale overflows or scale is zero, `div_rn`'s infinity or NaN (q0's)."""
-        r = tl.math.div_rn(scale * 0.0 + 1.0, scale)
+        below any grid it is rounded to next (e4m3's least step is 2^-9, int8's 1). Where q0
+        is not finite (v / scale overflows, scale is zero, v is not finite) or the remainder is
+        NaN (an infinite scale: q0 is 0), q0 itself, which is then `div_rn`'s quotient."""
+        r = tl.math.div_rn(tl.where(scale == scale, 1.0, 1.0), scale)  # (1.0 in scale's shape)
         q0 = v * r
         rem = tl.fma(-q0, scale, v)
-        return tl.where(rem == rem, tl.fma(rem, r, q0), q0)
+        return tl.where((tl.abs(q0) < float("inf")) & (rem == rem), tl.fma(rem, r, q0), q0)
 
     @triton.jit
     def _quantize(v, scale, INT8: tl.constexpr):
