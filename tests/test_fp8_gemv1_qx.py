@@ -243,13 +243,6 @@ def test_a_pending_row_goes_to_the_kernel_at_one_row(monkeypatch):
 
 # --- on a GPU -----------------------------------------------------------------------------
 
-def _weight(n, k, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w16 = torch.randn(n, k, device="cuda", generator=g)
-    ws = (w16.abs().amax(dim=1) / 448.0).contiguous()
-    return (w16 / ws[:, None]).to(E4M3), ws
-
-
 @pytest.mark.gpu
 @GPU_ONLY
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -260,8 +253,10 @@ def test_gpu_kernel_quantizing_on_load_gives_the_quantizers_bits(dtype, n, k, pa
     a small shape: the same bits as `act_quant` then `fp8_gemv1_launch` with three tiles that
     cover the shape; e4m3's ties (one decided by the correction) and a row under the 1e-12 floor
     among the rows."""
+    from test_fp8_gemv1 import _operands
+
     from atom.model_ops.kernels.act_quant import act_quant
-    w8, ws = _weight(n, k)
+    w8, ws = _operands(n, k)[2:]
     bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
     rows = [row(dtype, k, seed=1)[0], row(dtype, k, seed=2, ties=True)[0], row(dtype, k, seed=4, ties="corrected")[0],
             (row(dtype, k, seed=3)[0].float() * 1e-15).to(dtype)]

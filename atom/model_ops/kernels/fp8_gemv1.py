@@ -165,39 +165,39 @@ def even(N: int, K: int, tile: tuple) -> bool:
     return N % bn == 0 and K % (4 * dw * bw) == 0
 
 
+def _takes_row(x: torch.Tensor, is_cuda: bool, w: torch.Tensor, ws: torch.Tensor) -> bool:
+    """The conditions both routes share: one contiguous, 16-byte aligned row x [1, K] on an
+    NVIDIA GPU of sm_89 or later with Triton, an e4m3 weight [N, K] likewise with one scale a
+    row, and a tile that covers the shape."""
+    if not (HAS_TRITON and is_cuda and torch.version.hip is None):
+        return False
+    if x.dim() != 2 or x.shape[0] != 1 or w.dtype != torch.float8_e4m3fn:
+        return False
+    N, K = w.shape
+    if x.shape[1] != K or ws.numel() != N or not even(N, K, tile_for(N, K)):
+        return False
+    if not (x.is_contiguous() and w.is_contiguous()) or x.data_ptr() % 16 or w.data_ptr() % 16:
+        return False
+    return torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
+
+
 def takes(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> bool:
     """Whether the kernel runs this product: one e4m3 row and one scale for it, an e4m3 weight
     with one scale a row, both contiguous and 16-byte aligned, a tile that covers the shape,
     Triton on an NVIDIA GPU of sm_89 or later."""
-    if not (HAS_TRITON and xq.is_cuda and torch.version.hip is None):
-        return False
-    if xq.dim() != 2 or xq.shape[0] != 1 or xq.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
-        return False
-    N, K = w.shape
-    if xq.shape[1] != K or xs.numel() != 1 or ws.numel() != N or not even(N, K, tile_for(N, K)):
-        return False
-    if not (xq.is_contiguous() and w.is_contiguous()) or xq.data_ptr() % 16 or w.data_ptr() % 16:
-        return False
-    return torch.cuda.get_device_capability(xq.device) >= MIN_CAPABILITY
+    return xq.dtype == torch.float8_e4m3fn and xs.numel() == 1 and _takes_row(xq, xq.is_cuda, w, ws)
 
 
 def takes_pending(p, w: torch.Tensor, ws: torch.Tensor) -> bool:
     """Whether `fp8_gemv1_pending_launch` runs this product: `takes`' conditions for the
     weight, and a `PendingQuant` of one contiguous, 16-byte aligned bf16 / fp16 row with fp8
     kind, qmax 448 (the satfinite conversion's clamp) and fp32 partials [1, P]."""
-    if not (HAS_TRITON and p.is_cuda and torch.version.hip is None):
-        return False
-    h, pm = p.h, p.pmax
-    if p.kind != "fp8" or p.qmax != QMAX or h.dim() != 2 or h.shape[0] != 1 or h.dtype not in QX_DTYPES:
+    pm = p.pmax
+    if p.kind != "fp8" or p.qmax != QMAX or p.h.dtype not in QX_DTYPES:
         return False
     if pm.dtype != torch.float32 or pm.dim() != 2 or pm.shape[0] != 1 or not pm.is_contiguous():
         return False
-    if w.dtype != torch.float8_e4m3fn or not w.is_contiguous() or w.data_ptr() % 16 or ws.numel() != w.shape[0]:
-        return False
-    N, K = w.shape
-    if h.shape[1] != K or not h.is_contiguous() or h.data_ptr() % 16 or not even(N, K, tile_for(N, K)):
-        return False
-    return torch.cuda.get_device_capability(h.device) >= MIN_CAPABILITY
+    return _takes_row(p.h, p.is_cuda, w, ws)
 
 
 if HAS_TRITON:
@@ -304,6 +304,32 @@ if HAS_TRITON:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
 
 
+def _tile(N: int, K: int, tile: tuple | None) -> tuple:
+    """`tile`, or `tile_for(N, K)` by default; ValueError where it does not cover the shape."""
+    tile = tile or tile_for(N, K)
+    if not even(N, K, tile):
+        raise ValueError(f"fp8_gemv1: tile {tile} does not cover N={N}, K={K}")
+    return tile
+
+
+def _launch(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias, out, out_dtype, tile: tuple,
+            word_cache: str | None, scales_first: bool | None, **qx) -> torch.Tensor:
+    """The kernel on x as its loads read it (the e4m3 row viewed as the weight's words, or the
+    pending row as int64s: `qx` the kernel's QX arguments), into `out` or a new [1, N] tensor."""
+    from atom.model_ops.kernels.triton_import import pdl_args
+    N = w.shape[0]
+    bn, bw, warps, dw, ahead = tile
+    words = w.view(torch.int32 if dw == 1 else torch.int64)
+    if out is None:
+        out = torch.empty(1, N, device=x.device, dtype=out_dtype)
+    _fp8_gemv1_kernel[(N // bn,)](x, xs, words, ws, bias if bias is not None else ws, out,
+                                  words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
+                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3,
+                                  WCACHE=WORD_CACHE if word_cache is None else word_cache,
+                                  SFIRST=SCALES_FIRST if scales_first is None else scales_first, **qx, **pdl_args(x))
+    return out
+
+
 def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                      bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                      out_dtype: torch.dtype = torch.bfloat16, tile: tuple | None = None,
@@ -312,24 +338,12 @@ def fp8_gemv1_launch(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
     `tile` (`tile_for(N, K)` by default) and the weight loads' cache modifier `word_cache`
     (`WORD_CACHE` by default), the scales loaded first or not (`scales_first`, `SCALES_FIRST` by
     default); ValueError where the tile does not cover the shape."""
-    from atom.model_ops.kernels.triton_import import pdl_args
     N, K = w.shape
-    tile = tile or tile_for(N, K)
-    if not even(N, K, tile):
-        raise ValueError(f"fp8_gemv1: tile {tile} does not cover N={N}, K={K}")
+    tile = _tile(N, K, tile)
     if xq.shape != (1, K):
         raise ValueError(f"fp8_gemv1: x must be [1, K={K}], got {tuple(xq.shape)}")
-    bn, bw, warps, dw, ahead = tile
-    view = torch.int32 if dw == 1 else torch.int64
-    words = w.view(view)
-    if out is None:
-        out = torch.empty(1, N, device=xq.device, dtype=out_dtype)
-    _fp8_gemv1_kernel[(N // bn,)](xq.view(view), xs, words, ws, bias if bias is not None else ws, out,
-                                  words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
-                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3,
-                                  WCACHE=WORD_CACHE if word_cache is None else word_cache,
-                                  SFIRST=SCALES_FIRST if scales_first is None else scales_first, **pdl_args(xq))
-    return out
+    x = xq.view(torch.int32 if tile[3] == 1 else torch.int64)
+    return _launch(x, xs, w, ws, bias, out, out_dtype, tile, word_cache, scales_first)
 
 
 def fp8_gemv1_pending_launch(p, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None = None,
@@ -337,23 +351,13 @@ def fp8_gemv1_pending_launch(p, w: torch.Tensor, ws: torch.Tensor, bias: torch.T
     """`fp8_gemv1_launch` for a `pending_quant.PendingQuant` row (`takes_pending`): the kernel
     quantizes p.h on load with the scale of p.pmax (QX; module docstring), the bits of
     `fp8_gemv1_launch(*p.quantize(), ...)`."""
-    from atom.model_ops.kernels.triton_import import pdl_args
     N, K = w.shape
-    tile = tile or tile_for(N, K)
-    if not even(N, K, tile):
-        raise ValueError(f"fp8_gemv1: tile {tile} does not cover N={N}, K={K}")
+    tile = _tile(N, K, tile)
     h, pm = p.h, p.pmax
     if h.shape != (1, K) or h.dtype not in QX_DTYPES:
         raise ValueError(f"fp8_gemv1: the pending row must be [1, K={K}] bf16 / fp16, got {tuple(h.shape)} {h.dtype}")
     if p.kind != "fp8" or p.qmax != QMAX:
         raise ValueError(f"fp8_gemv1: quantizes on load to fp8 with qmax {QMAX}, got {p.kind} {p.qmax}")
-    bn, bw, warps, dw, ahead = tile
-    words = w.view(torch.int32 if dw == 1 else torch.int64)
-    out = torch.empty(1, N, device=h.device, dtype=out_dtype)
     n_parts = pm.shape[-1]
-    _fp8_gemv1_kernel[(N // bn,)](h.view(torch.int64), pm, words, ws, bias if bias is not None else ws, out,
-                                  words.shape[1], words.stride(0), HAS_BIAS=bias is not None, DW=dw, BLOCK_N=bn,
-                                  BLOCK_W=bw, AHEAD=ahead, num_warps=warps, num_stages=3, WCACHE=WORD_CACHE,
-                                  SFIRST=SCALES_FIRST, pm_ptr=pm, n_parts=n_parts, QX=QX_DTYPES[h.dtype],
-                                  PARTS=triton.next_power_of_2(n_parts), **pdl_args(h))
-    return out
+    return _launch(h.view(torch.int64), pm, w, ws, bias, None, out_dtype, tile, None, None, pm_ptr=pm,
+                   n_parts=n_parts, QX=QX_DTYPES[h.dtype], PARTS=triton.next_power_of_2(n_parts))

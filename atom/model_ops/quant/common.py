@@ -459,11 +459,11 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
         route = route_for(xq.kind, M, K, w.shape[0], out_dtype, xq.device)
         if route in ("dot", "dot_fused"):
             from atom.model_ops.kernels import fp8_gemv1
-            if lock is None and not defer_sum and ONE_ROW_FP8 and fp8_gemv1.takes_pending(xq, w, ws.reshape(-1)):
-                return fp8_gemv1.fp8_gemv1_pending_launch(xq, w, ws.reshape(-1), bias, out_dtype=out_dtype)
+            ws_n = ws.reshape(-1)
+            if lock is None and not defer_sum and ONE_ROW_FP8 and fp8_gemv1.takes_pending(xq, w, ws_n):
+                return fp8_gemv1.fp8_gemv1_pending_launch(xq, w, ws_n, bias, out_dtype=out_dtype)
             from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_pending_launch
-            return quant_gemv_dot_pending_launch(xq, w, ws.reshape(-1), bias, out_dtype, lock=lock,
-                                                 defer_sum=defer_sum)
+            return quant_gemv_dot_pending_launch(xq, w, ws_n, bias, out_dtype, lock=lock, defer_sum=defer_sum)
         xq, xs = xq.quantize()
     _check_prequantized(xq, xs, w.shape[1])
     if xq.dtype != w.dtype:
