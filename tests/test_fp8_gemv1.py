@@ -10,6 +10,8 @@ import torch
 
 from atom.model_ops.kernels import fp8_gemv1
 from atom.model_ops.quant import common
+from atom.tuning.fp8_tile_choice import CANDIDATES
+from atom.tuning.plan import KernelPlan
 
 E4M3 = torch.float8_e4m3fn
 NVIDIA = torch.cuda.is_available() and torch.version.hip is None \
@@ -80,7 +82,8 @@ def _route_spy(monkeypatch, takes=True):
     calls = []
     monkeypatch.setattr(fp8_gemv1, "takes", lambda xq, xs, w, ws: takes and xq.shape[0] == 1)
     monkeypatch.setattr(fp8_gemv1, "fp8_gemv1_launch",
-                        lambda xq, xs, w, ws, bias, out_dtype: calls.append(("h2", bias is not None))
+                        lambda xq, xs, w, ws, bias, out_dtype, tile: calls.append(
+                            ("h2", bias is not None) + ((tile,) if tile is not None else ()))
                         or torch.zeros(1, w.shape[0], dtype=out_dtype))
     for name in ("quant_gemv_dot", "quant_gemv_dot_launch"):
         monkeypatch.setattr(qgd, name, lambda *a, **k: calls.append(("dot", a[4] is not None))
@@ -106,6 +109,12 @@ def test_the_one_row_route_runs_the_kernel(monkeypatch):
     monkeypatch.setattr(common, "ONE_ROW_FP8", False)
     common._product_on_route("dot", x1, xs, w, ws, None, torch.bfloat16, 0, None)
     assert [c[0] for c in calls] == ["dot"] * 5
+    calls.clear()  # an engine's plan hands the kernel the tile its start-up chose for the shape
+    monkeypatch.setattr(common, "ONE_ROW_FP8", True)
+    plan = KernelPlan(fp8_tiles={(64, 1024): (2, 128, 4, 2, True)})
+    common._product_on_route("dot", x1, xs, w, ws, None, torch.bfloat16, 0, None, plan=plan)
+    common._product_on_route("dot", x1, xs, w[:32], ws[:32], None, torch.bfloat16, 0, None, plan=plan)
+    assert calls == [("h2", False, (2, 128, 4, 2, True)), ("h2", False)]
 
 
 def test_the_layer_table_names_the_kernel(monkeypatch):
@@ -128,8 +137,10 @@ def _operands(n, k, seed=0):
     return xq, xs.reshape(-1).float(), w8, ws
 
 
-TILES = [(4, 128, 4, 1, True), (8, 128, 4, 1, False), (8, 256, 8, 1, True), (8, 128, 4, 2, True),
-         (4, 128, 4, 2, True), (16, 128, 4, 2, False), (4, 256, 8, 2, True), (2, 128, 4, 2, True)]
+# the probe's tiles, and every tile the start-up choice may pick (`fp8_tile_choice.CANDIDATES`)
+TILES = list(dict.fromkeys([(4, 128, 4, 1, True), (8, 128, 4, 1, False), (8, 256, 8, 1, True), (8, 128, 4, 2, True),
+                            (4, 128, 4, 2, True), (16, 128, 4, 2, False), (4, 256, 8, 2, True), (2, 128, 4, 2, True),
+                            *CANDIDATES]))
 
 
 @pytest.mark.gpu

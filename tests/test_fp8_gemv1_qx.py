@@ -17,6 +17,7 @@ from atom.model_ops.kernels import fp8_gemv1
 from atom.model_ops.kernels.act_quant import act_quant_ref
 from atom.model_ops.kernels.pending_quant import PendingQuant
 from atom.model_ops.quant import common
+from atom.tuning.plan import KernelPlan
 from test_fp4_pair_words import ptx_instructions
 
 E4M3 = torch.float8_e4m3fn
@@ -226,8 +227,9 @@ def test_a_pending_row_goes_to_the_kernel_at_one_row(monkeypatch):
     calls = []
     monkeypatch.setattr(common, "route_for", lambda *a: "dot")
     monkeypatch.setattr(fp8_gemv1, "takes_pending", lambda p, w, ws: True)
-    monkeypatch.setattr(fp8_gemv1, "fp8_gemv1_pending_launch", lambda p, w, ws, bias, out_dtype:
-                        calls.append("h2") or torch.zeros(1, w.shape[0], dtype=out_dtype))
+    monkeypatch.setattr(fp8_gemv1, "fp8_gemv1_pending_launch", lambda p, w, ws, bias, out_dtype, tile:
+                        calls.append("h2" if tile is None else ("h2", tile))
+                        or torch.zeros(1, w.shape[0], dtype=out_dtype))
     monkeypatch.setattr(qgd, "quant_gemv_dot_pending_launch", lambda p, w, ws, bias, out_dtype, **k:
                         calls.append("dot") or torch.zeros(1, w.shape[0], dtype=out_dtype))
     h, pm = row(torch.bfloat16)
@@ -239,6 +241,13 @@ def test_a_pending_row_goes_to_the_kernel_at_one_row(monkeypatch):
     monkeypatch.setattr(common, "ONE_ROW_FP8", False)
     common.prequantized_product(p, None, w, ws, None, torch.bfloat16)
     assert calls == ["h2", "dot", "dot", "dot"]
+    calls.clear()  # an engine's plan hands the kernel the tile its start-up chose for the shape
+    monkeypatch.setattr(common, "ONE_ROW_FP8", True)
+    plan = KernelPlan(fp8_tiles={(64, 4096): (8, 128, 4, 2, True)})
+    common.prequantized_product(p, None, w, ws, None, torch.bfloat16, plan=plan)
+    common.prequantized_product(p, None, torch.zeros(32, 4096).to(E4M3), torch.ones(32, 1), None, torch.bfloat16,
+                                plan=plan)
+    assert calls == [("h2", (8, 128, 4, 2, True)), "h2"]
 
 
 # --- on a GPU -----------------------------------------------------------------------------

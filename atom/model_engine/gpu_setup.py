@@ -166,7 +166,7 @@ def warm_up_eager_steps(runner) -> list[list[tuple[int, int]]]:
 def _setup_graphs(runner) -> None:
     from atom.model_engine.cuda_graphs import CUDAGraphRunner
     from atom.model_engine.mixed_graphs import MixedGraphRunner, token_buckets
-    from atom.tuning import gemm_choice, gemv_choice
+    from atom.tuning import fp8_tile_choice, gemm_choice, gemv_choice
     from atom.utils import envs
     config = runner.config
     plan = runner.plan
@@ -192,6 +192,7 @@ def _setup_graphs(runner) -> None:
     # shared experts and LM head are the same linear layers as a dense model's)
     if runner.attn_backend.name in ("triton", "triton-mla") and runner.decode_forward is runner.model:
         gemv_choice.choose_gemv_shapes(plan, runner.model)  # batch-1 graphs: a Triton GEMV where it beats the unfused layers
+        fp8_tile_choice.choose_fp8_tiles(plan, runner.model)  # batch-1 ptpc fp8: the one-row product's tile
         if not triton_gemm:
             # the other sizes and a full prefill step: cuBLASLt's best algorithm per shape. With a
             # compilation cache dir the choice is kept there, so it searches beyond cuBLASLt's

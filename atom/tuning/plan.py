@@ -3,7 +3,8 @@
 Which kernel library the layers call (torch references, Triton, AITER), which fusions the
 runner installs on the decoder layers (see `fusions`), the one-row GEMV configuration chosen
 per (N, K, dtype, variant) with the timings that chose it, and the cuBLASLt algorithm chosen
-per (rows, N, K, dtype) with its timings, and the experts kernel of MoE layers with the tile
+per (rows, N, K, dtype) with its timings, the one-row ptpc FP8 product's tile chosen per (N, K)
+(`fp8_tile_choice`) with the timings of every tile tried, and the experts kernel of MoE layers with the tile
 tables it read (`moe_tiles`, from `atom/model_ops/moe/configs/`), and whether row-wise fp8
 products on cuBLASLt keep fast accumulation (`fp8_fast_accum`). Each engine owns its plan; the layers hold a
 reference to it (`layer.plan`), never a module global, so two engines in one process keep
@@ -87,6 +88,13 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+def _tile(v) -> tuple:
+    """An `fp8_gemv1` tile read back from JSON: (BLOCK_N, BLOCK_W, num_warps, DW, AHEAD)."""
+    if len(v) != 5:
+        raise ValueError(f"an fp8_gemv1 tile in a kernel plan has 5 entries, got {v!r}")
+    return (int(v[0]), int(v[1]), int(v[2]), int(v[3]), bool(v[4]))
+
+
 @dataclass
 class KernelPlan:
     backend: str = "torch"                 # "torch" | "triton" | "aiter": the layers' kernels
@@ -97,6 +105,8 @@ class KernelPlan:
     lt: dict = field(default_factory=dict)            # (rows, N, K, dtype) -> (LtProduct, algo)
     lt_timings: dict = field(default_factory=dict)    # same key -> (library us, best us, tried)
     lt_configs: dict = field(default_factory=dict, repr=False)  # enumerations (search cache)
+    fp8_tiles: dict = field(default_factory=dict)     # (N, K) -> one-row ptpc fp8 tile (`fp8_tile_choice`)
+    fp8_tile_timings: dict = field(default_factory=dict)  # same key -> (the table's tile, {tile: us})
     force_kernels: bool = False            # use the kernels on CPU tensors too (Triton's interpreter)
     moe_kernel: str = "auto"               # the experts kernel (MOE_KERNELS)
     moe_config_dirs: tuple = ()            # folders searched for MoE tile files before the package's
@@ -152,6 +162,13 @@ class KernelPlan:
         if torch.compiler.is_compiling() or not self.gemv or x.dim() != 2 or x.shape[0] != 1:
             return None
         return self.gemv.get((weight.shape[0], weight.shape[1], weight.dtype, variant))
+
+    def fp8_tile(self, w: torch.Tensor) -> tuple | None:
+        """The one-row ptpc fp8 product's tile chosen for weight `w`'s shape (`fp8_gemv1`'s
+        `tile`), or None: the kernel's table (outside torch.compile only)."""
+        if torch.compiler.is_compiling() or not self.fp8_tiles:
+            return None
+        return self.fp8_tiles.get((w.shape[0], w.shape[1]))
 
     def _lt_hit(self, x: torch.Tensor, w: torch.Tensor, scaled: bool):
         """The (LtProduct, algo) chosen for x W^T's shape, of the kind asked (fp8 scaled or
@@ -244,6 +261,11 @@ class KernelPlan:
             out.append({"kind": "gemm", "rows": rows, "n": n, "k": k, "dtype": _dtype_name(dt), "variant": "plain",
                         "library_us": round(base, 2), "best_us": round(best, 2),
                         "runs": "cublaslt" if (rows, n, k, dt) in self.lt else "library", "tried": tried})
+        for (n, k), (table_tile, us) in self.fp8_tile_timings.items():
+            best = min(us, key=us.get)
+            out.append({"kind": "fp8_gemv1", "rows": 1, "n": n, "k": k, "dtype": "float8_e4m3fn", "variant": "plain",
+                        "library_us": round(us[table_tile], 2), "best_us": round(us[best], 2),
+                        "runs": str(self.fp8_tiles.get((n, k), table_tile)), "tried": len(us)})
         for (e, i, h, dt, dev), table in self.moe_tile_tables.items():
             out.append({"kind": "moe", "rows": len(table.configs), "n": 2 * i, "k": h, "dtype": dt,
                         "variant": f"E={e}", "runs": table.source or "default tiles", "device": dev})
@@ -257,7 +279,8 @@ class KernelPlan:
         return (f"KernelPlan(backend={self.backend}, fusions={list(self.fusions)}, triton_gemm={self.triton_gemm}, "
                 f"moe_kernel={self.moe_kernel}, fp8_fast_accum={self.fp8_fast_accum}, "
                 f"gemv={len(self.gemv)}/{len(self.gemv_timings)} chosen/timed, "
-                f"cublaslt={len(self.lt)}/{len(self.lt_timings)} chosen/timed)")
+                f"cublaslt={len(self.lt)}/{len(self.lt_timings)} chosen/timed, "
+                f"fp8_gemv1 tiles={len(self.fp8_tiles)}/{len(self.fp8_tile_timings)} chosen/timed)")
 
     # --- save / load ------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -274,6 +297,9 @@ class KernelPlan:
                    for (r, n, k, dt), (_, algo) in self.lt.items()],
             "lt_timings": [{"key": [r, n, k, _dtype_name(dt)], "us": list(t)}
                            for (r, n, k, dt), t in self.lt_timings.items()],
+            "fp8_tiles": [{"key": [n, k], "tile": list(t)} for (n, k), t in self.fp8_tiles.items()],
+            "fp8_tile_timings": [{"key": [n, k], "table": list(tt), "us": [[list(t), v] for t, v in us.items()]}
+                                 for (n, k), (tt, us) in self.fp8_tile_timings.items()],
         }
 
     @classmethod
@@ -292,6 +318,11 @@ class KernelPlan:
             r, n, k, dt = e["key"]
             plan.lt_timings[(int(r), int(n), int(k), _dtype(dt))] = (float(e["us"][0]), float(e["us"][1]),
                                                                      int(e["us"][2]))
+        for e in data.get("fp8_tiles", []):
+            plan.fp8_tiles[tuple(int(v) for v in e["key"])] = _tile(e["tile"])
+        for e in data.get("fp8_tile_timings", []):
+            plan.fp8_tile_timings[tuple(int(v) for v in e["key"])] = (
+                _tile(e["table"]), {_tile(t): float(v) for t, v in e["us"]})
         lt = data.get("lt", [])
         if lt:  # cuBLASLt algorithms need the library: only where it is there (a GPU)
             from atom.model_ops import cublaslt

@@ -395,7 +395,8 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
     K comes back unsummed (`split_k.PendingSum`; other routes return the product). `plan`:
     the engine's `KernelPlan`, whose cuBLASLt choice serves "scaled_mm" where it has one,
     and "dot" (without a bias) where the start-up timing found one faster than the swap-AB
-    kernel (row-wise fp8 from SCALED_MM_MIN_M rows: `tuning.gemm_choice.is_timed`).
+    kernel (row-wise fp8 from SCALED_MM_MIN_M rows: `tuning.gemm_choice.is_timed`), and
+    whose one-row `fp8_gemv1` tile (`plan.fp8_tile`, chosen at start-up) serves one row.
     `fast_accum`: "scaled_mm" with fast accumulation where no plan says (`_scaled_mm`)."""
     from atom.model_ops.kernels import fp8_gemv1
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
@@ -406,7 +407,8 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
         return y  # (timed without a bias: the swap-AB kernel adds one inside its split-K sum)
     if route in ("dot", "dot_fused"):
         if lock is None and not defer_sum and not block_k and ONE_ROW_FP8 and fp8_gemv1.takes(xq, xs, w, ws_k):
-            return fp8_gemv1.fp8_gemv1_launch(xq, xs, w, ws_k, bias, out_dtype=out_dtype)
+            return fp8_gemv1.fp8_gemv1_launch(xq, xs, w, ws_k, bias, out_dtype=out_dtype,
+                                              tile=plan.fp8_tile(w) if plan is not None else None)
         if lock is not None or defer_sum:  # the launch itself (the custom op returns a tensor, mutates nothing)
             return quant_gemv_dot_launch(xq, xs, w, ws_k, bias, out_dtype, block_k, lock=lock, defer_sum=defer_sum)
         return quant_gemv_dot(xq, xs, w, ws_k, bias, out_dtype, block_k)
@@ -461,7 +463,8 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
             from atom.model_ops.kernels import fp8_gemv1
             ws_n = ws.reshape(-1)
             if lock is None and not defer_sum and ONE_ROW_FP8 and fp8_gemv1.takes_pending(xq, w, ws_n):
-                return fp8_gemv1.fp8_gemv1_pending_launch(xq, w, ws_n, bias, out_dtype=out_dtype)
+                return fp8_gemv1.fp8_gemv1_pending_launch(xq, w, ws_n, bias, out_dtype=out_dtype,
+                                                          tile=plan.fp8_tile(w) if plan is not None else None)
             from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_pending_launch
             return quant_gemv_dot_pending_launch(xq, w, ws_n, bias, out_dtype, lock=lock, defer_sum=defer_sum)
         xq, xs = xq.quantize()
