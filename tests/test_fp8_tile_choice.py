@@ -107,9 +107,14 @@ def test_no_clear_gain_keeps_the_table_and_drops_an_older_choice(monkeypatch):
     assert plan.fp8_tiles == {} and plan.fp8_tile_timings[(64, 4096)][0] == TABLE
 
 
-def test_a_saved_tile_must_have_five_entries():
+def test_a_tile_that_does_not_cover_its_shape_is_refused():
     with pytest.raises(ValueError, match="5 entries"):
         KernelPlan.from_dict({"fp8_tiles": [{"key": [64, 4096], "tile": [4, 128, 4]}]})
+    with pytest.raises(ValueError, match=r"fp8_tiles\[\(60, 4096\)\]=\(8, 128, 4, 2, True\)"):
+        KernelPlan(fp8_tiles={(60, 4096): FAST})  # 60 rows: not a multiple of 8
+    with pytest.raises(ValueError, match="fp8_tiles"):
+        KernelPlan.from_dict({"fp8_tiles": [{"key": [64, 1536], "tile": list(FAST)}]})  # K: not 1024-byte steps
+    assert KernelPlan(fp8_tiles={(64, 1024): FAST}).fp8_tiles == {(64, 1024): FAST}
 
 
 @pytest.mark.gpu

@@ -129,10 +129,20 @@ class KernelPlan:
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"moe_kernel={self.moe_kernel!r} is invalid: choose one of {', '.join(MOE_KERNELS)}")
         self.moe_config_dirs = tuple(self.moe_config_dirs)
+        self.check_fp8_tiles()
         self._kernels = None
         self._side_streams: dict = {}  # device -> the second CUDA stream (`side_stream`)
         self.handle = next(_HANDLES)
         _LIVE[self.handle] = self
+
+    def check_fp8_tiles(self) -> None:
+        """ValueError unless every `fp8_tiles` entry is a tile that covers its (N, K) (what the
+        kernel's launch asks), before any layer launches it."""
+        from atom.model_ops.kernels.fp8_gemv1 import even
+        for key, tile in self.fp8_tiles.items():
+            if len(key) != 2 or len(tile) != 5 or not even(key[0], key[1], tile):
+                raise ValueError(f"fp8_tiles[{key}]={tile}: a tile (BLOCK_N, BLOCK_W, num_warps, DW, AHEAD) "
+                                 "whose rows divide N and whose 4 DW BLOCK_W bytes a step divide K")
 
     # --- what the layers ask ------------------------------------------------------------
     @property
@@ -323,6 +333,7 @@ class KernelPlan:
         for e in data.get("fp8_tile_timings", []):
             plan.fp8_tile_timings[tuple(int(v) for v in e["key"])] = (
                 _tile(e["table"]), {_tile(t): float(v) for t, v in e["us"]})
+        plan.check_fp8_tiles()
         lt = data.get("lt", [])
         if lt:  # cuBLASLt algorithms need the library: only where it is there (a GPU)
             from atom.model_ops import cublaslt
