@@ -92,7 +92,8 @@ def test_the_choice_records_the_fastest_agreeing_tile(monkeypatch, caplog):
     assert plan.fp8_tile(torch.empty(64, 4096)) == FAST and plan.fp8_tile(torch.empty(64, 2048)) is None
     row = [r for r in plan.rows() if r["kind"] == "fp8_gemv1"]
     assert row == [{"kind": "fp8_gemv1", "rows": 1, "n": 64, "k": 4096, "dtype": "float8_e4m3fn",
-                    "variant": "plain", "library_us": 10.0, "best_us": 9.0, "runs": str(FAST), "tried": 5}]
+                    "variant": "plain", "library_us": 10.0, "best_us": 9.0, "runs": str(FAST), "tried": 5,
+                    "fastest": str(FAST)}]
     assert "fp8_gemv1 tiles=1/1 chosen/timed" in repr(plan)
     back = KernelPlan.from_dict(plan.to_dict())
     assert back.fp8_tiles == plan.fp8_tiles and back.fp8_tile_timings == plan.fp8_tile_timings

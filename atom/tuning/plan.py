@@ -275,7 +275,7 @@ class KernelPlan:
             best = min(us, key=us.get)
             out.append({"kind": "fp8_gemv1", "rows": 1, "n": n, "k": k, "dtype": "float8_e4m3fn", "variant": "plain",
                         "library_us": round(us[table_tile], 2), "best_us": round(us[best], 2),
-                        "runs": str(self.fp8_tiles.get((n, k), table_tile)), "tried": len(us)})
+                        "runs": str(self.fp8_tiles.get((n, k), table_tile)), "tried": len(us), "fastest": str(best)})
         for (e, i, h, dt, dev), table in self.moe_tile_tables.items():
             out.append({"kind": "moe", "rows": len(table.configs), "n": 2 * i, "k": h, "dtype": dt,
                         "variant": f"E={e}", "runs": table.source or "default tiles", "device": dev})
