@@ -72,7 +72,7 @@ def _stand_ins(monkeypatch, us: dict, seen: list):
                         functools.partial(fp8_tile_choice.one_row_layers, gpu_only=False))
 
 
-def test_the_choice_records_the_fastest_agreeing_tile(monkeypatch, caplog):
+def test_the_choice_records_the_fastest_agreeing_tile(monkeypatch, caplog, tmp_path):
     """Every covering candidate is timed over the shape's layers; the one 5% off is not used
     (and not timed); the fastest that agrees goes into the plan where it beats the table's
     tile by 2%, and the plan shows, saves and loads the choice and the timings."""
@@ -95,8 +95,9 @@ def test_the_choice_records_the_fastest_agreeing_tile(monkeypatch, caplog):
                     "variant": "plain", "library_us": 10.0, "best_us": 9.0, "runs": str(FAST), "tried": 5,
                     "fastest": str(FAST)}]
     assert "fp8_gemv1 tiles=1/1 chosen/timed" in repr(plan)
-    back = KernelPlan.from_dict(plan.to_dict())
+    back = KernelPlan.load(plan.save(tmp_path / "plan.json"))  # through JSON: tuples, AHEAD's bool
     assert back.fp8_tiles == plan.fp8_tiles and back.fp8_tile_timings == plan.fp8_tile_timings
+    assert back.fp8_tiles[(64, 4096)][4] is True
 
 
 def test_no_clear_gain_keeps_the_table_and_drops_an_older_choice(monkeypatch):
@@ -108,13 +109,25 @@ def test_no_clear_gain_keeps_the_table_and_drops_an_older_choice(monkeypatch):
     assert plan.fp8_tiles == {} and plan.fp8_tile_timings[(64, 4096)][0] == TABLE
 
 
-def test_a_tile_that_does_not_cover_its_shape_is_refused():
+def test_a_tile_the_kernel_cannot_run_is_refused():
+    """Built or loaded, a plan refuses a tile that does not cover its shape or that the kernel
+    cannot run at all, naming the entry, and timings without the table tile's time."""
     with pytest.raises(ValueError, match="5 entries"):
         KernelPlan.from_dict({"fp8_tiles": [{"key": [64, 4096], "tile": [4, 128, 4]}]})
-    with pytest.raises(ValueError, match=r"fp8_tiles\[\(60, 4096\)\]=\(8, 128, 4, 2, True\)"):
+    with pytest.raises(ValueError, match=r"fp8_tiles\[\(60, 4096\)\]=\(8, 128, 4, 2, True\).*does not cover"):
         KernelPlan(fp8_tiles={(60, 4096): FAST})  # 60 rows: not a multiple of 8
-    with pytest.raises(ValueError, match="fp8_tiles"):
+    with pytest.raises(ValueError, match="does not cover"):
         KernelPlan.from_dict({"fp8_tiles": [{"key": [64, 1536], "tile": list(FAST)}]})  # K: not 1024-byte steps
+    with pytest.raises(ValueError, match="DW"):
+        KernelPlan(fp8_tiles={(64, 1536): (4, 128, 4, 3, True)})  # 3 words a load: covers, but no such load
+    for bad in ((0, 128, 4, 2, True), (3, 128, 4, 2, True), (4, 96, 4, 2, True), (4, 128, 3, 2, True)):
+        with pytest.raises(ValueError, match="powers of two"):
+            KernelPlan(fp8_tiles={(48, 12288): bad})
+    with pytest.raises(ValueError, match="the table's tile"):
+        KernelPlan(fp8_tile_timings={(64, 4096): (TABLE, {FAST: 9.0})})
+    with pytest.raises(ValueError, match="powers of two"):
+        fp8_gemv1.fp8_gemv1_launch(torch.zeros(1, 1024).to(torch.float8_e4m3fn), torch.ones(1),
+                                   torch.zeros(64, 1024).to(torch.float8_e4m3fn), torch.ones(64), tile=(3, 128, 4, 2, True))
     assert KernelPlan(fp8_tiles={(64, 1024): FAST}).fp8_tiles == {(64, 1024): FAST}
 
 

@@ -9,7 +9,8 @@ the model's layers that take the kernel, the table's tile and each of `CANDIDATE
 covers the shape, inside CUDA graphs cycling through the shape's weights (so that they come
 from HBM, as in a forward), and records a candidate in the engine's `KernelPlan`
 (`plan.fp8_tiles`) where it is at least `min_gain` times faster than the table's tile and
-agrees with it; the one-row route (`quant.common`) then launches that tile. Every tile
+agrees with it; the one-row route (`quant.common`) then launches that tile for rows quantized
+in front (rows quantized on load, the opt-in "quant_on_load", keep the table's). Every tile
 computes the same sums in another order (fp16 chains of one load's words), so results
 differ by rounding only.
 
@@ -30,8 +31,9 @@ from atom.utils.cuda_timing import graph_time
 
 logger = logging.getLogger(__name__)
 
-#: tiles timed beside the table's (BLOCK_N, BLOCK_W, num_warps, DW, AHEAD): the ones the
-#: probe (`scripts/fp8_h2_probe.py`) found best or within ~3% at one of Llama-3.1-8B's shapes
+#: tiles timed beside the table's (BLOCK_N, BLOCK_W, num_warps, DW, AHEAD): the ones the H100
+#: probe (`scripts/fp8_h2_probe.py`) found best or within ~3% at one of Llama-3.1-8B's shapes, and
+#: the 8-row tile of 8 warps (variant `quant_on_load_8rows`'s; not in the probe's grid)
 CANDIDATES = ((4, 256, 8, 2, True), (4, 128, 4, 2, True), (8, 128, 4, 2, True), (2, 128, 4, 2, True),
               (4, 64, 2, 2, True), (8, 256, 8, 2, True))
 MIN_GAIN = 1.02  # a candidate replaces the table's tile where it is this much faster
@@ -74,6 +76,7 @@ def choose_fp8_tiles(plan, model: nn.Module, min_gain: float = MIN_GAIN, candida
         xq = (torch.randn(1, k, device=dev) * 64).to(torch.float8_e4m3fn)
         xs = torch.full((1,), 0.01, device=dev)
         if not takes(xq, xs, *ops[0]):
+            plan.fp8_tiles.pop((n, k), None)
             continue
         ops = ops[:len(_enough_weights([w for w, _ in ops]))]  # cycled through: read from HBM, not L2
         ys = torch.empty(1, n, device=dev, dtype=torch.bfloat16)

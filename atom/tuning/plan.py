@@ -136,13 +136,18 @@ class KernelPlan:
         _LIVE[self.handle] = self
 
     def check_fp8_tiles(self) -> None:
-        """ValueError unless every `fp8_tiles` entry is a tile that covers its (N, K) (what the
-        kernel's launch asks), before any layer launches it."""
-        from atom.model_ops.kernels.fp8_gemv1 import even
+        """ValueError unless every `fp8_tiles` entry is a tile `fp8_gemv1` can run at its (N, K)
+        (`fp8_gemv1.tile_problem`), and every `fp8_tile_timings` entry holds its table tile's
+        time, before any layer launches a tile or a frame shows one."""
+        from atom.model_ops.kernels.fp8_gemv1 import tile_problem
         for key, tile in self.fp8_tiles.items():
-            if len(key) != 2 or len(tile) != 5 or not even(key[0], key[1], tile):
-                raise ValueError(f"fp8_tiles[{key}]={tile}: a tile (BLOCK_N, BLOCK_W, num_warps, DW, AHEAD) "
-                                 "whose rows divide N and whose 4 DW BLOCK_W bytes a step divide K")
+            problem = "key (N, K) expected" if len(key) != 2 else tile_problem(key[0], key[1], tile)
+            if problem:
+                raise ValueError(f"fp8_tiles[{key}]={tile}: {problem}")
+        for key, (table_tile, us) in self.fp8_tile_timings.items():
+            if table_tile not in us:
+                raise ValueError(f"fp8_tile_timings[{key}]: the table's tile {table_tile} has no time "
+                                 f"(timed: {list(us)})")
 
     # --- what the layers ask ------------------------------------------------------------
     @property
@@ -175,7 +180,8 @@ class KernelPlan:
 
     def fp8_tile(self, w: torch.Tensor) -> tuple | None:
         """The one-row ptpc fp8 product's tile chosen for weight `w`'s shape (`fp8_gemv1`'s
-        `tile`), or None: the kernel's table (outside torch.compile only)."""
+        `tile`), or None: the kernel's table. (None while torch.compile traces, as the other
+        lookups here; the custom op around a compiled layer's product asks at run time.)"""
         if torch.compiler.is_compiling() or not self.fp8_tiles:
             return None
         return self.fp8_tiles.get((w.shape[0], w.shape[1]))

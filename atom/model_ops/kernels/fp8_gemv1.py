@@ -304,11 +304,28 @@ if HAS_TRITON:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
 
 
-def _tile(N: int, K: int, tile: tuple | None) -> tuple:
-    """`tile`, or `tile_for(N, K)` by default; ValueError where it does not cover the shape."""
-    tile = tile or tile_for(N, K)
+def tile_problem(N: int, K: int, tile) -> str:
+    """Why `tile` cannot run an [N, K] weight ('' where it can): five entries (BLOCK_N,
+    BLOCK_W, num_warps, DW, AHEAD), the first three powers of two, DW 1 or 2 words a load, and
+    a cover of the shape without a remainder (`even`)."""
+    if not isinstance(tile, tuple) or len(tile) != 5:
+        return f"tile {tile!r}: (BLOCK_N, BLOCK_W, num_warps, DW, AHEAD) expected"
+    bn, bw, warps, dw, _ = tile
+    if not all(isinstance(v, int) and v > 0 and not v & (v - 1) for v in (bn, bw, warps)):
+        return f"tile {tile}: BLOCK_N, BLOCK_W and num_warps must be powers of two"
+    if dw not in (1, 2):
+        return f"tile {tile}: DW (words a load) must be 1 or 2"
     if not even(N, K, tile):
-        raise ValueError(f"fp8_gemv1: tile {tile} does not cover N={N}, K={K}")
+        return f"tile {tile} does not cover N={N}, K={K} (BLOCK_N rows must divide N, 4 DW BLOCK_W bytes K)"
+    return ""
+
+
+def _tile(N: int, K: int, tile: tuple | None) -> tuple:
+    """`tile`, or `tile_for(N, K)` by default; ValueError where it cannot run the shape."""
+    tile = tile or tile_for(N, K)
+    problem = tile_problem(N, K, tile)
+    if problem:
+        raise ValueError(f"fp8_gemv1: {problem}")
     return tile
 
 

@@ -396,7 +396,9 @@ def _product_on_route(route: str, xq, xs, w, ws, bias, out_dtype, block_k, w_sca
     the engine's `KernelPlan`, whose cuBLASLt choice serves "scaled_mm" where it has one,
     and "dot" (without a bias) where the start-up timing found one faster than the swap-AB
     kernel (row-wise fp8 from SCALED_MM_MIN_M rows: `tuning.gemm_choice.is_timed`), and
-    whose one-row `fp8_gemv1` tile (`plan.fp8_tile`, chosen at start-up) serves one row.
+    whose one-row `fp8_gemv1` tile (`plan.fp8_tile`, chosen at start-up) serves one row
+    (quantized rows only: a pending row quantized on load keeps the kernel's table tile, since
+    the choice times the plain kernel).
     `fast_accum`: "scaled_mm" with fast accumulation where no plan says (`_scaled_mm`)."""
     from atom.model_ops.kernels import fp8_gemv1
     from atom.model_ops.kernels.quant_gemm import quant_gemm, quant_gemv
@@ -463,8 +465,7 @@ def prequantized_product(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws
             from atom.model_ops.kernels import fp8_gemv1
             ws_n = ws.reshape(-1)
             if lock is None and not defer_sum and ONE_ROW_FP8 and fp8_gemv1.takes_pending(xq, w, ws_n):
-                return fp8_gemv1.fp8_gemv1_pending_launch(xq, w, ws_n, bias, out_dtype=out_dtype,
-                                                          tile=plan.fp8_tile(w) if plan is not None else None)
+                return fp8_gemv1.fp8_gemv1_pending_launch(xq, w, ws_n, bias, out_dtype=out_dtype)
             from atom.model_ops.kernels.quant_gemv_dot import quant_gemv_dot_pending_launch
             return quant_gemv_dot_pending_launch(xq, w, ws_n, bias, out_dtype, lock=lock, defer_sum=defer_sum)
         xq, xs = xq.quantize()
