@@ -68,7 +68,7 @@ def choose_fp8_tiles(plan, model: nn.Module, min_gain: float = MIN_GAIN, candida
     """Into `plan.fp8_tiles` / `plan.fp8_tile_timings` (module docstring). Returns
     {(N, K): {tile: us}}; an empty dict where no layer takes the kernel (off the GPU, other
     formats)."""
-    from atom.model_ops.kernels.fp8_gemv1 import even, fp8_gemv1_launch, takes, tile_for
+    from atom.model_ops.kernels.fp8_gemv1 import fp8_gemv1_launch, takes, tile_for, tile_problem
     out = {}
     for (n, k), layers in one_row_layers(model).items():
         ops = [(m.weight, m.row_scale.reshape(-1)) for m in layers]
@@ -84,7 +84,7 @@ def choose_fp8_tiles(plan, model: nn.Module, min_gain: float = MIN_GAIN, candida
         ref = fp8_gemv1_launch(xq, xs, *ops[0], tile=table_tile)
         timings = {}
         for tile in dict.fromkeys((table_tile, *candidates)):
-            if not even(n, k, tile):
+            if tile_problem(n, k, tile):  # a candidate that cannot run this shape
                 continue
             if tile != table_tile and not _agree(fp8_gemv1_launch(xq, xs, *ops[0], tile=tile), ref):
                 logger.warning("fp8_gemv1 tile %s disagrees with the table's %s on %dx%d: not used",
