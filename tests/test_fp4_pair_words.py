@@ -370,7 +370,8 @@ def test_the_runner_takes_pair_words_only_before_capture():
 def test_the_fusion_gives_mxfp4_layers_their_pair_words(monkeypatch):
     from atom.tuning import fusions
     from atom.tuning.plan import FUSIONS, KernelPlan
-    assert "fp4_pair_words" in FUSIONS and "fp4_pair_words" not in fusions.default_fusions("triton")
+    assert "fp4_pair_words" in FUSIONS and "fp4_pair_words" in fusions.default_fusions("triton")
+    assert "fp4_pair_words" not in fusions.default_fusions("torch") + fusions.default_fusions("aiter")
     layer = LAYERS["mxfp4"]("linear")
     asked = []
     monkeypatch.setattr(type(layer.method), "use_pair_words", lambda self, m: asked.append(m) or True)

@@ -371,12 +371,18 @@ def test_op_traces_under_fake_tensors():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_tile_table_regimes():
+def test_tile_table_regimes(monkeypatch):
     """16-bit activations: the FMA GEMV up to M = 4, w4_dot above (int4 up to M = 64, then
-    the dequantizing GEMM; MXFP4 at every M); fp32 activations and groups without a
-    power-of-two factor >= 16 keep the GEMV (M <= 4) / dequantizing GEMM table."""
+    the dequantizing GEMM; MXFP4 at every M) where the weight is not written out for the
+    library GEMM (`W4_DEQUANT_MIN_M`: from 65 rows by default); fp32 activations and groups
+    without a power-of-two factor >= 16 keep the GEMV (M <= 4) / dequantizing GEMM table."""
     ms = (1, GEMV_MAX_M, GEMV_MAX_M + 1, 16, 64, 512)
     one_two = ["w4_gemv1", "w4_gemv"]  # the one-row GEMV at M = 1 (groups of whole words), then the GEMV
+    assert [w4_config(m, 4096, 4096)[0] for m in ms] == one_two + ["w4_dot"] * 3 + ["w4_dequant"]
+    assert [w4_config(m, 4096, 4096, torch.float16, 32, "mxfp4")[0] for m in ms] == \
+        one_two + ["w4_dot"] * 3 + ["w4_dequant"]
+    for fmt in w4_gemm.FORMATS:  # the in-kernel tables below
+        monkeypatch.setitem(w4_gemm.W4_DEQUANT_MIN_M, fmt, None)
     assert [w4_config(m, 4096, 4096)[0] for m in ms] == one_two + ["w4_dot"] * 3 + ["w4_gemm"]
     assert [w4_config(m, 4096, 4096, torch.float16, 32, "mxfp4")[0] for m in ms] == one_two + ["w4_dot"] * 4
     for dtype, g in ((torch.float32, 128), (torch.bfloat16, 20), (torch.bfloat16, 8)):
@@ -857,13 +863,15 @@ def test_w4_sweep_loop_runs_every_format_and_regime(tmp_path, monkeypatch, capsy
     best = {(r["format"], r["M"]) for r in got["best"]}
     assert best == {(f, m) for f in ("int4", "int4_asym", "mxfp4") for m in (1, 17, 80)}
     assert all(s[1] == 72 for s in calls_seen)
-    assert kernels == {"w4_dot", "w4_gemv1", "w4_gemm"}  # candidates / table, and the old kernels (M = 1: w4_gemv1)
+    # candidates / table (M = 80: the weight written out, `W4_DEQUANT_MIN_M`), and the old kernels (M = 1: w4_gemv1)
+    assert kernels == {"w4_dot", "w4_gemv1", "w4_gemm", "w4_dequant"}
     asym = [r for r in got["rows"] if r["format"] == "int4_asym" and r["M"] == 1]
     assert len(asym) <= sweep.ASYM_TOP + 1 < len([r for r in got["rows"] if r["format"] == "int4" and r["M"] == 1])
     assert any(r["is_table"] for r in got["rows"])
-    for r in got["best"]:  # the largest BLOCK_N among the tiles timed for it
-        timed = [x["cfg"]["BLOCK_N"] for x in got["rows"] if (x["format"], x["M"]) == (r["format"], r["M"])]
+    for r in got["best"]:  # the largest BLOCK_N among the tiles timed for it (the written-out weight: none)
+        timed = [x["cfg"].get("BLOCK_N", 0) for x in got["rows"] if (x["format"], x["M"]) == (r["format"], r["M"])]
         assert r["cfg"]["BLOCK_N"] == max(timed)
+    assert any(x["is_table"] and x["cfg"] == {"kernel": "w4_dequant"} for x in got["rows"] if x["M"] == 80)
     assert "w4_sweep" not in capsys.readouterr().err
 
 

@@ -2,8 +2,8 @@
 route of `w4_gemm.w4_config` from `W4_DEQUANT_MIN_M` rows): the written weight equals the torch
 reference's dequantization bit for bit in fp32 (int4 with and without zero points, MXFP4,
 MXFP4 pair words, K past the last word tile), and the op on that route matches its reference,
-under the Triton interpreter on the CPU; the route is off by default and only for 16-bit
-activations; on a GPU (marked gpu) the Llama-3.1-8B gate-up shape."""
+under the Triton interpreter on the CPU; the route runs from 65 rows by default and only for
+16-bit activations; on a GPU (marked gpu) the Llama-3.1-8B gate-up shape."""
 from __future__ import annotations
 
 import pytest
@@ -54,14 +54,16 @@ def test_the_route_matches_the_reference(fmt, N, K, g, zp, dtype, monkeypatch):
     assert w4_config(7, N, K, dtype, g, fmt)[0] != "w4_dequant"  # below the threshold
 
 
-def test_off_by_default_and_for_16_bit_activations_only(monkeypatch):
-    assert all(v is None for v in w4_gemm.W4_DEQUANT_MIN_M.values())
+def test_from_65_rows_by_default_and_for_16_bit_activations_only(monkeypatch):
     assert set(w4_gemm.W4_DEQUANT_MIN_M) == set(FORMATS)
+    assert all(v == 65 for v in w4_gemm.W4_DEQUANT_MIN_M.values())
+    for fmt, g in (("mxfp4", 32), ("mxfp4_pairs", 32), ("int4", 128)):
+        assert w4_config(65, 4096, 4096, torch.bfloat16, g, fmt)[0] == "w4_dequant"
+        assert w4_config(4096, 4096, 4096, torch.float16, g, fmt)[0] == "w4_dequant"
+        assert w4_config(4096, 4096, 4096, torch.float32, g, fmt)[0] != "w4_dequant"
+        assert w4_config(64, 4096, 4096, torch.bfloat16, g, fmt)[0] == "w4_dot"
+    monkeypatch.setitem(w4_gemm.W4_DEQUANT_MIN_M, "mxfp4", None)  # None: never
     assert w4_config(4096, 4096, 4096, torch.bfloat16, 32, "mxfp4")[0] == "w4_dot"
-    monkeypatch.setitem(w4_gemm.W4_DEQUANT_MIN_M, "mxfp4", 65)
-    assert w4_config(4096, 4096, 4096, torch.bfloat16, 32, "mxfp4")[0] == "w4_dequant"
-    assert w4_config(4096, 4096, 4096, torch.float32, 32, "mxfp4")[0] != "w4_dequant"
-    assert w4_config(64, 4096, 4096, torch.bfloat16, 32, "mxfp4")[0] == "w4_dot"
     assert "W4_DEQUANT_MIN_M" in w4_gemm.KERNEL_DESCRIPTION
 
 

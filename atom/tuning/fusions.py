@@ -70,9 +70,11 @@ which computes the same thing with fewer kernels where the plan says so:
   same codes, bits placed so that the one-row GEMV's fp16 pair decode takes 11 instructions a
   word instead of 15; the other 4-bit kernels read them too), converted in place once
   (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is replaced, and the
-  runner takes the fusion only before its graphs and torch.compile capture the model). Opt-in,
-  not in `default_fusions`: faster at batch 1, slower at larger batches, whose 4-bit kernels
-  read pair words less well (docs/perf);
+  runner takes the fusion only before its graphs and torch.compile capture the model). A
+  default on the Triton backend (where the 4-bit kernels run: NVIDIA): batch-1 MXFP4 decode
+  measured 4% faster, and the workload level, now that products of 65 rows or more run on the
+  weight written out (`w4_gemm.W4_DEQUANT_MIN_M`; before that the batched kernels' slower
+  decode of pair words cost the workload 4%: docs/perf);
 - "merge_in_attention": split-KV decode steps (few sequences) merge the segments' partials in
   the attention kernel, in the program of each token and kv head that finishes last
   (`attention.split_merge`: an arrival counter a program group), instead of `_merge_kernel`'s
@@ -147,7 +149,7 @@ def default_fusions(backend: str) -> tuple[str, ...]:
         if backend == "triton":  # the in-kernel merge's GPU-scope counter is timed on NVIDIA only
             out += ("merge_in_attention",)
     if backend == "triton":  # the 8-bit and 4-bit products' kernels (NVIDIA; ROCm's run the reference)
-        out += ("norm+quant", "silu+quant", "w4_norm_gemv")
+        out += ("norm+quant", "silu+quant", "w4_norm_gemv", "fp4_pair_words")
         out += ("w4_o_proj_add_norm",)
     return out + ("shared_overlap",)
 

@@ -40,7 +40,11 @@ if HAS_TRITON:
         u = (word[:, :, None] >> (es * 4)[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_W, 8]
         ks = (jw[:, None] * 8 + es[None, :])[None, :, :]  # the column of every code
         m3 = m2[:, :, None] & (ks < K)
-        w = _dequant_each(u, ks // GROUP, r64, s_ptr, z_ptr, stride_sn, stride_zn, m3, FMT, HAS_ZP)
+        if GROUP % 8 == 0:  # a word's codes share a group: one scale load a word, not one a code
+            grp = (jw * 8 // GROUP)[None, :, None]
+            w = _dequant_each(u, grp, r64, s_ptr, z_ptr, stride_sn, stride_zn, m2[:, :, None], FMT, HAS_ZP)
+        else:
+            w = _dequant_each(u, ks // GROUP, r64, s_ptr, z_ptr, stride_sn, stride_zn, m3, FMT, HAS_ZP)
         tl.store(out_ptr + r64[:, None, None] * stride_on + ks, w.to(out_ptr.dtype.element_ty), mask=m3)
 
 

@@ -1,4 +1,5 @@
 # Variant (run inside a copy of the tree by `h200_lease.sh var_thr` with VARIANTS=scripts/variants/int4):
+# Now the default: on the current tree it changes nothing (`no_dequant.sh` takes it out).
 # "int4" products of 65 rows or more on the weight written out in bf16 and the library GEMM
 # (`kernels.w4_gemm.W4_DEQUANT_MIN_M`, the "w4_dequant" route).
 set -e
