@@ -115,16 +115,19 @@ fig
 ## Which 4-bit kernel runs a product
 A W4A16 or MXFP4 layer's GPU kernel depends on the rows of x (`w4_config`): the one-row GEMV
 (`w4_gemv1`, batch-1 decode), the CUDA-core GEMV up to 4 rows, the tensor-core swap-AB kernel
-(`w4_dot`) above, the dequantizing GEMM for large int4 batches. The table needs no GPU.
+(`w4_dot`) to 64 rows, and from `W4_DEQUANT_MIN_M` rows (65) the weight written out in bf16 for
+the library GEMM (`w4_dequant`: the Llama-3.1-8B workload 2x faster than on the in-kernel
+decode, docs/perf). The table needs no GPU.
 """),
     ("code", """
 import torch
 from atom.model_ops.kernels.w4_gemm import w4_config
 rows = [dict(format=f, shape=f"{n}x{k}", M=m, kernel=w4_config(m, n, k, torch.bfloat16, g, f)[0])
         for f, g in (("int4", 128), ("mxfp4", 32)) for n, k in ((6144, 4096), (28672, 4096))
-        for m in (1, 2, 4, 8, 64, 512)]
+        for m in (1, 2, 4, 8, 64, 65, 512)]
 kernels = pd.DataFrame(rows).pivot(index=["format", "shape"], columns="M", values="kernel")
 assert (kernels[1] == "w4_gemv1").all() and (kernels[4] == "w4_gemv").all() and (kernels[8] == "w4_dot").all()
+assert (kernels[64] == "w4_dot").all() and (kernels[65] == "w4_dequant").all()
 kernels
 """),
     ("md", "The one-row GEMV against the GEMV it replaced at M = 1 and bf16 `F.linear`, from the H200 sweep checked in under `docs/perf/raw` (`scripts/w4_gemv1_sweep.py`): microseconds per product, the best tile with the fp16 pair products (HALF2, the table's choice) and without."),
@@ -200,8 +203,9 @@ assert (half2_err["HALF2"] < 2e-3).all()
 half2_err.style.format("{:.1e}")
 """),
     ("md", """
-Two opt-in ways to issue fewer instructions a weight in that GEMV (not in the tables until a GPU
-times them). MXFP4 pair words (`kernels/fp4_pairs.py`, the plan's "fp4_pair_words"): the same
+Two ways to issue fewer instructions a weight in that GEMV. MXFP4 pair words
+(`kernels/fp4_pairs.py`, the plan's "fp4_pair_words", a default fusion on the Triton backend:
+batch-1 MXFP4 decode 4% faster, docs/perf; CHAIN stays opt-in): the same
 codes with their bits placed so that each fp16 pair (columns i, i + 4) comes from one or two
 shifts of the word and one or two masks, 11 decode instructions a word instead of 15. CHAIN (a
 tile key, two words a load): a word pair's eight fp16 pair products in one chain, x scaled per

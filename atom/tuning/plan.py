@@ -58,7 +58,7 @@ FUSIONS = (
     "moe+shared",        # MoE: shared experts stacked after the routed ones, run in the grouped GEMM (opt-in)
     "shared_overlap",    # MoE: shared experts on a second CUDA stream, beside the routed experts
     "w4_norm_gemv",      # batch 1, 4-bit layers: the RMSNorm inside the q/k/v product's one-row 4-bit GEMV
-    "fp4_pair_words",    # MXFP4 layers: the weight repacked in place for the one-row GEMV's decode (opt-in)
+    "fp4_pair_words",    # MXFP4 layers: the weight repacked in place for the one-row GEMV's decode
     "merge_in_attention",  # split decode attention: the last segment's program merges (no merge launch)
     "w4_prepared_x",     # batch 1, 4-bit gate-up / down: their input row prepared by the norm / SiLU kernel (opt-in)
     "w4_o_proj_norm",    # with w4_prepared_x: 4-bit o_proj adds the residual and prepares gate-up's input (opt-in)

@@ -8,7 +8,10 @@ every code for every row tile. Writing the weight out costs a read of its 4-bit 
 write and read of 2 bytes a weight: at a 16,384-row prefill chunk of Llama-3.1-8B's gate-up
 ~0.1 ms against ~5 ms of multiply-adds. `w4_gemm.W4_DEQUANT_MIN_M` says from which M each
 format takes this route (`w4_config`'s "w4_dequant"); the values are the same as the
-in-kernel routes' (`dequantize_w4` is the torch reference of both).
+in-kernel routes' (`dequantize_w4` is the torch reference of both). Where a group holds whole
+words (GROUP a multiple of 8) the scale (and zero point) is loaded once a word: loaded once a
+code, int4's g128 write-out issued 32 scale loads a thread for 4 words and ran ~2.5x MXFP4's
+time in a workload's decode steps (docs/perf).
 """
 from __future__ import annotations
 
