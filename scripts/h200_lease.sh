@@ -30,6 +30,7 @@
 # thr_moe (both MoE workloads, ATOM alone, with the split of the run into prompt and decode steps),
 # prof_moe (the kernels of 10 decode steps from step 300 of each MoE workload, the first 90 in order),
 # overlap (DeepSeek-V2-Lite's MoE block with the shared experts on a second stream against one),
+# w4_dq (the 4-bit weight's write-out at Llama-3.1-8B's shapes, a grid of tiles, and the route at 128 rows),
 # w4_sweep (the one-row 4-bit GEMV's tiles at Llama-3.1-8B's shapes, the formats in SWEEP_FORMATS), w4_opts
 # (the table's tile with each of the sweep's OPTIONS: prefetches, pipelined loads, cache modifier), w4_opts_tests
 # (their GPU tests: the same bits as the table's tile),
@@ -225,6 +226,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
               tests/test_attention_split_merge.py;;
   xp_tests) run xp-gpu-tests 400 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_h2_xpack.py \
               tests/test_attention_split_merge.py;;
+  w4_dq) run w4-dequant-probe 300 python3 scripts/w4_dequant_probe.py --out $R/w4-dequant-probe.json;;
   w4_prep) run w4-prepared-sweep 400 python3 scripts/w4_prepared_sweep.py --out $R/w4-prepared-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;
   w4_tests) run w4-gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/test_quant_kernels_4bit.py -m gpu;;

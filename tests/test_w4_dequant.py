@@ -82,3 +82,23 @@ def test_gpu_gate_up_shape(fmt, monkeypatch):
     x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
     y = w4_linear(x, packed, scales, zeros, None, fmt, g, 4096)
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, None, fmt, g, 4096)) < TOL[torch.bfloat16]
+
+
+def test_every_probe_tile_writes_the_same_weight():
+    """`w4_dequant`'s tile (the probe's grid, `scripts/w4_dequant_probe.py`) changes how the work is
+    cut, not the values; a tile that is not three powers of two is refused before launching."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "w4_dequant_probe", os.path.join(os.path.dirname(__file__), "..", "scripts", "w4_dequant_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    for fmt, N, K, g, zp in (("int4", 10, 192, 48, True), ("int4", 9, 100, 20, True), ("mxfp4_pairs", 17, 320, 32, False)):
+        packed, scales, zeros = _operands(fmt, N, K, g, zp)
+        words = packed if fmt == "int4" else packed.view(torch.int32)
+        want = dequantize_w4(packed, scales, zeros, fmt, g, K)
+        for tile in probe.TILES[:4]:
+            got = w4_dequant(words, scales, zeros, FORMATS.index(fmt), g, K, torch.float32, tile=tile)
+            assert torch.equal(got, want), (fmt, tile)
+    with pytest.raises(ValueError, match="powers of two"):
+        w4_dequant(words, scales, zeros, FORMATS.index(fmt), g, K, torch.float32, tile=(12, 32, 4))

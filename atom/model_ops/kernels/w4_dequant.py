@@ -52,14 +52,18 @@ if HAS_TRITON:
 
 
 def w4_dequant(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt_index: int, group: int,
-               k: int, dtype: torch.dtype) -> torch.Tensor:
+               k: int, dtype: torch.dtype, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """[N, k] in `dtype` of the weight as int32 words [N, n_words] (`w4_gemm.FORMATS[fmt_index]`
-    layout; MXFP4's bytes viewed as int32), its scales [N, k / group] and int4 zero points."""
+    layout; MXFP4's bytes viewed as int32), its scales [N, k / group] and int4 zero points;
+    `tile` (BLOCK_N, BLOCK_W, num_warps), powers of two, for a probe (default: the module's)."""
+    bn, bw, warps = tile or (BLOCK_N, BLOCK_W, NUM_WARPS)
+    if not all(isinstance(v, int) and v > 0 and not v & (v - 1) for v in (bn, bw, warps)):
+        raise ValueError(f"w4_dequant: tile {tile!r} must be three powers of two (BLOCK_N, BLOCK_W, num_warps)")
     N, n_words = words.shape
     out = torch.empty(N, k, device=words.device, dtype=dtype)
     z = zeros if zeros is not None else scales
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(n_words, BLOCK_W))
+    grid = (triton.cdiv(N, bn), triton.cdiv(n_words, bw))
     _w4_dequant_kernel[grid](words, scales, z, out, N, k, n_words, words.stride(0), scales.stride(0), z.stride(0),
                              out.stride(0), FMT=fmt_index, GROUP=group, HAS_ZP=zeros is not None,
-                             BLOCK_N=BLOCK_N, BLOCK_W=BLOCK_W, num_warps=NUM_WARPS)
+                             BLOCK_N=bn, BLOCK_W=bw, num_warps=warps)
     return out
