@@ -21,9 +21,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_sweep import HBM_TBS, SHAPES, copies, nbytes, packed_weights, probe_args, write_rows  # noqa: E402
 
-#: (BLOCK_N rows, BLOCK_W words, num_warps); the module's tile is timed first
-TILES = [(16, 32, 4), (8, 32, 4), (32, 32, 4), (16, 64, 4), (32, 64, 8), (64, 32, 8), (16, 128, 8), (8, 64, 4),
-         (4, 128, 4)]
+#: (BLOCK_N rows, BLOCK_W words, num_warps); the module's tile is timed first (32 rows a program or more
+#: ran 3-5x slower on an H100: docs/perf)
+TILES = [(4, 128, 4), (16, 32, 4), (8, 32, 4), (16, 64, 4), (16, 128, 8), (8, 64, 4), (8, 128, 4), (2, 256, 4),
+         (4, 256, 8), (32, 32, 4)]
 ROWS = 128  # the whole route's rows (a decode step of 65-128 sequences)
 
 

@@ -19,8 +19,10 @@ import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
 
-#: rows of the weight and words (8 codes) a program writes
-BLOCK_N, BLOCK_W, NUM_WARPS = 16, 32, 4
+#: rows of the weight and words (8 codes) a program writes: 4 rows of 128 words over 4 warps, the
+#: fastest at Llama-3.1-8B's four shapes in both formats of `scripts/w4_dequant_probe.py`'s grid (total
+#: -4% int4, -6% MXFP4 pair words against 16 x 32; the MXFP4 workload +2%: docs/perf)
+BLOCK_N, BLOCK_W, NUM_WARPS = 4, 128, 4
 
 if HAS_TRITON:
     from atom.model_ops.kernels.w4_gemm import _dequant_each, _pair_word_std
