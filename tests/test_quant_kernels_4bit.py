@@ -379,8 +379,10 @@ def test_tile_table_regimes(monkeypatch):
     ms = (1, GEMV_MAX_M, GEMV_MAX_M + 1, 16, 64, 512)
     one_two = ["w4_gemv1", "w4_gemv"]  # the one-row GEMV at M = 1 (groups of whole words), then the GEMV
     assert [w4_config(m, 4096, 4096)[0] for m in ms] == one_two + ["w4_dot"] * 3 + ["w4_dequant"]
-    assert [w4_config(m, 4096, 4096, torch.float16, 32, "mxfp4")[0] for m in ms] == \
+    assert [w4_config(m, 4096, 4096, torch.bfloat16, 32, "mxfp4")[0] for m in ms] == \
         one_two + ["w4_dot"] * 3 + ["w4_dequant"]
+    # MXFP4 in fp16 is not written out (`w4_gemm.written_out_dtypes`): w4_dot at every M past 4
+    assert [w4_config(m, 4096, 4096, torch.float16, 32, "mxfp4")[0] for m in ms] == one_two + ["w4_dot"] * 4
     for fmt in w4_gemm.FORMATS:  # the in-kernel tables below
         monkeypatch.setitem(w4_gemm.W4_DEQUANT_MIN_M, fmt, None)
     assert [w4_config(m, 4096, 4096)[0] for m in ms] == one_two + ["w4_dot"] * 3 + ["w4_gemm"]

@@ -115,7 +115,8 @@ DOT_TILES = (
 )
 DOT_MAX_M = {"int4": 64, "mxfp4": None, "mxfp4_pairs": None}  # None: every M
 # From this M (None: never) the format's weight is written out in the activations' dtype and the
-# library GEMM runs the product (`kernels.w4_dequant`: "w4_dequant"), for 16-bit activations. From
+# library GEMM runs the product (`kernels.w4_dequant`: "w4_dequant"), for 16-bit activations
+# (`written_out_dtypes`: MXFP4 in bf16 only). From
 # 65 rows (the tiles' M > 64 regimes, compute bound) in both formats: the Llama-3.1-8B workload
 # ran 2.2x (MXFP4) and 1.5x (int4) faster than on w4_dot / the tl.dot GEMM there, and MXFP4's
 # prompt steps as fast as bf16's (docs/perf); below 65 rows the in-kernel decode is faster
@@ -138,6 +139,13 @@ def dot_split_k(M: int, N: int, K: int, cfg: dict) -> int:
     return split
 
 
+def written_out_dtypes(fmt: str) -> tuple[torch.dtype, ...]:
+    """The activation dtypes whose products may run on the weight written out in that dtype:
+    bf16 for every format; fp16 for int4 only, since an MXFP4 weight times its E8M0 scale
+    (2^-127..2^127) can leave fp16's range, where the in-kernel routes apply the scale in fp32."""
+    return (torch.bfloat16, torch.float16) if fmt == "int4" else (torch.bfloat16,)
+
+
 def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group: int = 128,
               fmt: str = "int4") -> tuple[str, dict]:
     """(kernel name, tile config) for an [M, K] x [N, K]^T product of format `fmt` with
@@ -147,7 +155,7 @@ def w4_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, group
     from atom.model_ops.kernels.w4_gemv1 import tiles as gemv1_tiles
     top = DOT_MAX_M.get(fmt, 64)
     low = W4_DEQUANT_MIN_M.get(fmt)
-    if low is not None and M >= low and dtype in (torch.bfloat16, torch.float16):
+    if low is not None and M >= low and dtype in written_out_dtypes(fmt):
         return "w4_dequant", {}
     if M >= DOT_MIN_M and (top is None or M <= top) and supports(dtype, group):
         for max_m, cfg in DOT_TILES:
