@@ -180,7 +180,8 @@ def install(model: nn.Module, plan) -> int:
     if plan.has("fp4_pair_words"):
         paired = sum(bool(m.method.use_pair_words(m)) for m in model.modules()
                      if callable(getattr(getattr(m, "method", None), "use_pair_words", None)))
-        logger.info("MXFP4 pair words on %d layers", paired)
+        if paired:  # a default fusion: silent for models without MXFP4 layers
+            logger.info("MXFP4 pair words on %d layers", paired)
     if plan.has("moe+shared"):
         from atom.model_ops.moe import FusedMoE
         from atom.model_ops.moe.shared_stack import stack_shared_experts
