@@ -3,6 +3,6 @@
 # quantize the attention's output and SiLU-and-mul's rows as they load them, from partial amaxes,
 # instead of the quantizer launches in front.
 set -e
-sed -i 's/out += ("norm+quant", "silu+quant", "w4_norm_gemv")$/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "quant_on_load")/' \
+sed -i 's/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "fp4_pair_words")$/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "fp4_pair_words", "quant_on_load")/' \
   atom/tuning/fusions.py
-grep -q '"w4_norm_gemv", "quant_on_load")' atom/tuning/fusions.py
+grep -q '"fp4_pair_words", "quant_on_load")' atom/tuning/fusions.py

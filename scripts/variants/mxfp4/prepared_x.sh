@@ -2,6 +2,6 @@
 # "w4_prepared_x" added to the default fusions: at batch 1 the add + RMSNorm and SiLU-and-mul kernels
 # write gate-up's and down's input rows prepared for the 4-bit GEMV's fp16 pair products (`kernels.h2_xpack`).
 set -e
-sed -i 's/out += ("norm+quant", "silu+quant", "w4_norm_gemv")$/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "w4_prepared_x")/' \
+sed -i 's/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "fp4_pair_words")$/out += ("norm+quant", "silu+quant", "w4_norm_gemv", "fp4_pair_words", "w4_prepared_x")/' \
   atom/tuning/fusions.py
-grep -q '"w4_norm_gemv", "w4_prepared_x")' atom/tuning/fusions.py
+grep -q '"fp4_pair_words", "w4_prepared_x")' atom/tuning/fusions.py
