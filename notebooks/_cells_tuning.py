@@ -115,8 +115,8 @@ fig
 ## Which 4-bit kernel runs a product
 A W4A16 or MXFP4 layer's GPU kernel depends on the rows of x (`w4_config`): the one-row GEMV
 (`w4_gemv1`, batch-1 decode), the CUDA-core GEMV up to 4 rows, the tensor-core swap-AB kernel
-(`w4_dot`) to 64 rows, and from `W4_DEQUANT_MIN_M` rows (65) the weight written out in bf16 for
-the library GEMM (`w4_dequant`: the Llama-3.1-8B workload 2x faster than on the in-kernel
+(`w4_dot`) to 64 rows, and from `W4_DEQUANT_MIN_M` rows (65) the weight written out in the
+activations' dtype for the library GEMM (bf16; int4 in fp16 too) (`w4_dequant`: the Llama-3.1-8B workload 2x faster than on the in-kernel
 decode, docs/perf). The table needs no GPU.
 """),
     ("code", """

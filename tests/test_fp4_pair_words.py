@@ -348,23 +348,43 @@ def test_layers_on_pair_words_run_every_product_on_them(fmt, kind, monkeypatch):
     assert fmts == ["mxfp4_pairs"] * 3
 
 
-def test_the_runner_takes_pair_words_only_before_capture():
+def test_the_runner_takes_pair_words_only_before_capture(monkeypatch):
     """`ModelRunner.install_plan` refuses "fp4_pair_words" once CUDA graphs or torch.compile
-    have captured the model (they read the checkpoint's layout), unless the plan before had
-    it already (the weights are pair words then)."""
+    have captured the model (they read the checkpoint's layout) where it would still repack a
+    layer (`pair_words_pending`); a model without MXFP4 layers, or whose layers are pair words
+    already, takes it whatever the plan before (the default plan has it)."""
     from atom.model_engine.model_runner import ModelRunner
     from atom.tuning.plan import KernelPlan
+    layer = LAYERS["mxfp4"]("linear")
+    method = type(layer.method)
+    pending = [True]
+    monkeypatch.setattr(method, "pair_words_pending", lambda self, m: pending[0])
+    monkeypatch.setattr(method, "use_pair_words", lambda self, m: pending.__setitem__(0, False) or True)
     with_pairs = KernelPlan(backend="triton", fusions=("fp4_pair_words",))
     for captured in (dict(graphs=object()), dict(mixed_graphs=object()), dict(compile_level=3)):
+        pending[0] = True
         runner = types.SimpleNamespace(**dict(dict(graphs=None, mixed_graphs=None, compile_level=0), **captured),
-                                       plan=KernelPlan(backend="triton"), model=torch.nn.Sequential())
+                                       plan=KernelPlan(backend="triton"), model=torch.nn.Sequential(layer))
         with pytest.raises(ValueError, match="fp4_pair_words"):
             ModelRunner.install_plan(runner, with_pairs)
-        runner.plan = with_pairs  # already pair words: re-installing changes nothing
-        assert ModelRunner.install_plan(runner, KernelPlan(backend="triton", fusions=("fp4_pair_words",)))
+        pending[0] = False  # already pair words: re-installing changes nothing
+        assert ModelRunner.install_plan(runner, with_pairs) is with_pairs
+        dense = types.SimpleNamespace(**dict(dict(graphs=None, mixed_graphs=None, compile_level=0), **captured),
+                                      plan=KernelPlan(backend="triton"), model=torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        assert ModelRunner.install_plan(dense, with_pairs) is with_pairs  # no MXFP4 layer to repack
+    pending[0] = True
     fresh = types.SimpleNamespace(graphs=None, mixed_graphs=None, compile_level=0, plan=None,
-                                  model=torch.nn.Sequential())
+                                  model=torch.nn.Sequential(layer))
     assert ModelRunner.install_plan(fresh, with_pairs) is with_pairs and fresh.plan is with_pairs
+    assert pending == [False]  # the fusion repacked the layer
+
+
+def test_pair_words_pending_is_off_the_kernels_platform():
+    """On the CPU (the torch reference runs MXFP4 there) no layer is repacked."""
+    from atom.tuning import fusions
+    layer = LAYERS["mxfp4"]("linear")
+    assert not layer.method.pair_words_pending(layer) and not layer.method.use_pair_words(layer)
+    assert fusions.pending_pair_words(torch.nn.Sequential(layer)) == 0
 
 
 def test_the_fusion_gives_mxfp4_layers_their_pair_words(monkeypatch):

@@ -240,7 +240,7 @@ class ModelRunner:
         kernels of the plan they were captured with."""
         captured = (getattr(self, "graphs", None) is not None or getattr(self, "mixed_graphs", None) is not None
                     or getattr(self, "compile_level", 0) > 0)
-        if plan.has("fp4_pair_words") and captured and not (self.plan is not None and self.plan.has("fp4_pair_words")):
+        if plan.has("fp4_pair_words") and captured and fusions.pending_pair_words(self.model):
             raise ValueError("fusions=['fp4_pair_words'] rewrites MXFP4 weights in place: it must be in the plan "
                              "installed before CUDA graphs and torch.compile capture the model (these already read "
                              "the checkpoint's layout); install it first, or not at all")

@@ -70,11 +70,12 @@ which computes the same thing with fewer kernels where the plan says so:
   same codes, bits placed so that the one-row GEMV's fp16 pair decode takes 11 instructions a
   word instead of 15; the other 4-bit kernels read them too), converted in place once
   (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is replaced, and the
-  runner takes the fusion only before its graphs and torch.compile capture the model). A
-  default on the Triton backend (where the 4-bit kernels run: NVIDIA): batch-1 MXFP4 decode
-  measured 4% faster, and the workload level, now that products of 65 rows or more run on the
-  weight written out (`w4_gemm.W4_DEQUANT_MIN_M`; before that the batched kernels' slower
-  decode of pair words cost the workload 4%: docs/perf);
+  runner refuses the fusion after its graphs and torch.compile captured the model where it
+  would still repack a layer: `pending_pair_words`). A default on the Triton backend (where
+  the 4-bit kernels run: NVIDIA): batch-1 MXFP4 decode measured 4% faster with it, and the
+  workload the same with and without it, since products of 65 rows or more run on the weight
+  written out (`w4_gemm.W4_DEQUANT_MIN_M`; before, the batched kernels' slower decode of pair
+  words cost the workload 4%: docs/perf);
 - "merge_in_attention": split-KV decode steps (few sequences) merge the segments' partials in
   the attention kernel, in the program of each token and kv head that finishes last
   (`attention.split_merge`: an arrival counter a program group), instead of `_merge_kernel`'s
@@ -168,6 +169,12 @@ def matches(layer: nn.Module) -> bool:
             and attn is not None and all(hasattr(attn, n) for n in ("qkv_proj", "o_proj", "rotary_emb", "attn"))
             and getattr(attn, "sinks", None) is None
             and mlp is not None and (dense_mlp(layer) or hasattr(mlp, "experts")))
+
+
+def pending_pair_words(model: nn.Module) -> int:
+    """How many MXFP4 layers "fp4_pair_words" would repack now (`Mxfp4LinearMethod.pair_words_pending`)."""
+    return sum(bool(m.method.pair_words_pending(m)) for m in model.modules()
+               if callable(getattr(getattr(m, "method", None), "pair_words_pending", None)))
 
 
 def install(model: nn.Module, plan) -> int:

@@ -1,7 +1,9 @@
 """y = x W^T (+ b) for 4-bit weights, dequantized in registers: W4A16 int4 groups and MXFP4.
 
-The weights stay in the bytes the checkpoint packs them in (no dequantized copy; only the
-opt-in MXFP4 pair words below repack them, in place):
+The weights stay in the bytes the checkpoint packs them in (only MXFP4 pair words, below, the
+MXFP4 layers' layout under the default fusion "fp4_pair_words", repack them, in place); from
+`W4_DEQUANT_MIN_M` rows a product writes a 16-bit copy of the weight out for the library GEMM
+(`kernels.w4_dequant`), a temporary of the call:
 - int4 (`fmt="int4"`): `packed` int32 [N, ceil(K/8)], nibble i of word j holding column
   8j + i as u = q + 8 (0..15); `scales` [N, K/g] (any float dtype); `zeros` None (symmetric:
   w = (u - 8) * s) or int8 [N, K/g] of the stored zero points u_z = z + 8 (w = (u - u_z) * s).
@@ -23,7 +25,8 @@ opt-in MXFP4 pair words below repack them, in place):
 
 For bf16 / fp16 activations and groups with a power-of-two factor >= 16 (every checkpoint
 format: g32 / g64 / g128, channel-wise, MXFP4's 32) `w4_config` picks `w4_dot` above
-M = 4 (int4 up to M = 64, MXFP4 at every M; the table `DOT_TILES` below says why): the
+M = 4 up to M = 64 and the written-out weight from `W4_DEQUANT_MIN_M` (65; MXFP4 in fp16 keeps
+w4_dot past 64, int4 in fp32 the GEMM below; the table `DOT_TILES` below says why): the
 tensor-core swap-AB kernel of `kernels/w4_dot.py` (the weight tile is tl.dot's first
 operand, unpacked to exact small integers / e2m1 values, the group scales multiply the fp32
 partials, split-K for layers with few row blocks). The two kernels below run the rest (every
@@ -100,8 +103,9 @@ GEMM_TILES = (
 #   64 weight rows, K 256, int4 tiles put back in natural column order in registers so that x
 #   loads contiguously (ORDER 1: faster than loading x permuted); at M = 64 128 weight rows,
 #   K 128, 8 warps;
-# - above M = 64: int4 keeps the tl.dot GEMM above (faster there than w4_dot), MXFP4 runs
-#   w4_dot (its e2m1 decode, per weight, costs the GEMM more than w4_dot's chunked one).
+# - above M = 64 (where the weight is not written out, `W4_DEQUANT_MIN_M`): int4 keeps the tl.dot
+#   GEMM above (faster there than w4_dot), MXFP4 runs w4_dot (its e2m1 decode, per weight,
+#   costs the GEMM more than w4_dot's chunked one).
 # SPLIT_K: layers whose row blocks give fewer than DOT_TARGET_PROGRAMS programs (N = 4096 at
 # BLOCK_N = 64: 64) split K in two, four or eight, keeping >= 2 K steps per split (M <= 64).
 DOT_MIN_M = GEMV_MAX_M + 1
@@ -119,7 +123,9 @@ DOT_MAX_M = {"int4": 64, "mxfp4": None, "mxfp4_pairs": None}  # None: every M
 # (`written_out_dtypes`: MXFP4 in bf16 only). From
 # 65 rows (the tiles' M > 64 regimes, compute bound) in both formats: the Llama-3.1-8B workload
 # ran 2.2x (MXFP4) and 1.5x (int4) faster than on w4_dot / the tl.dot GEMM there, and MXFP4's
-# prompt steps as fast as bf16's (docs/perf); below 65 rows the in-kernel decode is faster
+# prompt steps as fast as bf16's (docs/perf); below 65 rows the in-kernel decode is faster. The
+# copy is a temporary of the call (the largest layer's [N, K]: Llama-3.1-8B's gate-up 235 MB in
+# bf16), inside the start-up profile's peak and, for graphs of 65 rows or more, in their pool
 W4_DEQUANT_MIN_M = {"int4": 65, "mxfp4": 65, "mxfp4_pairs": 65}
 
 

@@ -24,8 +24,9 @@ Functions other code may call (all torch, any device):
     fp4_round(x) -> fp4_to_float(fp4_codes(x)), elementwise (no table: CUDA-graph safe)
     pack_fp4(codes) -> uint8 [..., K/2];  unpack_fp4(packed) -> codes [..., K]
 
-`Mxfp4LinearMethod` runs the fused Triton kernel on CUDA (`kernels.w4_gemm`: the packed
-bytes dequantized in registers) and elsewhere the torch reference: weights dequantized to fp32, activations as
+`Mxfp4LinearMethod` runs the fused Triton kernels on CUDA (`kernels.w4_gemm`: the packed
+bytes dequantized in registers; from `W4_DEQUANT_MIN_M` rows in bf16, written out for the
+library GEMM) and elsewhere the torch reference: weights dequantized to fp32, activations as
 they are (MXFP4A16, `mxfp4_weight_only`) or fake-quantized per 1x32 (`mxfp4` with dynamic
 MXFP4 input activations), F.linear in fp32. K must be a multiple of 32 (the producers'
 requirement: compressed-tensors only packs group 32, Quark reshapes into 32-blocks).
@@ -226,21 +227,25 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         place (the same codes, bits placed so that the one-row GEMV decodes an fp16 pair in
         fewer instructions; the other 4-bit kernels read them too: `kernels.w4_gemm`), once:
         the layout stays when the plan is replaced, since graphs captured with it read it
-        (`ModelRunner.install_plan` refuses the fusion after capture). Where the 4-bit kernels
-        run the layer (NVIDIA CUDA weights, Triton) and the weight is contiguous and 4-byte
-        aligned; returns whether the layer has pair words."""
-        from atom.model_ops.kernels.triton_import import HAS_TRITON
-        weight = getattr(layer, self.packed_name)
+        (`ModelRunner.install_plan` refuses the fusion after capture where a layer would still
+        be repacked). Where `pair_words_pending` says so; returns whether the layer has pair words."""
         if _has_pair_words(layer):
             return True
-        if not (HAS_TRITON and weight.is_cuda and torch.version.hip is None and weight.is_contiguous()
-                and weight.storage_offset() % 4 == 0):
+        if not self.pair_words_pending(layer):
             return False
         from atom.model_ops.kernels.fp4_pairs import pair_words
-        words = weight.data.view(torch.int32)
+        words = getattr(layer, self.packed_name).data.view(torch.int32)
         words.copy_(pair_words(words))
         layer.fp4_layout = "pairs"
         return True
+
+    def pair_words_pending(self, layer: nn.Module) -> bool:
+        """Whether `use_pair_words` would repack this layer's weight now: not yet pair words, and
+        where the 4-bit kernels run it (NVIDIA CUDA weights, Triton), contiguous and 4-byte aligned."""
+        from atom.model_ops.kernels.triton_import import HAS_TRITON
+        weight = getattr(layer, self.packed_name)
+        return (not _has_pair_words(layer) and HAS_TRITON and weight.is_cuda and torch.version.hip is None
+                and weight.is_contiguous() and weight.storage_offset() % 4 == 0)
 
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
