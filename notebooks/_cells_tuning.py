@@ -130,6 +130,23 @@ assert (kernels[1] == "w4_gemv1").all() and (kernels[4] == "w4_gemv").all() and 
 assert (kernels[64] == "w4_dot").all() and (kernels[65] == "w4_dequant").all()
 kernels
 """),
+    ("md", "The write-out's tiles (`scripts/w4_dequant_probe.py` on an H100, checked in under `docs/perf/raw`): microseconds to write each Llama-3.1-8B weight out in bf16, by tile (rows, words, warps), and the whole route at 128 rows against bf16 `F.linear` and the in-kernel decode (`w4_dot`). The module's tile is the fastest in total in both formats."),
+    ("code", """
+import json, pathlib
+import atom
+from atom.model_ops.kernels import w4_dequant
+raw = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw" / "2026-12-06j-h100-call7-w4-dequant-probe.json"
+probe = pd.DataFrame(json.loads(raw.read_text())["rows"])
+tiles = probe.dropna(subset=["us"]).assign(tile=lambda d: list(zip(*(d[c].astype(int) for c in ("BLOCK_N", "BLOCK_W", "num_warps")))))
+assert tiles["same_bits"].all()
+by_tile = tiles.pivot_table(index="tile", columns=["format", "N", "K"], values="us")
+totals = by_tile.T.groupby(level="format").sum().T
+module_tile = (w4_dequant.BLOCK_N, w4_dequant.BLOCK_W, w4_dequant.NUM_WARPS)
+assert (totals.idxmin() == [module_tile] * len(totals.columns)).all()
+route = probe[probe["M"].notna()][["format", "N", "K", "bf16_us", "written out_us", "w4_dot_us"]]
+display(totals.sort_values("int4").round(1))
+route.round(1)
+"""),
     ("md", "The one-row GEMV against the GEMV it replaced at M = 1 and bf16 `F.linear`, from the H200 sweep checked in under `docs/perf/raw` (`scripts/w4_gemv1_sweep.py`): microseconds per product, the best tile with the fp16 pair products (HALF2, the table's choice) and without."),
     ("code", """
 import json, pathlib
