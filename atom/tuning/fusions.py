@@ -171,10 +171,15 @@ def matches(layer: nn.Module) -> bool:
             and mlp is not None and (dense_mlp(layer) or hasattr(mlp, "experts")))
 
 
+def _count_layers(model: nn.Module, method_call: str) -> int:
+    """How many layers' `method.<method_call>(layer)` answer true (layers whose method has it)."""
+    return sum(bool(getattr(m.method, method_call)(m)) for m in model.modules()
+               if callable(getattr(getattr(m, "method", None), method_call, None)))
+
+
 def pending_pair_words(model: nn.Module) -> int:
     """How many MXFP4 layers "fp4_pair_words" would repack now (`Mxfp4LinearMethod.pair_words_pending`)."""
-    return sum(bool(m.method.pair_words_pending(m)) for m in model.modules()
-               if callable(getattr(getattr(m, "method", None), "pair_words_pending", None)))
+    return _count_layers(model, "pair_words_pending")
 
 
 def install(model: nn.Module, plan) -> int:
@@ -185,8 +190,7 @@ def install(model: nn.Module, plan) -> int:
     if not plan.fusions:
         return 0
     if plan.has("fp4_pair_words"):
-        paired = sum(bool(m.method.use_pair_words(m)) for m in model.modules()
-                     if callable(getattr(getattr(m, "method", None), "use_pair_words", None)))
+        paired = _count_layers(model, "use_pair_words")  # repacks where pending
         if paired:  # a default fusion: silent for models without MXFP4 layers
             logger.info("MXFP4 pair words on %d layers", paired)
     if plan.has("moe+shared"):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.utils.pow2 import is_pow2
 
 X_SHIFT = 8  # the row is scaled by 2^-X_SHIFT into fp16, y by 2^X_SHIFT back
 #: (BLOCK_N rows a program, BLOCK_W loads a row a step, num_warps, DW words a load, AHEAD) by
@@ -311,7 +312,7 @@ def tile_problem(N: int, K: int, tile) -> str:
     if not isinstance(tile, tuple) or len(tile) != 5:
         return f"tile {tile!r}: (BLOCK_N, BLOCK_W, num_warps, DW, AHEAD) expected"
     bn, bw, warps, dw, _ = tile
-    if not all(isinstance(v, int) and v > 0 and not v & (v - 1) for v in (bn, bw, warps)):
+    if not all(is_pow2(v) for v in (bn, bw, warps)):
         return f"tile {tile}: BLOCK_N, BLOCK_W and num_warps must be powers of two"
     if dw not in (1, 2):
         return f"tile {tile}: DW (words a load) must be 1 or 2"

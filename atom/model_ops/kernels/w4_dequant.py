@@ -9,15 +9,15 @@ write and read of 2 bytes a weight: at a 16,384-row prefill chunk of Llama-3.1-8
 ~0.1 ms against ~5 ms of multiply-adds. `w4_gemm.W4_DEQUANT_MIN_M` says from which M each
 format takes this route (`w4_config`'s "w4_dequant"); the values are the same as the
 in-kernel routes' (`dequantize_w4` is the torch reference of both). Where a group holds whole
-words (GROUP a multiple of 8) the scale (and zero point) is loaded once a word: loaded once a
-code, int4's g128 write-out issued 32 scale loads a thread for 4 words and ran ~2.5x MXFP4's
-time in a workload's decode steps (docs/perf).
+words (GROUP a multiple of 8) the scale (and zero point) is loaded once a word rather than once
+a code (int4 g128: 4 scale loads a thread instead of 32).
 """
 from __future__ import annotations
 
 import torch
 
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
+from atom.utils.pow2 import is_pow2
 
 #: rows of the weight and words (8 codes) a program writes: 4 rows of 128 words over 4 warps, the
 #: fastest at Llama-3.1-8B's four shapes in both formats of `scripts/w4_dequant_probe.py`'s grid (total
@@ -46,10 +46,10 @@ if HAS_TRITON:
         ks = (jw[:, None] * 8 + es[None, :])[None, :, :]  # the column of every code
         m3 = m2[:, :, None] & (ks < K)
         if GROUP % 8 == 0:  # a word's codes share a group: one scale load a word, not one a code
-            grp = (jw * 8 // GROUP)[None, :, None]
-            w = _dequant_each(u, grp, r64, s_ptr, z_ptr, stride_sn, stride_zn, m2[:, :, None], FMT, HAS_ZP)
+            grp, g_mask = (jw * 8 // GROUP)[None, :, None], m2[:, :, None]
         else:
-            w = _dequant_each(u, ks // GROUP, r64, s_ptr, z_ptr, stride_sn, stride_zn, m3, FMT, HAS_ZP)
+            grp, g_mask = ks // GROUP, m3
+        w = _dequant_each(u, grp, r64, s_ptr, z_ptr, stride_sn, stride_zn, g_mask, FMT, HAS_ZP)
         tl.store(out_ptr + r64[:, None, None] * stride_on + ks, w.to(out_ptr.dtype.element_ty), mask=m3)
 
 
@@ -59,7 +59,7 @@ def w4_dequant(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
     layout; MXFP4's bytes viewed as int32), its scales [N, k / group] and int4 zero points;
     `tile` (BLOCK_N, BLOCK_W, num_warps), powers of two, for a probe (default: the module's)."""
     bn, bw, warps = tile or (BLOCK_N, BLOCK_W, NUM_WARPS)
-    if not all(isinstance(v, int) and v > 0 and not v & (v - 1) for v in (bn, bw, warps)):
+    if not all(is_pow2(v) for v in (bn, bw, warps)):
         raise ValueError(f"w4_dequant: tile {tile!r} must be three powers of two (BLOCK_N, BLOCK_W, num_warps)")
     N, n_words = words.shape
     out = torch.empty(N, k, device=words.device, dtype=dtype)
