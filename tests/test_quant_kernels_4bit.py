@@ -145,9 +145,9 @@ def test_one_row_gemv_with_two_words_a_load(fmt, N, K, g, zp, dtype, ahead):
 
 @pytest.mark.parametrize("opts", [dict(STAGES=2), dict(STAGES=3, DW=2), dict(L2D=2), dict(L2D=1, AHEAD=True, DW=2),
                                   dict(L2D=2, STAGES=3), dict(WCACHE=".cg", AHEAD=True), dict(SPF=True, AHEAD=True),
-                                  dict(maxnreg=64)],
+                                  dict(maxnreg=64), dict(PIN=1, AHEAD=True, DW=2), dict(PIN=2, AHEAD=True)],
                          ids=["stages2", "stages3_dw2", "l2d2", "l2d1_ahead_dw2", "l2d2_stages3", "cg_ahead", "spf",
-                              "maxnreg"])
+                              "maxnreg", "pin1_ahead_dw2", "pin2_ahead"])
 @pytest.mark.parametrize("fmt, N, K, g, zp", [("int4", 8, 1024, 128, False), ("int4", 8, 2048, 32, True),
                                               ("int4", 6, 1280, 64, False), ("mxfp4", 8, 2048, 32, False)])
 def test_one_row_gemv_pipelined_and_prefetching_tiles(fmt, N, K, g, zp, opts):
@@ -155,8 +155,9 @@ def test_one_row_gemv_pipelined_and_prefetching_tiles(fmt, N, K, g, zp, opts):
     bit for bit: STAGES (the loop pipelined through shared memory; the interpreter runs it as
     a plain loop), L2D (L2 prefetches a few steps ahead; inline PTX, so the launcher drops it
     off NVIDIA GPUs, here, as it drops SPF, the scale rows' prefetch), WCACHE (the word
-    loads' cache modifier) and Triton's register cap (maxnreg, a launch option the kernel call
-    passes on), on even tiles of several steps and on the masked loop (6 rows)."""
+    loads' cache modifier), Triton's register cap (maxnreg, a launch option the kernel call
+    passes on) and PIN (a warp barrier below the step's loads; inline PTX, dropped here as
+    SPF is), on even tiles of several steps and on the masked loop (6 rows)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=K + N + 2)
     torch.manual_seed(N + 2)
     x = (torch.randn(1, K) * 3).to(torch.bfloat16)
