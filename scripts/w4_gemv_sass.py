@@ -59,7 +59,8 @@ def compile_gemv(fmt: str, group: int):
 
 def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False, xpack: bool = False,
                   l2d: int = 0, stages=None):
-    """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 4096 weight, sm90, the reference tile below
+    """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 8192 weight (rows of several steps at every
+    reference tile: a row of one step has no words to load ahead), sm90, the reference tile below
     (dw: words a thread's load, the kernel's DW; xpack: x's columns prepared by the kernel in
     front, `h2_xpack`; l2d: L2 prefetches that many steps ahead; stages: the loads pipelined
     through shared memory instead of carried ahead); (kernel, weights per thread a loop step)."""
@@ -75,11 +76,11 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=stages is None, HALF2=half2, DW=dw, CHAIN=chain, XPACK=xpack, L2D=l2d,
                  STAGES=stages)
     warps, stages = 8, 3
-    n_scales = 4096 // group
+    n_scales = 8192 // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
                  NORM=False, HAS_RES=False, GATED=False, SW=0, SS=0, SZ=0, **tiles)
     if g1.FIXED_STRIDES[fmt] and tiles["AHEAD"]:  # the launcher compiles the row strides in (with AHEAD)
-        const.update(SW=4096 // 8, SS=n_scales, SZ=n_scales)
+        const.update(SW=8192 // 8, SS=n_scales, SZ=n_scales)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
                  nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32", xk_ptr="*i32")

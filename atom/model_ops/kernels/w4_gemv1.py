@@ -618,7 +618,9 @@ if HAS_TRITON:
                     word = word_next[:, :, None]
                     if GATED:
                         word_up = up_next[:, :, None]
-                    if SW > 0:
+                    if SW == STEP:
+                        pass  # rows of one step (an even tile whose row stride is the step): none ahead
+                    elif SW > 0:
                         # the next step's words; the last step reloads the first step's (in bounds,
                         # unused): a scalar select in place of a mask a thread (with runtime strides
                         # the moved pointer costs an address sum a row, slower than the mask)
