@@ -8,8 +8,8 @@ kernels of this process may already be interpreted functions), and checks the PT
 griddepcontrol instructions; the Triton GEMM's TMA copies and wgmma; the sampler's exp2 and
 Philox; the MoE experts' sorted grouped GEMM on tensor cores (mma) and their unsorted path;
 the one-row 4-bit GEMV's masked, MXFP4 and loaded-ahead variants, its L2 prefetches, its
-loads pipelined through shared memory, its word loads cached in L2 only, its scale rows
-prefetched (into L1 too) before the PDL wait and its loads kept above a warp barrier; the one-row FP8 product's weight loads cached in
+loads pipelined through shared memory, its word loads cached in L2 only and its scale rows
+prefetched (into L1 too) before the PDL wait; the one-row FP8 product's weight loads cached in
 L2 only; how many K tiles the attention keeps in flight at 3 stages, with and without `rows_ahead`;
 its FP8-cache dots in fp16 for bf16 queries; its first tile prefetched before the PDL wait; its
 split merged by the last segment's program; rows prepared for the 4-bit GEMV and its loops
@@ -205,12 +205,6 @@ def _compile_all() -> dict:
                                          HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
                                          BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=2, WCACHE=".cg"),
                                     dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("ld.global.cg.b64",)),
-        # MXFP4 word pairs ahead with the step's loads kept above a warp barrier (PIN)
-        "w4_gemv1_mxfp4_pinned": (w4g1._w4_gemv1_kernel,
-                                  dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32,
-                                       HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=512, SS=128, SZ=128, BLOCK_N=8,
-                                       BLOCK_W=128, EVEN=True, AHEAD=True, HALF2=True, DW=2, PIN=2),
-                                  dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8"), ("bar.warp.sync", "ld.global.b64")),
         # the prefetches into L1 too (PF1) for MXFP4's scale rows (SPF) and next steps (L2D)
         "w4_gemv1_mxfp4_prefetch_l1": (w4g1._w4_gemv1_kernel,
                                        dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=1, GROUP=32,
@@ -393,8 +387,7 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
                         "w4_gemv1_pair_words_norm", "w4_gemv1_int4_l2_prefetch", "w4_gemv1_mxfp4_stages",
-                        "w4_gemv1_mxfp4_words_cg", "w4_gemv1_mxfp4_pinned", "w4_gemv1_int4_scale_rows_first",
-                        "w4_gemv1_mxfp4_prefetch_l1",
+                        "w4_gemv1_mxfp4_words_cg", "w4_gemv1_int4_scale_rows_first", "w4_gemv1_mxfp4_prefetch_l1",
                         "w4_gemv1_scale_rows_before_wait", "fp8_gemv1_words_cg", "fp8_gemv1_scales_first",
                         "fp8_gemv1_quantized_on_load",
                         "attention_prefetch_before_wait", "merge_amax",

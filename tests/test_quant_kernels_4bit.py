@@ -143,11 +143,30 @@ def test_one_row_gemv_with_two_words_a_load(fmt, N, K, g, zp, dtype, ahead):
     assert rel_err(y, w4_linear_ref(x, packed, scales, zeros, bias, fmt, g, K)) < TOL.get(dtype, 1e-5)
 
 
+@pytest.mark.parametrize("dw", [1, 2])
+def test_one_row_gemv_rows_of_one_step_load_nothing_ahead(dw):
+    """MXFP4's loop with the words ahead and the row strides compiled in (`FIXED_STRIDES`) over
+    rows of exactly one step (the row stride is the step, as at Llama's o_proj: K 4096, 256
+    loads of two words): the words come from the load before the loop and none are loaded in
+    it; the same bits as the plain tile, and the reference."""
+    K = 64 * 8 * dw  # 64 loads of dw words: one step of BLOCK_W = 64
+    packed, scales, zeros = random_w4("mxfp4", 8, K, 32, False, seed=K + 5)
+    torch.manual_seed(5)
+    x = (torch.randn(1, K) * 3).to(torch.bfloat16)
+    plain = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1)
+    one_step = dict(kernel="w4_gemv1", BLOCK_N=2, BLOCK_W=64, num_warps=2, num_stages=1, AHEAD=True, DW=dw)
+    assert w4_gemv1.FIXED_STRIDES["mxfp4"]
+    want = w4_linear_launch(x, packed, scales, zeros, None, "mxfp4", 32, K, config=plain)
+    got = w4_linear_launch(x, packed, scales, zeros, None, "mxfp4", 32, K, config=one_step)
+    assert torch.equal(got, want)
+    assert rel_err(got, w4_linear_ref(x, packed, scales, zeros, None, "mxfp4", 32, K)) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("opts", [dict(STAGES=2), dict(STAGES=3, DW=2), dict(L2D=2), dict(L2D=1, AHEAD=True, DW=2),
                                   dict(L2D=2, STAGES=3), dict(WCACHE=".cg", AHEAD=True), dict(SPF=True, AHEAD=True),
-                                  dict(maxnreg=64), dict(PIN=1, AHEAD=True, DW=2), dict(PIN=2, AHEAD=True)],
+                                  dict(maxnreg=64)],
                          ids=["stages2", "stages3_dw2", "l2d2", "l2d1_ahead_dw2", "l2d2_stages3", "cg_ahead", "spf",
-                              "maxnreg", "pin1_ahead_dw2", "pin2_ahead"])
+                              "maxnreg"])
 @pytest.mark.parametrize("fmt, N, K, g, zp", [("int4", 8, 1024, 128, False), ("int4", 8, 2048, 32, True),
                                               ("int4", 6, 1280, 64, False), ("mxfp4", 8, 2048, 32, False)])
 def test_one_row_gemv_pipelined_and_prefetching_tiles(fmt, N, K, g, zp, opts):
@@ -155,9 +174,8 @@ def test_one_row_gemv_pipelined_and_prefetching_tiles(fmt, N, K, g, zp, opts):
     bit for bit: STAGES (the loop pipelined through shared memory; the interpreter runs it as
     a plain loop), L2D (L2 prefetches a few steps ahead; inline PTX, so the launcher drops it
     off NVIDIA GPUs, here, as it drops SPF, the scale rows' prefetch), WCACHE (the word
-    loads' cache modifier), Triton's register cap (maxnreg, a launch option the kernel call
-    passes on) and PIN (a warp barrier below the step's loads; inline PTX, dropped here as
-    SPF is), on even tiles of several steps and on the masked loop (6 rows)."""
+    loads' cache modifier) and Triton's register cap (maxnreg, a launch option the kernel call
+    passes on), on even tiles of several steps and on the masked loop (6 rows)."""
     packed, scales, zeros = random_w4(fmt, N, K, g, zp, seed=K + N + 2)
     torch.manual_seed(N + 2)
     x = (torch.randn(1, K) * 3).to(torch.bfloat16)

@@ -440,12 +440,6 @@ if HAS_TRITON:
                          live & (lane >= LINES + BLOCK_N) & (lane < LINES + 2 * BLOCK_N), L1)
 
     @triton.jit
-    def _warp_sync(v):
-        """`bar.warp.sync` (the kernel's PIN): no load above it moves below it; `v` any scalar."""
-        tl.inline_asm_elementwise("bar.warp.sync -1; mov.b32 $0, 0;", "=r,r", [v], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-    @triton.jit
     def _prefetch_rows(ptr, row0, n_rows, stride, n_elems, BLOCK_W: tl.constexpr, L1: tl.constexpr):
         """L2 prefetches of the 128-byte lines that hold the first n_elems elements of rows
         row0 .. row0 + n_rows - 1 from ptr, a row every `stride` elements: BLOCK_W // 16 lines a
@@ -472,8 +466,7 @@ if HAS_TRITON:
                          EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
                          RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None,
-                         WCACHE: tl.constexpr = "", SPF: tl.constexpr = False, PF1: tl.constexpr = False,
-                         PIN: tl.constexpr = 0):
+                         WCACHE: tl.constexpr = "", SPF: tl.constexpr = False, PF1: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -524,13 +517,8 @@ if HAS_TRITON:
         program's whole scale (and zero-point) rows asked of L2 before the PDL wait (a few lines
         a row; `_prefetch_rows`), so that no step waits for them from memory. PF1: L2D's and
         SPF's scale and zero-point lines into L1 as well, where each step's loads of them find
-        them (with WCACHE ".cg" the word stream does not evict them). PIN (even tiles; NVIDIA
-        only: inline PTX): a warp barrier (`bar.warp.sync`, no wait for loads in flight) after the
-        step's word loads (1), or after its word and scale loads (2). Without it ptxas issues the
-        words AHEAD loads for the next step, and the step's scales, at the end of the step, after
-        its products, where nothing is left to hide their latency; loads cannot move below the
-        barrier, so they are issued first and arrive while the step computes (the words then
-        live in registers across the step). None of these changes the arithmetic."""
+        them (with WCACHE ".cg" the word stream does not evict them). None of these changes the
+        arithmetic."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -637,13 +625,9 @@ if HAS_TRITON:
                     word = tl.load(wp, cache_modifier=WCACHE)[:, :, None]
                     if GATED:
                         word_up = tl.load(wp + w_up, cache_modifier=WCACHE)[:, :, None]
-                if PIN == 1:
-                    _warp_sync(w0)
                 s_raw = _load_t(sp)[:, :, None]
                 if GATED:
                     s_raw_up = _load_t(sp + s_up)[:, :, None]
-                if PIN == 2:
-                    _warp_sync(w0)
             else:
                 word = tl.load(wp, mask=ok, other=0, cache_modifier=WCACHE)[:, :, None]
                 s_raw = _load_t(sp, ok, 0)[:, :, None]
@@ -745,8 +729,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     norm: dict | None = None, gated: bool = False) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages and
-    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF, PF1, PIN) and
-    launch options (maxnreg).
+    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF, PF1) and launch options
+    (maxnreg).
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
     of a [gate | up] weight of 2N rows, y = silu(gate) up."""
     from atom.model_ops.kernels.w4_gemm import FORMATS
@@ -778,8 +762,6 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         cfg["L2D"] = 0  # the prefetch is inline PTX (NVIDIA, compiled) for even, plain tiles
     if cfg.get("SPF") and not ptx_applies(x):
         cfg["SPF"] = False  # inline PTX too
-    if cfg.get("PIN") and not (even and ptx_applies(x)):
-        cfg["PIN"] = 0  # the barrier is inline PTX too, in the even loop
     if torch.version.hip is not None:
         cfg.pop("maxnreg", None)  # an option of Triton's NVIDIA backend only
     if not even:
