@@ -10,6 +10,7 @@ so fewer instructions per weight is the lever; this prints that count and the ra
     python scripts/w4_gemv_sass.py --dump d/  # also writes each kernel's SASS into d/
     python scripts/w4_gemv_sass.py --json     # one JSON line: instructions a weight per kernel and format
     python scripts/w4_gemv_sass.py --dot      # also w4_dot's loop (16 x 64 x 256 tile, both column orders)
+    python scripts/w4_gemv_sass.py --loads    # also where each loop issues its loads, and what hides them
 
 "prepared x": the loop reading x's word columns prepared by the kernel in front (XPACK,
 `kernels.h2_xpack`) instead of scaling and packing them itself.
@@ -120,8 +121,9 @@ def compile_dot(fmt: str, order: int):
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-def loop_mix(sass: str) -> collections.Counter:
-    """Opcodes of the longest backward-branch loop of a SASS listing."""
+def loop_body(sass: str) -> list[str]:
+    """The instructions (control field and text) of the longest backward-branch loop of a SASS
+    listing."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\.?(LBB\S+):", line.strip()))}
     best = None
@@ -131,8 +133,35 @@ def loop_mix(sass: str) -> collections.Counter:
             best = (labels[m.group(1)], i)
     if best is None:
         raise RuntimeError("no loop found in the SASS")
-    body = [line.split("\t", 1)[1] for line in lines[best[0] + 1:best[1] + 1] if "\t" in line]
+    return [line.strip() for line in lines[best[0] + 1:best[1] + 1] if "\t" in line]
+
+
+def loop_mix(sass: str) -> collections.Counter:
+    """Opcodes of the longest backward-branch loop of a SASS listing."""
+    body = [line.split("\t", 1)[1] for line in loop_body(sass)]
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)
+
+
+def load_cover(sass: str) -> list[tuple[int, str, int]]:
+    """Each global load of the loop: (its place in the loop, its opcode, how many instructions
+    issue before the first that waits on its scoreboard, around the loop's back edge). The
+    control field `wait:read:write:yield:stall` names the scoreboard a load sets (write) and
+    the scoreboards an instruction waits for (a hex mask); ptxas has six and shares them, so a
+    wait can cover loads issued far apart: the count is what hides the load's latency."""
+    body = loop_body(sass)
+    ctrl = [line.split("\t", 1)[0].split(":") for line in body]
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", line.split("\t", 1)[1]).split()[0] for line in body]
+    out = []
+    for i, op in enumerate(ops):
+        if not op.startswith("LDG") or ctrl[i][2] == "-":
+            continue
+        bit = 1 << int(ctrl[i][2])
+        for d in range(1, len(body) + 1):
+            wait = ctrl[(i + d) % len(body)][0]
+            if wait != "--" and int(wait, 16) & bit:
+                break
+        out.append((i, op, d - 1))
+    return out
 
 
 def main() -> None:
@@ -140,6 +169,8 @@ def main() -> None:
     ap.add_argument("--dump", help="write each kernel's SASS into this folder")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     ap.add_argument("--dot", action="store_true", help="also w4_dot's loop, MXFP4 and pair words")
+    ap.add_argument("--loads", action="store_true",
+                    help="also each loop's global loads: place, and instructions issued before the first wait on them")
     args = ap.parse_args()
     from triton.tools.disasm import get_sass
     result = {}
@@ -188,6 +219,9 @@ def main() -> None:
             continue
         print(f"{name} {fmt} g{group}: {total} instructions a loop step for {per_thread} weights a thread = "
               f"{per_weight:.2f} a weight -> at most {tbs:.2f} TB/s of packed weights at full issue rate ({top})")
+        if args.loads:
+            print("    loads (place: opcode, instructions before the first wait on them): "
+                  + ", ".join(f"{i}: {op} {cover}" for i, op, cover in load_cover(sass)))
     for fmt in ("mxfp4", "mxfp4_pairs") if args.dot else ():
         for order in (0, 1):
             mix = loop_mix(get_sass(compile_dot(fmt, order).asm["cubin"]))

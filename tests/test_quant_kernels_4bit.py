@@ -1014,3 +1014,31 @@ def test_gpu_one_row_gemv_with_the_norm_and_silu_inside(fmt, N, K, g, zp, gated)
     ref, ref_res = fused_ref(x, residual, nw, 1e-6, packed, scales, zeros, fmt, g, K, gated)
     assert rel_err(y.double(), ref) < TOL[torch.bfloat16]
     assert torch.equal(res, ref_res)
+
+
+def test_sass_load_cover_counts_the_work_before_the_first_wait():
+    """`scripts/w4_gemv_sass.py --loads`: for each global load of the loop, the instructions
+    issued before the first one that waits on its scoreboard (the control field's write
+    barrier against later wait masks), around the back edge; loads that set no scoreboard
+    are left out. Parsed from a hand-written listing in triton's disassembly format."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "w4_gemv_sass.py")
+    spec = importlib.util.spec_from_file_location("w4_gemv_sass", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".LBB0_1:",
+        "--:-:2:-:1\tLDG.E.128 R4, desc[UR6][R2.64];",  # scoreboard 2
+        "--:-:-:-:1\tIADD3 R8, R8, 0x1, RZ;",
+        "04:-:-:-:1\tFFMA R9, R4, R5, R9;",  # waits on 2: one instruction hid the load
+        "--:-:3:-:1\tLDG.E.64 R10, desc[UR6][R12.64];",  # scoreboard 3, waited at the top next step
+        "--:-:-:-:1\tFMUL R14, R14, R9;",
+        "--:-:-:-:1\tLDG.E R16, desc[UR6][R12.64];",  # no scoreboard: not counted
+        "08:-:-:-:1\t@!P0 BRA `(.LBB0_1);",
+    ])
+    body = mod.loop_body(sass)
+    assert len(body) == 7
+    # the 64-bit load: FMUL and the untracked load, then the branch waits on scoreboard 3
+    assert mod.load_cover(sass) == [(0, "LDG.E.128", 1), (3, "LDG.E.64", 2)]
