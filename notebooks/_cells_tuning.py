@@ -165,6 +165,35 @@ ax.set_ylabel("us per product (M = 1)"); ax.set_title("4-bit one-row GEMV on an 
 display(best.round(2))
 fig
 """),
+    ("md", "Where a batch-1 decode step's time goes in the engine, per layer, from a profile checked in under `docs/perf/raw` (`scripts/gpu_profile.py --sequence 60`, PDL off, an H100): each product's kernel time against the time its weight's bytes take at the H100's 3.35 TB/s. The small products take 2.3-2.7x their bytes' time, the large ones ~1.5x (docs/perf row 2 and `raw/history.md` 2026-12-06k: the loads of a step are issued late, after its products)."),
+    ("code", """
+import re
+raw_dir = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw"
+PRODUCTS = ["q/k/v", "attention", "o_proj", "gate-up", "silu", "down"]
+WEIGHTS = {"q/k/v": (6144, 4096), "o_proj": (4096, 4096), "gate-up": (28672, 4096), "down": (4096, 14336)}
+frames = []
+for fmt, bits in (("mxfp4_w4a16", 4 + 8 / 32), ("w4a16", 4 + 16 / 128)):
+    text = (raw_dir / f"2026-12-06k-h100-call1-prof-nopdl-seq-{fmt}.log").read_text()
+    seq = re.findall(r"^\s*\d+\s+([\d.]+) us\s+(\S+)", text.split("kernels in order:")[1], re.M)
+    first = [name for _, name in seq].index("_unified_attn_kernel") - 1   # a layer starts at its q/k/v product
+    layers = [seq[i:i + 6] for i in range(first, len(seq) - 5, 6)]
+    assert all([n for _, n in layer][1] == "_unified_attn_kernel" for layer in layers)
+    us = pd.DataFrame([[float(t) for t, _ in layer] for layer in layers], columns=PRODUCTS).median()
+    bytes_us = pd.Series({k: n * k_ * bits / 8 / 3.35e6 for k, (n, k_) in WEIGHTS.items()})
+    frames.append(pd.DataFrame({"format": fmt, "us": us, "bytes_us": bytes_us}))
+layer = pd.concat(frames).rename_axis("kernel").reset_index()
+layer["x_bytes"] = layer["us"] / layer["bytes_us"]
+products = layer.dropna(subset=["bytes_us"])
+assert (products["x_bytes"] > 1.2).all()   # none near its bytes' time
+fig = Figure(figsize=(7.0, 3.0), layout="constrained")
+ax = fig.add_subplot()
+products.pivot(index="kernel", columns="format", values="us").loc[list(WEIGHTS)].plot.bar(ax=ax, rot=0)
+ax.plot(range(4), products[products["format"] == "w4a16"].set_index("kernel").loc[list(WEIGHTS), "bytes_us"],
+        "k_", markersize=20, label="bytes at 3.35 TB/s")
+ax.set_ylabel("us a layer"); ax.set_title("batch-1 decode, Llama-3.1-8B, H100, PDL off"); ax.legend()
+display(layer.round(2))
+fig
+"""),
     ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
