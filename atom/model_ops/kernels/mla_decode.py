@@ -31,7 +31,7 @@ import torch
 
 from atom.model_ops.kernels.kv_cache import FP8_CACHE_DTYPES, fp8_saturate, interpreted, slot_offset
 from atom.model_ops.kernels.triton_import import HAS_TRITON, tl, triton
-from atom.utils.pow2 import next_pow2
+from atom.utils.pow2 import is_pow2, next_pow2
 
 _LOG2E = 1.4426950408889634
 
@@ -336,7 +336,7 @@ def _check_config(cfg: dict) -> None:
         raise ValueError(f"mla_decode config has unknown keys {unknown}: allowed {list(CONFIG_KEYS)}")
     for key in ("BLOCK_H", "TILE_N", "num_warps", "num_splits"):
         v = cfg[key]
-        if not isinstance(v, int) or v < 1 or v & (v - 1) or (key in ("BLOCK_H", "TILE_N") and v < 16):
+        if not is_pow2(v) or (key in ("BLOCK_H", "TILE_N") and v < 16):
             lo = 16 if key in ("BLOCK_H", "TILE_N") else 1
             raise ValueError(f"mla_decode config {key}={v!r} is invalid: must be a power of two >= {lo}")
     if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
