@@ -11,6 +11,7 @@ so fewer instructions per weight is the lever; this prints that count and the ra
     python scripts/w4_gemv_sass.py --json     # one JSON line: instructions a weight per kernel and format
     python scripts/w4_gemv_sass.py --dot      # also w4_dot's loop (16 x 64 x 256 tile, both column orders)
     python scripts/w4_gemv_sass.py --loads    # also where each loop issues its loads, and what hides them
+    python scripts/w4_gemv_sass.py --tables 128  # the tiles of Llama's products, as they are and at maxnreg 128
 
 "prepared x": the loop reading x's word columns prepared by the kernel in front (XPACK,
 `kernels.h2_xpack`) instead of scaling and packing them itself.
@@ -59,12 +60,16 @@ def compile_gemv(fmt: str, group: int):
 
 
 def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False, xpack: bool = False,
-                  l2d: int = 0, stages=None):
+                  l2d: int = 0, stages=None, tile: dict | None = None, k: int = 8192, maxnreg: int | None = None,
+                  norm: bool = False):
     """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 8192 weight (rows of several steps at every
     reference tile: a row of one step has no words to load ahead), sm90, the reference tile below
     (dw: words a thread's load, the kernel's DW; xpack: x's columns prepared by the kernel in
     front, `h2_xpack`; l2d: L2 prefetches that many steps ahead; stages: the loads pipelined
-    through shared memory instead of carried ahead); (kernel, weights per thread a loop step)."""
+    through shared memory instead of carried ahead); or `tile`, a tile of `w4_gemv1`'s tables
+    (its BLOCK_N, BLOCK_W, warps and options) for k inputs, with the register cap `maxnreg`
+    (Triton's launch option) and the norm inside (`norm`, the fused q/k/v launch);
+    (kernel, weights per thread a loop step)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -77,11 +82,15 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     tiles = dict(BLOCK_N=8, BLOCK_W=256, AHEAD=stages is None, HALF2=half2, DW=dw, CHAIN=chain, XPACK=xpack, L2D=l2d,
                  STAGES=stages)
     warps, stages = 8, 3
-    n_scales = 8192 // group
+    if tile is not None:  # a table's tile: SPF is a prefetch before the loop, maxnreg a launch option
+        tiles = {key: v for key, v in tile.items() if key not in ("num_warps", "num_stages", "maxnreg", "SPF")}
+        warps, stages = tile["num_warps"], tile["num_stages"]
+    dw = tiles.get("DW", 1)
+    n_scales = k // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
-                 NORM=False, HAS_RES=False, GATED=False, SW=0, SS=0, SZ=0, **tiles)
-    if g1.FIXED_STRIDES[fmt] and tiles["AHEAD"]:  # the launcher compiles the row strides in (with AHEAD)
-        const.update(SW=8192 // 8, SS=n_scales, SZ=n_scales)
+                 NORM=norm, HAS_RES=norm, GATED=False, SW=0, SS=0, SZ=0, **tiles)
+    if g1.FIXED_STRIDES[fmt] and tiles.get("AHEAD"):  # the launcher compiles the row strides in (with AHEAD)
+        const.update(SW=k // 8, SS=n_scales, SZ=n_scales)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
                  nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32", xk_ptr="*i32")
@@ -90,8 +99,11 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
     divisible = {"x_ptr", "y_ptr", "n_words", "xk_ptr"}  # the weight and scale pointers are not specialized on alignment
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
+    options = dict(num_warps=warps, num_stages=stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+                              target=GPUTarget("cuda", 90, 32), options=options)
     return compiled, const["BLOCK_N"] * const["BLOCK_W"] * 8 * dw // (32 * warps)
 
 
@@ -164,14 +176,58 @@ def load_cover(sass: str) -> list[tuple[int, str, int]]:
     return out
 
 
+def registers(sass: str) -> int:
+    """The registers a SASS listing uses: one more than the highest R it names (without a GPU
+    the compiled kernel does not report its count)."""
+    return 1 + max(int(r) for r in re.findall(r"\bR(\d+)\b", sass))
+
+
+def table_tiles() -> list[tuple[str, str, int, dict, bool]]:
+    """(name, format, K, tile, norm inside) of each tile `w4_gemv1` picks at Llama-3.1-8B's
+    batch-1 products: o_proj (4096 x 4096, `TILES`), gate-up (28672 x 4096, `TILES_WIDE`),
+    down (4096 x 14336, `TILES_DEEP`) and q/k/v with the norm inside (6144 x 4096,
+    `fused_tiles`), for int4 and MXFP4 pair words."""
+    from atom.model_ops.kernels import w4_gemv1 as g1
+    out = []
+    for fmt in ("int4", "mxfp4_pairs"):
+        out += [("o_proj", fmt, 4096, g1.tiles(4096, fmt, 4096), False),
+                ("gate-up", fmt, 4096, g1.tiles(28672, fmt, 4096), False),
+                ("down", fmt, 14336, g1.tiles(4096, fmt, 14336), False),
+                ("q/k/v+norm", fmt, 4096, g1.fused_tiles(False), True)]
+    return out
+
+
+def print_tables(caps: list[int]) -> None:
+    """For each tile of `table_tiles`, under its own register cap and each of `caps`: the
+    registers, the loop's instructions a step, and per load opcode the range of instructions
+    issued before the first wait on it (`load_cover`)."""
+    from triton.tools.disasm import get_sass
+    for name, fmt, k, tile, norm in table_tiles():
+        group = 128 if fmt == "int4" else 32
+        for cap in dict.fromkeys([tile.get("maxnreg")] + caps):
+            compiled, _ = compile_gemv1(fmt, group, tile=tile, k=k, maxnreg=cap, norm=norm)
+            sass = get_sass(compiled.asm["cubin"])
+            spans = collections.defaultdict(list)
+            for _, op, cover in load_cover(sass):
+                spans[op].append(cover)
+            loads = ", ".join(f"{op} x{len(c)} {min(c)}-{max(c)}" for op, c in sorted(spans.items()))
+            print(f"{name} {fmt} maxnreg={cap}: {registers(sass)} registers, {len(loop_body(sass))} instructions "
+                  f"a step; cover {loads}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dump", help="write each kernel's SASS into this folder")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     ap.add_argument("--dot", action="store_true", help="also w4_dot's loop, MXFP4 and pair words")
+    ap.add_argument("--tables", nargs="*", type=int, metavar="CAP",
+                    help="only the tiles w4_gemv1 picks at Llama-3.1-8B's products, under their register cap and "
+                         "each CAP (maxnreg): registers, instructions a step, the loads' cover")
     ap.add_argument("--loads", action="store_true",
                     help="also each loop's global loads: place, and instructions issued before the first wait on them")
     args = ap.parse_args()
+    if args.tables is not None:
+        return print_tables(args.tables)
     from triton.tools.disasm import get_sass
     result = {}
     half2 = functools.partial(compile_gemv1, half2=True)
