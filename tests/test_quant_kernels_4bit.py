@@ -1042,3 +1042,25 @@ def test_sass_load_cover_counts_the_work_before_the_first_wait():
     assert len(body) == 7
     # the 64-bit load: FMUL and the untracked load, then the branch waits on scoreboard 3
     assert mod.load_cover(sass) == [(0, "LDG.E.128", 1), (3, "LDG.E.64", 2)]
+
+
+def test_sass_tables_name_the_launchers_tiles():
+    """`scripts/w4_gemv_sass.py --tables`: the tiles it compiles are the ones `w4_gemv1`
+    picks at Llama-3.1-8B's batch-1 products (o_proj, gate-up, down, and q/k/v with the norm
+    inside: `fused_tiles`), for int4 and MXFP4 pair words, with the inputs of each product;
+    the register count of a listing is one more than the highest R it names."""
+    import importlib.util
+    import os
+    from atom.model_ops.kernels import w4_gemv1 as g1
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "w4_gemv_sass.py")
+    spec = importlib.util.spec_from_file_location("w4_gemv_sass", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = {(name, fmt): (k, tile, norm) for name, fmt, k, tile, norm in mod.table_tiles()}
+    assert len(rows) == 8
+    for fmt in ("int4", "mxfp4_pairs"):
+        assert rows[("o_proj", fmt)] == (4096, g1.TILES[fmt], False)
+        assert rows[("gate-up", fmt)] == (4096, g1.TILES_WIDE[fmt], False)
+        assert rows[("down", fmt)] == (14336, g1.TILES_DEEP[fmt], False)
+        assert rows[("q/k/v+norm", fmt)] == (4096, g1.FUSED_TILES[False], True)
+    assert mod.registers("MOV R1, c[0x0][0x28] ;\nIADD3 R17, R2, 0x1, RZ ;\nSTG.E desc[UR4][R4.64], R9 ;") == 18
