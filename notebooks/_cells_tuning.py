@@ -279,7 +279,8 @@ word loads (WCACHE ".cg", PF1: scale lines into L1 too) and Triton's register ca
 From the H100 options sweep under `docs/perf/raw` (`scripts/w4_gemv1_sweep.py --options`):
 each option's time over Llama-3.1-8B's four shapes against the table's tile then (no SPF, no
 cap). SPF and MXFP4's maxnreg = 64 are in the tables now (batch-1 decode agreed); the rest
-were slower.
+were slower. MXFP4's deep tile (down) has room for 128 registers instead: see the register caps
+below.
 """),
     ("code", """
 raw = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw" / "2026-12-06e-h100-call1-w4-gemv1-options.json"
@@ -289,13 +290,38 @@ total = opts.pivot_table(index="option", columns="format", values="us", aggfunc=
 travel = (total / total.loc["table"] - 1).mul(100).round(1).sort_values("mxfp4")
 assert travel.loc["AHEAD=False, STAGES=3", "int4"] > 50 and travel.loc["SPF=True", "mxfp4"] < 0
 assert all(w4_gemv1.tiles(n, f, k)["SPF"] for f in ("int4", "mxfp4") for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)))
-assert all(w4_gemv1.tiles(n, "mxfp4", k)["maxnreg"] == 64 for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)))
+assert [w4_gemv1.tiles(n, "mxfp4", k)["maxnreg"] for n, k in ((4096, 4096), (28672, 4096), (4096, 14336))] == [64, 64, 128]
 fig = Figure(figsize=(7.0, 3.6), layout="constrained")
 ax = fig.add_subplot()
 travel[travel.abs().max(axis=1) < 40].plot.barh(ax=ax)
 ax.set_xlabel("% time against the table's tile (H100, 4 shapes)"); ax.set_title("one-row GEMV: how the weights travel")
 display(travel)
 fig
+"""),
+    ("md", """
+Register caps. Under Triton's maxnreg = 64 ptxas keeps MXFP4's loop in 64 registers by issuing
+the next step's words (loaded a step ahead) at the end of the step, so only ~60-90
+instructions separate them from their use and the loads hardly overlap the arithmetic; with
+room for 128 it issues them early (`scripts/w4_gemv_sass.py --tables 128` prints each tile's
+registers and that cover without a GPU). Llama-3.1-8B's batch-1 decode on one H100 with each
+tile's cap changed in a copy of the tree (`h200_lease.sh var`, the JSON under `docs/perf/raw`):
+only the deep tile (down: 512 programs of 4 warps, under 4 an SM, so no program is lost) gains;
+int4, whose loop ptxas leaves at 59-69 registers, loses with every cap.
+"""),
+    ("code", """
+raw = pathlib.Path(atom.__file__).resolve().parents[1] / "docs" / "perf" / "raw"
+names = {"asis": "as was (MXFP4 64 everywhere; int4 none)", "nreg_deep128": "MXFP4 down 128",
+         "nreg_all128": "MXFP4 all three 128", "wide_nreg128": "int4 gate-up 128",
+         "wide_ahead128": "int4 gate-up 128, words ahead", "all_ahead128": "int4 all three 128, gate-up ahead"}
+caps = pd.DataFrame([dict(variant=names[f.name.split("-var")[1].rsplit("-", 1)[0]],
+                          format=f.name.rsplit("-", 1)[1][:-5],
+                          ms=json.loads(f.read_text())["results"][0]["ms_per_step"])
+                     for f in sorted(raw.glob("2026-12-07a-h100-call1-l-lat1-var*.json"))])
+bf16 = json.loads((raw / "2026-12-07a-h100-call1-l-lat1-bf16.json").read_text())["results"][0]["ms_per_step"]
+caps["x bf16"] = (bf16 / caps["ms"]).round(3)
+caps = caps.set_index(["format", "variant"]).sort_index()
+assert caps.loc[("mxfp4_w4a16", "MXFP4 down 128"), "ms"] < 0.96 * caps.loc[("mxfp4_w4a16", names["asis"]), "ms"]
+caps
 """),
     ("md", """
 Rows prepared by the kernel in front (the plan's opt-in "w4_prepared_x", `kernels/h2_xpack.py`):

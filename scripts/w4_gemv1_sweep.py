@@ -37,7 +37,7 @@ TILES = [(8, 8, True, False, 1, False),
          (16, 4, False, True, 2, True), (8, 8, True, True, 2, True), (8, 4, True, True, 2, True),
          (16, 4, True, True, 2, True), (8, 2, True, True, 2, True), (16, 2, True, True, 2, True)]
 
-# --options: the table's tile as it is (SPF on; MXFP4's with maxnreg 64), then with each of these
+# --options: the table's tile as it is (SPF on; MXFP4's register cap: 64, the deep tile 128), then with each of these
 # (SPF off: the scale rows not asked of L2 at the start; the kernel's L2D: L2 prefetches that many
 # steps ahead, with the next words carried in registers or, AHEAD off, loaded in the step that
 # uses them (int4 at its top; MXFP4's loops spread them through it); STAGES: the loop's loads

@@ -204,7 +204,7 @@ def test_one_row_gemv_refuses_tile_options_that_do_not_combine():
 
 
 def test_one_row_gemv_register_cap_only_on_nvidia(monkeypatch):
-    """maxnreg (MXFP4's table tiles pass 64) is an option of Triton's NVIDIA backend: the
+    """maxnreg (MXFP4's table tiles pass 64 or 128) is an option of Triton's NVIDIA backend: the
     launcher passes it on there and drops it under ROCm, where Triton would refuse it."""
     packed, scales, zeros = random_w4("mxfp4", 8, 1024, 32, False)
     x = torch.randn(1, 1024).to(torch.bfloat16)
@@ -220,6 +220,19 @@ def test_one_row_gemv_register_cap_only_on_nvidia(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.4")
     w4_linear_launch(x, packed, scales, zeros, None, "mxfp4", 32, 1024, config=cfg)
     assert [kw.get("maxnreg") for kw in seen] == [64, None]
+
+
+def test_register_caps_of_the_one_row_tiles():
+    """The table's register caps at Llama-3.1-8B's products: MXFP4 (and its pair words) 64
+    for o_proj (4096 x 4096) and gate-up (28672 x 4096), 128 for down (4096 x 14336, the deep
+    tile: its loads then overlap the arithmetic); int4 leaves them to ptxas (every cap measured
+    slower: docs/perf)."""
+    for fmt in ("mxfp4", "mxfp4_pairs"):
+        assert [w4_gemv1.tiles(n, fmt, k).get("maxnreg") for n, k in ((4096, 4096), (28672, 4096), (4096, 14336))] \
+            == [64, 64, w4_gemv1.DEEP_MAXNREG]
+    assert w4_gemv1.DEEP_MAXNREG == 128
+    assert w4_gemv1.tiles(4096, "mxfp4", 14336)["num_warps"] == 4  # 4 warps at 128 registers: 16K of an SM's 64K a program
+    assert all("maxnreg" not in w4_gemv1.tiles(n, "int4", k) for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)))
 
 
 def test_two_words_a_load_only_where_the_words_pair_up():
