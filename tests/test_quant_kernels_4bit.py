@@ -35,6 +35,16 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
+def _script(name: str):
+    """scripts/<name>.py as a module (a script, not a package module)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "scripts",
+                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def random_w4(fmt: str, N: int, K: int, g: int, zp: bool, device="cpu", seed=0):
     """Random packed tensors in the kernels' layout (every nibble value, scales near 1 / K)."""
     gen = torch.Generator().manual_seed(seed)
@@ -225,7 +235,7 @@ def test_one_row_gemv_register_cap_only_on_nvidia(monkeypatch):
 def test_register_caps_of_the_one_row_tiles():
     """The table's register caps at Llama-3.1-8B's products: MXFP4 (and its pair words) 64
     for o_proj (4096 x 4096) and gate-up (28672 x 4096), 128 for down (4096 x 14336, the deep
-    tile: its loads then overlap the arithmetic); int4 leaves them to ptxas (every cap measured
+    tile: ptxas then issues its next step's words early); int4 leaves them to ptxas (every cap measured
     slower: docs/perf)."""
     for fmt in ("mxfp4", "mxfp4_pairs"):
         assert [w4_gemv1.tiles(n, fmt, k).get("maxnreg") for n, k in ((4096, 4096), (28672, 4096), (4096, 14336))] \
@@ -861,13 +871,8 @@ def test_w4_sweep_loop_runs_every_format_and_regime(tmp_path, monkeypatch, capsy
     the interpreter here) and the JSON names a best tile per (format, shape, M); the
     asymmetric int4 re-times the best symmetric tiles only. The timer is a stand-in that
     runs each call once and ranks configs by BLOCK_N (larger is "faster")."""
-    import importlib.util
     import json
-    import os
-    spec = importlib.util.spec_from_file_location(
-        "w4_sweep", os.path.join(os.path.dirname(__file__), "..", "scripts", "w4_sweep.py"))
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _script("w4_sweep")
     import atom.utils.cuda_timing as cuda_timing
     calls_seen = []
 
@@ -1034,12 +1039,7 @@ def test_sass_load_cover_counts_the_work_before_the_first_wait():
     issued before the first one that waits on its scoreboard (the control field's write
     barrier against later wait masks), around the back edge; loads that set no scoreboard
     are left out. Parsed from a hand-written listing in triton's disassembly format."""
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "w4_gemv_sass.py")
-    spec = importlib.util.spec_from_file_location("w4_gemv_sass", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("w4_gemv_sass")
     sass = "\n".join([
         "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
         ".LBB0_1:",
@@ -1062,13 +1062,8 @@ def test_sass_tables_name_the_launchers_tiles():
     picks at Llama-3.1-8B's batch-1 products (o_proj, gate-up, down, and q/k/v with the norm
     inside: `fused_tiles`), for int4 and MXFP4 pair words, with the inputs of each product;
     the register count of a listing is one more than the highest R it names."""
-    import importlib.util
-    import os
     from atom.model_ops.kernels import w4_gemv1 as g1
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "w4_gemv_sass.py")
-    spec = importlib.util.spec_from_file_location("w4_gemv_sass", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("w4_gemv_sass")
     rows = {(name, fmt): (k, tile, norm) for name, fmt, k, tile, norm in mod.table_tiles()}
     assert len(rows) == 8
     for fmt in ("int4", "mxfp4_pairs"):
