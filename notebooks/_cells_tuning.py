@@ -301,7 +301,7 @@ fig
     ("md", """
 Register caps. Under Triton's maxnreg = 64 ptxas keeps MXFP4's loop in 64 registers by issuing
 the next step's words (loaded a step ahead) at the end of the step, so only ~60-90
-instructions separate them from their use and the loads hardly overlap the arithmetic; with
+instructions separate them from their use (DRAM latency is several hundred cycles); with
 room for 128 it issues them early (`scripts/w4_gemv_sass.py --tables 128` prints each tile's
 registers and that cover without a GPU). Llama-3.1-8B's batch-1 decode on one H100 with each
 tile's cap changed in a copy of the tree (`h200_lease.sh var`, the JSON under `docs/perf/raw`):
