@@ -78,11 +78,9 @@ for _table in (TILES, TILES_WIDE, TILES_DEEP):
     _table["mxfp4"]["maxnreg"] = 64
 #: MXFP4's deep tile (Llama's down product: 512 programs of 4 warps, under 4 an SM, which fit the
 #: registers at 128 as at 64) with room for 128 registers: ptxas then issues the next step's
-#: words early in the step (206-264 instructions before their first use against 62-89 at 64,
-#: `scripts/w4_gemv_sass.py --tables 128`) instead of sinking them to its end: Llama-3.1-8B's
-#: MXFP4 batch-1 decode 6% faster (docs/perf; the one-row GEMVs' times with PDL off moved far
-#: less, so how much of that the loop's schedule gives is not established). The other
-#: tiles, and int4's, lose programs an SM or time with more registers (the same page).
+#: words early in the step instead of sinking them to its end (`scripts/w4_gemv_sass.py --tables
+#: 128` shows the cover). The other tiles, and int4's, lose programs an SM or time with more
+#: registers; the timings are in docs/perf.
 DEEP_MAXNREG = 128
 TILES_DEEP["mxfp4"]["maxnreg"] = DEEP_MAXNREG
 # MXFP4 pair words (`fp4_pairs`: the same weights, bits placed for fewer decode instructions)
