@@ -67,6 +67,8 @@
 # attn_bs1 (the engine's batch-1 decode attention, rotary and merge inside, at 128-4096 tokens of context:
 # its choice, the same with the opt-in skip_empty, and a grid of splits, TILE_N and warps, beside the KV read's
 # time at HBM speed), attn_bs1_ahead (the same grid's tiles with `rows_ahead` at 3 stages, 4-64 splits, to 8192 tokens),
+# attn_long (decode attention on the long-context workload's batches, bf16 and FP8 KV: the engine's choice against
+# splits, tiles, stages and `rows_ahead`, beside the KV read's time at HBM speed; HBM_TBS sets that speed),
 # merge_tests (the GPU tests of the in-kernel merge, skip_empty included),
 # pw_tests (the GPU tests of MXFP4 pair words and CHAIN, the 4-bit kernels', and quantized dummy models
 # started with CUDA graphs). VARIANTS names the
@@ -217,6 +219,7 @@ for st in "$@"; do ts=$(date +%s); case $st in
   fp8_sweep) run fp8-gemv-sweep 200 python3 scripts/fp8_gemv_sweep.py --out $R/fp8-gemv-sweep.json;;
   fp8_h2) run fp8-h2-probe 240 python3 scripts/fp8_h2_probe.py --out $R/fp8-h2-probe.json;;
   attn_bs1) run attn-bs1 400 python3 scripts/attention_bs1_sweep.py --out $R/attn-bs1.json;;
+  attn_long) run attn-long 500 python3 scripts/attention_long_sweep.py --out $R/attn-long.json --hbm-tbs ${HBM_TBS:-4.8};;
   merge_tests) run merge-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_attention_split_merge.py;;
   attn_bs1_ahead) run attn-bs1-ahead 400 python3 scripts/attention_bs1_sweep.py --out $R/attn-bs1-ahead.json --ahead \
                     --stages 3 --splits 4 8 16 32 64 --tiles 32 64 --warps 4 --contexts 256 1024 4096 8192;;
