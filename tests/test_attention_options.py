@@ -319,6 +319,35 @@ def test_triton_fp8_cache_with_bf16_queries(window):
 
 
 @needs_kernel
+@pytest.mark.parametrize("splits", [None, 1])
+def test_triton_fp8_cache_wide_decode_tile(splits):
+    """A decode batch of FP8_WIDE_TILE_MIN_SEQS sequences over an FP8 cache (128-key tiles: one
+    whole tile, tiles cut by the context's end, a context inside one tile) equals the torch
+    reference on the same cache, split (the engine's choice: 16 segments, most without keys)
+    and unsplit; split, with bf16 queries, within bf16's output rounding."""
+    from atom.model_ops.attention.triton_unified import FP8_WIDE_TILE_MIN_SEQS, pick_attention_config
+    from atom.model_ops.kernels import reshape_and_cache_ref
+    hq, hkv, d, bs = 4, 2, 64, 16
+    n_seqs = FP8_WIDE_TILE_MIN_SEQS
+    ctx = [(37 * i) % 300 + 5 for i in range(n_seqs - 1)] + [127]
+    q, kc, vc, meta, ks, vs = paged_batch([1] * n_seqs, ctx, hq, hkv, d, bs, seed=21)
+    cfg = pick_attention_config(n_seqs, n_seqs, hq, hkv, d, 1, q.device, kv_fp8=True)
+    assert cfg["TILE_N"] == 128
+    k_scale, v_scale = torch.tensor(0.05), torch.tensor(0.02)
+    n = kc.shape[0] * bs
+    kq, vq = torch.zeros(kc.shape, dtype=FP8), torch.zeros(kc.shape, dtype=FP8)
+    # the reference write (the Triton one stores the same bits: test above), fast in the interpreter
+    reshape_and_cache_ref(kc.view(n, hkv, d), vc.view(n, hkv, d), kq, vq, torch.arange(n), k_scale, v_scale)
+    opts = AttentionOptions(None, None, k_scale, v_scale)
+    ref = paged_attention(q, kq, vq, meta, d ** -0.5, opts)
+    out = _unified(q, kq, vq, meta, d ** -0.5, opts, num_kv_splits=splits)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    if splits is None:
+        out = _unified(q.to(torch.bfloat16), kq, vq, meta, d ** -0.5, opts)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernel
 def test_triton_decode_rope_writes_fp8():
     """The decode path with the rotary embedding folded in writes k / v into an FP8 cache
     quantized with the layer's scales, and attends over it (against the torch reference)."""

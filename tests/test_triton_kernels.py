@@ -258,6 +258,27 @@ def test_decode_split_choice_by_programs():
     assert splits(4, max_q=16) == 1  # prefill tokens: one pass
 
 
+def test_fp8_cache_decode_tile_by_sequences():
+    """Decode batches of FP8_WIDE_TILE_MIN_SEQS sequences or more over an FP8 cache take 128-key
+    tiles; fewer sequences, prefill tokens, a bf16 cache and wide heads keep the 64 (32) of bf16."""
+    from atom.model_ops.attention.triton_unified import FP8_WIDE_TILE_MIN_SEQS, pick_attention_config
+    cpu = torch.device("cpu")
+
+    def tile(seqs, max_q=1, fp8=True, d=128):
+        return pick_attention_config(seqs * max_q, seqs, 32, 8, d, max_q, cpu, kv_fp8=fp8)["TILE_N"]
+
+    n = FP8_WIDE_TILE_MIN_SEQS
+    assert tile(n) == 128 and tile(256) == 128
+    assert tile(n - 1) == 64 and tile(1) == 64
+    assert tile(n, fp8=False) == 64 and tile(256, fp8=False) == 64
+    assert tile(n, max_q=16) == 64  # prefill tokens
+    assert tile(n, d=256) == 32  # heads wider than 128: the bf16 tile
+    # the rest of the choice is the bf16 cache's
+    a = pick_attention_config(n, n, 32, 8, 128, 1, cpu, kv_fp8=True)
+    b = pick_attention_config(n, n, 32, 8, 128, 1, cpu)
+    assert {k: v for k, v in a.items() if k != "TILE_N"} == {k: v for k, v in b.items() if k != "TILE_N"}
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 def test_attention_split_kv_on_mixed_batch(device):
     """Forced splits also serve prefills and chunks (the merge is general)."""

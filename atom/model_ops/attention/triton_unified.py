@@ -42,7 +42,8 @@ tiles across its lower edge are masked like the diagonal ones); attention sinks 
 per query head in the softmax denominator, no value) start each row's online softmax at
 ``m = sink, l = 1`` (in the first KV segment only, so the split-KV merge counts it once);
 an FP8 cache (e4m3 of x / scale) is read as fp8 and converted to the query dtype, with
-``k_scale`` folded into the softmax scale and ``v_scale`` into the output.
+``k_scale`` folded into the softmax scale and ``v_scale`` into the output; decode batches of
+`FP8_WIDE_TILE_MIN_SEQS` sequences or more read it 128 keys a tile.
 
 Decode steps may fold the rotary embedding in (:class:`DecodeRope`): q arrives unrotated
 and is rotated in registers (after Qwen3's per-head q norm), and the one program of each
@@ -513,9 +514,17 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+#: decode batches of at least this many sequences over an FP8 KV cache read 128-key tiles (the
+#: bytes a tile of bf16's 64 keys): a program's tiles run one after another, each waiting on
+#: memory, so with 64-key tiles the 1-byte cache halves the bytes a wait and gains little over
+#: bf16 at long contexts. Short contexts at few sequences (batch-1 decode) are faster with 64,
+#: hence the floor. Timings (`scripts/attention_long_sweep.py`, the long-context workload): docs/perf.
+FP8_WIDE_TILE_MIN_SEQS = 17
+
+
 @functools.lru_cache(maxsize=512)
-def _cached_config(*args) -> dict:
-    return pick_attention_config(*args)
+def _cached_config(*args, **kwargs) -> dict:
+    return pick_attention_config(*args, **kwargs)
 
 
 def pick_attention_config(
@@ -527,8 +536,10 @@ def pick_attention_config(
     max_query_len: int,
     device: torch.device,
     max_splits: int = 16,
+    kv_fp8: bool = False,
 ) -> dict:
-    """Tile sizes, warps and number of KV splits. Depends on shapes only."""
+    """Tile sizes, warps and number of KV splits. Depends on shapes (and, `kv_fp8`, on the
+    cache holding FP8: `FP8_WIDE_TILE_MIN_SEQS`) only."""
     qpkv = num_q_heads // num_kv_heads
     if max_query_len <= 1:
         block_m = max(16, next_pow2(qpkv))
@@ -537,6 +548,8 @@ def pick_attention_config(
     block_q = max(1, block_m // qpkv)
     head_pad = max(16, next_pow2(head_dim))
     tile_n = 64 if head_pad <= 128 else 32
+    if kv_fp8 and max_query_len <= 1 and num_seqs >= FP8_WIDE_TILE_MIN_SEQS and head_pad <= 128:
+        tile_n = 128
     num_q_blocks = num_tokens // block_q + num_seqs
     num_splits = 1
     if max_query_len <= 1 and num_seqs > 0:
@@ -774,7 +787,7 @@ def unified_attention(
         return out
     max_query_len = max(1, int(max_query_len))
     cfg = _cached_config(T, B, Hq, Hkv, D, max_query_len, q.device,
-                         workspace.max_splits if workspace else 16)
+                         workspace.max_splits if workspace else 16, kv_fp8=k_cache.dtype in FP8_CACHE_DTYPES)
     if config:
         cfg = dict(cfg, **config)
         if "BLOCK_M" in config and "BLOCK_Q" not in config:
