@@ -69,6 +69,8 @@
 # time at HBM speed), attn_bs1_ahead (the same grid's tiles with `rows_ahead` at 3 stages, 4-64 splits, to 8192 tokens),
 # attn_long (decode attention on the long-context workload's batches, bf16 and FP8 KV: the engine's choice against
 # splits, tiles, stages and `rows_ahead`, beside the KV read's time at HBM speed; HBM_TBS sets that speed),
+# var_kv (each variant's long-context workload, nano-vllm workload and batch-1 decode with an FP8 KV cache, bf16
+# weights; scripts/variants/attn: fp8_tile64 / fp8_tile128 the FP8 decode tile at every batch size),
 # merge_tests (the GPU tests of the in-kernel merge, skip_empty included),
 # pw_tests (the GPU tests of MXFP4 pair words and CHAIN, the 4-bit kernels', and quantized dummy models
 # started with CUDA graphs). VARIANTS names the
@@ -304,6 +306,15 @@ for st in "$@"; do ts=$(date +%s); case $st in
           run l-thr-var$n-$f 300 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.throughput \
             $L --peer none --repeat 1 --quantization $f --cache-dir /tmp/lc --out $R/l-thr-var$n-$f.json
         done
+      done;;
+  var_kv) for v in ${VARIANTS:-.variants}/*.sh; do  # the same variants with an FP8 KV cache: the long-context
+        variant_tree $v || continue                    # workload, the nano-vllm one and batch-1 decode, bf16 weights
+        run l-long-var$n-kvfp8 300 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.throughput \
+          $L --peer none --repeat 1 --workload long --kv-cache-dtype fp8 --cache-dir /tmp/lc --out $R/l-long-var$n-kvfp8.json
+        run l-thr-var$n-kvfp8 300 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.throughput \
+          $L --peer none --repeat 1 --kv-cache-dtype fp8 --cache-dir /tmp/lc --out $R/l-thr-var$n-kvfp8.json
+        run l-lat1-var$n-kvfp8 200 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.latency \
+          $L $LAT --batches 1 --peer none --repeat 1 --kv-cache-dtype fp8 --cache-dir /tmp/lc --out $R/l-lat1-var$n-kvfp8.json
       done;;
   new) for f in ${AB_FORMATS:-bf16 w4a16}; do  # batch-1 decode of this tree only
         q=(--quantization $f); [ $f = bf16 ] && q=()

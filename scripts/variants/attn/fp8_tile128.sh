@@ -1,13 +1,7 @@
 # Variant (run inside a copy of the tree by `h200_lease.sh var` with VARIANTS=scripts/variants/attn):
-# decode steps over an FP8 KV cache with 128-key tiles instead of 64 (4 warps, 2 stages): the same
-# bytes a tile as bf16's 64 keys.
+# decode batches over an FP8 KV cache read 128-key tiles at every batch size (the tree: from
+# `FP8_WIDE_TILE_MIN_SEQS` sequences; before 6693367, 64-key tiles at all of them), as timed in
+# docs/perf against the tree before.
 set -e
-python3 - <<'PY'
-p = "atom/model_ops/attention/triton_unified.py"
-s = open(p).read()
-old = "                         workspace.max_splits if workspace else 16)\n"
-assert s.count(old) == 1
-s = s.replace(old, old + "    if k_cache.dtype in FP8_CACHE_DTYPES and max_query_len <= 1:\n        cfg = dict(cfg, TILE_N=128)\n")
-open(p, "w").write(s)
-PY
-grep -q "cfg = dict(cfg, TILE_N=128)" atom/model_ops/attention/triton_unified.py
+sed -i 's/^FP8_WIDE_TILE_MIN_SEQS = [0-9]*$/FP8_WIDE_TILE_MIN_SEQS = 1/' atom/model_ops/attention/triton_unified.py
+grep -q "^FP8_WIDE_TILE_MIN_SEQS = 1$" atom/model_ops/attention/triton_unified.py
