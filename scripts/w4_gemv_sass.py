@@ -61,15 +61,16 @@ def compile_gemv(fmt: str, group: int):
 
 def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False, xpack: bool = False,
                   l2d: int = 0, stages=None, tile: dict | None = None, k: int = 8192, maxnreg: int | None = None,
-                  norm: bool = False):
+                  norm: bool = False, gated: bool = False):
     """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 8192 weight (rows of several steps at every
     reference tile: a row of one step has no words to load ahead), sm90, the reference tile below
     (dw: words a thread's load, the kernel's DW; xpack: x's columns prepared by the kernel in
     front, `h2_xpack`; l2d: L2 prefetches that many steps ahead; stages: the loads pipelined
     through shared memory instead of carried ahead); or `tile`, a tile of `w4_gemv1`'s tables
     (its BLOCK_N, BLOCK_W, warps and options) for k inputs, with the register cap `maxnreg`
-    (Triton's launch option) and the norm inside (`norm`, the fused q/k/v launch);
-    (kernel, weights per thread a loop step)."""
+    (Triton's launch option) and the norm inside (`norm`, the fused q/k/v launch), or gated
+    after o_proj's epilogue (`gated`: SiLU-and-mul inside, 1 / rms from its sums, RSQ);
+    (kernel, weights per thread a loop step; a gated step's weights are its gate and up rows')."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -88,12 +89,12 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     dw = tiles.get("DW", 1)
     n_scales = k // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
-                 NORM=norm, HAS_RES=norm, GATED=False, SW=0, SS=0, SZ=0, **tiles)
+                 NORM=norm, HAS_RES=norm, GATED=gated, RSQ=gated, SW=0, SS=0, SZ=0, **tiles)
     if g1.FIXED_STRIDES[fmt] and tiles.get("AHEAD"):  # the launcher compiles the row strides in (with AHEAD)
         const.update(SW=k // 8, SS=n_scales, SZ=n_scales)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
-                 nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32", xk_ptr="*i32")
+                 nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32", xk_ptr="*i32", rsq_ptr="*fp32")
     const = with_defaults(kernel, const)
     names = kernel.arg_names
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
@@ -104,7 +105,7 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
         options["maxnreg"] = maxnreg
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
-    return compiled, const["BLOCK_N"] * const["BLOCK_W"] * 8 * dw // (32 * warps)
+    return compiled, const["BLOCK_N"] * const["BLOCK_W"] * 8 * dw * (2 if gated else 1) // (32 * warps)
 
 
 def compile_dot(fmt: str, order: int):
@@ -182,18 +183,20 @@ def registers(sass: str) -> int:
     return 1 + max(int(r) for r in re.findall(r"\bR(\d+)\b", sass))
 
 
-def table_tiles() -> list[tuple[str, str, int, dict, bool]]:
-    """(name, format, K, tile, norm inside) of each tile `w4_gemv1` picks at Llama-3.1-8B's
+def table_tiles() -> list[tuple[str, str, int, dict, bool, bool]]:
+    """(name, format, K, tile, norm inside, gated) of each tile `w4_gemv1` picks at Llama-3.1-8B's
     batch-1 products: o_proj (4096 x 4096, `TILES`), gate-up (28672 x 4096, `TILES_WIDE`),
-    down (4096 x 14336, `TILES_DEEP`) and q/k/v with the norm inside (6144 x 4096,
-    `fused_tiles`), for int4 and MXFP4 pair words."""
+    down (4096 x 14336, `TILES_DEEP`), q/k/v with the norm inside (6144 x 4096,
+    `fused_tiles`) and gate-up with SiLU-and-mul inside ("w4_gate_up_silu", `gated_tiles`),
+    for int4 and MXFP4 pair words."""
     from atom.model_ops.kernels import w4_gemv1 as g1
     out = []
     for fmt in ("int4", "mxfp4_pairs"):
-        out += [("o_proj", fmt, 4096, g1.tiles(4096, fmt, 4096), False),
-                ("gate-up", fmt, 4096, g1.tiles(28672, fmt, 4096), False),
-                ("down", fmt, 14336, g1.tiles(4096, fmt, 14336), False),
-                ("q/k/v+norm", fmt, 4096, g1.fused_tiles(False), True)]
+        out += [("o_proj", fmt, 4096, g1.tiles(4096, fmt, 4096), False, False),
+                ("gate-up", fmt, 4096, g1.tiles(28672, fmt, 4096), False, False),
+                ("down", fmt, 14336, g1.tiles(4096, fmt, 14336), False, False),
+                ("q/k/v+norm", fmt, 4096, g1.fused_tiles(False), True, False),
+                ("gate-up+silu", fmt, 4096, g1.gated_tiles(28672, fmt, 4096), False, True)]
     return out
 
 
@@ -202,10 +205,10 @@ def print_tables(caps: list[int]) -> None:
     registers, the loop's instructions a step, and per load opcode the range of instructions
     issued before the first wait on it (`load_cover`)."""
     from triton.tools.disasm import get_sass
-    for name, fmt, k, tile, norm in table_tiles():
+    for name, fmt, k, tile, norm, gated in table_tiles():
         group = 128 if fmt == "int4" else 32
         for cap in dict.fromkeys([tile.get("maxnreg")] + caps):
-            compiled, _ = compile_gemv1(fmt, group, tile=tile, k=k, maxnreg=cap, norm=norm)
+            compiled, _ = compile_gemv1(fmt, group, tile=tile, k=k, maxnreg=cap, norm=norm, gated=gated)
             sass = get_sass(compiled.asm["cubin"])
             spans = collections.defaultdict(list)
             for _, op, cover in load_cover(sass):

@@ -167,14 +167,39 @@ def test_product_epilogue_adds_and_writes_the_next_norms_row(device, fmt, group,
 
 
 @pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("fmt,group,zp", [("int4", 64, False), ("int4", 32, True), ("mxfp4", 32, False),
+                                          ("mxfp4_pairs", 32, False)])
+def test_gated_rsq_is_silu_and_mul_of_the_product(device, fmt, group, zp):
+    """`w4_gemv1_rsq(gated=True)` (the float32 loop under the interpreter, 8 gate and 8 up rows
+    a program against 16 rows of the [gate | up] product): SiLU-and-mul of the plain product's
+    output, bit for bit (each product rounded to the row's dtype first, the same SiLU); the
+    default tile halves `tiles`' rows; odd row counts are refused."""
+    from atom.model_ops.kernels.w4_gemv1 import gated_tiles, tiles, w4_gemv1_rsq
+    k, rows = 256, 96
+    packed, scales, zeros = _w4_layer(fmt, rows, k, group, device, 5, zp=zp)
+    g = torch.Generator().manual_seed(1)
+    hw = torch.randn(1, k, generator=g).to(torch.float16).to(device)
+    sums = (torch.rand(4, generator=g) * 50).to(device)
+    cfg = dict(BLOCK_N=16, BLOCK_W=32, num_warps=1, num_stages=1, HALF2=True)
+    plain = w4_gemv1_rsq(hw, sums, 1e-5, packed, scales, zeros, fmt, group, k, cfg=cfg)
+    gated = w4_gemv1_rsq(hw, sums, 1e-5, packed, scales, zeros, fmt, group, k, cfg=dict(cfg, BLOCK_N=8), gated=True)
+    assert gated.shape == (1, rows // 2) and torch.equal(gated, silu_and_mul(plain))
+    assert gated_tiles(28672, fmt, 4096)["BLOCK_N"] == tiles(28672, fmt, 4096)["BLOCK_N"] // 2
+    with pytest.raises(ValueError, match="even number of rows"):
+        w4_gemv1_rsq(hw, sums, 1e-5, packed[:-1], scales[:-1], zeros[:-1] if zp else None, fmt, group, k,
+                     gated=True)
+
+
+@pytest.mark.parametrize("device", [CPU])
 @pytest.mark.parametrize("fmt", ["int4_g32_sym", "int4_g64_asym"])
 def test_prepared_fusions_against_the_unfused_mlp(device, fmt, monkeypatch):
     """The fusions' own code with the 4-bit kernels forced onto CPU tensors (the interpreter's
     float32 loops): o_proj, add + RMSNorm, gate-up, SiLU-and-mul and down at one row, unfused,
     with "w4_prepared_x" (the norm and SiLU kernels write prepared rows), with
     "w4_o_proj_norm" too (o_proj's epilogue adds and prepares; no norm kernel) and with
-    "w4_o_proj_add_norm" (o_proj's epilogue adds and writes h w; no norm kernel): the same
-    residual, the output within x's fp16 rounding; the launches each takes."""
+    "w4_o_proj_add_norm" (o_proj's epilogue adds and writes h w; no norm kernel), and with
+    "w4_gate_up_silu" too (gate-up applies SiLU-and-mul; no SiLU kernel): the same residual,
+    the output within x's fp16 rounding (the last two: the same bits); the launches each takes."""
     from test_quant_fusions import _decoder_parts, _meta
 
     from atom.model_ops.attention.metadata import forward_context
@@ -192,7 +217,8 @@ def test_prepared_fusions_against_the_unfused_mlp(device, fmt, monkeypatch):
     a, res = torch.randn(1, 2048, generator=g).to(torch.bfloat16), torch.randn(1, 128, generator=g).to(torch.bfloat16)
     got, counts = {}, {}
     base = tuple(f for f in default_fusions("triton") if f != "w4_o_proj_add_norm")  # the unfused MLP
-    for extra in ((), ("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm"), ("w4_o_proj_add_norm",)):
+    for extra in ((), ("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm"), ("w4_o_proj_add_norm",),
+                  ("w4_o_proj_add_norm", "w4_gate_up_silu")):
         plan = KernelPlan(backend="triton", fusions=base + extra, force_kernels=True)
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             lin.plan = plan
@@ -222,6 +248,9 @@ def test_prepared_fusions_against_the_unfused_mlp(device, fmt, monkeypatch):
     assert "_rmsnorm_kernel" not in last and "_norm_prepare_kernel" not in last and last["_w4_gemv1_kernel"] == 3
     rows = counts[("w4_o_proj_add_norm",)]
     assert "_rmsnorm_kernel" not in rows and rows["_w4_gemv1_kernel"] == 3 and rows["_silu_and_mul_kernel"] == 1
+    gated = counts[("w4_o_proj_add_norm", "w4_gate_up_silu")]
+    assert "_rmsnorm_kernel" not in gated and "_silu_and_mul_kernel" not in gated and gated["_w4_gemv1_kernel"] == 3
+    assert torch.equal(got[("w4_o_proj_add_norm", "w4_gate_up_silu")][0], got[("w4_o_proj_add_norm",)][0])
 
 
 def test_producers_refuse_rows_that_are_not_whole_words():
@@ -276,6 +305,8 @@ def test_plan_takes_the_fusion_and_the_cpu_keeps_the_unprepared_path():
     assert w4_prepared_mlp(plan, mlp, None, torch.zeros(1, 8), None) is None  # fp32 row
     with pytest.raises(ValueError, match="needs 'w4_prepared_x'"):
         KernelPlan(backend="triton", fusions=("w4_o_proj_norm",))
+    with pytest.raises(ValueError, match="needs 'w4_o_proj_add_norm' too"):
+        KernelPlan(backend="triton", fusions=("w4_gate_up_silu",))
     layer = SimpleNamespace(mlp=SimpleNamespace(gate_up_proj=1, down_proj=1))
     assert w4_o_proj_norm_operands(layer, plan, torch.zeros(1, 8)) is None  # fp32 row
     from atom.tuning.fusions import w4_o_proj_add_norm_operands
@@ -373,8 +404,30 @@ def test_gpu_o_proj_epilogue_then_gate_up(device, fmt, group, row):
 
 
 @pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("mxfp4", 32), ("mxfp4_pairs", 32)])
+def test_gpu_gated_gate_up_after_the_o_proj_epilogue(device, fmt, group):
+    """Gate-up with SiLU-and-mul inside (`w4_gemv1_rsq(gated=True)`, `gated_tiles`: HALF2 pair
+    products on the GPU) after o_proj's epilogue, Llama-3.1-8B's shapes, against gate-up on its
+    own tile then the SiLU-and-mul kernel: within bf16's rounding of the output (the two tiles
+    may sum a row's products in another order)."""
+    from atom.model_ops.kernels import w4_gemv1 as g1
+    o = _w4_layer(fmt, 4096, 4096, group, device, 1)
+    gu = _w4_layer(fmt, 28672, 4096, group, device, 2)
+    x = _row(4096, torch.bfloat16, device, 3) * 1e-3
+    res = torch.randn(1, 4096, device=device).to(torch.bfloat16)
+    w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
+    hw, sums, _ = g1.w4_gemv1_add_row(x, *o, fmt, group, 4096, res, w)
+    want = silu_and_mul(g1.w4_gemv1_rsq(hw, sums, 1e-5, *gu, fmt, group, 4096)).float()
+    got = g1.w4_gemv1_rsq(hw, sums, 1e-5, *gu, fmt, group, 4096, gated=True).float()
+    assert got.shape == (1, 14336)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("fmt", ["w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("extra", [("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm"), ("w4_o_proj_add_norm",)])
+@pytest.mark.parametrize("extra", [("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm"), ("w4_o_proj_add_norm",),
+                                   ("w4_gate_up_silu",)])
 def test_gpu_engine_with_prepared_rows(device, fmt, extra, tmp_path, monkeypatch):
     """A 4-bit dummy Llama started with `extra` added to the default fusions (CUDA graphs):
     each greedy token is among the best of an engine without them (the defaults less `extra`),

@@ -100,6 +100,11 @@ which computes the same thing with fewer kernels where the plan says so:
   scales its products by 1 / rms (`w4_gemv1_rsq`); SiLU-and-mul and down as before. A
   default on the Triton backend (where the 4-bit kernels run: NVIDIA): one launch fewer a
   layer, batch-1 decode measured faster in both 4-bit formats (docs/perf);
+- "w4_gate_up_silu" (with "w4_o_proj_add_norm"): there, gate-up's one-row GEMV also applies
+  SiLU-and-mul (`w4_gemv1_rsq(gated=True)`: a program's gate rows and the matching up rows,
+  `w4_gemv1.gated_tiles`), so that the SiLU-and-mul kernel between gate-up and down does not
+  run: one launch fewer a layer, the same bits. Opt-in until its batch-1 decode timing is in
+  docs/perf (with the norm inside too, a gated gate-up measured slower: `w4_one_row`);
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -571,13 +576,17 @@ def _w4_layer_rows(layer: nn.Module, plan, qkv, fusions: tuple, linears: tuple) 
 def w4_o_proj_add_norm_mlp(layer: nn.Module, plan, ops: tuple, out: torch.Tensor, residual: torch.Tensor):
     """o_proj(out) + residual, RMSNorm, gate-up, SiLU-and-mul, down for one row: o_proj's
     epilogue adds and writes h w with its sums of h^2 (`w4_gemv1.w4_gemv1_add_row`), gate-up
-    scales by 1 / rms (`w4_gemv1_rsq`). Returns (y, the new residual)."""
+    scales by 1 / rms (`w4_gemv1_rsq`), and with "w4_gate_up_silu" applies SiLU-and-mul too.
+    Returns (y, the new residual)."""
     from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_row, w4_gemv1_rsq
     norm = layer.post_attention_layernorm
     o, gate_up = ops
     hw, sums, residual = w4_gemv1_add_row(out, *o, residual, norm.weight)
-    y = w4_gemv1_rsq(hw, sums, norm.eps, *gate_up)
-    return project(plan, layer.mlp.down_proj, silu_and_mul(y)), residual
+    if plan.has("w4_gate_up_silu"):
+        act = w4_gemv1_rsq(hw, sums, norm.eps, *gate_up, gated=True)
+    else:
+        act = silu_and_mul(w4_gemv1_rsq(hw, sums, norm.eps, *gate_up))
+    return project(plan, layer.mlp.down_proj, act), residual
 
 
 def _qkv_sum_in_attention(attn, plan) -> bool:

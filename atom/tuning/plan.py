@@ -63,6 +63,7 @@ FUSIONS = (
     "w4_prepared_x",     # batch 1, 4-bit gate-up / down: their input row prepared by the norm / SiLU kernel (opt-in)
     "w4_o_proj_norm",    # with w4_prepared_x: 4-bit o_proj adds the residual and prepares gate-up's input (opt-in)
     "w4_o_proj_add_norm",  # batch 1, 4-bit o_proj adds the residual and writes gate-up's normed input
+    "w4_gate_up_silu",   # with w4_o_proj_add_norm: 4-bit gate-up's one-row GEMV applies SiLU-and-mul (opt-in)
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 # Tokens up to which "shared_overlap" runs the shared experts on the second stream: decode
@@ -126,6 +127,9 @@ class KernelPlan:
         if "w4_o_proj_norm" in self.fusions and "w4_prepared_x" not in self.fusions:
             raise ValueError("fusions=['w4_o_proj_norm'] needs 'w4_prepared_x' too: gate-up reads the row o_proj "
                              "prepares through the prepared-row loop")
+        if "w4_gate_up_silu" in self.fusions and "w4_o_proj_add_norm" not in self.fusions:
+            raise ValueError("fusions=['w4_gate_up_silu'] needs 'w4_o_proj_add_norm' too: the SiLU-and-mul goes into "
+                             "the gate-up product that reads the row o_proj writes")
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"moe_kernel={self.moe_kernel!r} is invalid: choose one of {', '.join(MOE_KERNELS)}")
         self.moe_config_dirs = tuple(self.moe_config_dirs)

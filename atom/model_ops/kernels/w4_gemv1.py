@@ -101,6 +101,16 @@ def tiles(n: int, fmt: str = "int4", k: int = 0) -> dict:
     return dict(table[fmt])
 
 
+def gated_tiles(rows: int, fmt: str = "int4", k: int = 0) -> dict:
+    """The tile of a gated one-row product over a [gate | up] weight of `rows` rows from k inputs
+    (y = silu(gate) up, the programs' gate and up rows side by side): `tiles`' tile for the
+    plain product of all `rows` with half its BLOCK_N, so that a program reads as many rows and
+    words a step as there, and the grid is the same."""
+    cfg = tiles(rows, fmt, k)
+    cfg["BLOCK_N"] = max(1, cfg["BLOCK_N"] // 2)
+    return cfg
+
+
 FUSED_TILES = {False: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, AHEAD=True, HALF2=True, SPF=True),
                True: dict(BLOCK_N=8, BLOCK_W=128, num_warps=4, num_stages=3, HALF2=True, SPF=True)}
 
@@ -513,8 +523,9 @@ if HAS_TRITON:
         PNORM loop with the next RMSNorm's weight at enw_ptr (EODD16: for int4); y_ptr is unread.
         EPI_ROW: the same h stored to erout_ptr, and h w (w at enw_ptr) in x's dtype to ek_ptr, a
         plain row for the next product, with the program's sum of h^2 at esq_ptr[program]; RSQ:
-        x is such a row, and y is scaled by the row's 1 / rms from the `rsq_count` sums at
-        rsq_ptr (RSQ_N: a power of two at least rsq_count), as NORM scales it.
+        x is such a row, and y (GATED: the gate and up rows' products) is scaled by the row's
+        1 / rms from the `rsq_count` sums at rsq_ptr (RSQ_N: a power of two at least rsq_count),
+        as NORM scales it.
         L2D > 0 (even tiles, not GATED; NVIDIA only: inline PTX): each step first asks L2 for
         the word, scale (and, where lanes are left, zero-point) lines of the step L2D ahead
         (`_prefetch_step`), so that more of the weight stream is in flight than the registers
@@ -532,8 +543,8 @@ if HAS_TRITON:
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
         tl.static_assert(not PNORM or XPACK, "PNORM reads prepared columns (XPACK)")
         tl.static_assert(not EPI or (BLOCK_N % 8 == 0 and not GATED), "EPI prepares whole word columns of y")
-        tl.static_assert(not (EPI_ROW or RSQ) or not (GATED or EPI or NORM or PNORM),
-                         "EPI_ROW / RSQ: the add and norm split around plain one-row products")
+        tl.static_assert(not (EPI_ROW or RSQ) or (not (EPI or NORM or PNORM) and not (EPI_ROW and GATED)),
+                         "EPI_ROW / RSQ: the add and norm split around one-row products (RSQ's may be gated)")
         tl.static_assert(DW == 1 or EVEN, "two words a thread (DW = 2) run even tiles only")
         tl.static_assert(not CHAIN or (DW == 2 and HALF2), "CHAIN chains a word pair's HALF2 products (DW = 2)")
         tl.static_assert(L2D == 0 or (EVEN and not GATED and BLOCK_N * (DW + 1) <= 32),
@@ -711,7 +722,7 @@ if HAS_TRITON:
             y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         if GATED:
             y_up = tl.sum(tl.sum(acc_up, axis=2), axis=1)
-            if NORM:
+            if NORM or RSQ:
                 y_up = y_up * rstd
             g = y.to(act).to(tl.float32)
             y = g / (1.0 + tl.exp(-g)) * y_up.to(act).to(tl.float32)
@@ -912,19 +923,27 @@ def _launch_added(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
 
 
 def w4_gemv1_rsq(hw: torch.Tensor, sums: torch.Tensor, eps: float, packed: torch.Tensor, scales: torch.Tensor,
-                 zeros, fmt: str, group: int, k: int, cfg: dict | None = None) -> torch.Tensor:
+                 zeros, fmt: str, group: int, k: int, cfg: dict | None = None, gated: bool = False) -> torch.Tensor:
     """y = RMSNorm(h) W^T [1, N] for the row h w and the sums of h^2 that `w4_gemv1_add_row`
     wrote (RSQ): the plain one-row GEMV on h w, its products scaled by 1 / rms at the end (h w
-    rounded to x's dtype once, where the unfused norm rounds h / rms)."""
+    rounded to x's dtype once, where the unfused norm rounds h / rms). `gated`: W is [gate | up]
+    of 2I rows and y = silu(gate) up [1, I], each product rounded to x's dtype first as the
+    unfused product writes them (SiLU-and-mul's arithmetic after); default tile `gated_tiles`."""
     from atom.model_ops.kernels.triton_import import pdl_args
     if hw.dim() != 2 or hw.shape != (1, k) or sums.dim() != 1 or sums.dtype != torch.float32:
         raise ValueError(f"w4_gemv1_rsq: a row of {k} and float32 sums, got {tuple(hw.shape)}, "
                          f"{tuple(sums.shape)} {sums.dtype}")
     require_supported("w4_gemv1_rsq", fmt, group, k)
-    n = packed.shape[0]
+    rows = packed.shape[0]
+    if gated and rows % 2:
+        raise ValueError(f"w4_gemv1_rsq: a gated product needs an even number of rows, got {rows}")
+    n = rows // 2 if gated else rows
     y = torch.empty(1, n, dtype=hw.dtype, device=hw.device)
     words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
-    cfg = dict(cfg if cfg is not None else tiles(n, fmt, k), RSQ=True, rsq_ptr=sums, rsq_count=sums.numel(),
-               RSQ_N=triton.next_power_of_2(sums.numel()), eps=float(eps))
-    w4_gemv1_launch(hw, words, scales, z, None, y, fmt_id, group, cfg, dict(HAS_ZP=zeros is not None, **pdl_args(hw)))
+    if cfg is None:
+        cfg = gated_tiles(rows, fmt, k) if gated else tiles(n, fmt, k)
+    cfg = dict(cfg, RSQ=True, rsq_ptr=sums, rsq_count=sums.numel(), RSQ_N=triton.next_power_of_2(sums.numel()),
+               eps=float(eps))
+    w4_gemv1_launch(hw, words, scales, z, None, y, fmt_id, group, cfg, dict(HAS_ZP=zeros is not None, **pdl_args(hw)),
+                    gated=gated)
     return y
