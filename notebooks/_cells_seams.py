@@ -37,6 +37,26 @@ print(kv.head(3).to_string())
 assert (kv["kind"] == "full").all() and kv["bytes"].sum() == runner.kv_cache_config.nbytes
 """),
     ("md", """
+## The attention kernel's tiles by decode batch
+`pick_attention_config` decides from shapes only (so that a step's launch can be captured in
+a CUDA graph): KV segments for small batches, and over an FP8 cache 128-key tiles from
+`FP8_WIDE_TILE_MIN_SEQS` sequences (the bytes a tile of bf16's 64 keys; docs/perf has the
+long-context timings). Llama-3.1-8B's attention shape, an H200's 132 SMs off the GPU.
+"""),
+    ("code", """
+import pandas as pd, torch
+from atom.model_ops.attention.triton_unified import FP8_WIDE_TILE_MIN_SEQS, pick_attention_config
+rows = []
+for seqs in (1, 8, 16, 17, 48, 256):
+    for kv in ("bf16", "fp8"):
+        c = pick_attention_config(seqs, seqs, 32, 8, 128, 1, torch.device("cpu"), kv_fp8=kv == "fp8")
+        rows.append(dict(sequences=seqs, kv=kv, TILE_N=c["TILE_N"], segments=c["num_splits"]))
+tiles = pd.DataFrame(rows).pivot(index="sequences", columns="kv", values=["TILE_N", "segments"])
+wide = tiles[("TILE_N", "fp8")] == 128
+assert (tiles[("TILE_N", "bf16")] == 64).all() and (wide == (tiles.index >= FP8_WIDE_TILE_MIN_SEQS)).all()
+tiles
+"""),
+    ("md", """
 ## The kernel plan
 On a CPU the plan is the torch references, without fusions or timed choices; on a GPU it
 holds the one-row GEMV and cuBLASLt choices with their timings. A plan saves to JSON and
