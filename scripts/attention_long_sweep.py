@@ -28,7 +28,7 @@ from attention_sweep import HKV, HQ, D, paged_batch  # noqa: E402
 from atom.benchmarks.workloads import long_context_workload  # noqa: E402
 from atom.model_ops.attention.options import AttentionOptions  # noqa: E402
 from atom.model_ops.attention.triton_unified import AttentionWorkspace, unified_attention  # noqa: E402
-from atom.utils.cuda_timing import graph_time  # noqa: E402
+from atom.utils.cuda_timing import checked_graph_time  # noqa: E402
 
 DEFAULT_CONFIGS = ["s2", "s4", "s8", "64/3/4/ra", "64/4/4/ra", "32/4/4/ra", "128/2/4", "128/2/8", "128/3/8/ra",
                    "128/3/4/ra"]
@@ -77,17 +77,10 @@ def time_batch(ctx: list[int], kv: str, specs: list[str], hbm_tbs: float) -> lis
         def call(cfg=cfg, splits=splits):
             unified_attention(q, kc, vc, out, cu, sl, bt, D ** -0.5, 1, ws, num_kv_splits=splits, config=cfg,
                               options=opts, merge_in_kernel=True)
-        try:
-            call()
-        except Exception as e:  # out of resources, a tile the kernel does not take
-            rows.append(dict(config=spec, error=f"{type(e).__name__}: {str(e)[:120]}"))
+        t, ref = checked_graph_time(call, out, ref, repeat=2, iters=10)
+        if isinstance(t, str):
+            rows.append(dict(config=spec, error=t))
             continue
-        if ref is None:
-            ref = out.clone()
-        elif not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
-            rows.append(dict(config=spec, error="mismatch against the default"))
-            continue
-        t = graph_time([call] * 2, iters=10)
         rows.append(dict(config=spec, us=round(t * 1e6, 1), tbs=round(kv_bytes / t / 1e12, 2),
                          of_roofline=round(kv_bytes / (hbm_tbs * 1e12) / t, 3)))
     return rows

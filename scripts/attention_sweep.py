@@ -32,7 +32,7 @@ import torch
 
 from atom.benchmarks.workloads import nano_vllm_workload
 from atom.model_ops.attention.triton_unified import AttentionWorkspace, unified_attention
-from atom.utils.cuda_timing import graph_time
+from atom.utils.cuda_timing import checked_graph_time
 
 HQ, HKV, D = 32, 8, 128
 
@@ -83,17 +83,10 @@ def sweep(batch, max_q, configs, kv_bytes=None, baseline=None):
                 baseline.unified_attention(q, kc, vc, out, cu, sl, bt, D ** -0.5, max_q, base_ws)
             else:
                 unified_attention(q, kc, vc, out, cu, sl, bt, D ** -0.5, max_q, ws, config=cfg)
-        try:
-            call()
-        except Exception as e:  # out of resources
-            rows.append(dict(config=cfg, error=type(e).__name__))
+        t, ref = checked_graph_time(call, out, ref, iters=20)
+        if isinstance(t, str):
+            rows.append(dict(config=cfg, error=t))
             continue
-        if ref is None:
-            ref = out.clone()
-        elif not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
-            rows.append(dict(config=cfg, error="mismatch"))
-            continue
-        t = graph_time([call] * 4, iters=20)
         r = dict(config=cfg or "default", us=round(t * 1e6, 1))
         if kv_bytes:
             r["TB/s"] = round(kv_bytes / t / 1e12, 2)

@@ -36,3 +36,20 @@ def graph_time(calls, iters: int = 25) -> float:
         times.append(a.elapsed_time(b) * 1e-3)
     del g
     return statistics.median(times) / len(calls)
+
+
+def checked_graph_time(call, out: torch.Tensor, ref: torch.Tensor | None, repeat: int = 4, iters: int = 25,
+                       tol: float = 2e-2):
+    """One configuration of a kernel sweep: runs `call` (which writes `out`), compares `out`
+    with `ref` (the first configuration's output; None: this one is the reference, cloned) and
+    times `repeat` calls in CUDA-graph replays. Returns (seconds a call, or an error string: the
+    exception the call raised, e.g. a tile out of shared memory, or a mismatch; the reference)."""
+    try:
+        call()
+    except Exception as e:  # out of resources, a tile the kernel does not take
+        return f"{type(e).__name__}: {str(e)[:120]}", ref
+    if ref is None:
+        ref = out.clone()
+    elif not torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol):
+        return "mismatch against the first configuration", ref
+    return graph_time([call] * repeat, iters=iters), ref
