@@ -8,9 +8,9 @@ checked against the engine's choice on the same cache. A diagnosis tool, not a b
 
     python3 scripts/attention_long_sweep.py --out attn_long.json
     python3 scripts/attention_long_sweep.py --out attn_long.json --kv fp8 --steps 0 300 \
-        --configs 128/2/4 64/3/4/ra 1s2 1s4
+        --configs 128/2/4 64/3/4/ra s2 s4
 
-A config is "default", "<splits>s<N>" (the engine's tile, N segments) or
+A config is "default", "s<N>" (the engine's tile, N segments) or
 TILE_N/num_stages/num_warps[/ra] (ra: `rows_ahead`, block-table entries a tile ahead).
 """
 from __future__ import annotations

@@ -320,13 +320,18 @@ def test_triton_fp8_cache_with_bf16_queries(window):
 
 @needs_kernel
 @pytest.mark.parametrize("splits", [None, 1])
-def test_triton_fp8_cache_wide_decode_tile(splits):
+def test_triton_fp8_cache_wide_decode_tile(splits, monkeypatch):
     """A decode batch of FP8_WIDE_TILE_MIN_SEQS sequences over an FP8 cache (128-key tiles: one
     whole tile, tiles cut by the context's end, a context inside one tile) equals the torch
     reference on the same cache, split (the engine's choice: 16 segments, most without keys)
     and unsplit; split, with bf16 queries, within bf16's output rounding."""
+    from atom.model_ops.attention import triton_unified
     from atom.model_ops.attention.triton_unified import FP8_WIDE_TILE_MIN_SEQS, pick_attention_config
     from atom.model_ops.kernels import reshape_and_cache_ref
+    launched = []  # the tiles `unified_attention` asks for (its cached choice, before any override)
+    choose = triton_unified._cached_config
+    monkeypatch.setattr(triton_unified, "_cached_config",
+                        lambda *a, **kw: launched.append(choose(*a, **kw)["TILE_N"]) or choose(*a, **kw))
     hq, hkv, d, bs = 4, 2, 64, 16
     n_seqs = FP8_WIDE_TILE_MIN_SEQS
     ctx = [(37 * i) % 300 + 5 for i in range(n_seqs - 1)] + [127]
@@ -342,6 +347,9 @@ def test_triton_fp8_cache_wide_decode_tile(splits):
     ref = paged_attention(q, kq, vq, meta, d ** -0.5, opts)
     out = _unified(q, kq, vq, meta, d ** -0.5, opts, num_kv_splits=splits)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert launched == [128]  # the FP8 cache reached the choice
+    _unified(q, kc, vc, meta, d ** -0.5, AttentionOptions())
+    assert launched == [128, 64]  # the same batch over the full-precision cache
     if splits is None:
         out = _unified(q.to(torch.bfloat16), kq, vq, meta, d ** -0.5, opts)
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

@@ -46,3 +46,37 @@ def test_fp8_cache_with_bf16_queries_on_the_gpu(window, splits, config):
     ref = paged_attention(q, kq.cpu(), vq.cpu(), meta, d ** -0.5, ref_opts)  # fp32 queries
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("splits", [None, 1])
+def test_fp8_cache_wide_decode_tile_on_the_gpu(splits):
+    """A decode batch of `FP8_WIDE_TILE_MIN_SEQS` + 7 sequences over an FP8 cache at
+    Llama-3.1-8B's head shape (128-key tiles; contexts of 5 to ~3,000 tokens: whole tiles, cut
+    ones, one inside a tile), split as the engine picks and unsplit, against the torch
+    reference on the same cache."""
+    from test_attention_options import paged_batch
+
+    from atom.model_ops.attention.options import AttentionOptions
+    from atom.model_ops.attention.torch_native import paged_attention
+    from atom.model_ops.attention.triton_unified import FP8_WIDE_TILE_MIN_SEQS, pick_attention_config, unified_attention
+    from atom.model_ops.kernels import reshape_and_cache
+    hq, hkv, d, bs = 32, 8, 128, 16
+    seqs = FP8_WIDE_TILE_MIN_SEQS + 7
+    ctx = [(389 * i) % 3000 + 5 for i in range(seqs)]
+    q, kc, vc, meta, _, _ = paged_batch([1] * seqs, ctx, hq, hkv, d, bs, seed=8)
+    assert pick_attention_config(seqs, seqs, hq, hkv, d, 1, torch.device("cuda"), kv_fp8=True)["TILE_N"] == 128
+    n = kc.shape[0] * bs
+    k_scale, v_scale = torch.tensor(0.05, device="cuda"), torch.tensor(0.02, device="cuda")
+    kq = torch.zeros(kc.shape, dtype=FP8, device="cuda")
+    vq = torch.zeros_like(kq)
+    reshape_and_cache(kc.cuda().view(n, hkv, d), vc.cuda().view(n, hkv, d), kq, vq,
+                      torch.arange(n, device="cuda"), k_scale, v_scale)
+    gmeta = _cuda(meta)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    unified_attention(q.cuda().bfloat16(), kq, vq, out, gmeta.cu_seqlens_q, gmeta.seq_lens, gmeta.block_tables,
+                      d ** -0.5, 1, options=AttentionOptions(None, None, k_scale, v_scale), num_kv_splits=splits,
+                      merge_in_kernel=splits is None)
+    ref = paged_attention(q, kq.cpu(), vq.cpu(), meta, d ** -0.5,
+                          AttentionOptions(None, None, k_scale.cpu(), v_scale.cpu()))
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
