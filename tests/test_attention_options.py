@@ -327,7 +327,6 @@ def test_triton_fp8_cache_wide_decode_tile(splits, monkeypatch):
     and unsplit; split, with bf16 queries, within bf16's output rounding."""
     from atom.model_ops.attention import triton_unified
     from atom.model_ops.attention.triton_unified import FP8_WIDE_TILE_MIN_SEQS, pick_attention_config
-    from atom.model_ops.kernels import reshape_and_cache_ref
     launched = []  # the tiles `unified_attention` asks for (its cached choice, before any override)
     choose = triton_unified._cached_config
     monkeypatch.setattr(triton_unified, "_cached_config",
@@ -339,10 +338,7 @@ def test_triton_fp8_cache_wide_decode_tile(splits, monkeypatch):
     cfg = pick_attention_config(n_seqs, n_seqs, hq, hkv, d, 1, q.device, kv_fp8=True)
     assert cfg["TILE_N"] == 128
     k_scale, v_scale = torch.tensor(0.05), torch.tensor(0.02)
-    n = kc.shape[0] * bs
-    kq, vq = torch.zeros(kc.shape, dtype=FP8), torch.zeros(kc.shape, dtype=FP8)
-    # the reference write (the Triton one stores the same bits: test above), fast in the interpreter
-    reshape_and_cache_ref(kc.view(n, hkv, d), vc.view(n, hkv, d), kq, vq, torch.arange(n), k_scale, v_scale)
+    kq, vq = _fp8_cache_like(kc, vc, k_scale, v_scale)  # the torch write: fast beside the interpreter's
     opts = AttentionOptions(None, None, k_scale, v_scale)
     ref = paged_attention(q, kq, vq, meta, d ** -0.5, opts)
     out = _unified(q, kq, vq, meta, d ** -0.5, opts, num_kv_splits=splits)

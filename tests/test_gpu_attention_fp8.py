@@ -13,6 +13,19 @@ pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
 
 
+def _fp8_cache_on_gpu(kc, vc, k_scale: float, v_scale: float):
+    """kc / vc (CPU, [blocks, block_size, Hkv, D]) written by the Triton cache write into FP8
+    caches on the GPU with these scales: (kq, vq, k_scale, v_scale), the scales as 0-d CUDA tensors."""
+    from atom.model_ops.kernels import reshape_and_cache
+    n, hkv, d = kc.shape[0] * kc.shape[1], kc.shape[2], kc.shape[3]
+    ks, vs = torch.tensor(k_scale, device="cuda"), torch.tensor(v_scale, device="cuda")
+    kq = torch.zeros(kc.shape, dtype=FP8, device="cuda")
+    vq = torch.zeros_like(kq)
+    reshape_and_cache(kc.cuda().view(n, hkv, d), vc.cuda().view(n, hkv, d), kq, vq, torch.arange(n, device="cuda"),
+                      ks, vs)
+    return kq, vq, ks, vs
+
+
 def _cuda(meta):
     return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).cuda() for f in dataclasses.fields(meta)
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
@@ -27,16 +40,10 @@ def test_fp8_cache_with_bf16_queries_on_the_gpu(window, splits, config):
     from atom.model_ops.attention.options import AttentionOptions
     from atom.model_ops.attention.torch_native import paged_attention
     from atom.model_ops.attention.triton_unified import unified_attention
-    from atom.model_ops.kernels import reshape_and_cache
     hq, hkv, d, bs = 8, 2, 128, 16
     # decodes over 72-560 tokens, a prefill, a chunk after its context
     q, kc, vc, meta, _, _ = paged_batch([1, 1, 1, 92, 36, 1], [560, 320, 8, 0, 480, 72], hq, hkv, d, bs, seed=3)
-    n = kc.shape[0] * bs
-    k_scale, v_scale = torch.tensor(0.05, device="cuda"), torch.tensor(0.02, device="cuda")
-    kq = torch.zeros(kc.shape, dtype=FP8, device="cuda")
-    vq = torch.zeros_like(kq)
-    reshape_and_cache(kc.cuda().view(n, hkv, d), vc.cuda().view(n, hkv, d), kq, vq,
-                      torch.arange(n, device="cuda"), k_scale, v_scale)
+    kq, vq, k_scale, v_scale = _fp8_cache_on_gpu(kc, vc, 0.05, 0.02)
     opts = AttentionOptions(_sinks(hq, 2).cuda(), window, k_scale, v_scale)
     gmeta = _cuda(meta)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -59,18 +66,12 @@ def test_fp8_cache_wide_decode_tile_on_the_gpu(splits):
     from atom.model_ops.attention.options import AttentionOptions
     from atom.model_ops.attention.torch_native import paged_attention
     from atom.model_ops.attention.triton_unified import FP8_WIDE_TILE_MIN_SEQS, pick_attention_config, unified_attention
-    from atom.model_ops.kernels import reshape_and_cache
     hq, hkv, d, bs = 32, 8, 128, 16
     seqs = FP8_WIDE_TILE_MIN_SEQS + 7
     ctx = [(389 * i) % 3000 + 5 for i in range(seqs)]
     q, kc, vc, meta, _, _ = paged_batch([1] * seqs, ctx, hq, hkv, d, bs, seed=8)
     assert pick_attention_config(seqs, seqs, hq, hkv, d, 1, torch.device("cuda"), kv_fp8=True)["TILE_N"] == 128
-    n = kc.shape[0] * bs
-    k_scale, v_scale = torch.tensor(0.05, device="cuda"), torch.tensor(0.02, device="cuda")
-    kq = torch.zeros(kc.shape, dtype=FP8, device="cuda")
-    vq = torch.zeros_like(kq)
-    reshape_and_cache(kc.cuda().view(n, hkv, d), vc.cuda().view(n, hkv, d), kq, vq,
-                      torch.arange(n, device="cuda"), k_scale, v_scale)
+    kq, vq, k_scale, v_scale = _fp8_cache_on_gpu(kc, vc, 0.05, 0.02)
     gmeta = _cuda(meta)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     unified_attention(q.cuda().bfloat16(), kq, vq, out, gmeta.cu_seqlens_q, gmeta.seq_lens, gmeta.block_tables,
