@@ -105,6 +105,13 @@ which computes the same thing with fewer kernels where the plan says so:
   `w4_gemv1.gated_tiles`), so that the SiLU-and-mul kernel between gate-up and down does not
   run: one launch fewer a layer, the same bits. Opt-in until its batch-1 decode timing is in
   docs/perf (with the norm inside too, a gated gate-up measured slower: `w4_one_row`);
+- "w4_down_add_norm" (with "w4_o_proj_add_norm"): there, when the next decoder layer's q/k/v
+  is 4-bit too, down's one-row GEMV adds the residual in its epilogue and writes the next
+  layer's normed input as o_proj's does for gate-up (`normed_row.NormedRow`: h w with the sums
+  of h^2), and that q/k/v is the plain one-row GEMV scaled by 1 / rms (`w4_normed_qkv`) instead
+  of the GEMV with the norm inside ("w4_norm_gemv", whose loop adds, squares and weights x
+  column by column: more instructions a weight, docs/perf). The same launches; `install` links
+  each layer to the next (`next_layer`). Opt-in until its batch-1 decode timing is in docs/perf;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -130,6 +137,7 @@ from atom.model_ops.attention import get_forward_context
 from atom.model_ops.kernels.split_k import PendingSum, settle
 from atom.model_ops.quant import common, is_unquantized
 from atom.model_ops.quant.common import InputQuant
+from atom.tuning.normed_row import NormedRow
 
 logger = logging.getLogger(__name__)
 
@@ -216,11 +224,14 @@ def install(model: nn.Module, plan) -> int:
                 _give_locks(m)
             m.forward = types.MethodType(fused_forward, m)
             n += 1
-    for layers in (m for m in model.modules() if isinstance(m, nn.ModuleList) and plan.has("sum+norm+quant")):
+    for layers in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
         items = list(layers)
         for layer, after in zip(items, items[1:]):  # the next layer reads this one's output directly
             if matches(layer) and matches(after):
-                layer.defer_output = True
+                if plan.has("sum+norm+quant"):
+                    layer.defer_output = True
+                if plan.has("w4_down_add_norm") and dense_mlp(layer):
+                    layer.__dict__["next_layer"] = after  # a plain reference, not a submodule
     logger.info("fusions %s installed on %d decoder layers", list(plan.fusions), n)
     return n
 
@@ -268,8 +279,10 @@ def project(plan, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(x) -> torch.Tensor:
-    """A tensor with x's rows, device and rank for the fusions' checks: x, or a `PendingSum`'s
-    first partial."""
+    """A tensor with x's rows, device and rank for the fusions' checks: x, a `PendingSum`'s
+    first partial, or a `NormedRow`'s row."""
+    if isinstance(x, NormedRow):
+        return x.hw
     return x.part[0] if isinstance(x, PendingSum) else x
 
 
@@ -288,6 +301,7 @@ def project_pending(plan, linear: nn.Module, x: torch.Tensor):
 def uninstall(model: nn.Module) -> None:
     for m in model.modules():
         m.__dict__.pop("defer_output", None)
+        m.__dict__.pop("next_layer", None)
         if "forward" in m.__dict__ and matches(m):
             del m.forward
             m.self_attn.qkv_proj.one_row = "plain"
@@ -496,6 +510,11 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
                 or quant_input(plan, "norm+quant", attn.qkv_proj, _rows(hidden)) is None:
             hidden = hidden.result()
     on_triton = plan is not None and plan.runs_kernels(_rows(hidden)) and attn.attn.backend.name == "triton"
+    qkv = None
+    if isinstance(hidden, NormedRow):  # the layer before wrote this one's normed input ("w4_down_add_norm")
+        qkv = w4_normed_qkv(attn, hidden) if on_triton and not torch.compiler.is_compiling() else None
+        if qkv is None:
+            hidden = hidden.as_input(residual)
     if torch.compiler.is_compiling():
         if on_triton and plan.has("rope+kv_write") and dense_mlp(self):
             return compiled_forward(self, positions, hidden, residual)
@@ -503,7 +522,7 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     if not on_triton:
         return type(self).forward(self, positions, hidden, residual)
     fused = None
-    if plan.has("norm+gemv+rope") and not getattr(attn, "qk_norm", False) and hidden.shape[0] == 1:
+    if qkv is None and plan.has("norm+gemv+rope") and not getattr(attn, "qk_norm", False) and hidden.shape[0] == 1:
         target = attn.attn.backend.cache_target(attn.attn, get_forward_context())
         if target is not None:
             fused = norm_linear_rope(self.input_layernorm, attn.qkv_proj, hidden, residual, positions,
@@ -512,8 +531,9 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
         qkv, residual = fused
         hidden = project_pending(plan, attn.o_proj, attn.attn(qkv[:, :attn.qkv_proj.q_size], None, None))
     else:
-        qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual,
-                                    defer_sum=_qkv_sum_in_attention(attn, plan))
+        if qkv is None:
+            qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual,
+                                        defer_sum=_qkv_sum_in_attention(attn, plan))
         ops = w4_o_proj_norm_operands(self, plan, qkv)
         if ops is not None:  # o_proj's epilogue adds the residual and prepares gate-up's input
             return w4_o_proj_norm_mlp(self, ops, _attention(attn, plan, positions, qkv, project=False), residual)
@@ -577,7 +597,8 @@ def w4_o_proj_add_norm_mlp(layer: nn.Module, plan, ops: tuple, out: torch.Tensor
     """o_proj(out) + residual, RMSNorm, gate-up, SiLU-and-mul, down for one row: o_proj's
     epilogue adds and writes h w with its sums of h^2 (`w4_gemv1.w4_gemv1_add_row`), gate-up
     scales by 1 / rms (`w4_gemv1_rsq`), and with "w4_gate_up_silu" applies SiLU-and-mul too.
-    Returns (y, the new residual)."""
+    Returns (y, the new residual); with "w4_down_add_norm" where it applies
+    (`w4_down_add_norm_operands`), down's epilogue adds the residual too: (`NormedRow`, y + residual)."""
     from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_row, w4_gemv1_rsq
     norm = layer.post_attention_layernorm
     o, gate_up = ops
@@ -586,7 +607,36 @@ def w4_o_proj_add_norm_mlp(layer: nn.Module, plan, ops: tuple, out: torch.Tensor
         act = w4_gemv1_rsq(hw, sums, norm.eps, *gate_up, gated=True)
     else:
         act = silu_and_mul(w4_gemv1_rsq(hw, sums, norm.eps, *gate_up))
+    rows = w4_down_add_norm_operands(layer, plan, act)
+    if rows is not None:  # down's epilogue adds the residual and writes the next layer's normed input
+        down, norm_next = rows
+        hw, sums, residual = w4_gemv1_add_row(act, *down, residual, norm_next.weight)
+        return NormedRow(hw, sums, norm_next.eps), residual
     return project(plan, layer.mlp.down_proj, act), residual
+
+
+def w4_down_add_norm_operands(layer: nn.Module, plan, act: torch.Tensor) -> tuple | None:
+    """"w4_down_add_norm": (down's 4-bit one-row operands, the next layer's input norm) for the
+    one row `act` into down, where `install` linked the layer to a next decoder layer
+    (`next_layer`) whose q/k/v is a 4-bit layer without a bias the kernels run for it; else None."""
+    after = layer.__dict__.get("next_layer")
+    if plan is None or after is None or not plan.has("w4_down_add_norm"):
+        return None
+    down = _w4_row_operands(layer.mlp.down_proj, act)
+    if down is None or _w4_row_operands(after.self_attn.qkv_proj, act) is None:
+        return None
+    return down, after.input_layernorm
+
+
+def w4_normed_qkv(attn, row: NormedRow) -> torch.Tensor | None:
+    """q/k/v of the normed input the layer before wrote (`NormedRow`): the plain one-row 4-bit
+    GEMV on h w, its products scaled by 1 / rms (`w4_gemv1_rsq`); None where q/k/v is not a
+    4-bit layer without a bias that the kernels run for the row."""
+    ops = _w4_row_operands(attn.qkv_proj, row.hw)
+    if ops is None:
+        return None
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_rsq
+    return w4_gemv1_rsq(row.hw, row.sums, row.eps, *ops)
 
 
 def _qkv_sum_in_attention(attn, plan) -> bool:

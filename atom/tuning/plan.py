@@ -64,6 +64,7 @@ FUSIONS = (
     "w4_o_proj_norm",    # with w4_prepared_x: 4-bit o_proj adds the residual and prepares gate-up's input (opt-in)
     "w4_o_proj_add_norm",  # batch 1, 4-bit o_proj adds the residual and writes gate-up's normed input
     "w4_gate_up_silu",   # with w4_o_proj_add_norm: 4-bit gate-up's one-row GEMV applies SiLU-and-mul (opt-in)
+    "w4_down_add_norm",  # with w4_o_proj_add_norm: 4-bit down adds the residual, writes the next q/k/v's input (opt-in)
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 # Tokens up to which "shared_overlap" runs the shared experts on the second stream: decode
@@ -130,6 +131,9 @@ class KernelPlan:
         if "w4_gate_up_silu" in self.fusions and "w4_o_proj_add_norm" not in self.fusions:
             raise ValueError("fusions=['w4_gate_up_silu'] needs 'w4_o_proj_add_norm' too: the SiLU-and-mul goes into "
                              "the gate-up product that reads the row o_proj writes")
+        if "w4_down_add_norm" in self.fusions and "w4_o_proj_add_norm" not in self.fusions:
+            raise ValueError("fusions=['w4_down_add_norm'] needs 'w4_o_proj_add_norm' too: down's epilogue runs in "
+                             "the MLP that follows o_proj's")
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"moe_kernel={self.moe_kernel!r} is invalid: choose one of {', '.join(MOE_KERNELS)}")
         self.moe_config_dirs = tuple(self.moe_config_dirs)
