@@ -165,7 +165,8 @@ def test_engine_with_the_fusion_gives_the_same_tokens(tmp_path, monkeypatch):
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 64), ("mxfp4", 32), ("mxfp4_pairs", 32)])
 def test_gpu_down_epilogue_then_qkv(device, fmt, group):
     """Down adding the residual in its epilogue and writing the next layer's input, q/k/v applying
-    1 / rms (Llama-3.1-8B's shapes: down 4096 x 14336, q/k/v 6144 x 4096, their table tiles),
+    1 / rms (Llama-3.1-8B's shapes: down 4096 x 14336 on its table tile, q/k/v 6144 x 4096 on the
+    tile of the GEMV with the norm inside, as `fusions.w4_normed_qkv` runs it),
     against down, then q/k/v with the add + RMSNorm inside (`w4_gemv1_fused`, the default it
     replaces): the same residual bit for bit, q/k/v within the normalised row's bf16 rounding."""
     from test_h2_xpack import _row, _w4_layer
@@ -182,7 +183,7 @@ def test_gpu_down_epilogue_then_qkv(device, fmt, group):
     hw, sums, rout = g1.w4_gemv1_add_row(act, *down, fmt, group, 14336, res, w)
     assert torch.equal(rout, res_ref)
     assert torch.equal(hw, (rout.float() * w.float()).to(torch.bfloat16))
-    got = g1.w4_gemv1_rsq(hw, sums, 1e-5, *qkv, fmt, group, 4096)
+    got = g1.w4_gemv1_rsq(hw, sums, 1e-5, *qkv, fmt, group, 4096, cfg=g1.fused_tiles(False))  # w4_normed_qkv's
     assert got.shape == (1, 6144)
     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert err < 1e-2, err
