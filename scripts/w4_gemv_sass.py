@@ -61,7 +61,7 @@ def compile_gemv(fmt: str, group: int):
 
 def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False, xpack: bool = False,
                   l2d: int = 0, stages=None, tile: dict | None = None, k: int = 8192, maxnreg: int | None = None,
-                  norm: bool = False, gated: bool = False):
+                  norm: bool = False, gated: bool = False, rsq: bool = False):
     """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 8192 weight (rows of several steps at every
     reference tile: a row of one step has no words to load ahead), sm90, the reference tile below
     (dw: words a thread's load, the kernel's DW; xpack: x's columns prepared by the kernel in
@@ -69,7 +69,8 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     through shared memory instead of carried ahead); or `tile`, a tile of `w4_gemv1`'s tables
     (its BLOCK_N, BLOCK_W, warps and options) for k inputs, with the register cap `maxnreg`
     (Triton's launch option) and the norm inside (`norm`, the fused q/k/v launch), or gated
-    after o_proj's epilogue (`gated`: SiLU-and-mul inside, 1 / rms from its sums, RSQ);
+    after o_proj's epilogue (`gated`: SiLU-and-mul inside, 1 / rms from its sums, RSQ), or
+    scaled by 1 / rms from the sums of the product in front (`rsq`: q/k/v after down's epilogue);
     (kernel, weights per thread a loop step; a gated step's weights are its gate and up rows')."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -89,7 +90,7 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     dw = tiles.get("DW", 1)
     n_scales = k // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
-                 NORM=norm, HAS_RES=norm, GATED=gated, RSQ=gated, SW=0, SS=0, SZ=0, **tiles)
+                 NORM=norm, HAS_RES=norm, GATED=gated, RSQ=gated or rsq, SW=0, SS=0, SZ=0, **tiles)
     if g1.FIXED_STRIDES[fmt] and tiles.get("AHEAD"):  # the launcher compiles the row strides in (with AHEAD)
         const.update(SW=k // 8, SS=n_scales, SZ=n_scales)
     scale = "*bf16" if fmt == "int4" else "*u8"
@@ -183,20 +184,22 @@ def registers(sass: str) -> int:
     return 1 + max(int(r) for r in re.findall(r"\bR(\d+)\b", sass))
 
 
-def table_tiles() -> list[tuple[str, str, int, dict, bool, bool]]:
-    """(name, format, K, tile, norm inside, gated) of each tile `w4_gemv1` picks at Llama-3.1-8B's
-    batch-1 products: o_proj (4096 x 4096, `TILES`), gate-up (28672 x 4096, `TILES_WIDE`),
-    down (4096 x 14336, `TILES_DEEP`), q/k/v with the norm inside (6144 x 4096,
-    `fused_tiles`) and gate-up with SiLU-and-mul inside ("w4_gate_up_silu", `gated_tiles`),
-    for int4 and MXFP4 pair words."""
+def table_tiles() -> list[tuple[str, str, int, dict, bool, bool, bool]]:
+    """(name, format, K, tile, norm inside, gated, scaled by 1 / rms) of each tile `w4_gemv1`
+    picks at Llama-3.1-8B's batch-1 products: o_proj (4096 x 4096, `TILES`), gate-up (28672 x
+    4096, `TILES_WIDE`), down (4096 x 14336, `TILES_DEEP`), q/k/v with the norm inside (6144 x
+    4096, `fused_tiles`), gate-up with SiLU-and-mul inside ("w4_gate_up_silu", `gated_tiles`)
+    and q/k/v after down's epilogue ("w4_down_add_norm": `fused_tiles`, RSQ), for int4 and
+    MXFP4 pair words."""
     from atom.model_ops.kernels import w4_gemv1 as g1
     out = []
     for fmt in ("int4", "mxfp4_pairs"):
-        out += [("o_proj", fmt, 4096, g1.tiles(4096, fmt, 4096), False, False),
-                ("gate-up", fmt, 4096, g1.tiles(28672, fmt, 4096), False, False),
-                ("down", fmt, 14336, g1.tiles(4096, fmt, 14336), False, False),
-                ("q/k/v+norm", fmt, 4096, g1.fused_tiles(False), True, False),
-                ("gate-up+silu", fmt, 4096, g1.gated_tiles(28672, fmt, 4096), False, True)]
+        out += [("o_proj", fmt, 4096, g1.tiles(4096, fmt, 4096), False, False, False),
+                ("gate-up", fmt, 4096, g1.tiles(28672, fmt, 4096), False, False, False),
+                ("down", fmt, 14336, g1.tiles(4096, fmt, 14336), False, False, False),
+                ("q/k/v+norm", fmt, 4096, g1.fused_tiles(False), True, False, False),
+                ("gate-up+silu", fmt, 4096, g1.gated_tiles(28672, fmt, 4096), False, True, False),
+                ("q/k/v+rsq", fmt, 4096, g1.fused_tiles(False), False, False, True)]
     return out
 
 
@@ -205,10 +208,10 @@ def print_tables(caps: list[int]) -> None:
     registers, the loop's instructions a step, and per load opcode the range of instructions
     issued before the first wait on it (`load_cover`)."""
     from triton.tools.disasm import get_sass
-    for name, fmt, k, tile, norm, gated in table_tiles():
+    for name, fmt, k, tile, norm, gated, rsq in table_tiles():
         group = 128 if fmt == "int4" else 32
         for cap in dict.fromkeys([tile.get("maxnreg")] + caps):
-            compiled, _ = compile_gemv1(fmt, group, tile=tile, k=k, maxnreg=cap, norm=norm, gated=gated)
+            compiled, _ = compile_gemv1(fmt, group, tile=tile, k=k, maxnreg=cap, norm=norm, gated=gated, rsq=rsq)
             sass = get_sass(compiled.asm["cubin"])
             spans = collections.defaultdict(list)
             for _, op, cover in load_cover(sass):

@@ -1060,18 +1060,20 @@ def test_sass_load_cover_counts_the_work_before_the_first_wait():
 def test_sass_tables_name_the_launchers_tiles():
     """`scripts/w4_gemv_sass.py --tables`: the tiles it compiles are the ones `w4_gemv1`
     picks at Llama-3.1-8B's batch-1 products (o_proj, gate-up, down, q/k/v with the norm
-    inside: `fused_tiles`, and gate-up with SiLU-and-mul inside: `gated_tiles`), for int4 and
+    inside: `fused_tiles`, gate-up with SiLU-and-mul inside: `gated_tiles`, and q/k/v after
+    down's epilogue: `fused_tiles` scaled by 1 / rms), for int4 and
     MXFP4 pair words, with the inputs of each product; the register count of a listing is one
     more than the highest R it names."""
     from atom.model_ops.kernels import w4_gemv1 as g1
     mod = _script("w4_gemv_sass")
-    rows = {(name, fmt): (k, tile, norm, gated) for name, fmt, k, tile, norm, gated in mod.table_tiles()}
-    assert len(rows) == 10
+    rows = {(name, fmt): (k, tile, norm, gated, rsq) for name, fmt, k, tile, norm, gated, rsq in mod.table_tiles()}
+    assert len(rows) == 12
     for fmt in ("int4", "mxfp4_pairs"):
-        assert rows[("o_proj", fmt)] == (4096, g1.TILES[fmt], False, False)
-        assert rows[("gate-up", fmt)] == (4096, g1.TILES_WIDE[fmt], False, False)
-        assert rows[("down", fmt)] == (14336, g1.TILES_DEEP[fmt], False, False)
-        assert rows[("q/k/v+norm", fmt)] == (4096, g1.FUSED_TILES[False], True, False)
+        assert rows[("o_proj", fmt)] == (4096, g1.TILES[fmt], False, False, False)
+        assert rows[("gate-up", fmt)] == (4096, g1.TILES_WIDE[fmt], False, False, False)
+        assert rows[("down", fmt)] == (14336, g1.TILES_DEEP[fmt], False, False, False)
+        assert rows[("q/k/v+norm", fmt)] == (4096, g1.FUSED_TILES[False], True, False, False)
         assert rows[("gate-up+silu", fmt)] == (4096, dict(g1.TILES_WIDE[fmt], BLOCK_N=g1.TILES_WIDE[fmt]["BLOCK_N"] // 2),
-                                               False, True)
+                                               False, True, False)
+        assert rows[("q/k/v+rsq", fmt)] == (4096, g1.FUSED_TILES[False], False, False, True)
     assert mod.registers("MOV R1, c[0x0][0x28] ;\nIADD3 R17, R2, 0x1, RZ ;\nSTG.E desc[UR4][R4.64], R9 ;") == 18
