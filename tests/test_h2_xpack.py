@@ -357,6 +357,17 @@ def test_gpu_prepared_loop_matches_the_loop(device, fmt, group, zp, n, k):
     assert (got == want).float().mean() > 0.99
 
 
+def _product_pair(fmt, group, device, first, second):
+    """Two 4-bit layers of (n, k) `first` and `second` (`_w4_layer`), one small row x into the
+    first, a residual and a norm weight of the first's outputs: (first, second, x, res, w)."""
+    a = _w4_layer(fmt, *first, group, device, 1)
+    b = _w4_layer(fmt, *second, group, device, 2)
+    x = _row(first[1], torch.bfloat16, device, 3) * 1e-3
+    res = torch.randn(1, first[0], device=device).to(torch.bfloat16)
+    w = (torch.rand(first[0], device=device) + 0.5).to(torch.bfloat16)
+    return a, b, x, res, w
+
+
 @pytest.mark.parametrize("device", [GPU])
 def test_gpu_producers_match_the_reference(device):
     k = 4096
@@ -383,11 +394,7 @@ def test_gpu_o_proj_epilogue_then_gate_up(device, fmt, group, row):
     `w4_gemv1_prepared`), or h w in bf16 with the sums of h^2 (`w4_gemv1_add_row`, `w4_gemv1_rsq`)."""
     from atom.model_ops.kernels import w4_gemv1 as g1
     from atom.model_ops.kernels.w4_gemm import w4_linear_launch
-    o = _w4_layer(fmt, 4096, 4096, group, device, 1)
-    gu = _w4_layer(fmt, 28672, 4096, group, device, 2)
-    x = _row(4096, torch.bfloat16, device, 3) * 1e-3
-    res = torch.randn(1, 4096, device=device).to(torch.bfloat16)
-    w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
+    o, gu, x, res, w = _product_pair(fmt, group, device, (4096, 4096), (28672, 4096))
     y = w4_linear_launch(x, *o, None, fmt, group, 4096)
     h_ref, res_ref = fused_add_rms_norm(y, res, w, 1e-5)
     want = w4_linear_launch(h_ref, *gu, None, fmt, group, 4096)
@@ -411,11 +418,7 @@ def test_gpu_gated_gate_up_after_the_o_proj_epilogue(device, fmt, group):
     own tile then the SiLU-and-mul kernel: within bf16's rounding of the output (the two tiles
     may sum a row's products in another order)."""
     from atom.model_ops.kernels import w4_gemv1 as g1
-    o = _w4_layer(fmt, 4096, 4096, group, device, 1)
-    gu = _w4_layer(fmt, 28672, 4096, group, device, 2)
-    x = _row(4096, torch.bfloat16, device, 3) * 1e-3
-    res = torch.randn(1, 4096, device=device).to(torch.bfloat16)
-    w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
+    o, gu, x, res, w = _product_pair(fmt, group, device, (4096, 4096), (28672, 4096))
     hw, sums, _ = g1.w4_gemv1_add_row(x, *o, fmt, group, 4096, res, w)
     want = silu_and_mul(g1.w4_gemv1_rsq(hw, sums, 1e-5, *gu, fmt, group, 4096)).float()
     got = g1.w4_gemv1_rsq(hw, sums, 1e-5, *gu, fmt, group, 4096, gated=True).float()

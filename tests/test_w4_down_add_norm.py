@@ -169,15 +169,11 @@ def test_gpu_down_epilogue_then_qkv(device, fmt, group):
     tile of the GEMV with the norm inside, as `fusions.w4_normed_qkv` runs it),
     against down, then q/k/v with the add + RMSNorm inside (`w4_gemv1_fused`, the default it
     replaces): the same residual bit for bit, q/k/v within the normalised row's bf16 rounding."""
-    from test_h2_xpack import _row, _w4_layer
+    from test_h2_xpack import _product_pair
 
     from atom.model_ops.kernels import w4_gemv1 as g1
     from atom.model_ops.kernels.w4_gemm import w4_linear_launch
-    down = _w4_layer(fmt, 4096, 14336, group, device, 1)
-    qkv = _w4_layer(fmt, 6144, 4096, group, device, 2)
-    act = _row(14336, torch.bfloat16, device, 3) * 1e-3
-    res = torch.randn(1, 4096, device=device).to(torch.bfloat16)
-    w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
+    down, qkv, act, res, w = _product_pair(fmt, group, device, (4096, 14336), (6144, 4096))
     y = w4_linear_launch(act, *down, None, fmt, group, 14336)
     want, res_ref = g1.w4_gemv1_fused(y, res, w, 1e-5, *qkv, fmt, group, 4096)
     hw, sums, rout = g1.w4_gemv1_add_row(act, *down, fmt, group, 14336, res, w)
