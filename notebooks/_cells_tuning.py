@@ -195,6 +195,39 @@ display(layer.round(2))
 fig
 """),
     ("md", """
+Two opt-in 4-bit fusions timed beside the tree on one H100 each (`raw/history.md` 2026-12-07d):
+"w4_gate_up_silu" (SiLU-and-mul inside gate-up) and "w4_down_add_norm" (down's epilogue writes the
+next layer's normed input; q/k/v then runs without the norm in its loop). Batch-1 decode ms/step
+from the raw JSON, then the PDL-off kernel times a layer with and without the second: q/k/v lost
+its norm's instructions yet ran slower, on the plain products' 8-warp tile (since then the
+fusion keeps q/k/v's own 4-warp tile).
+"""),
+    ("code", """
+runs = []
+for path in sorted(raw_dir.glob("2026-12-07d-h100-call[1-7]-l-lat1-var*.json")):
+    m = re.match(r".*-(call\d)-l-lat1-var(asis|gate_up_silu|down_add_norm)-(w4a16|mxfp4_w4a16)\.json", path.name)
+    if m:  # the 4-bit runs (the calls' FP8 KV runs are not)
+        call, variant, fmt = m.groups()
+        runs.append(dict(call=call, format=fmt, variant=variant,
+                         ms=json.loads(path.read_text())["results"][0]["ms_per_step"]))
+runs = pd.DataFrame(runs)
+pairs = runs.pivot_table(index=["call", "format"], columns="variant", values="ms")
+pairs["change"] = pairs[["gate_up_silu", "down_add_norm"]].max(axis=1) / pairs["asis"] - 1
+assert len(pairs) == 8 and (pairs["change"].abs() < 0.015).all()  # neither fusion moves decode by 1.5%
+seq_us = {}
+for variant in ("asis", "down_add_norm"):
+    text = (raw_dir / f"2026-12-07d-h100-call8-prof-nopdl-seq-{variant}-w4a16.log").read_text()
+    seq = re.findall(r"^\s*\d+\s+([\d.]+) us\s+(\S+)", text.split("kernels in order:")[1], re.M)
+    first = [name for _, name in seq].index("_unified_attn_kernel") - 1
+    layers = [seq[i:i + 6] for i in range(first, len(seq) - 5, 6)]
+    assert all([n for _, n in layer][1] == "_unified_attn_kernel" for layer in layers)
+    seq_us[variant] = pd.DataFrame([[float(t) for t, _ in layer] for layer in layers], columns=PRODUCTS).median()
+seq_us = pd.DataFrame(seq_us)
+assert seq_us.loc["q/k/v", "down_add_norm"] > seq_us.loc["q/k/v", "asis"]  # fewer instructions, slower tile
+display(pairs.round(3))
+seq_us.round(2)
+"""),
+    ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
 H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in
