@@ -25,6 +25,10 @@ import os
 import re
 
 ISSUE_RATE = 132 * 4 * 32 * 1.98e9  # thread-instructions per second, H200 (sm90)
+SMS = 132  # H100 SXM and H200
+#: the rows each table product's grid spans at Llama-3.1-8B's shapes (a gated product: its gate rows)
+GRID_ROWS = {"o_proj": 4096, "gate-up": 28672, "down": 4096, "q/k/v+norm": 6144, "gate-up+silu": 14336,
+             "q/k/v+rsq": 6144}
 
 
 def with_defaults(kernel, const: dict) -> dict:
@@ -203,10 +207,25 @@ def table_tiles() -> list[tuple[str, str, int, dict, bool, bool, bool]]:
     return out
 
 
+def programs_per_sm(regs: int, warps: int) -> int:
+    """How many programs of `warps` warps an sm90 SM holds by registers (65,536, a thread's count
+    allocated in steps of 8) and its limits of 64 warps and 32 programs; shared memory aside
+    (the one-row GEMV's tiles use little)."""
+    per_program = -(-regs // 8) * 8 * 32 * warps
+    return min(65536 // per_program, 64 // warps, 32)
+
+
+def waves(programs: int, regs: int, warps: int, sms: int = SMS) -> float:
+    """Programs over the programs all SMs hold at once (`programs_per_sm`): above 1 the grid
+    runs in more than one wave, its last partly full."""
+    return programs / (sms * programs_per_sm(regs, warps))
+
+
 def print_tables(caps: list[int]) -> None:
     """For each tile of `table_tiles`, under its own register cap and each of `caps`: the
     registers, the loop's instructions a step, and per load opcode the range of instructions
-    issued before the first wait on it (`load_cover`)."""
+    issued before the first wait on it (`load_cover`), and the programs an SM and waves of the
+    product's grid at Llama-3.1-8B's shape (`waves`)."""
     from triton.tools.disasm import get_sass
     for name, fmt, k, tile, norm, gated, rsq in table_tiles():
         group = 128 if fmt == "int4" else 32
@@ -217,8 +236,11 @@ def print_tables(caps: list[int]) -> None:
             for _, op, cover in load_cover(sass):
                 spans[op].append(cover)
             loads = ", ".join(f"{op} x{len(c)} {min(c)}-{max(c)}" for op, c in sorted(spans.items()))
-            print(f"{name} {fmt} maxnreg={cap}: {registers(sass)} registers, {len(loop_body(sass))} instructions "
-                  f"a step; cover {loads}")
+            regs, warps = registers(sass), tile["num_warps"]
+            programs = GRID_ROWS[name] // tile["BLOCK_N"]
+            print(f"{name} {fmt} maxnreg={cap}: {regs} registers, {len(loop_body(sass))} instructions "
+                  f"a step; {programs_per_sm(regs, warps)} programs an SM, {waves(programs, regs, warps):.2f} waves "
+                  f"of {programs}; cover {loads}")
 
 
 def main() -> None:

@@ -1077,3 +1077,17 @@ def test_sass_tables_name_the_launchers_tiles():
                                                False, True, False)
         assert rows[("q/k/v+rsq", fmt)] == (4096, g1.FUSED_TILES[False], False, False, True)
     assert mod.registers("MOV R1, c[0x0][0x28] ;\nIADD3 R17, R2, 0x1, RZ ;\nSTG.E desc[UR4][R4.64], R9 ;") == 18
+    assert set(mod.GRID_ROWS) == {name for name, *_ in mod.table_tiles()}
+
+
+def test_programs_an_sm_and_waves():
+    """`w4_gemv_sass.programs_per_sm`: registers allocated in steps of 8 a thread out of 65,536
+    an SM, at most 64 warps and 32 programs; `waves`: a grid over all SMs' programs."""
+    mod = _script("w4_gemv_sass")
+    assert mod.programs_per_sm(59, 8) == 4      # 64 x 256 threads = 16,384 registers a program
+    assert mod.programs_per_sm(83, 4) == 5      # 88 x 128 = 11,264
+    assert mod.programs_per_sm(54, 4) == 9      # 56 x 128 = 7,168
+    assert mod.programs_per_sm(16, 1) == 32     # the program limit
+    assert mod.programs_per_sm(24, 16) == 4     # the warp limit (24 x 512 = 12,288 would allow 5)
+    assert mod.waves(768, 59, 8) == pytest.approx(768 / 528)
+    assert mod.waves(768, 54, 4) < 1 < mod.waves(768, 83, 4) < 2
