@@ -65,7 +65,7 @@ def compile_gemv(fmt: str, group: int):
 
 def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain: bool = False, xpack: bool = False,
                   l2d: int = 0, stages=None, tile: dict | None = None, k: int = 8192, maxnreg: int | None = None,
-                  norm: bool = False, gated: bool = False, rsq: bool = False):
+                  norm: bool = False, gated: bool = False, rsq: bool = False, epi_row: bool = False):
     """`w4_gemv1._w4_gemv1_kernel` for a 4096 x 8192 weight (rows of several steps at every
     reference tile: a row of one step has no words to load ahead), sm90, the reference tile below
     (dw: words a thread's load, the kernel's DW; xpack: x's columns prepared by the kernel in
@@ -74,7 +74,8 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     (its BLOCK_N, BLOCK_W, warps and options) for k inputs, with the register cap `maxnreg`
     (Triton's launch option) and the norm inside (`norm`, the fused q/k/v launch), or gated
     after o_proj's epilogue (`gated`: SiLU-and-mul inside, 1 / rms from its sums, RSQ), or
-    scaled by 1 / rms from the sums of the product in front (`rsq`: q/k/v after down's epilogue);
+    scaled by 1 / rms from the sums of the product in front (`rsq`: q/k/v after down's epilogue),
+    or adding the residual and writing the next norm's row in its epilogue (`epi_row`: o_proj);
     (kernel, weights per thread a loop step; a gated step's weights are its gate and up rows')."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -94,12 +95,13 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     dw = tiles.get("DW", 1)
     n_scales = k // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
-                 NORM=norm, HAS_RES=norm, GATED=gated, RSQ=gated or rsq, SW=0, SS=0, SZ=0, **tiles)
+                 NORM=norm, HAS_RES=norm, GATED=gated, RSQ=gated or rsq, EPI_ROW=epi_row, SW=0, SS=0, SZ=0, **tiles)
     if g1.FIXED_STRIDES[fmt] and tiles.get("AHEAD"):  # the launcher compiles the row strides in (with AHEAD)
         const.update(SW=k // 8, SS=n_scales, SZ=n_scales)
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
-                 nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32", xk_ptr="*i32", rsq_ptr="*fp32")
+                 nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32", xk_ptr="*i32", rsq_ptr="*fp32", er_ptr="*bf16",
+                 erout_ptr="*bf16", enw_ptr="*bf16", ek_ptr="*bf16", esq_ptr="*fp32")
     const = with_defaults(kernel, const)
     names = kernel.arg_names
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}

@@ -166,6 +166,35 @@ def test_product_epilogue_adds_and_writes_the_next_norms_row(device, fmt, group,
         w4_gemv1_rsq(hw, sums.double(), 1e-5, packed, scales, zeros, fmt, group, n)
 
 
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("fmt,group", [("int4", 64), ("mxfp4", 32), ("mxfp4_pairs", 32)])
+def test_early_epilogue_operands_change_no_bit(device, fmt, group, monkeypatch):
+    """EARLY (`w4_gemv1.EARLY_EPILOGUE`: RSQ's sums loaded before the loop, EPI_ROW's norm weight
+    and residual lines asked of L2 ahead on a GPU): `w4_gemv1_add_row`'s three outputs and
+    `w4_gemv1_rsq`'s plain and gated products are the same bits as without it (on a GPU at
+    Llama-3.1-8B's o_proj and gate-up shapes and their table tiles, under the interpreter small
+    ones); and it reaches the kernel from the module's switch."""
+    from atom.model_ops.kernels import w4_gemv1 as g1
+    small = device == "cpu"
+    k, n, n2 = (256, 64, 96) if small else (4096, 4096, 28672)
+    first, second, x, res, w = _product_pair(fmt, group, device, (n, k), (n2, n))
+    cfg = dict(BLOCK_N=8, BLOCK_W=32, num_warps=1, num_stages=1, HALF2=True) if small else None
+    seen = []
+    launch = g1.w4_gemv1_launch
+    monkeypatch.setattr(g1, "w4_gemv1_launch", lambda *a, **kw: seen.append(a[8]["EARLY"]) or launch(*a, **kw))
+    out = {}
+    for early in (False, True):
+        monkeypatch.setattr(g1, "EARLY_EPILOGUE", early)
+        hw, sums, rout = g1.w4_gemv1_add_row(x, *first, fmt, group, k, res, w, cfg=cfg)
+        plain = g1.w4_gemv1_rsq(hw, sums, 1e-5, *second, fmt, group, n, cfg=cfg)
+        gated = g1.w4_gemv1_rsq(hw, sums, 1e-5, *second, fmt, group, n, gated=True,
+                                cfg=dict(cfg, BLOCK_N=4) if small else None)
+        out[early] = (hw, sums, rout, plain, gated)
+    assert seen == [False] * 3 + [True] * 3
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", [CPU])
 @pytest.mark.parametrize("fmt,group,zp", [("int4", 64, False), ("int4", 32, True), ("mxfp4", 32, False),
                                           ("mxfp4_pairs", 32, False)])

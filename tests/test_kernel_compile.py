@@ -293,6 +293,13 @@ def _compile_all() -> dict:
                                        dict(FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8,
                                             BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True, EPI_ROW=True),
                                        dict(w_ptr="*i32", esq_ptr="*fp32"), ("fma.rn.f16x2", "griddepcontrol.wait")),
+        # the same with EARLY (`w4_gemv1.EARLY_EPILOGUE`) and SPF: the epilogue's lines asked of L2 ahead
+        "w4_gemv1_int4_epilogue_row_early": (w4g1._w4_gemv1_kernel,
+                                             dict(FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True,
+                                                  BLOCK_N=8, BLOCK_W=256, EVEN=True, AHEAD=True, HALF2=True,
+                                                  EPI_ROW=True, SPF=True, EARLY=True),
+                                             dict(w_ptr="*i32", esq_ptr="*fp32"),
+                                             ("prefetch.global.L2", "griddepcontrol.wait")),
         # `scripts/w4_mma_probe.py`: int4 groups on mma.sync, x in fragment order, loads carried a group ahead
         "w4_mma_probe": (mma._w4_mma_kernel, dict(WM=1, WK=8, D=1),
                          dict(f_ptr="*i32", sx_ptr="*fp32", us_ptr="*fp32", w_ptr="*i32", s_ptr="*bf16"),
@@ -304,6 +311,12 @@ def _compile_all() -> dict:
                                     EVEN=True, AHEAD=True, HALF2=True, RSQ=True, RSQ_N=512),
                                dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", rsq_ptr="*fp32", eps="fp32"),
                                ("fma.rn.f16x2", "sqrt")),
+        "w4_gemv1_mxfp4_rsq_early": (w4g1._w4_gemv1_kernel,
+                                     dict(FMT=1, GROUP=32, HAS_ZP=False, HAS_BIAS=False, PDL=True, BLOCK_N=8,
+                                          BLOCK_W=64, EVEN=True, AHEAD=True, HALF2=True, RSQ=True, RSQ_N=512,
+                                          EARLY=True),
+                                     dict(w_ptr="*i32", s_ptr="*u8", z_ptr="*u8", rsq_ptr="*fp32", eps="fp32"),
+                                     ("fma.rn.f16x2", "sqrt")),
         "h2_silu_prepare": (h2x._silu_prepare_kernel, dict(ODD16=True, C=128, ASM=True, PDL=True),
                             dict(out_ptr="*i32"), ("griddepcontrol.wait", "cvt.rn.f16x2.f32")),
         "h2_norm_prepare": (h2x._norm_prepare_kernel, dict(ODD16=False, BLOCK=4096, HAS_RES=True, ASM=True, PDL=True),
@@ -322,6 +335,12 @@ def _compile_all() -> dict:
     p = ptxs["w4_gemv1_int4_scale_rows_first"]  # the scale rows before the wait, the loop's loads after
     out["w4_gemv1_scale_rows_before_wait"] = {
         "before the wait": 0 <= p.find("prefetch.global.L2") < p.find("griddepcontrol.wait")}
+    # EARLY: the residual's line asked for after the wait, which the epilogue without it never does
+    after_wait = {n: ptxs[n].split("griddepcontrol.wait")[1].count("prefetch.global.L2")
+                  for n in ("w4_gemv1_int4_epilogue_row", "w4_gemv1_int4_epilogue_row_early")}
+    out["w4_gemv1_early_epilogue_prefetch"] = {
+        "the residual's line after the wait": after_wait["w4_gemv1_int4_epilogue_row_early"] > 0
+        and after_wait["w4_gemv1_int4_epilogue_row"] == 0}
     p = ptxs["attention_decode_split"]
     out["attention_prefetch_before_wait"] = {
         "prefetch.global.L2": "prefetch.global.L2" in p,
@@ -394,6 +413,8 @@ def test_kernels_compile_for_sm90():
                         "attention_one_pass_amax", "attention_qkv_sum", "attention_merge_in_kernel",
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",
                         "w4_gemv1_int4_epilogue_row", "w4_gemv1_mxfp4_rsq", "h2_silu_prepare", "h2_norm_prepare",
+                        "w4_gemv1_int4_epilogue_row_early", "w4_gemv1_mxfp4_rsq_early",
+                        "w4_gemv1_early_epilogue_prefetch",
                         "w4_mma_probe", "w4_mma_probe_prep"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;

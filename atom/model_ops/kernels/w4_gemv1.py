@@ -93,6 +93,11 @@ for _table in (TILES, TILES_WIDE, TILES_DEEP):
 FIXED_STRIDES = {"int4": False, "mxfp4": True, "mxfp4_pairs": True}
 WIDE_N = 8192
 DEEP_K = 8192
+#: the kernel's EARLY for the add + norm split around products (`w4_gemv1_add_row`'s EPI_ROW,
+#: `w4_gemv1_rsq`'s RSQ): the epilogue's and the 1 / rms's operands read before the loop, where
+#: their latency hides behind it, instead of after it. Off until a GPU times it (variants
+#: `early_epilogue` in scripts/variants/int4 and scripts/variants/mxfp4)
+EARLY_EPILOGUE = False
 
 
 def tiles(n: int, fmt: str = "int4", k: int = 0) -> dict:
@@ -484,7 +489,8 @@ if HAS_TRITON:
                          EPI: tl.constexpr = False, EODD16: tl.constexpr = False, esq_ptr=None,
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
                          RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None,
-                         WCACHE: tl.constexpr = "", SPF: tl.constexpr = False, PF1: tl.constexpr = False):
+                         WCACHE: tl.constexpr = "", SPF: tl.constexpr = False, PF1: tl.constexpr = False,
+                         EARLY: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -536,8 +542,11 @@ if HAS_TRITON:
         program's whole scale (and zero-point) rows asked of L2 before the PDL wait (a few lines
         a row; `_prefetch_rows`), so that no step waits for them from memory. PF1: L2D's and
         SPF's scale and zero-point lines into L1 as well, where each step's loads of them find
-        them (with WCACHE ".cg" the word stream does not evict them). None of these changes the
-        arithmetic."""
+        them (with WCACHE ".cg" the word stream does not evict them). EARLY: what the end of the
+        kernel reads, read before the loop instead of after it: RSQ's partial sums of h^2 loaded
+        right after the PDL wait (summed at the end), and with EPI_ROW and SPF the epilogue's norm
+        weight line asked of L2 before the wait and its residual line after it. None of these
+        changes the arithmetic."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -603,7 +612,16 @@ if HAS_TRITON:
                 _prefetch_rows(s_ptr, row0 + up_rows, n_rows, stride_s, n_groups, BLOCK_W, PF1)
                 if HAS_ZP:
                     _prefetch_rows(z_ptr, row0 + up_rows, n_rows, stride_z, n_groups, BLOCK_W, PF1)
+        if EARLY and EPI_ROW and SPF:  # the norm weight's line (a weight: no kernel in the stream writes it)
+            first = tl.arange(0, BLOCK_W) == 0  # one thread: a program's BLOCK_N weights share a line
+            _prefetch_at(enw_ptr, tl.program_id(0) * BLOCK_N, enw_ptr.dtype.element_ty.primitive_bitwidth // 8, 0,
+                         first, False)
         pdl_start(PDL)
+        if EARLY and EPI_ROW and SPF:  # the residual's line, written by a kernel before this one
+            _prefetch_at(er_ptr, tl.program_id(0) * BLOCK_N, er_ptr.dtype.element_ty.primitive_bitwidth // 8, 0,
+                         first, False)
+        if EARLY and RSQ:  # the product in front wrote them: after the wait, held through the loop
+            rsq_parts = tl.load(rsq_ptr + tl.arange(0, RSQ_N), mask=tl.arange(0, RSQ_N) < rsq_count, other=0.0)
         if L2D > 0:  # the steps before the loop's first prefetch reaches
             for d in tl.static_range(1, L2D):
                 _prefetch_step(w_ptr, s_ptr, z_ptr, tl.program_id(0) * BLOCK_N, d * STEP, n_words, stride_w * DW,
@@ -713,6 +731,8 @@ if HAS_TRITON:
                 ssq = tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0)
             elif PNORM:  # from the prepared columns' sums of h^2
                 ssq = tl.sum(tl.sum(psq, axis=1), axis=0)
+            elif EARLY:  # from the sums of h^2 of the product in front (EPI_ROW), loaded before the loop
+                ssq = tl.sum(rsq_parts, axis=0)
             else:  # from the sums of h^2 of the product in front (EPI_ROW)
                 parts = tl.arange(0, RSQ_N)
                 ssq = tl.sum(tl.load(rsq_ptr + parts, mask=parts < rsq_count, other=0.0), axis=0)
@@ -917,6 +937,7 @@ def _launch_added(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
     rout = torch.empty(1, n, dtype=x.dtype, device=x.device)
     words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
     cfg = dict(cfg, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout, enw_ptr=norm_weight, **epilogue)
+    cfg.setdefault("EARLY", EARLY_EPILOGUE)
     w4_gemv1_launch(x, words, scales, z, None, rout, fmt_id, group, cfg,  # y_ptr: only its dtype is read
                     dict(HAS_ZP=zeros is not None, **pdl_args(x)))
     return rout
@@ -944,6 +965,7 @@ def w4_gemv1_rsq(hw: torch.Tensor, sums: torch.Tensor, eps: float, packed: torch
         cfg = gated_tiles(rows, fmt, k) if gated else tiles(n, fmt, k)
     cfg = dict(cfg, RSQ=True, rsq_ptr=sums, rsq_count=sums.numel(), RSQ_N=triton.next_power_of_2(sums.numel()),
                eps=float(eps))
+    cfg.setdefault("EARLY", EARLY_EPILOGUE)
     w4_gemv1_launch(hw, words, scales, z, None, y, fmt_id, group, cfg, dict(HAS_ZP=zeros is not None, **pdl_args(hw)),
                     gated=gated)
     return y
