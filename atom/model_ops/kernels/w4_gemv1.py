@@ -475,6 +475,12 @@ if HAS_TRITON:
         _prefetch_at(ptr, row0 + t // LPR, stride * S, tl.minimum((t % LPR) * (128 // S), n_elems - 1) * S,
                      t // LPR < n_rows, L1)
 
+    @triton.jit
+    def _rsq_parts(rsq_ptr, rsq_count, RSQ_N: tl.constexpr):
+        """RSQ's `rsq_count` partial sums of h^2 (float32), zero-padded to RSQ_N."""
+        parts = tl.arange(0, RSQ_N)
+        return tl.load(rsq_ptr + parts, mask=parts < rsq_count, other=0.0)
+
     @triton.jit(do_not_specialize=["stride_wn", "stride_sn", "stride_zn", "up_rows"],
                 do_not_specialize_on_alignment=["w_ptr", "s_ptr", "z_ptr"])
     def _w4_gemv1_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, n_words, stride_wn, stride_sn, stride_zn,
@@ -621,7 +627,7 @@ if HAS_TRITON:
             _prefetch_at(er_ptr, tl.program_id(0) * BLOCK_N, er_ptr.dtype.element_ty.primitive_bitwidth // 8, 0,
                          first, False)
         if EARLY and RSQ:  # the product in front wrote them: after the wait, held through the loop
-            rsq_parts = tl.load(rsq_ptr + tl.arange(0, RSQ_N), mask=tl.arange(0, RSQ_N) < rsq_count, other=0.0)
+            rsq_parts = _rsq_parts(rsq_ptr, rsq_count, RSQ_N)
         if L2D > 0:  # the steps before the loop's first prefetch reaches
             for d in tl.static_range(1, L2D):
                 _prefetch_step(w_ptr, s_ptr, z_ptr, tl.program_id(0) * BLOCK_N, d * STEP, n_words, stride_w * DW,
@@ -731,11 +737,10 @@ if HAS_TRITON:
                 ssq = tl.sum(tl.sum(tl.sum(sq, axis=2), axis=1), axis=0)
             elif PNORM:  # from the prepared columns' sums of h^2
                 ssq = tl.sum(tl.sum(psq, axis=1), axis=0)
-            elif EARLY:  # from the sums of h^2 of the product in front (EPI_ROW), loaded before the loop
+            else:  # from the sums of h^2 of the product in front (EPI_ROW), loaded here or before the loop
+                if not EARLY:
+                    rsq_parts = _rsq_parts(rsq_ptr, rsq_count, RSQ_N)
                 ssq = tl.sum(rsq_parts, axis=0)
-            else:  # from the sums of h^2 of the product in front (EPI_ROW)
-                parts = tl.arange(0, RSQ_N)
-                ssq = tl.sum(tl.load(rsq_ptr + parts, mask=parts < rsq_count, other=0.0), axis=0)
             rstd = 1.0 / tl.sqrt(ssq / (n_words * 8) + eps)
             y = y * rstd
         if HAS_BIAS:
