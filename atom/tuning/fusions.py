@@ -103,15 +103,16 @@ which computes the same thing with fewer kernels where the plan says so:
 - "w4_gate_up_silu" (with "w4_o_proj_add_norm"): there, gate-up's one-row GEMV also applies
   SiLU-and-mul (`w4_gemv1_rsq(gated=True)`: a program's gate rows and the matching up rows,
   `w4_gemv1.gated_tiles`), so that the SiLU-and-mul kernel between gate-up and down does not
-  run: one launch fewer a layer, the same bits. Opt-in until its batch-1 decode timing is in
-  docs/perf (with the norm inside too, a gated gate-up measured slower: `w4_one_row`);
+  run: one launch fewer a layer, the same bits. Opt-in: batch-1 decode no faster with it
+  (docs/perf; with the norm inside too, a gated gate-up measured slower: `w4_one_row`);
 - "w4_down_add_norm" (with "w4_o_proj_add_norm"): there, when the next decoder layer's q/k/v
   is 4-bit too, down's one-row GEMV adds the residual in its epilogue and writes the next
   layer's normed input as o_proj's does for gate-up (`normed_row.NormedRow`: h w with the sums
   of h^2), and that q/k/v is the one-row GEMV on its tile scaled by 1 / rms (`w4_normed_qkv`)
   instead of the GEMV with the norm inside ("w4_norm_gemv", whose loop adds, squares and weights
   x column by column: more instructions a weight, docs/perf). The same launches; `install` links
-  each layer to the next (`next_layer`). Opt-in until its batch-1 decode timing is in docs/perf;
+  each layer to the next (`next_layer`). Opt-in: no faster in batch-1 decode as first timed
+  (q/k/v then on another tile; docs/perf), not yet timed as it is;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
