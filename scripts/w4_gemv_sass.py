@@ -195,7 +195,7 @@ def table_tiles() -> list[tuple[str, str, int, dict, bool, bool, bool]]:
     picks at Llama-3.1-8B's batch-1 products: o_proj (4096 x 4096, `TILES`), gate-up (28672 x
     4096, `TILES_WIDE`), down (4096 x 14336, `TILES_DEEP`), q/k/v with the norm inside (6144 x
     4096, `fused_tiles`), gate-up with SiLU-and-mul inside ("w4_gate_up_silu", `gated_tiles`)
-    and q/k/v after down's epilogue ("w4_down_add_norm": `fused_tiles`, RSQ), for int4 and
+    and q/k/v after down's epilogue ("w4_down_add_norm": `tiles`, RSQ), for int4 and
     MXFP4 pair words."""
     from atom.model_ops.kernels import w4_gemv1 as g1
     out = []
@@ -205,7 +205,7 @@ def table_tiles() -> list[tuple[str, str, int, dict, bool, bool, bool]]:
                 ("down", fmt, 14336, g1.tiles(4096, fmt, 14336), False, False, False),
                 ("q/k/v+norm", fmt, 4096, g1.fused_tiles(False), True, False, False),
                 ("gate-up+silu", fmt, 4096, g1.gated_tiles(28672, fmt, 4096), False, True, False),
-                ("q/k/v+rsq", fmt, 4096, g1.fused_tiles(False), False, False, True)]
+                ("q/k/v+rsq", fmt, 4096, g1.tiles(6144, fmt, 4096), False, False, True)]
     return out
 
 

@@ -1075,7 +1075,7 @@ def test_sass_tables_name_the_launchers_tiles():
         assert rows[("q/k/v+norm", fmt)] == (4096, g1.FUSED_TILES[False], True, False, False)
         assert rows[("gate-up+silu", fmt)] == (4096, dict(g1.TILES_WIDE[fmt], BLOCK_N=g1.TILES_WIDE[fmt]["BLOCK_N"] // 2),
                                                False, True, False)
-        assert rows[("q/k/v+rsq", fmt)] == (4096, g1.FUSED_TILES[False], False, False, True)
+        assert rows[("q/k/v+rsq", fmt)] == (4096, g1.TILES[fmt], False, False, True)
     assert mod.registers("MOV R1, c[0x0][0x28] ;\nIADD3 R17, R2, 0x1, RZ ;\nSTG.E desc[UR4][R4.64], R9 ;") == 18
     assert set(mod.GRID_ROWS) == {name for name, *_ in mod.table_tiles()}
 

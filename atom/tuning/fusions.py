@@ -108,11 +108,11 @@ which computes the same thing with fewer kernels where the plan says so:
 - "w4_down_add_norm" (with "w4_o_proj_add_norm"): there, when the next decoder layer's q/k/v
   is 4-bit too, down's one-row GEMV adds the residual in its epilogue and writes the next
   layer's normed input as o_proj's does for gate-up (`normed_row.NormedRow`: h w with the sums
-  of h^2), and that q/k/v is the one-row GEMV on its tile scaled by 1 / rms (`w4_normed_qkv`)
+  of h^2), and that q/k/v is the plain one-row GEMV scaled by 1 / rms (`w4_normed_qkv`)
   instead of the GEMV with the norm inside ("w4_norm_gemv", whose loop adds, squares and weights
   x column by column: more instructions a weight, docs/perf). The same launches; `install` links
-  each layer to the next (`next_layer`). Opt-in: no faster in batch-1 decode as first timed
-  (q/k/v then on another tile; docs/perf), not yet timed as it is;
+  each layer to the next (`next_layer`). Opt-in: batch-1 decode with it level on this
+  q/k/v tile and slower on the norm GEMV's (docs/perf);
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -630,17 +630,16 @@ def w4_down_add_norm_operands(layer: nn.Module, plan, act: torch.Tensor) -> tupl
 
 
 def w4_normed_qkv(attn, row: NormedRow) -> torch.Tensor | None:
-    """q/k/v of the normed input the layer before wrote (`NormedRow`): the one-row 4-bit GEMV on
-    h w, its products scaled by 1 / rms (`w4_gemv1_rsq`), on the tile of the q/k/v GEMV with the
-    norm inside (`w4_gemv1.fused_tiles`), which it replaces: the same programs without the norm's
-    work in the loop (the plain products' table tile for 6144 x 4096, 8 warps, measured slower
-    there: docs/perf); None where q/k/v is not a 4-bit layer without a bias that the kernels run
-    for the row."""
+    """q/k/v of the normed input the layer before wrote (`NormedRow`): the plain one-row 4-bit
+    GEMV on h w on the table's tile (`w4_gemv1.tiles`), its products scaled by 1 / rms
+    (`w4_gemv1_rsq`). On the norm GEMV's 4-warp tile (`fused_tiles`) batch-1 decode was slower,
+    MXFP4 most (docs/perf); None where q/k/v is not a 4-bit layer without a bias that the
+    kernels run for the row."""
     ops = _w4_row_operands(attn.qkv_proj, row.hw)
     if ops is None:
         return None
-    from atom.model_ops.kernels.w4_gemv1 import fused_tiles, w4_gemv1_rsq
-    return w4_gemv1_rsq(row.hw, row.sums, row.eps, *ops, cfg=fused_tiles(False))
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_rsq
+    return w4_gemv1_rsq(row.hw, row.sums, row.eps, *ops)
 
 
 def _qkv_sum_in_attention(attn, plan) -> bool:

@@ -95,8 +95,9 @@ WIDE_N = 8192
 DEEP_K = 8192
 #: the kernel's EARLY for the add + norm split around products (`w4_gemv1_add_row`'s EPI_ROW,
 #: `w4_gemv1_rsq`'s RSQ): the epilogue's and the 1 / rms's operands read before the loop, where
-#: their latency hides behind it, instead of after it. Off until a GPU times it (variants
-#: `early_epilogue` in scripts/variants/int4 and scripts/variants/mxfp4)
+#: their latency hides behind it, instead of after it. Off: batch-1 decode with it was level for
+#: W4A16 and ~4% slower for MXFP4, whose gate-up then issues its scale loads later in the step
+#: (docs/perf; variants `early_epilogue` in scripts/variants/int4 and scripts/variants/mxfp4)
 EARLY_EPILOGUE = False
 
 
