@@ -228,6 +228,31 @@ display(pairs.round(3))
 seq_us.round(2)
 """),
     ("md", """
+The 4-bit opt-ins and tiles prepared after that lease, timed on two H100s (`raw/history.md`
+2026-12-07e): each variant's batch-1 decode against the tree (`asis`) of the same call. None is
+faster; the 4-warp tile of the plain products and "w4_down_add_norm" on the norm GEMV's tile
+cost the most.
+"""),
+    ("code", """
+runs = []
+for path in sorted(raw_dir.glob("2026-12-07e-h100-call[127]-l-lat1-var*.json")):
+    call, variant, fmt = re.match(r".*-(call\\d)-l-lat1-var(\\w+?)-(w4a16|mxfp4_w4a16)\\.json", path.name).groups()
+    runs.append(dict(call=call, format=fmt, variant=variant,
+                     ms=json.loads(path.read_text())["results"][0]["ms_per_step"]))
+runs = pd.DataFrame(runs)
+base = runs[runs["variant"] == "asis"].set_index(["call", "format"])["ms"]
+runs["change_%"] = 100 * (runs["ms"] / [base[(c, f)] for c, f in zip(runs["call"], runs["format"])] - 1)
+change = runs[runs["variant"] != "asis"].pivot_table(index="variant", columns="format", values="change_%")
+assert len(change) == 8 and (change > -0.5).all().all()   # no variant faster than the tree
+fig = Figure(figsize=(7.0, 3.0), layout="constrained")
+ax = fig.add_subplot()
+change.sort_values("w4a16").plot.barh(ax=ax)
+ax.axvline(0, color="k", lw=0.8); ax.set_xlabel("batch-1 decode vs the tree, %")
+ax.set_title("Llama-3.1-8B, H100, one run each (MXFP4 early / down_add_norm: mean of two)")
+display(change.round(1))
+fig
+"""),
+    ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
 H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in
