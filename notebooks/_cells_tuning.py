@@ -253,6 +253,23 @@ display(change.round(1))
 fig
 """),
     ("md", """
+The opt-in "w4_l2_next": at batch 1 the q/k/v GEMV's warps, after their loop, ask L2 for o_proj's
+words and the first 16 MiB of gate-up's (one bulk prefetch a warp), so that these stream while
+the attention runs. How Llama-3.1-8B's int4 regions split over q/k/v's grid (768 programs of 4
+warps), from `w4_gemv1.l2_next_args`:
+"""),
+    ("code", """
+from atom.model_ops.kernels import w4_gemv1
+from atom.tuning.fusions import L2_NEXT_GATE_UP_BYTES
+o_words, gate_up_words = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(28672, 512, dtype=torch.int32)
+args = w4_gemv1.l2_next_args([(o_words, o_words.numel() * 4), (gate_up_words, L2_NEXT_GATE_UP_BYTES)], 768, 4)
+regions = pd.DataFrame([dict(region=name, MiB=args[f"{key}_count"] * 4 / 2**20, chunk_bytes=args[f"{key}_chunk"] * 4,
+                             warps=-(-args[f"{key}_count"] // args[f"{key}_chunk"]))
+                        for name, key in (("o_proj", "l2a"), ("gate-up", "l2b"))])
+assert args["L2N"] == 2 and (regions["chunk_bytes"] % 16 == 0).all() and (regions["warps"] <= 768 * 4).all()
+regions
+"""),
+    ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
 H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in

@@ -41,7 +41,8 @@
 # graphs, the fp8 cuBLASLt choice, the 8-bit fusions, the 4-bit weight written out, rows prepared for the
 # 4-bit GEMV, the attention's in-kernel merge), xp_tests (only the last two: rows prepared for the 4-bit GEMV and
 # the in-kernel merge), dn_tests (the GPU tests of "w4_down_add_norm": Llama's down then q/k/v, 4-bit
-# engines with it; and of `w4_gemv1.EARLY_EPILOGUE`: the same bits), w4_prep (the 4-bit GEMV reading prepared rows against
+# engines with it; and of `w4_gemv1.EARLY_EPILOGUE`: the same bits; and of "w4_l2_next": the same bits, engines
+# with it), w4_prep (the 4-bit GEMV reading prepared rows against
 # preparing x itself, the producers, a batch-1 MLP both ways), w4_new (Llama-3.1-8B batch-1
 # decode in W4A16, MXFP4 and bf16, ATOM alone), w4_before (the same 4-bit runs of the tree in .before,
 # after the stage `before`), fz_add (batch-1 decode in FZ_FORMATS for each set in FZ_SETS, '|'-separated, of opt-in
@@ -232,8 +233,8 @@ for st in "$@"; do ts=$(date +%s); case $st in
               tests/test_attention_split_merge.py;;
   xp_tests) run xp-gpu-tests 400 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_h2_xpack.py \
               tests/test_attention_split_merge.py;;
-  dn_tests) run dn-gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_w4_down_add_norm.py \
-              tests/test_h2_xpack.py -k "down or early";;
+  dn_tests) run dn-gpu-tests 360 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/test_w4_down_add_norm.py \
+              tests/test_w4_l2_next.py tests/test_h2_xpack.py -k "down or early or l2";;
   w4_dq) run w4-dequant-probe 300 python3 scripts/w4_dequant_probe.py --out $R/w4-dequant-probe.json;;
   w4_prep) run w4-prepared-sweep 400 python3 scripts/w4_prepared_sweep.py --out $R/w4-prepared-sweep.json;;
   w4_fsweep) run w4-fused-sweep 400 python3 scripts/w4_fused_sweep.py --out $R/w4-fused-sweep.json;;

@@ -459,7 +459,7 @@ def test_gpu_gated_gate_up_after_the_o_proj_epilogue(device, fmt, group):
 @pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("fmt", ["w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("extra", [("w4_prepared_x",), ("w4_prepared_x", "w4_o_proj_norm"), ("w4_o_proj_add_norm",),
-                                   ("w4_gate_up_silu",), ("w4_down_add_norm",)], ids="+".join)
+                                   ("w4_gate_up_silu",), ("w4_down_add_norm",), ("w4_l2_next",)], ids="+".join)
 def test_gpu_engine_with_prepared_rows(device, fmt, extra, tmp_path, monkeypatch):
     """A 4-bit dummy Llama started with `extra` added to the default fusions (CUDA graphs):
     each greedy token is among the best of an engine without them (the defaults less `extra`),

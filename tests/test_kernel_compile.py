@@ -300,6 +300,13 @@ def _compile_all() -> dict:
                                                   EPI_ROW=True, SPF=True, EARLY=True),
                                              dict(w_ptr="*i32", esq_ptr="*fp32"),
                                              ("prefetch.global.L2", "griddepcontrol.wait")),
+        # "w4_l2_next": the q/k/v norm GEMV asks L2 for the next products' weights after its loop (L2N)
+        "w4_gemv1_int4_norm_l2_next": (w4g1._w4_gemv1_kernel,
+                                       dict(NORM=True, HAS_RES=True, GATED=False, FMT=0, GROUP=128, HAS_ZP=False,
+                                            HAS_BIAS=False, PDL=True, BLOCK_N=8, BLOCK_W=128, EVEN=True, AHEAD=True,
+                                            HALF2=True, SPF=True, L2N=2),
+                                       dict(w_ptr="*i32", eps="fp32", l2a_ptr="*i32", l2b_ptr="*u8"),
+                                       ("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait")),
         # `scripts/w4_mma_probe.py`: int4 groups on mma.sync, x in fragment order, loads carried a group ahead
         "w4_mma_probe": (mma._w4_mma_kernel, dict(WM=1, WK=8, D=1),
                          dict(f_ptr="*i32", sx_ptr="*fp32", us_ptr="*fp32", w_ptr="*i32", s_ptr="*bf16"),
@@ -341,6 +348,10 @@ def _compile_all() -> dict:
     out["w4_gemv1_early_epilogue_prefetch"] = {
         "the residual's line after the wait": after_wait["w4_gemv1_int4_epilogue_row_early"] > 0
         and after_wait["w4_gemv1_int4_epilogue_row"] == 0}
+    # L2N: two bulk prefetches (o_proj's and gate-up's regions), both after the PDL wait and the loop
+    p = ptxs["w4_gemv1_int4_norm_l2_next"]
+    out["w4_gemv1_l2_next_after_the_loop"] = {
+        "two after the wait": p.split("griddepcontrol.wait")[1].count("cp.async.bulk.prefetch.L2.global") == 2}
     p = ptxs["attention_decode_split"]
     out["attention_prefetch_before_wait"] = {
         "prefetch.global.L2": "prefetch.global.L2" in p,
@@ -414,8 +425,8 @@ def test_kernels_compile_for_sm90():
                         "w4_gemv1_int4_prepared", "w4_gemv1_mxfp4_prepared_norm", "w4_gemv1_int4_epilogue",
                         "w4_gemv1_int4_epilogue_row", "w4_gemv1_mxfp4_rsq", "h2_silu_prepare", "h2_norm_prepare",
                         "w4_gemv1_int4_epilogue_row_early", "w4_gemv1_mxfp4_rsq_early",
-                        "w4_gemv1_early_epilogue_prefetch",
-                        "w4_mma_probe", "w4_mma_probe_prep"}
+                        "w4_gemv1_early_epilogue_prefetch", "w4_gemv1_int4_norm_l2_next",
+                        "w4_gemv1_l2_next_after_the_loop", "w4_mma_probe", "w4_mma_probe_prep"}
     for name, flags in got.items():
         # each PDL kernel waits for the one in front and lets the next in; the GEMM uses TMA + wgmma;
         # the sampler's kernels build; the sorted MoE GEMM uses mma

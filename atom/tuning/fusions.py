@@ -113,6 +113,11 @@ which computes the same thing with fewer kernels where the plan says so:
   x column by column: more instructions a weight, docs/perf). The same launches; `install` links
   each layer to the next (`next_layer`). Opt-in: batch-1 decode with it level on this
   q/k/v tile and slower on the norm GEMV's (docs/perf);
+- "w4_l2_next" (with "w4_norm_gemv" and "w4_o_proj_add_norm"): there, the q/k/v GEMV's
+  programs ask L2 after their loop for o_proj's words and the first `L2_NEXT_GATE_UP_BYTES` of
+  gate-up's (`w4_gemv1`'s L2N: one bulk prefetch a warp), so that these stream from memory
+  while the attention runs, whose batch-1 launch reads little, and the two products find them
+  in L2. The same bits. Opt-in until its batch-1 decode timing is in docs/perf;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -152,6 +157,10 @@ FUSED_QUANT_MAX_ROWS = {"int8": 64}
 # rows quantize the product's whole padded operand every K step, the cost that kept the fused
 # quantizer out of the table (quant_gemv_dot.FUSE_MAX_M)
 QUANT_ON_LOAD_MAX_ROWS = 1
+# "w4_l2_next": gate-up's leading weight bytes asked of L2 by the q/k/v GEMV (with o_proj's
+# words): about what memory moves while the batch-1 attention runs (~8 us at 3-4 TB/s), well
+# under the 50 MB L2 of the H100 / H200 with o_proj's and q/k/v's own weights
+L2_NEXT_GATE_UP_BYTES = 16 << 20
 
 
 def default_fusions(backend: str) -> tuple[str, ...]:
@@ -354,13 +363,14 @@ def w4_prepared_mlp(plan, mlp: nn.Module, norm, hidden: torch.Tensor, residual):
 
 
 def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False,
-                defer_sum: bool = False):
+                defer_sum: bool = False, l2_next=()):
     """`linear(norm(x + residual))`, then SiLU-and-mul when `gated`; returns (y, x + residual)
     like the norm (no add when `residual` is None: the residual is then x). An 8-bit layer
     under "norm+quant" reads its input quantized by the norm's kernel (any batch), and with
     `defer_sum` (not gated) may return its split-K product unsummed (`split_k.PendingSum`);
     one row of an unquantized layer, where the plan chose a Triton GEMV for the shape, runs
-    as one fused kernel."""
+    as one fused kernel. `l2_next`: weight regions a 4-bit one-row GEMV asks L2 for
+    ("w4_l2_next", `w4_l2_next_regions`)."""
     plan = linear.plan
     if isinstance(x, PendingSum):  # a split-K product left unsummed ("sum+norm+quant")
         iq = quant_input(plan, "norm+quant", linear, _rows(x))
@@ -377,7 +387,7 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None, ga
     ops = w4_one_row(plan, linear, x, gated)
     if ops is not None:  # a 4-bit layer's one-row GEMV with the norm (and SiLU-and-mul) inside
         from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_fused
-        return w4_gemv1_fused(x, residual, norm.weight, norm.eps, *ops, gated=gated)
+        return w4_gemv1_fused(x, residual, norm.weight, norm.eps, *ops, gated=gated, l2_next=l2_next)
     cfg = None
     if plan is not None and linear.bias is None and is_unquantized(linear):
         cfg = plan.one_row_config(x, linear.weight, "norm+silu" if gated else "norm")
@@ -534,7 +544,8 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     else:
         if qkv is None:
             qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, hidden, residual,
-                                        defer_sum=_qkv_sum_in_attention(attn, plan))
+                                        defer_sum=_qkv_sum_in_attention(attn, plan),
+                                        l2_next=w4_l2_next_regions(self, plan, hidden))
         ops = w4_o_proj_norm_operands(self, plan, qkv)
         if ops is not None:  # o_proj's epilogue adds the residual and prepares gate-up's input
             return w4_o_proj_norm_mlp(self, ops, _attention(attn, plan, positions, qkv, project=False), residual)
@@ -614,6 +625,21 @@ def w4_o_proj_add_norm_mlp(layer: nn.Module, plan, ops: tuple, out: torch.Tensor
         hw, sums, residual = w4_gemv1_add_row(act, *down, residual, norm_next.weight)
         return NormedRow(hw, sums, norm_next.eps), residual
     return project(plan, layer.mlp.down_proj, act), residual
+
+
+def w4_l2_next_regions(layer: nn.Module, plan, hidden) -> tuple:
+    """"w4_l2_next": the weight regions the q/k/v GEMV asks L2 for, (o_proj's words, all of
+    them) and (gate-up's words, their first `L2_NEXT_GATE_UP_BYTES`), for a one-row 16-bit step
+    of a layer whose o_proj and gate-up are 4-bit one-row products ("w4_o_proj_add_norm"'s
+    path); else ()."""
+    if plan is None or not plan.has("w4_l2_next"):
+        return ()
+    ops = _w4_layer_rows(layer, plan, hidden, ("w4_l2_next", "w4_o_proj_add_norm"),
+                         ("self_attn.o_proj", "mlp.gate_up_proj"))
+    if ops is None:
+        return ()
+    (o_words, *_), (gate_up_words, *_) = ops
+    return ((o_words, o_words.numel() * o_words.element_size()), (gate_up_words, L2_NEXT_GATE_UP_BYTES))
 
 
 def w4_down_add_norm_operands(layer: nn.Module, plan, act: torch.Tensor) -> tuple | None:

@@ -65,6 +65,7 @@ FUSIONS = (
     "w4_o_proj_add_norm",  # batch 1, 4-bit o_proj adds the residual and writes gate-up's normed input
     "w4_gate_up_silu",   # with w4_o_proj_add_norm: 4-bit gate-up's one-row GEMV applies SiLU-and-mul (opt-in)
     "w4_down_add_norm",  # with w4_o_proj_add_norm: 4-bit down adds the residual, writes the next q/k/v's input (opt-in)
+    "w4_l2_next",        # with w4_norm_gemv, w4_o_proj_add_norm: 4-bit q/k/v asks L2 for o_proj's, gate-up's weights (opt-in)
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 # Tokens up to which "shared_overlap" runs the shared experts on the second stream: decode
@@ -134,6 +135,9 @@ class KernelPlan:
         if "w4_down_add_norm" in self.fusions and "w4_o_proj_add_norm" not in self.fusions:
             raise ValueError("fusions=['w4_down_add_norm'] needs 'w4_o_proj_add_norm' too: down's epilogue runs in "
                              "the MLP that follows o_proj's")
+        if "w4_l2_next" in self.fusions and not {"w4_norm_gemv", "w4_o_proj_add_norm"} <= set(self.fusions):
+            raise ValueError("fusions=['w4_l2_next'] needs 'w4_norm_gemv' and 'w4_o_proj_add_norm' too: the q/k/v GEMV "
+                             "with the norm inside asks L2 for the weights of that path's o_proj and gate-up")
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"moe_kernel={self.moe_kernel!r} is invalid: choose one of {', '.join(MOE_KERNELS)}")
         self.moe_config_dirs = tuple(self.moe_config_dirs)

@@ -129,6 +129,12 @@ def fused_tiles(gated: bool) -> dict:
     return dict(FUSED_TILES[gated])
 
 
+def _sm90(x: torch.Tensor) -> bool:
+    """x's GPU runs sm90 PTX (Hopper and later): the bulk prefetch of L2N."""
+    from atom.model_ops.kernels.triton_import import compiled_for_sm90
+    return compiled_for_sm90(x.device.index if x.device.index is not None else 0)
+
+
 def ptx_applies(x: torch.Tensor) -> bool:
     """The kernel's inline PTX runs for x: on an NVIDIA GPU, compiled (not the interpreter)."""
     return x.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -477,6 +483,23 @@ if HAS_TRITON:
                      t // LPR < n_rows, L1)
 
     @triton.jit
+    def _bulk_prefetch_l2(ptr, count, chunk, NT: tl.constexpr):
+        """L2 bulk prefetches (`cp.async.bulk.prefetch.L2`, sm90) of elements [0, count) of ptr,
+        `chunk` elements a warp of the NT threads: lane 0 of warp w of program p asks for the
+        chunk from (p NT / 32 + w) chunk, so the grid covers the span once (`l2_next_args` makes
+        every chunk a multiple of 16 bytes from a 16-byte aligned start). One lane a warp: sm90
+        issues the prefetch from uniform registers, once per distinct address among a warp's
+        lanes. Nothing waits on it (a hint: L2 is coherent, and no kernel in the stream writes
+        weights)."""
+        S: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+        t = tl.arange(0, NT)
+        start = (tl.program_id(0).to(tl.int64) * (NT // 32) + t // 32) * chunk
+        size = tl.where(t % 32 == 0, tl.minimum(tl.maximum(count - start, 0), chunk) * S, 0)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r", [ptr + start, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _rsq_parts(rsq_ptr, rsq_count, RSQ_N: tl.constexpr):
         """RSQ's `rsq_count` partial sums of h^2 (float32), zero-padded to RSQ_N."""
         parts = tl.arange(0, RSQ_N)
@@ -497,7 +520,8 @@ if HAS_TRITON:
                          EPI_ROW: tl.constexpr = False, rsq_ptr=None, rsq_count=0, RSQ: tl.constexpr = False,
                          RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None,
                          WCACHE: tl.constexpr = "", SPF: tl.constexpr = False, PF1: tl.constexpr = False,
-                         EARLY: tl.constexpr = False):
+                         EARLY: tl.constexpr = False, L2N: tl.constexpr = 0, l2a_ptr=None, l2a_count=0, l2a_chunk=0,
+                         l2b_ptr=None, l2b_count=0, l2b_chunk=0):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -552,8 +576,11 @@ if HAS_TRITON:
         them (with WCACHE ".cg" the word stream does not evict them). EARLY: what the end of the
         kernel reads, read before the loop instead of after it: RSQ's partial sums of h^2 loaded
         right after the PDL wait (summed at the end), and with EPI_ROW and SPF the epilogue's norm
-        weight line asked of L2 before the wait and its residual line after it. None of these
-        changes the arithmetic."""
+        weight line asked of L2 before the wait and its residual line after it. L2N (1 or 2; NVIDIA
+        sm90: inline PTX): after its loop each warp asks L2 for its share of the next products'
+        weights, elements [0, l2a_count) from l2a_ptr (and from l2b_ptr), `_bulk_prefetch_l2`'s
+        chunks, so that they stream while the epilogue and the kernels after this one run. None of
+        these changes the arithmetic."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -732,6 +759,10 @@ if HAS_TRITON:
             if GROUP_STEPS:
                 sp += (STEP * 8) // GROUP
                 zp += (STEP * 8) // GROUP
+        if L2N > 0:  # the next products' weights into L2 while this program's epilogue and the kernels after run
+            _bulk_prefetch_l2(l2a_ptr, l2a_count, l2a_chunk, BLOCK_W)
+            if L2N > 1:
+                _bulk_prefetch_l2(l2b_ptr, l2b_count, l2b_chunk, BLOCK_W)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
         if NORM or PNORM or RSQ:  # the row's 1 / rms scales every dot product
             if NORM:  # from the sums of h^2 the loop made
@@ -807,6 +838,9 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         cfg["L2D"] = 0  # the prefetch is inline PTX (NVIDIA, compiled) for even, plain tiles
     if cfg.get("SPF") and not ptx_applies(x):
         cfg["SPF"] = False  # inline PTX too
+    if cfg.get("L2N") and not (ptx_applies(x) and _sm90(x)):
+        for key in L2N_ARGS:  # the bulk prefetch is sm90 PTX; without it the product is the same
+            cfg.pop(key, None)
     if torch.version.hip is not None:
         cfg.pop("maxnreg", None)  # an option of Triton's NVIDIA backend only
     if not even:
@@ -821,6 +855,33 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                            EVEN=even, **pdl, **cfg)
 
 
+#: the kernel's arguments of L2N (the next products' weights into L2)
+L2N_ARGS = ("L2N", "l2a_ptr", "l2a_count", "l2a_chunk", "l2b_ptr", "l2b_count", "l2b_chunk")
+
+
+def l2_next_args(regions, programs: int, warps: int) -> dict:
+    """The kernel's L2N arguments for up to two regions, each (tensor, bytes): the tensor's
+    first `bytes` bytes (at most all of it, down to a multiple of 16) asked of L2 by a grid of
+    `programs` x `warps`, each warp one 16-byte-multiple chunk (`_bulk_prefetch_l2`). Regions
+    that are empty, strided or not 16-byte aligned are left out; {} when none is left."""
+    out, names = {}, ("l2a", "l2b")
+    regions = [(t, n) for t, n in regions if t.numel() and t.data_ptr() % 16 == 0 and t.is_contiguous()]
+    if len(regions) > len(names):
+        raise ValueError(f"l2_next_args: at most {len(names)} regions, got {len(regions)}")
+    for name, (t, nbytes) in zip(names, regions):
+        size = t.element_size()
+        count = (min(int(nbytes), t.numel() * size) // 16 * 16) // size
+        if count == 0:
+            continue
+        per = 16 // size  # elements of 16 bytes
+        chunk = -(-count // (programs * warps * per)) * per
+        out.update({f"{name}_ptr": t, f"{name}_count": count, f"{name}_chunk": chunk})
+    n = sum(1 for name in names if f"{name}_ptr" in out)
+    if n == 1 and "l2a_ptr" not in out:  # the one region left goes first
+        out = {k.replace("l2b", "l2a"): v for k, v in out.items()}
+    return dict(out, L2N=n) if n else {}
+
+
 def _layer_args(packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str) -> tuple:
     """(words, the zero-point argument, format id) of a 4-bit layer, as `w4_gemv1_launch` takes them."""
     from atom.model_ops.kernels.w4_gemm import FORMATS
@@ -830,12 +891,14 @@ def _layer_args(packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str) -> 
 
 def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: float, packed: torch.Tensor,
                    scales: torch.Tensor, zeros, fmt: str, group: int, k: int, gated: bool = False,
-                   cfg: dict | None = None):
+                   cfg: dict | None = None, l2_next=()):
     """One row: `h, res = rmsnorm(x + residual)` (no add when `residual` is None: `res` is x),
     then `y = h W^T` for a 4-bit weight (`w4_gemm`'s layouts), or `silu(y[:I]) * y[I:]` for a
     [gate | up] weight of 2I rows when `gated`, in one launch of the one-row GEMV. h is not
     rounded to x's dtype before the product (the unfused layers round it). `cfg`: the tile
-    (`tiles`' keys; default `fused_tiles`). Returns (y [1, N or I], res [1, K])."""
+    (`tiles`' keys; default `fused_tiles`). `l2_next`: up to two (tensor, bytes) regions of the
+    next products' weights that the programs ask L2 for after their loop (the kernel's L2N,
+    `l2_next_args`; sm90 only). Returns (y [1, N or I], res [1, K])."""
     from atom.model_ops.kernels.triton_import import pdl_args
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
         raise ValueError(f"w4_gemv1_fused: x must be one row of {k} values, got {tuple(x.shape)}")
@@ -856,8 +919,10 @@ def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: fl
     words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
     common = dict(HAS_ZP=zeros is not None, **pdl_args(x))
     norm = dict(r_ptr=r, nw_ptr=norm_weight, rout_ptr=rout, eps=float(eps), HAS_RES=residual is not None)
-    w4_gemv1_launch(x, words, scales, z, None, y, fmt_id, group, cfg if cfg is not None else fused_tiles(gated),
-                    common, norm=norm, gated=gated)
+    cfg = dict(cfg if cfg is not None else fused_tiles(gated))
+    if l2_next:
+        cfg.update(l2_next_args(l2_next, triton.cdiv(n, cfg["BLOCK_N"]), cfg["BLOCK_W"] // 32))
+    w4_gemv1_launch(x, words, scales, z, None, y, fmt_id, group, cfg, common, norm=norm, gated=gated)
     return y, rout.view(1, k)
 
 

@@ -1,0 +1,138 @@
+"""The kernel plan's "w4_l2_next": at one row, the q/k/v GEMV with the norm inside asks L2 for
+o_proj's words and the first `fusions.L2_NEXT_GATE_UP_BYTES` of gate-up's after its loop
+(`w4_gemv1`'s L2N, one bulk prefetch a thread). A hint: the products' bits do not change. The
+prefetch is sm90 PTX, so the CPU cases check the chunks, the plan and the plumbing; the sm90
+compile is in `test_kernel_compile.py`, the GPU engine case in `test_h2_xpack.py`."""
+import pytest
+import torch
+
+from test_triton_kernels import CPU, GPU  # noqa: E402  (sets TRITON_INTERPRET)
+
+from atom.model_ops.kernels import w4_gemv1 as g1  # noqa: E402
+from atom.tuning import fusions  # noqa: E402
+from atom.tuning.fusions import default_fusions  # noqa: E402
+from atom.tuning.plan import KernelPlan  # noqa: E402
+
+
+def _chunks(args: dict, name: str, programs: int, warps: int, size: int) -> list[tuple[int, int]]:
+    """(start byte, bytes) of every warp's prefetch, as `_bulk_prefetch_l2` forms them."""
+    count, chunk = args[f"{name}_count"], args[f"{name}_chunk"]
+    out = []
+    for t in range(programs * warps):
+        start = t * chunk
+        n = min(max(count - start, 0), chunk)
+        if n > 0:
+            out.append((start * size, n * size))
+    return out
+
+
+@pytest.mark.parametrize("numel,dtype,nbytes,programs,warps", [
+    (4096 * 512, torch.int32, None, 768, 4),        # Llama's o_proj words, all of them, from q/k/v's grid
+    (28672 * 512, torch.int32, 16 << 20, 768, 4),   # gate-up's first 16 MiB
+    (28672 * 2048, torch.uint8, 16 << 20, 768, 4),  # MXFP4 bytes
+    (100, torch.int32, None, 3, 4),                 # fewer bytes than warps x 16
+    (37, torch.uint8, None, 2, 1),                  # a tail under 16 bytes is left out
+])
+def test_chunks_cover_the_region_once_in_16_byte_pieces(numel, dtype, nbytes, programs, warps):
+    t = torch.zeros(numel, dtype=dtype)
+    total = numel * t.element_size()
+    want = min(total if nbytes is None else nbytes, total) // 16 * 16
+    args = g1.l2_next_args([(t, total if nbytes is None else nbytes)], programs, warps)
+    assert args["L2N"] == 1 and args["l2a_ptr"] is t
+    pieces = _chunks(args, "l2a", programs, warps, t.element_size())
+    assert all(s % 16 == 0 and n % 16 == 0 and n > 0 for s, n in pieces)
+    assert [s for s, _ in pieces] == sorted(s for s, _ in pieces)
+    assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))  # no gap, no overlap
+    assert pieces[0][0] == 0 and sum(n for _, n in pieces) == want
+
+
+def test_regions_left_out_and_their_order():
+    """Empty, unaligned or strided regions are left out (the one left goes first); no region
+    gives no arguments; more than two is an error naming the count."""
+    a, b = torch.zeros(4096, dtype=torch.int32), torch.zeros(8192, dtype=torch.uint8)
+    both = g1.l2_next_args([(a, 1 << 20), (b, 4096)], 4, 32)
+    assert both["L2N"] == 2 and both["l2a_ptr"] is a and both["l2b_ptr"] is b
+    assert both["l2a_count"] == 4096 and both["l2b_count"] == 4096
+    unaligned = torch.zeros(64, dtype=torch.uint8)[1:33]
+    one = g1.l2_next_args([(unaligned, 32), (b, 4096)], 4, 32)
+    assert one["L2N"] == 1 and one["l2a_ptr"] is b and "l2b_ptr" not in one
+    assert g1.l2_next_args([(torch.zeros(0, dtype=torch.int32), 16)], 4, 32) == {}
+    assert g1.l2_next_args([(a[::2], 1024)], 4, 32) == {}
+    assert g1.l2_next_args([(b, 8)], 4, 32) == {}  # under 16 bytes
+    with pytest.raises(ValueError, match="at most 2 regions, got 3"):
+        g1.l2_next_args([(a, 16), (b, 16), (a, 16)], 4, 32)
+    assert set(both) <= set(g1.L2N_ARGS)
+
+
+def test_plan_needs_the_qkv_norm_gemv_and_the_o_proj_path():
+    with pytest.raises(ValueError, match="needs 'w4_norm_gemv' and 'w4_o_proj_add_norm' too"):
+        KernelPlan(backend="triton", fusions=("w4_l2_next",))
+    with pytest.raises(ValueError, match="needs 'w4_norm_gemv' and 'w4_o_proj_add_norm' too"):
+        KernelPlan(backend="triton", fusions=("w4_norm_gemv", "w4_l2_next"))
+    plan = KernelPlan(backend="triton", fusions=default_fusions("triton") + ("w4_l2_next",))
+    assert plan.has("w4_l2_next") and not KernelPlan(backend="triton", fusions=default_fusions("triton")).has(
+        "w4_l2_next")
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_regions_of_a_4bit_layer(device, monkeypatch):
+    """o_proj's words whole and gate-up's words up to `L2_NEXT_GATE_UP_BYTES`, for one 16-bit row
+    of a layer whose o_proj and gate-up are 4-bit; nothing without the fusion, for two rows, or
+    with a bias on o_proj."""
+    from test_w4_down_add_norm import _two_layers
+    layer, _ = _two_layers("int4_g32_sym", monkeypatch)
+    row = torch.randn(1, 128).to(torch.bfloat16)
+    plan = KernelPlan(backend="triton", fusions=default_fusions("triton") + ("w4_l2_next",))
+    (o, o_bytes), (gate_up, gate_up_bytes) = fusions.w4_l2_next_regions(layer, plan, row)
+    for lin, words in ((layer.self_attn.o_proj, o), (layer.mlp.gate_up_proj, gate_up)):
+        assert words is lin.method.one_row_operands(lin)[0]  # the packed words
+    assert o_bytes == o.numel() * o.element_size() and gate_up_bytes == fusions.L2_NEXT_GATE_UP_BYTES
+    assert fusions.w4_l2_next_regions(layer, KernelPlan(backend="triton", fusions=default_fusions("triton")),
+                                      row) == ()
+    assert fusions.w4_l2_next_regions(layer, plan, torch.randn(2, 128).to(torch.bfloat16)) == ()
+    layer.self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(128))
+    assert fusions.w4_l2_next_regions(layer, plan, row) == ()
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_qkv_with_regions_gives_the_same_bits_off_sm90(device, monkeypatch):
+    """Under the interpreter (no sm90 PTX) the launcher drops L2N: the q/k/v GEMV with the norm
+    inside gives the same bits with the regions as without, and its launch carries none of the
+    prefetch's arguments."""
+    from test_w4_down_add_norm import _two_layers
+    layer, nxt = _two_layers("int4_g32_sym", monkeypatch)
+    plan = KernelPlan(backend="triton", fusions=default_fusions("triton") + ("w4_l2_next",), force_kernels=True)
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+        lin.plan = plan
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    kernel_kwargs, real = [], g1._w4_gemv1_kernel
+
+    class Spy:  # the launcher's kernel, recording each launch's keyword arguments
+        def __getitem__(self, grid):
+            return lambda *a, **kw: kernel_kwargs.append(kw) or real[grid](*a, **kw)
+
+    monkeypatch.setattr(g1, "_w4_gemv1_kernel", Spy())
+    regions = fusions.w4_l2_next_regions(layer, plan, x)
+    assert len(regions) == 2
+    got = fusions.norm_linear(layer.input_layernorm, layer.self_attn.qkv_proj, x, res, l2_next=regions)
+    want = fusions.norm_linear(layer.input_layernorm, layer.self_attn.qkv_proj, x, res)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len(kernel_kwargs) == 2 and not any(k in kw for kw in kernel_kwargs for k in g1.L2N_ARGS)
+
+
+@pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("mxfp4_pairs", 32)])
+def test_gpu_qkv_asking_l2_for_the_next_weights_changes_no_bit(device, fmt, group):
+    """Llama-3.1-8B's q/k/v with the norm inside (6144 x 4096) asking L2 for o_proj's words
+    (4096 x 4096) and 16 MiB of gate-up's (28672 x 4096): the same y and residual bits as
+    without, twice (the second with the lines already in L2)."""
+    from test_h2_xpack import _w4_layer
+    qkv, o, gate_up = (_w4_layer(fmt, n, 4096, group, device, seed) for seed, n in enumerate((6144, 4096, 28672)))
+    x, res = (torch.randn(1, 4096, device=device).to(torch.bfloat16) for _ in range(2))
+    w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
+    want = g1.w4_gemv1_fused(x, res, w, 1e-5, *qkv, fmt, group, 4096)
+    regions = ((o[0], o[0].numel() * o[0].element_size()), (gate_up[0], 16 << 20))
+    for _ in range(2):
+        got = g1.w4_gemv1_fused(x, res, w, 1e-5, *qkv, fmt, group, 4096, l2_next=regions)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
