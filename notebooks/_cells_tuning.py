@@ -255,14 +255,16 @@ fig
     ("md", """
 The opt-in "w4_l2_next": at batch 1 the q/k/v GEMV's warps, after their loop, ask L2 for o_proj's
 words and the first 16 MiB of gate-up's (one bulk prefetch a warp), so that these stream while
-the attention runs. How Llama-3.1-8B's int4 regions split over q/k/v's grid (768 programs of 4
-warps), from `w4_gemv1.l2_next_args`:
+the attention runs (`fusions.L2_NEXT_BYTES` turns on the later products' stages too). How
+Llama-3.1-8B's int4 regions split over q/k/v's grid (768 programs of 4 warps), from
+`w4_gemv1.l2_next_args`:
 """),
     ("code", """
 from atom.model_ops.kernels import w4_gemv1
-from atom.tuning.fusions import L2_NEXT_GATE_UP_BYTES
+from atom.tuning.fusions import L2_NEXT_BYTES
 o_words, gate_up_words = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(28672, 512, dtype=torch.int32)
-args = w4_gemv1.l2_next_args([(o_words, o_words.numel() * 4), (gate_up_words, L2_NEXT_GATE_UP_BYTES)], 768, 4)
+args = w4_gemv1.l2_next_args([(o_words, o_words.numel() * 4), (gate_up_words, L2_NEXT_BYTES["gate_up_from_qkv"])],
+                             768, 4)
 regions = pd.DataFrame([dict(region=name, MiB=args[f"{key}_count"] * 4 / 2**20, chunk_bytes=args[f"{key}_chunk"] * 4,
                              warps=-(-args[f"{key}_count"] // args[f"{key}_chunk"]))
                         for name, key in (("o_proj", "l2a"), ("gate-up", "l2b"))])

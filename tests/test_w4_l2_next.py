@@ -1,8 +1,9 @@
 """The kernel plan's "w4_l2_next": at one row, the q/k/v GEMV with the norm inside asks L2 for
-o_proj's words and the first `fusions.L2_NEXT_GATE_UP_BYTES` of gate-up's after its loop
-(`w4_gemv1`'s L2N, one bulk prefetch a thread). A hint: the products' bits do not change. The
-prefetch is sm90 PTX, so the CPU cases check the chunks, the plan and the plumbing; the sm90
-compile is in `test_kernel_compile.py`, the GPU engine case in `test_h2_xpack.py`."""
+o_proj's words and gate-up's first bytes after its loop (`w4_gemv1`'s L2N, one bulk prefetch a
+warp), and the later products for the next one's weights as `fusions.L2_NEXT_BYTES` says. A
+hint: the products' bits do not change. The prefetch is sm90 PTX, so the CPU cases check the
+chunks, the plan and the plumbing; the sm90 compile is in `test_kernel_compile.py`, the GPU
+engine case in `test_h2_xpack.py`."""
 import pytest
 import torch
 
@@ -76,7 +77,7 @@ def test_plan_needs_the_qkv_norm_gemv_and_the_o_proj_path():
 
 @pytest.mark.parametrize("device", [CPU])
 def test_regions_of_a_4bit_layer(device, monkeypatch):
-    """o_proj's words whole and gate-up's words up to `L2_NEXT_GATE_UP_BYTES`, for one 16-bit row
+    """o_proj's words whole and gate-up's first `L2_NEXT_BYTES["gate_up_from_qkv"]` bytes, for one 16-bit row
     of a layer whose o_proj and gate-up are 4-bit; nothing without the fusion, for two rows, or
     with a bias on o_proj."""
     from test_w4_down_add_norm import _two_layers
@@ -85,13 +86,63 @@ def test_regions_of_a_4bit_layer(device, monkeypatch):
     plan = KernelPlan(backend="triton", fusions=default_fusions("triton") + ("w4_l2_next",))
     (o, o_bytes), (gate_up, gate_up_bytes) = fusions.w4_l2_next_regions(layer, plan, row)
     for lin, words in ((layer.self_attn.o_proj, o), (layer.mlp.gate_up_proj, gate_up)):
-        assert words is lin.method.one_row_operands(lin)[0]  # the packed words
-    assert o_bytes == o.numel() * o.element_size() and gate_up_bytes == fusions.L2_NEXT_GATE_UP_BYTES
+        packed = lin.method.one_row_operands(lin)[0]
+        assert words.data_ptr() == packed.data_ptr() and words.numel() == packed.numel()  # all the words, flat
+    assert o_bytes == o.numel() * o.element_size() and gate_up_bytes == fusions.L2_NEXT_BYTES["gate_up_from_qkv"]
     assert fusions.w4_l2_next_regions(layer, KernelPlan(backend="triton", fusions=default_fusions("triton")),
                                       row) == ()
     assert fusions.w4_l2_next_regions(layer, plan, torch.randn(2, 128).to(torch.bfloat16)) == ()
     layer.self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(128))
     assert fusions.w4_l2_next_regions(layer, plan, row) == ()
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_the_later_stages_regions(device, monkeypatch):
+    """With every stage of `L2_NEXT_BYTES` on: o_proj asks for gate-up's bytes after the q/k/v
+    GEMV's, gate-up for down's first, down for the next layer's q/k/v words (only where
+    `install` linked the layer to a next one); a stage of 0 bytes or past the words asks for
+    nothing."""
+    from test_w4_down_add_norm import _two_layers
+    first, second = _two_layers("int4_g32_sym", monkeypatch)
+    monkeypatch.setattr(fusions, "L2_NEXT_BYTES", dict(gate_up_from_qkv=4096, gate_up_from_o_proj=1 << 20,
+                                                       down_from_gate_up=2048, qkv_from_down=0))
+    plan = KernelPlan(backend="triton", fusions=default_fusions("triton") + ("w4_l2_next",))
+    act = torch.randn(1, 2048).to(torch.bfloat16)
+    words = {name: lin.method.one_row_operands(lin)[0] for name, lin in (
+        ("gate_up", first.mlp.gate_up_proj), ("down", first.mlp.down_proj), ("qkv", second.self_attn.qkv_proj))}
+    got = fusions.w4_l2_next_mlp(first, plan, act)
+    (gu, gu_bytes), = got["o_proj"]
+    assert gu.data_ptr() == words["gate_up"].data_ptr() + 4096 and gu_bytes == 1 << 20
+    assert gu.numel() * gu.element_size() == words["gate_up"].numel() * words["gate_up"].element_size() - 4096
+    (dn, dn_bytes), = got["gate_up"]
+    assert dn.data_ptr() == words["down"].data_ptr() and dn_bytes == 2048
+    assert got["down"] == ()  # no next layer linked
+    first.__dict__["next_layer"] = second
+    fusions.L2_NEXT_BYTES["qkv_from_down"] = 512
+    (qkv, qkv_bytes), = fusions.w4_l2_next_mlp(first, plan, act)["down"]
+    assert qkv.data_ptr() == words["qkv"].data_ptr() and qkv_bytes == 512
+    fusions.L2_NEXT_BYTES["gate_up_from_qkv"] = 1 << 30  # past gate-up's words: o_proj asks for nothing
+    assert fusions.w4_l2_next_mlp(first, plan, act)["o_proj"] == ()
+    assert fusions.w4_l2_next_mlp(first, KernelPlan(backend="triton", fusions=default_fusions("triton")), act) == {}
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_mlp_with_every_stage_gives_the_same_bits_off_sm90(device, monkeypatch):
+    """o_proj + MLP of one row, then the next layer's q/k/v (`test_w4_down_add_norm._run`) with
+    every stage on: the same bits and launches as without the fusion under the interpreter,
+    down through its one-row GEMV directly (where it asks for the next q/k/v's words)."""
+    from test_w4_down_add_norm import _run, _two_layers
+    first, second = _two_layers("int4_g32_sym", monkeypatch)
+    first.__dict__["next_layer"] = second
+    monkeypatch.setattr(fusions, "L2_NEXT_BYTES", dict.fromkeys(fusions.L2_NEXT_BYTES, 1 << 20))
+    g = torch.Generator().manual_seed(2)
+    a, res = torch.randn(1, 2048, generator=g).to(torch.bfloat16), torch.randn(1, 128, generator=g).to(torch.bfloat16)
+    base = default_fusions("triton")
+    want = _run(first, second, KernelPlan(backend="triton", fusions=base, force_kernels=True), a, res)
+    got = _run(first, second, KernelPlan(backend="triton", fusions=base + ("w4_l2_next",), force_kernels=True), a, res)
+    for w, g_ in zip(want[:3], got[:3]):
+        assert torch.equal(w, g_)
+    assert got[3].to_dict() == want[3].to_dict()
 
 
 @pytest.mark.parametrize("device", [CPU])
@@ -136,3 +187,25 @@ def test_gpu_qkv_asking_l2_for_the_next_weights_changes_no_bit(device, fmt, grou
     for _ in range(2):
         got = g1.w4_gemv1_fused(x, res, w, 1e-5, *qkv, fmt, group, 4096, l2_next=regions)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("device", [GPU])
+@pytest.mark.parametrize("fmt", ["w4a16", "mxfp4_w4a16"])
+def test_gpu_engine_with_every_stage_gives_the_same_tokens(device, fmt, tmp_path, monkeypatch):
+    """A 4-bit dummy Llama (CUDA graphs) with "w4_l2_next" and every stage of `L2_NEXT_BYTES` on,
+    down asking for the next layer's q/k/v words: the prefetches change no bit, so the greedy
+    tokens equal the defaults' one prompt at a time (the batch-1 decode steps)."""
+    from test_gpu_quant_engine import GREEDY, PROMPTS, _quantized_config
+
+    from atom import LLM
+    from atom.model_engine import model_runner
+    folder = _quantized_config(tmp_path, fmt)
+    monkeypatch.setattr(fusions, "L2_NEXT_BYTES", dict.fromkeys(fusions.L2_NEXT_BYTES, 1 << 20))
+    tokens = {}
+    for extra in ((), ("w4_l2_next",)):
+        monkeypatch.setattr(model_runner, "default_fusions", lambda kernels, extra=extra: default_fusions(kernels) + extra)
+        llm = LLM(folder, load_dummy="xavier", num_kvcache_blocks=32, enable_log_stats=False)
+        assert llm.engine.runner.plan.has("w4_l2_next") == bool(extra)
+        tokens[extra] = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
+        del llm
+    assert tokens[()] == tokens[("w4_l2_next",)]

@@ -113,11 +113,13 @@ which computes the same thing with fewer kernels where the plan says so:
   x column by column: more instructions a weight, docs/perf). The same launches; `install` links
   each layer to the next (`next_layer`). Opt-in: batch-1 decode with it level on this
   q/k/v tile and slower on the norm GEMV's (docs/perf);
-- "w4_l2_next" (with "w4_norm_gemv" and "w4_o_proj_add_norm"): there, the q/k/v GEMV's
-  programs ask L2 after their loop for o_proj's words and the first `L2_NEXT_GATE_UP_BYTES` of
-  gate-up's (`w4_gemv1`'s L2N: one bulk prefetch a warp), so that these stream from memory
-  while the attention runs, whose batch-1 launch reads little, and the two products find them
-  in L2. The same bits. Opt-in until its batch-1 decode timing is in docs/perf;
+- "w4_l2_next" (with "w4_norm_gemv" and "w4_o_proj_add_norm"): there, the q/k/v GEMV's warps
+  ask L2 after their loop for o_proj's words and gate-up's first bytes (`w4_gemv1`'s L2N: one
+  bulk prefetch a warp), so that these stream from memory while the attention runs, whose
+  batch-1 launch reads little, and the two products find them in L2; `L2_NEXT_BYTES` sets those
+  bytes and those of the later products, each asking for the next one's weights (o_proj for
+  gate-up's next bytes, gate-up for down's, down for the next layer's q/k/v). The same bits.
+  Opt-in until its batch-1 decode timing is in docs/perf;
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -157,10 +159,17 @@ FUSED_QUANT_MAX_ROWS = {"int8": 64}
 # rows quantize the product's whole padded operand every K step, the cost that kept the fused
 # quantizer out of the table (quant_gemv_dot.FUSE_MAX_M)
 QUANT_ON_LOAD_MAX_ROWS = 1
-# "w4_l2_next": gate-up's leading weight bytes asked of L2 by the q/k/v GEMV (with o_proj's
-# words): about what memory moves while the batch-1 attention runs (~8 us at 3-4 TB/s), well
-# under the 50 MB L2 of the H100 / H200 with o_proj's and q/k/v's own weights
-L2_NEXT_GATE_UP_BYTES = 16 << 20
+# "w4_l2_next": the weight bytes each 4-bit one-row GEMV of a layer asks L2 for after its loop,
+# one product ahead (0: none). The q/k/v GEMV takes o_proj's words and gate-up's first bytes:
+# about what memory moves while the batch-1 attention runs (~8 us at 3-4 TB/s), well under the
+# 50 MB L2 of the H100 / H200 beside o_proj's and q/k/v's own weights. The later stages (o_proj:
+# gate-up's next bytes; gate-up: down's first; down: the next layer's q/k/v) are off until timed
+L2_NEXT_BYTES = {
+    "gate_up_from_qkv": 16 << 20,
+    "gate_up_from_o_proj": 0,
+    "down_from_gate_up": 0,
+    "qkv_from_down": 0,
+}
 
 
 def default_fusions(backend: str) -> tuple[str, ...]:
@@ -240,7 +249,7 @@ def install(model: nn.Module, plan) -> int:
             if matches(layer) and matches(after):
                 if plan.has("sum+norm+quant"):
                     layer.defer_output = True
-                if plan.has("w4_down_add_norm") and dense_mlp(layer):
+                if (plan.has("w4_down_add_norm") or plan.has("w4_l2_next")) and dense_mlp(layer):
                     layer.__dict__["next_layer"] = after  # a plain reference, not a submodule
     logger.info("fusions %s installed on %d decoder layers", list(plan.fusions), n)
     return n
@@ -614,23 +623,28 @@ def w4_o_proj_add_norm_mlp(layer: nn.Module, plan, ops: tuple, out: torch.Tensor
     from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_row, w4_gemv1_rsq
     norm = layer.post_attention_layernorm
     o, gate_up = ops
-    hw, sums, residual = w4_gemv1_add_row(out, *o, residual, norm.weight)
+    l2 = w4_l2_next_mlp(layer, plan, out)  # {} without "w4_l2_next"
+    hw, sums, residual = w4_gemv1_add_row(out, *o, residual, norm.weight, l2_next=l2.get("o_proj", ()))
     if plan.has("w4_gate_up_silu"):
-        act = w4_gemv1_rsq(hw, sums, norm.eps, *gate_up, gated=True)
+        act = w4_gemv1_rsq(hw, sums, norm.eps, *gate_up, gated=True, l2_next=l2.get("gate_up", ()))
     else:
-        act = silu_and_mul(w4_gemv1_rsq(hw, sums, norm.eps, *gate_up))
+        act = silu_and_mul(w4_gemv1_rsq(hw, sums, norm.eps, *gate_up, l2_next=l2.get("gate_up", ())))
     rows = w4_down_add_norm_operands(layer, plan, act)
     if rows is not None:  # down's epilogue adds the residual and writes the next layer's normed input
         down, norm_next = rows
-        hw, sums, residual = w4_gemv1_add_row(act, *down, residual, norm_next.weight)
+        hw, sums, residual = w4_gemv1_add_row(act, *down, residual, norm_next.weight, l2_next=l2.get("down", ()))
         return NormedRow(hw, sums, norm_next.eps), residual
+    if l2.get("down"):  # down's one-row GEMV asks L2 for the next layer's q/k/v words
+        from atom.model_ops.kernels.w4_gemm import w4_linear_launch
+        packed, scales, zeros, fmt, group, k = _w4_row_operands(layer.mlp.down_proj, act)
+        return w4_linear_launch(act, packed, scales, zeros, None, fmt, group, k, l2_next=l2["down"]), residual
     return project(plan, layer.mlp.down_proj, act), residual
 
 
 def w4_l2_next_regions(layer: nn.Module, plan, hidden) -> tuple:
     """"w4_l2_next": the weight regions the q/k/v GEMV asks L2 for, (o_proj's words, all of
-    them) and (gate-up's words, their first `L2_NEXT_GATE_UP_BYTES`), for a one-row 16-bit step
-    of a layer whose o_proj and gate-up are 4-bit one-row products ("w4_o_proj_add_norm"'s
+    them) and gate-up's first `L2_NEXT_BYTES["gate_up_from_qkv"]` bytes, for a one-row 16-bit
+    step of a layer whose o_proj and gate-up are 4-bit one-row products ("w4_o_proj_add_norm"'s
     path); else ()."""
     if plan is None or not plan.has("w4_l2_next"):
         return ()
@@ -639,7 +653,38 @@ def w4_l2_next_regions(layer: nn.Module, plan, hidden) -> tuple:
     if ops is None:
         return ()
     (o_words, *_), (gate_up_words, *_) = ops
-    return ((o_words, o_words.numel() * o_words.element_size()), (gate_up_words, L2_NEXT_GATE_UP_BYTES))
+    return _regions((o_words, 0, o_words.numel() * o_words.element_size()),
+                    (gate_up_words, 0, L2_NEXT_BYTES["gate_up_from_qkv"]))
+
+
+def _regions(*spans) -> tuple:
+    """(tensor, bytes) regions for `w4_gemv1.l2_next_args` from (words, start byte, bytes) spans:
+    the words' bytes from `start` (a multiple of 16) on; spans of no bytes, or starting past the
+    words, left out."""
+    out = []
+    for words, start, nbytes in spans:
+        size = words.element_size()
+        if nbytes > 0 and start < words.numel() * size:
+            out.append((words.reshape(-1)[start // size:], nbytes))
+    return tuple(out)
+
+
+def w4_l2_next_mlp(layer: nn.Module, plan, act: torch.Tensor) -> dict:
+    """"w4_l2_next" in the MLP of a one-row 4-bit layer: the regions o_proj, gate-up and down ask
+    L2 for (`L2_NEXT_BYTES`): gate-up's bytes after the q/k/v GEMV's, down's first, and the next
+    decoder layer's q/k/v words (`install`'s `next_layer` link). {} without the fusion or where
+    a product is not a 4-bit one-row product."""
+    if plan is None or not plan.has("w4_l2_next"):
+        return {}
+    gate_up, down = (_w4_row_operands(lin, act) for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    if gate_up is None or down is None:
+        return {}
+    after = layer.__dict__.get("next_layer")
+    qkv = _w4_row_operands(after.self_attn.qkv_proj, act) if after is not None else None
+    b = L2_NEXT_BYTES
+    return {"o_proj": _regions((gate_up[0], b["gate_up_from_qkv"] // 16 * 16, b["gate_up_from_o_proj"])),
+            "gate_up": _regions((down[0], 0, b["down_from_gate_up"])),
+            "down": _regions((qkv[0], 0, b["qkv_from_down"])) if qkv is not None else ()}
 
 
 def w4_down_add_norm_operands(layer: nn.Module, plan, act: torch.Tensor) -> tuple | None:

@@ -487,9 +487,11 @@ def _check(x, packed, scales, zeros, bias, fmt: str, group: int, k: int) -> None
 
 def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                      bias: Optional[torch.Tensor], fmt: str, group: int, k: int,
-                     config: Optional[dict] = None) -> torch.Tensor:
+                     config: Optional[dict] = None, l2_next=()) -> torch.Tensor:
     """Launches the kernel `w4_config` picks for x [M, K] -> y [M, N] in x's dtype; `config`
-    overrides it (tiles as in the tables, plus "kernel": "w4_gemv" or "w4_gemm")."""
+    overrides it (tiles as in the tables, plus "kernel": "w4_gemv" or "w4_gemm"). `l2_next`:
+    weight regions the one-row GEMV asks L2 for after its loop (`w4_gemv1_launch`; the other
+    kernels take none)."""
     if not HAS_TRITON:
         raise RuntimeError("w4_linear needs triton; use w4_linear_ref without it")
     _check(x, packed, scales, zeros, bias, fmt, group, k)
@@ -519,7 +521,7 @@ def w4_linear_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         if M != 1 or not gemv1_supports(fmt, group, k):
             raise ValueError(f"w4_linear: the one-row GEMV runs M=1 with K % 8 == 0 and int4 groups of whole words, "
                              f"got M={M}, K={k}, group={group}")
-        w4_gemv1_launch(x, words, scales, z, bias, y, FORMATS.index(fmt), group, cfg, common)
+        w4_gemv1_launch(x, words, scales, z, bias, y, FORMATS.index(fmt), group, cfg, common, l2_next=l2_next)
     elif name == "w4_gemv":
         if cfg["BLOCK_M"] < M:
             raise ValueError(f"w4_linear: the GEMV's BLOCK_M={cfg['BLOCK_M']} must cover M={M}")

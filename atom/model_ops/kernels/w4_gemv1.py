@@ -802,13 +802,15 @@ def pairs_words(words: torch.Tensor, block_n: int, block_w: int, group: int) -> 
 
 def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor,
                     bias, y: torch.Tensor, fmt_id: int, group: int, cfg: dict, common: dict,
-                    norm: dict | None = None, gated: bool = False) -> None:
+                    norm: dict | None = None, gated: bool = False, l2_next=()) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages and
     the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF, PF1) and launch options
     (maxnreg).
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
-    of a [gate | up] weight of 2N rows, y = silu(gate) up."""
+    of a [gate | up] weight of 2N rows, y = silu(gate) up. `l2_next`: up to two (tensor, bytes)
+    regions of the next products' weights the warps ask L2 for after their loop (L2N,
+    `l2_next_args`; sm90 only)."""
     from atom.model_ops.kernels.w4_gemm import FORMATS
     cfg = dict(cfg)
     if gated:
@@ -838,9 +840,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         cfg["L2D"] = 0  # the prefetch is inline PTX (NVIDIA, compiled) for even, plain tiles
     if cfg.get("SPF") and not ptx_applies(x):
         cfg["SPF"] = False  # inline PTX too
-    if cfg.get("L2N") and not (ptx_applies(x) and _sm90(x)):
-        for key in L2N_ARGS:  # the bulk prefetch is sm90 PTX; without it the product is the same
-            cfg.pop(key, None)
+    if l2_next and ptx_applies(x) and _sm90(x):  # the bulk prefetch is sm90 PTX; without it the product is the same
+        cfg.update(l2_next_args(l2_next, triton.cdiv(N, cfg["BLOCK_N"]), cfg["num_warps"]))
     if torch.version.hip is not None:
         cfg.pop("maxnreg", None)  # an option of Triton's NVIDIA backend only
     if not even:
@@ -896,9 +897,8 @@ def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: fl
     then `y = h W^T` for a 4-bit weight (`w4_gemm`'s layouts), or `silu(y[:I]) * y[I:]` for a
     [gate | up] weight of 2I rows when `gated`, in one launch of the one-row GEMV. h is not
     rounded to x's dtype before the product (the unfused layers round it). `cfg`: the tile
-    (`tiles`' keys; default `fused_tiles`). `l2_next`: up to two (tensor, bytes) regions of the
-    next products' weights that the programs ask L2 for after their loop (the kernel's L2N,
-    `l2_next_args`; sm90 only). Returns (y [1, N or I], res [1, K])."""
+    (`tiles`' keys; default `fused_tiles`). `l2_next`: weight regions asked of L2 after the loop
+    (`w4_gemv1_launch`). Returns (y [1, N or I], res [1, K])."""
     from atom.model_ops.kernels.triton_import import pdl_args
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
         raise ValueError(f"w4_gemv1_fused: x must be one row of {k} values, got {tuple(x.shape)}")
@@ -919,10 +919,8 @@ def w4_gemv1_fused(x: torch.Tensor, residual, norm_weight: torch.Tensor, eps: fl
     words, z, fmt_id = _layer_args(packed, scales, zeros, fmt)
     common = dict(HAS_ZP=zeros is not None, **pdl_args(x))
     norm = dict(r_ptr=r, nw_ptr=norm_weight, rout_ptr=rout, eps=float(eps), HAS_RES=residual is not None)
-    cfg = dict(cfg if cfg is not None else fused_tiles(gated))
-    if l2_next:
-        cfg.update(l2_next_args(l2_next, triton.cdiv(n, cfg["BLOCK_N"]), cfg["BLOCK_W"] // 32))
-    w4_gemv1_launch(x, words, scales, z, None, y, fmt_id, group, cfg, common, norm=norm, gated=gated)
+    w4_gemv1_launch(x, words, scales, z, None, y, fmt_id, group, cfg if cfg is not None else fused_tiles(gated),
+                    common, norm=norm, gated=gated, l2_next=l2_next)
     return y, rout.view(1, k)
 
 
@@ -978,12 +976,13 @@ def add_prepared_applies(n: int, cfg: dict) -> bool:
 
 
 def w4_gemv1_add_row(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str, group: int,
-                     k: int, residual: torch.Tensor, norm_weight: torch.Tensor, cfg: dict | None = None):
+                     k: int, residual: torch.Tensor, norm_weight: torch.Tensor, cfg: dict | None = None, l2_next=()):
     """One row: y = x W^T for a 4-bit weight, then h = y + residual (rounded as the unfused
     product and add round them) and the next RMSNorm's input h w in x's dtype written in the
     product's epilogue (EPI_ROW, `rmsnorm.store_added_row`) with each program's sum of h^2,
-    instead of an add + RMSNorm kernel. Returns (h w [1, N] and the sums, for `w4_gemv1_rsq`;
-    h [1, N], the new residual)."""
+    instead of an add + RMSNorm kernel. `l2_next`: weight regions asked of L2 after the loop
+    (`w4_gemv1_launch`). Returns (h w [1, N] and the sums, for `w4_gemv1_rsq`; h [1, N], the
+    new residual)."""
     n = packed.shape[0]
     cfg = dict(cfg if cfg is not None else tiles(n, fmt, k))
     if x.dim() != 2 or x.shape != (1, k) or residual.numel() != n or norm_weight.shape != (n,):
@@ -992,13 +991,13 @@ def w4_gemv1_add_row(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     require_supported("w4_gemv1_add_row", fmt, group, k)
     hw = torch.empty(1, n, dtype=x.dtype, device=x.device)
     sums = torch.empty(triton.cdiv(n, cfg["BLOCK_N"]), dtype=torch.float32, device=x.device)  # one a program
-    rout = _launch_added(x, packed, scales, zeros, fmt, group, residual, norm_weight, cfg,
+    rout = _launch_added(x, packed, scales, zeros, fmt, group, residual, norm_weight, cfg, l2_next,
                          EPI_ROW=True, ek_ptr=hw, esq_ptr=sums)
     return hw, sums, rout
 
 
 def _launch_added(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros, fmt: str, group: int,
-                  residual: torch.Tensor, norm_weight: torch.Tensor, cfg: dict, **epilogue) -> torch.Tensor:
+                  residual: torch.Tensor, norm_weight: torch.Tensor, cfg: dict, l2_next=(), **epilogue) -> torch.Tensor:
     """The one-row GEMV of x with an epilogue that adds the residual (`epilogue`: EPI or EPI_ROW
     and its outputs) for `w4_gemv1_add_prepared` / `w4_gemv1_add_row`, the inputs checked
     there. Returns h = y + residual [1, N], the new residual; y itself is not stored."""
@@ -1010,17 +1009,19 @@ def _launch_added(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
     cfg = dict(cfg, er_ptr=residual.reshape(1, n).contiguous(), erout_ptr=rout, enw_ptr=norm_weight, **epilogue)
     cfg.setdefault("EARLY", EARLY_EPILOGUE)
     w4_gemv1_launch(x, words, scales, z, None, rout, fmt_id, group, cfg,  # y_ptr: only its dtype is read
-                    dict(HAS_ZP=zeros is not None, **pdl_args(x)))
+                    dict(HAS_ZP=zeros is not None, **pdl_args(x)), l2_next=l2_next)
     return rout
 
 
 def w4_gemv1_rsq(hw: torch.Tensor, sums: torch.Tensor, eps: float, packed: torch.Tensor, scales: torch.Tensor,
-                 zeros, fmt: str, group: int, k: int, cfg: dict | None = None, gated: bool = False) -> torch.Tensor:
+                 zeros, fmt: str, group: int, k: int, cfg: dict | None = None, gated: bool = False,
+                 l2_next=()) -> torch.Tensor:
     """y = RMSNorm(h) W^T [1, N] for the row h w and the sums of h^2 that `w4_gemv1_add_row`
     wrote (RSQ): the plain one-row GEMV on h w, its products scaled by 1 / rms at the end (h w
     rounded to x's dtype once, where the unfused norm rounds h / rms). `gated`: W is [gate | up]
     of 2I rows and y = silu(gate) up [1, I], each product rounded to x's dtype first as the
-    unfused product writes them (SiLU-and-mul's arithmetic after); default tile `gated_tiles`."""
+    unfused product writes them (SiLU-and-mul's arithmetic after); default tile `gated_tiles`.
+    `l2_next`: weight regions asked of L2 after the loop (`w4_gemv1_launch`)."""
     from atom.model_ops.kernels.triton_import import pdl_args
     if hw.dim() != 2 or hw.shape != (1, k) or sums.dim() != 1 or sums.dtype != torch.float32:
         raise ValueError(f"w4_gemv1_rsq: a row of {k} and float32 sums, got {tuple(hw.shape)}, "
@@ -1038,5 +1039,5 @@ def w4_gemv1_rsq(hw: torch.Tensor, sums: torch.Tensor, eps: float, packed: torch
                eps=float(eps))
     cfg.setdefault("EARLY", EARLY_EPILOGUE)
     w4_gemv1_launch(hw, words, scales, z, None, y, fmt_id, group, cfg, dict(HAS_ZP=zeros is not None, **pdl_args(hw)),
-                    gated=gated)
+                    gated=gated, l2_next=l2_next)
     return y
