@@ -348,10 +348,13 @@ def _compile_all() -> dict:
     out["w4_gemv1_early_epilogue_prefetch"] = {
         "the residual's line after the wait": after_wait["w4_gemv1_int4_epilogue_row_early"] > 0
         and after_wait["w4_gemv1_int4_epilogue_row"] == 0}
-    # L2N: two bulk prefetches (o_proj's and gate-up's regions), both after the PDL wait and the loop
+    # L2N: two bulk prefetches (o_proj's and gate-up's regions), after the PDL wait and after the
+    # loop's last weight load
     p = ptxs["w4_gemv1_int4_norm_l2_next"]
+    after_wait = p[p.rfind("griddepcontrol.wait"):]
     out["w4_gemv1_l2_next_after_the_loop"] = {
-        "two after the wait": p.split("griddepcontrol.wait")[1].count("cp.async.bulk.prefetch.L2.global") == 2}
+        "two after the wait": after_wait.count("cp.async.bulk.prefetch.L2.global") == 2,
+        "after the last load": p.rfind("ld.global") < p.find("cp.async.bulk.prefetch.L2.global")}
     p = ptxs["attention_decode_split"]
     out["attention_prefetch_before_wait"] = {
         "prefetch.global.L2": "prefetch.global.L2" in p,

@@ -172,21 +172,56 @@ def test_qkv_with_regions_gives_the_same_bits_off_sm90(device, monkeypatch):
     assert len(kernel_kwargs) == 2 and not any(k in kw for kw in kernel_kwargs for k in g1.L2N_ARGS)
 
 
+@pytest.mark.parametrize("device", [CPU])
+def test_row_parallel_products_under_tp_keep_their_forward(device, monkeypatch):
+    """Under tensor parallel a row-parallel 4-bit layer (o_proj, down) sums its partial products
+    over the ranks in its forward: the fused paths, which launch the product themselves, leave
+    it to that forward (no operands), so o_proj's epilogue path, down's and this fusion's MLP
+    stages do not apply; column-parallel q/k/v and gate-up keep theirs."""
+    import types
+    from test_w4_down_add_norm import _two_layers
+    first, second = _two_layers("int4_g32_sym", monkeypatch)
+    first.__dict__["next_layer"] = second
+    plan = KernelPlan(backend="triton", fusions=default_fusions("triton") + ("w4_l2_next", "w4_down_add_norm"))
+    row, act = torch.randn(1, 128).to(torch.bfloat16), torch.randn(1, 192).to(torch.bfloat16)
+    assert fusions.w4_o_proj_add_norm_operands(first, plan, row) is not None
+    assert fusions.w4_down_add_norm_operands(first, plan, act) is not None
+    tp2 = types.SimpleNamespace(world_size=2, rank=0)
+    for lin in (first.self_attn.o_proj, first.mlp.down_proj):
+        monkeypatch.setattr(lin, "tp", tp2)
+    assert fusions.w4_o_proj_add_norm_operands(first, plan, row) is None
+    assert fusions.w4_down_add_norm_operands(first, plan, act) is None
+    assert fusions.w4_l2_next_regions(first, plan, row) == () and fusions.w4_l2_next_mlp(first, plan, act) == {}
+    assert fusions.w4_one_row(plan, first.self_attn.qkv_proj, row, False) is not None
+    monkeypatch.setattr(first.mlp.down_proj, "reduce_results", False)  # the caller sums: the operands again
+    assert fusions.w4_down_add_norm_operands(first, plan, act) is not None
+
+
 @pytest.mark.parametrize("device", [GPU])
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("mxfp4_pairs", 32)])
-def test_gpu_qkv_asking_l2_for_the_next_weights_changes_no_bit(device, fmt, group):
+def test_gpu_qkv_asking_l2_for_the_next_weights_changes_no_bit(device, fmt, group, monkeypatch):
     """Llama-3.1-8B's q/k/v with the norm inside (6144 x 4096) asking L2 for o_proj's words
-    (4096 x 4096) and 16 MiB of gate-up's (28672 x 4096): the same y and residual bits as
-    without, twice (the second with the lines already in L2)."""
+    (4096 x 4096) and 16 MiB of gate-up's (28672 x 4096): the launch carries both regions
+    (L2N = 2), and the same y and residual bits come out as without, twice (the second with the
+    lines already in L2)."""
     from test_h2_xpack import _w4_layer
     qkv, o, gate_up = (_w4_layer(fmt, n, 4096, group, device, seed) for seed, n in enumerate((6144, 4096, 28672)))
     x, res = (torch.randn(1, 4096, device=device).to(torch.bfloat16) for _ in range(2))
     w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
     want = g1.w4_gemv1_fused(x, res, w, 1e-5, *qkv, fmt, group, 4096)
     regions = ((o[0], o[0].numel() * o[0].element_size()), (gate_up[0], 16 << 20))
+    kernel_kwargs, real = [], g1._w4_gemv1_kernel
+
+    class Spy:  # the launcher's kernel, recording each launch's keyword arguments
+        def __getitem__(self, grid):
+            return lambda *a, **kw: kernel_kwargs.append(kw) or real[grid](*a, **kw)
+
+    monkeypatch.setattr(g1, "_w4_gemv1_kernel", Spy())
     for _ in range(2):
         got = g1.w4_gemv1_fused(x, res, w, 1e-5, *qkv, fmt, group, 4096, l2_next=regions)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert [kw.get("L2N") for kw in kernel_kwargs] == [2, 2]
+    assert kernel_kwargs[0]["l2a_count"] * o[0].element_size() == o[0].numel() * o[0].element_size()
 
 
 @pytest.mark.parametrize("device", [GPU])

@@ -342,8 +342,12 @@ def w4_one_row(plan, linear: nn.Module, x: torch.Tensor, gated: bool) -> tuple |
 
 def _w4_row_operands(linear: nn.Module, x: torch.Tensor) -> tuple | None:
     """(packed, scales, zeros, fmt, group, K) of a 4-bit layer without a bias for one row x
-    where the 4-bit kernels run for x (NVIDIA CUDA); else None."""
+    where the 4-bit kernels run for x (NVIDIA CUDA); else None. None too for a row-parallel
+    layer whose partial products are summed over tensor-parallel ranks in its forward: the
+    fused paths launch the product themselves, without that all-reduce."""
     if x.dim() != 2 or x.shape[0] != 1 or linear.bias is not None:
+        return None
+    if getattr(linear, "reduce_results", False) and linear.tp.world_size > 1:
         return None
     operands = getattr(linear.method, "one_row_operands", None)
     if operands is None:
@@ -532,7 +536,8 @@ def fused_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual:
     on_triton = plan is not None and plan.runs_kernels(_rows(hidden)) and attn.attn.backend.name == "triton"
     qkv = None
     if isinstance(hidden, NormedRow):  # the layer before wrote this one's normed input ("w4_down_add_norm")
-        qkv = w4_normed_qkv(attn, hidden) if on_triton and not torch.compiler.is_compiling() else None
+        qkv = w4_normed_qkv(attn, hidden, w4_l2_next_regions(self, plan, hidden.hw)) \
+            if on_triton and not torch.compiler.is_compiling() else None
         if qkv is None:
             hidden = hidden.as_input(residual)
     if torch.compiler.is_compiling():
@@ -644,8 +649,8 @@ def w4_o_proj_add_norm_mlp(layer: nn.Module, plan, ops: tuple, out: torch.Tensor
 def w4_l2_next_regions(layer: nn.Module, plan, hidden) -> tuple:
     """"w4_l2_next": the weight regions the q/k/v GEMV asks L2 for, (o_proj's words, all of
     them) and gate-up's first `L2_NEXT_BYTES["gate_up_from_qkv"]` bytes, for a one-row 16-bit
-    step of a layer whose o_proj and gate-up are 4-bit one-row products ("w4_o_proj_add_norm"'s
-    path); else ()."""
+    step (`hidden`: the row into q/k/v) of a layer whose o_proj and gate-up are 4-bit one-row
+    products; else ()."""
     if plan is None or not plan.has("w4_l2_next"):
         return ()
     ops = _w4_layer_rows(layer, plan, hidden, ("w4_l2_next", "w4_o_proj_add_norm"),
@@ -659,21 +664,25 @@ def w4_l2_next_regions(layer: nn.Module, plan, hidden) -> tuple:
 
 def _regions(*spans) -> tuple:
     """(tensor, bytes) regions for `w4_gemv1.l2_next_args` from (words, start byte, bytes) spans:
-    the words' bytes from `start` (a multiple of 16) on; spans of no bytes, or starting past the
-    words, left out."""
+    the words' bytes from `start` (a multiple of 16) on, a view of them; spans of no bytes,
+    starting past the words, or of strided words (no view: a copy would be prefetched) left
+    out."""
     out = []
     for words, start, nbytes in spans:
+        if start % 16:
+            raise ValueError(f"a w4_l2_next span starts at byte {start}: a multiple of 16 is needed")
         size = words.element_size()
-        if nbytes > 0 and start < words.numel() * size:
-            out.append((words.reshape(-1)[start // size:], nbytes))
+        if nbytes > 0 and start < words.numel() * size and words.is_contiguous():
+            out.append((words.view(-1)[start // size:], nbytes))
     return tuple(out)
 
 
 def w4_l2_next_mlp(layer: nn.Module, plan, act: torch.Tensor) -> dict:
     """"w4_l2_next" in the MLP of a one-row 4-bit layer: the regions o_proj, gate-up and down ask
-    L2 for (`L2_NEXT_BYTES`): gate-up's bytes after the q/k/v GEMV's, down's first, and the next
-    decoder layer's q/k/v words (`install`'s `next_layer` link). {} without the fusion or where
-    a product is not a 4-bit one-row product."""
+    L2 for (`L2_NEXT_BYTES`): gate-up's bytes after those the q/k/v stage asks for (whether or
+    not q/k/v ran a 4-bit product that asked), down's first, and the next decoder layer's q/k/v
+    words (`install`'s `next_layer` link). {} without the fusion or where a product is not a
+    4-bit one-row product."""
     if plan is None or not plan.has("w4_l2_next"):
         return {}
     gate_up, down = (_w4_row_operands(lin, act) for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj))
@@ -700,17 +709,17 @@ def w4_down_add_norm_operands(layer: nn.Module, plan, act: torch.Tensor) -> tupl
     return down, after.input_layernorm
 
 
-def w4_normed_qkv(attn, row: NormedRow) -> torch.Tensor | None:
+def w4_normed_qkv(attn, row: NormedRow, l2_next=()) -> torch.Tensor | None:
     """q/k/v of the normed input the layer before wrote (`NormedRow`): the plain one-row 4-bit
     GEMV on h w on the table's tile (`w4_gemv1.tiles`), its products scaled by 1 / rms
     (`w4_gemv1_rsq`). On the norm GEMV's 4-warp tile (`fused_tiles`) batch-1 decode was slower,
     MXFP4 most (docs/perf); None where q/k/v is not a 4-bit layer without a bias that the
-    kernels run for the row."""
+    kernels run for the row. `l2_next`: "w4_l2_next"'s regions (`w4_l2_next_regions`)."""
     ops = _w4_row_operands(attn.qkv_proj, row.hw)
     if ops is None:
         return None
     from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_rsq
-    return w4_gemv1_rsq(row.hw, row.sums, row.eps, *ops)
+    return w4_gemv1_rsq(row.hw, row.sums, row.eps, *ops, l2_next=l2_next)
 
 
 def _qkv_sum_in_attention(attn, plan) -> bool:

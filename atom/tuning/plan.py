@@ -65,7 +65,7 @@ FUSIONS = (
     "w4_o_proj_add_norm",  # batch 1, 4-bit o_proj adds the residual and writes gate-up's normed input
     "w4_gate_up_silu",   # with w4_o_proj_add_norm: 4-bit gate-up's one-row GEMV applies SiLU-and-mul (opt-in)
     "w4_down_add_norm",  # with w4_o_proj_add_norm: 4-bit down adds the residual, writes the next q/k/v's input (opt-in)
-    "w4_l2_next",        # with w4_norm_gemv, w4_o_proj_add_norm: 4-bit q/k/v asks L2 for o_proj's, gate-up's weights (opt-in)
+    "w4_l2_next",        # with w4_norm_gemv, w4_o_proj_add_norm: 4-bit one-row GEMVs ask L2 for the next ones' weights (opt-in)
 )
 VARIANTS = ("plain", "norm", "norm+silu", "norm+rope")  # one-row GEMV variants
 # Tokens up to which "shared_overlap" runs the shared experts on the second stream: decode

@@ -840,6 +840,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         cfg["L2D"] = 0  # the prefetch is inline PTX (NVIDIA, compiled) for even, plain tiles
     if cfg.get("SPF") and not ptx_applies(x):
         cfg["SPF"] = False  # inline PTX too
+    if len(l2_next) > 2:
+        raise ValueError(f"w4_linear: at most 2 weight regions asked of L2 (l2_next), got {len(l2_next)}")
     if l2_next and ptx_applies(x) and _sm90(x):  # the bulk prefetch is sm90 PTX; without it the product is the same
         cfg.update(l2_next_args(l2_next, triton.cdiv(N, cfg["BLOCK_N"]), cfg["num_warps"]))
     if torch.version.hip is not None:
@@ -876,6 +878,9 @@ def l2_next_args(regions, programs: int, warps: int) -> dict:
             continue
         per = 16 // size  # elements of 16 bytes
         chunk = -(-count // (programs * warps * per)) * per
+        if chunk * size >= 2 ** 31:  # the kernel's size operand is an int32
+            raise ValueError(f"l2_next_args: {chunk * size} bytes a warp ({count * size} over {programs} x {warps} "
+                             "warps) do not fit the prefetch's 32-bit size: more programs or warps")
         out.update({f"{name}_ptr": t, f"{name}_count": count, f"{name}_chunk": chunk})
     n = sum(1 for name in names if f"{name}_ptr" in out)
     if n == 1 and "l2a_ptr" not in out:  # the one region left goes first
