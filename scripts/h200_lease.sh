@@ -71,6 +71,8 @@
 # time at HBM speed), attn_bs1_ahead (the same grid's tiles with `rows_ahead` at 3 stages, 4-64 splits, to 8192 tokens),
 # attn_long (decode attention on the long-context workload's batches, bf16 and FP8 KV: the engine's choice against
 # splits, tiles, stages and `rows_ahead`, beside the KV read's time at HBM speed; HBM_TBS sets that speed),
+# var_prof (each variant's first 60 kernels of 20 batch-1 decode steps, PDL off: a layer's kernels in
+# order, their times without overlapped waits; formats in VAR_FORMATS, VAR_ONLY too),
 # var_kv (each variant's long-context workload, nano-vllm workload and batch-1 decode with an FP8 KV cache, bf16
 # weights; scripts/variants/attn: fp8_tile64 / fp8_tile128 the FP8 decode tile at every batch size),
 # merge_tests (the GPU tests of the in-kernel merge, skip_empty included),
@@ -319,6 +321,15 @@ for st in "$@"; do ts=$(date +%s); case $st in
           $L --peer none --repeat 1 --kv-cache-dtype fp8 --cache-dir /tmp/lc --out $R/l-thr-var$n-kvfp8.json
         run l-lat1-var$n-kvfp8 200 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 -m atom.benchmarks.latency \
           $L $LAT --batches 1 --peer none --repeat 1 --kv-cache-dtype fp8 --cache-dir /tmp/lc --out $R/l-lat1-var$n-kvfp8.json
+      done;;
+  var_prof) for v in ${VARIANTS:-.variants}/*.sh; do  # each variant's kernels of 20 batch-1 decode steps in order, PDL off
+        variant_tree $v || continue
+        sed -i 's/^USE_PDL = True$/USE_PDL = False/' /tmp/var-$n/atom/model_ops/kernels/triton_import.py
+        if ! grep -q '^USE_PDL = False$' /tmp/var-$n/atom/model_ops/kernels/triton_import.py; then log "var_prof: the sed missed USE_PDL"; continue; fi
+        for f in ${VAR_FORMATS:-w4a16}; do
+          run prof-nopdl-seq-$n-$f 150 env -C /tmp/var-$n PYTHONPATH=/tmp/var-$n:/tmp/site python3 $PWD/scripts/gpu_profile.py \
+            $L --scenario bs1 --quantization $f --no-summary --windows 100:20 --sequence 60
+        done
       done;;
   new) for f in ${AB_FORMATS:-bf16 w4a16}; do  # batch-1 decode of this tree only
         q=(--quantization $f); [ $f = bf16 ] && q=()
