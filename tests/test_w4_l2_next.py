@@ -15,6 +15,23 @@ from atom.tuning.fusions import default_fusions  # noqa: E402
 from atom.tuning.plan import KernelPlan  # noqa: E402
 
 
+#: the kernel's L2N arguments (`w4_gemv1.l2_next_args`)
+L2N_KW = ("L2N", "l2a_ptr", "l2a_count", "l2a_chunk", "l2b_ptr", "l2b_count", "l2b_chunk")
+
+
+def _record_launches(monkeypatch) -> list[dict]:
+    """The keyword arguments of each `_w4_gemv1_kernel` launch from here on (the launcher's
+    kernel replaced by one that notes them and launches as before)."""
+    kwargs, real = [], g1._w4_gemv1_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: kwargs.append(kw) or real[grid](*a, **kw)
+
+    monkeypatch.setattr(g1, "_w4_gemv1_kernel", Spy())
+    return kwargs
+
+
 def _chunks(args: dict, name: str, programs: int, warps: int, size: int) -> list[tuple[int, int]]:
     """(start byte, bytes) of every warp's prefetch, as `_bulk_prefetch_l2` forms them."""
     count, chunk = args[f"{name}_count"], args[f"{name}_chunk"]
@@ -62,7 +79,7 @@ def test_regions_left_out_and_their_order():
     assert g1.l2_next_args([(b, 8)], 4, 32) == {}  # under 16 bytes
     with pytest.raises(ValueError, match="at most 2 regions, got 3"):
         g1.l2_next_args([(a, 16), (b, 16), (a, 16)], 4, 32)
-    assert set(both) <= set(g1.L2N_ARGS)
+    assert set(both) <= set(L2N_KW) <= set(g1._w4_gemv1_kernel.arg_names)
 
 
 def test_plan_needs_the_qkv_norm_gemv_and_the_o_proj_path():
@@ -110,7 +127,7 @@ def test_the_later_stages_regions(device, monkeypatch):
     act = torch.randn(1, 2048).to(torch.bfloat16)
     words = {name: lin.method.one_row_operands(lin)[0] for name, lin in (
         ("gate_up", first.mlp.gate_up_proj), ("down", first.mlp.down_proj), ("qkv", second.self_attn.qkv_proj))}
-    got = fusions.w4_l2_next_mlp(first, plan, act)
+    got = fusions.w4_l2_next_mlp(first, plan, words["gate_up"], act)
     (gu, gu_bytes), = got["o_proj"]
     assert gu.data_ptr() == words["gate_up"].data_ptr() + 4096 and gu_bytes == 1 << 20
     assert gu.numel() * gu.element_size() == words["gate_up"].numel() * words["gate_up"].element_size() - 4096
@@ -119,11 +136,12 @@ def test_the_later_stages_regions(device, monkeypatch):
     assert got["down"] == ()  # no next layer linked
     first.__dict__["next_layer"] = second
     fusions.L2_NEXT_BYTES["qkv_from_down"] = 512
-    (qkv, qkv_bytes), = fusions.w4_l2_next_mlp(first, plan, act)["down"]
+    (qkv, qkv_bytes), = fusions.w4_l2_next_mlp(first, plan, words["gate_up"], act)["down"]
     assert qkv.data_ptr() == words["qkv"].data_ptr() and qkv_bytes == 512
     fusions.L2_NEXT_BYTES["gate_up_from_qkv"] = 1 << 30  # past gate-up's words: o_proj asks for nothing
-    assert fusions.w4_l2_next_mlp(first, plan, act)["o_proj"] == ()
-    assert fusions.w4_l2_next_mlp(first, KernelPlan(backend="triton", fusions=default_fusions("triton")), act) == {}
+    assert fusions.w4_l2_next_mlp(first, plan, words["gate_up"], act)["o_proj"] == ()
+    assert fusions.w4_l2_next_mlp(first, KernelPlan(backend="triton", fusions=default_fusions("triton")),
+                                  words["gate_up"], act) == {}
 
 
 @pytest.mark.parametrize("device", [CPU])
@@ -157,19 +175,13 @@ def test_qkv_with_regions_gives_the_same_bits_off_sm90(device, monkeypatch):
         lin.plan = plan
     g = torch.Generator().manual_seed(3)
     x, res = (torch.randn(1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
-    kernel_kwargs, real = [], g1._w4_gemv1_kernel
-
-    class Spy:  # the launcher's kernel, recording each launch's keyword arguments
-        def __getitem__(self, grid):
-            return lambda *a, **kw: kernel_kwargs.append(kw) or real[grid](*a, **kw)
-
-    monkeypatch.setattr(g1, "_w4_gemv1_kernel", Spy())
+    kernel_kwargs = _record_launches(monkeypatch)
     regions = fusions.w4_l2_next_regions(layer, plan, x)
     assert len(regions) == 2
     got = fusions.norm_linear(layer.input_layernorm, layer.self_attn.qkv_proj, x, res, l2_next=regions)
     want = fusions.norm_linear(layer.input_layernorm, layer.self_attn.qkv_proj, x, res)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert len(kernel_kwargs) == 2 and not any(k in kw for kw in kernel_kwargs for k in g1.L2N_ARGS)
+    assert len(kernel_kwargs) == 2 and not any(k in kw for kw in kernel_kwargs for k in L2N_KW)
 
 
 @pytest.mark.parametrize("device", [CPU])
@@ -191,7 +203,9 @@ def test_row_parallel_products_under_tp_keep_their_forward(device, monkeypatch):
         monkeypatch.setattr(lin, "tp", tp2)
     assert fusions.w4_o_proj_add_norm_operands(first, plan, row) is None
     assert fusions.w4_down_add_norm_operands(first, plan, act) is None
-    assert fusions.w4_l2_next_regions(first, plan, row) == () and fusions.w4_l2_next_mlp(first, plan, act) == {}
+    gate_up_words = first.mlp.gate_up_proj.method.one_row_operands(first.mlp.gate_up_proj)[0]
+    assert fusions.w4_l2_next_regions(first, plan, row) == ()
+    assert fusions.w4_l2_next_mlp(first, plan, gate_up_words, act) == {}
     assert fusions.w4_one_row(plan, first.self_attn.qkv_proj, row, False) is not None
     monkeypatch.setattr(first.mlp.down_proj, "reduce_results", False)  # the caller sums: the operands again
     assert fusions.w4_down_add_norm_operands(first, plan, act) is not None
@@ -210,13 +224,7 @@ def test_gpu_qkv_asking_l2_for_the_next_weights_changes_no_bit(device, fmt, grou
     w = (torch.rand(4096, device=device) + 0.5).to(torch.bfloat16)
     want = g1.w4_gemv1_fused(x, res, w, 1e-5, *qkv, fmt, group, 4096)
     regions = ((o[0], o[0].numel() * o[0].element_size()), (gate_up[0], 16 << 20))
-    kernel_kwargs, real = [], g1._w4_gemv1_kernel
-
-    class Spy:  # the launcher's kernel, recording each launch's keyword arguments
-        def __getitem__(self, grid):
-            return lambda *a, **kw: kernel_kwargs.append(kw) or real[grid](*a, **kw)
-
-    monkeypatch.setattr(g1, "_w4_gemv1_kernel", Spy())
+    kernel_kwargs = _record_launches(monkeypatch)
     for _ in range(2):
         got = g1.w4_gemv1_fused(x, res, w, 1e-5, *qkv, fmt, group, 4096, l2_next=regions)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

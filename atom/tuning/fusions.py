@@ -628,7 +628,7 @@ def w4_o_proj_add_norm_mlp(layer: nn.Module, plan, ops: tuple, out: torch.Tensor
     from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_add_row, w4_gemv1_rsq
     norm = layer.post_attention_layernorm
     o, gate_up = ops
-    l2 = w4_l2_next_mlp(layer, plan, out)  # {} without "w4_l2_next"
+    l2 = w4_l2_next_mlp(layer, plan, gate_up[0], out)  # {} without "w4_l2_next"
     hw, sums, residual = w4_gemv1_add_row(out, *o, residual, norm.weight, l2_next=l2.get("o_proj", ()))
     if plan.has("w4_gate_up_silu"):
         act = w4_gemv1_rsq(hw, sums, norm.eps, *gate_up, gated=True, l2_next=l2.get("gate_up", ()))
@@ -677,21 +677,22 @@ def _regions(*spans) -> tuple:
     return tuple(out)
 
 
-def w4_l2_next_mlp(layer: nn.Module, plan, act: torch.Tensor) -> dict:
-    """"w4_l2_next" in the MLP of a one-row 4-bit layer: the regions o_proj, gate-up and down ask
+def w4_l2_next_mlp(layer: nn.Module, plan, gate_up_words: torch.Tensor, act: torch.Tensor) -> dict:
+    """"w4_l2_next" in the MLP of a one-row 4-bit layer (`gate_up_words`: its 4-bit gate-up's
+    words, as `w4_o_proj_add_norm_operands` gave them): the regions o_proj, gate-up and down ask
     L2 for (`L2_NEXT_BYTES`): gate-up's bytes after those the q/k/v stage asks for (whether or
     not q/k/v ran a 4-bit product that asked), down's first, and the next decoder layer's q/k/v
-    words (`install`'s `next_layer` link). {} without the fusion or where a product is not a
-    4-bit one-row product."""
+    words (`install`'s `next_layer` link). {} without the fusion or where down is not a 4-bit
+    one-row product."""
     if plan is None or not plan.has("w4_l2_next"):
         return {}
-    gate_up, down = (_w4_row_operands(lin, act) for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    if gate_up is None or down is None:
+    down = _w4_row_operands(layer.mlp.down_proj, act)
+    if down is None:
         return {}
     after = layer.__dict__.get("next_layer")
     qkv = _w4_row_operands(after.self_attn.qkv_proj, act) if after is not None else None
     b = L2_NEXT_BYTES
-    return {"o_proj": _regions((gate_up[0], b["gate_up_from_qkv"] // 16 * 16, b["gate_up_from_o_proj"])),
+    return {"o_proj": _regions((gate_up_words, b["gate_up_from_qkv"] // 16 * 16, b["gate_up_from_o_proj"])),
             "gate_up": _regions((down[0], 0, b["down_from_gate_up"])),
             "down": _regions((qkv[0], 0, b["qkv_from_down"])) if qkv is not None else ()}
 

@@ -130,9 +130,9 @@ def fused_tiles(gated: bool) -> dict:
 
 
 def _sm90(x: torch.Tensor) -> bool:
-    """x's GPU runs sm90 PTX (Hopper and later): the bulk prefetch of L2N."""
+    """The kernel's sm90 PTX runs for x (Hopper and later, compiled): the bulk prefetch of L2N."""
     from atom.model_ops.kernels.triton_import import compiled_for_sm90
-    return compiled_for_sm90(x.device.index if x.device.index is not None else 0)
+    return ptx_applies(x) and compiled_for_sm90(x.device.index if x.device.index is not None else 0)
 
 
 def ptx_applies(x: torch.Tensor) -> bool:
@@ -840,10 +840,10 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         cfg["L2D"] = 0  # the prefetch is inline PTX (NVIDIA, compiled) for even, plain tiles
     if cfg.get("SPF") and not ptx_applies(x):
         cfg["SPF"] = False  # inline PTX too
-    if len(l2_next) > 2:
-        raise ValueError(f"w4_linear: at most 2 weight regions asked of L2 (l2_next), got {len(l2_next)}")
-    if l2_next and ptx_applies(x) and _sm90(x):  # the bulk prefetch is sm90 PTX; without it the product is the same
-        cfg.update(l2_next_args(l2_next, triton.cdiv(N, cfg["BLOCK_N"]), cfg["num_warps"]))
+    if l2_next:  # the regions checked wherever it runs; the bulk prefetch is sm90 PTX, without it the same product
+        l2 = l2_next_args(l2_next, triton.cdiv(N, cfg["BLOCK_N"]), cfg["num_warps"])
+        if _sm90(x):
+            cfg.update(l2)
     if torch.version.hip is not None:
         cfg.pop("maxnreg", None)  # an option of Triton's NVIDIA backend only
     if not even:
@@ -858,19 +858,15 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                            EVEN=even, **pdl, **cfg)
 
 
-#: the kernel's arguments of L2N (the next products' weights into L2)
-L2N_ARGS = ("L2N", "l2a_ptr", "l2a_count", "l2a_chunk", "l2b_ptr", "l2b_count", "l2b_chunk")
-
-
 def l2_next_args(regions, programs: int, warps: int) -> dict:
     """The kernel's L2N arguments for up to two regions, each (tensor, bytes): the tensor's
     first `bytes` bytes (at most all of it, down to a multiple of 16) asked of L2 by a grid of
     `programs` x `warps`, each warp one 16-byte-multiple chunk (`_bulk_prefetch_l2`). Regions
     that are empty, strided or not 16-byte aligned are left out; {} when none is left."""
     out, names = {}, ("l2a", "l2b")
-    regions = [(t, n) for t, n in regions if t.numel() and t.data_ptr() % 16 == 0 and t.is_contiguous()]
     if len(regions) > len(names):
         raise ValueError(f"l2_next_args: at most {len(names)} regions, got {len(regions)}")
+    regions = [(t, n) for t, n in regions if t.numel() and t.data_ptr() % 16 == 0 and t.is_contiguous()]
     for name, (t, nbytes) in zip(names, regions):
         size = t.element_size()
         count = (min(int(nbytes), t.numel() * size) // 16 * 16) // size
