@@ -272,6 +272,39 @@ assert args["L2N"] == 2 and (regions["chunk_bytes"] % 16 == 0).all() and (region
 regions
 """),
     ("md", """
+Timed (`raw/history.md` 2026-12-07f): no form of it is faster in batch-1 decode. The PDL-off
+kernels of a W4A16 layer, the tree against `l2_next_o` (o_proj's words asked of L2 during the
+attention), on an H200 and an H100: o_proj barely moves with its words in L2, the q/k/v GEMV
+that issues the prefetch slows down. Beside each kernel, its weight bytes at the HBM's speed.
+"""),
+    ("code", """
+runs = []
+for path in sorted(raw_dir.glob("2026-12-07f-h100-call1-l-lat1-var*.json")):
+    variant, fmt = re.match(r".*-l-lat1-var(\\w+?)-(w4a16|mxfp4_w4a16)\\.json", path.name).groups()
+    runs.append(dict(format=fmt, variant=variant, ms=json.loads(path.read_text())["results"][0]["ms_per_step"]))
+runs = pd.DataFrame(runs).pivot_table(index="variant", columns="format", values="ms")
+l2_change = 100 * (runs.drop(index="asis") / runs.loc["asis"] - 1)
+assert len(l2_change) == 4 and (l2_change > -0.5).all().all()   # none faster than the tree
+layer_us = {}
+for gpu, call in (("H200", "h200-call11"), ("H100", "h100-call2")):
+    for variant in ("asis", "l2_next_o"):
+        text = (raw_dir / f"2026-12-07f-{call}-prof-nopdl-seq-{variant}-w4a16.log").read_text()
+        seq = re.findall(r"^\\s*\\d+\\s+([\\d.]+) us\\s+(\\S+)", text.split("kernels in order:")[1], re.M)
+        first = [name for _, name in seq].index("_unified_attn_kernel") - 1
+        layers = [seq[i:i + 6] for i in range(first, len(seq) - 5, 6)]
+        assert all([n for _, n in layer][1] == "_unified_attn_kernel" for layer in layers)
+        layer_us[(gpu, variant)] = pd.DataFrame([[float(t) for t, _ in layer] for layer in layers],
+                                                columns=PRODUCTS).median()
+layer_us = pd.DataFrame(layer_us)
+int4_rows = {"q/k/v": 6144, "o_proj": 4096, "gate-up": 28672, "down": 4096 * 3.5}  # rows x 4096 int4 + g128 scales
+for gpu, tbs in (("H200", 4.8), ("H100", 3.35)):
+    layer_us[(gpu, "bytes at HBM speed")] = pd.Series({k: n * 4096 * (0.5 + 2 / 128) / tbs / 1e6 for k, n in int4_rows.items()})
+assert (layer_us.loc["o_proj", ("H200", "l2_next_o")] > 3 * layer_us.loc["o_proj", ("H200", "bytes at HBM speed")])
+assert (layer_us.loc["q/k/v", (slice(None), "l2_next_o")].values > layer_us.loc["q/k/v", (slice(None), "asis")].values).all()
+display(l2_change.round(1))
+layer_us.round(2)
+"""),
+    ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
 H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in

@@ -119,7 +119,9 @@ which computes the same thing with fewer kernels where the plan says so:
   batch-1 launch reads little, and the two products find them in L2; `L2_NEXT_BYTES` sets those
   bytes and those of the later products, each asking for the next one's weights (o_proj for
   gate-up's next bytes, gate-up for down's, down for the next layer's q/k/v). The same bits.
-  Opt-in until its batch-1 decode timing is in docs/perf;
+  Opt-in: batch-1 decode with it no faster in any of those forms, slower for MXFP4 wherever
+  gate-up's bytes are asked for; with o_proj's words in L2 o_proj is barely faster, its time
+  mostly the launch's fixed cost, and the prefetch slows the q/k/v GEMV it rides on (docs/perf);
 Under torch.compile (level 3's prefill and mixed steps) the same forward runs its compiled
 branch, `compiled_forward`, for inputs the plan's kernels take: the norms and SiLU-and-mul as
 registered ops (`kernels.graph_ops`), and the rotary with the q/k norms and the cache write
@@ -163,7 +165,8 @@ QUANT_ON_LOAD_MAX_ROWS = 1
 # one product ahead (0: none). The q/k/v GEMV takes o_proj's words and gate-up's first bytes:
 # about what memory moves while the batch-1 attention runs (~8 us at 3-4 TB/s), well under the
 # 50 MB L2 of the H100 / H200 beside o_proj's and q/k/v's own weights. The later stages (o_proj:
-# gate-up's next bytes; gate-up: down's first; down: the next layer's q/k/v) are off until timed
+# gate-up's next bytes; gate-up: down's first; down: the next layer's q/k/v) are off: with every
+# stage at 16 MiB batch-1 decode was 9-11% slower (docs/perf)
 L2_NEXT_BYTES = {
     "gate_up_from_qkv": 16 << 20,
     "gate_up_from_o_proj": 0,
