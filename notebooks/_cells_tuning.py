@@ -214,15 +214,19 @@ runs = pd.DataFrame(runs)
 pairs = runs.pivot_table(index=["call", "format"], columns="variant", values="ms")
 pairs["change"] = pairs[["gate_up_silu", "down_add_norm"]].max(axis=1) / pairs["asis"] - 1
 assert len(pairs) == 8 and (pairs["change"].abs() < 0.015).all()  # neither fusion moves decode by 1.5%
-seq_us = {}
-for variant in ("asis", "down_add_norm"):
-    text = (raw_dir / f"2026-12-07d-h100-call8-prof-nopdl-seq-{variant}-w4a16.log").read_text()
+def layer_kernels_us(log_name):
+    # median us of each of a decoder layer's six kernels (PRODUCTS) over the whole layers
+    # of a `var_prof` log's in-order list
+    text = (raw_dir / log_name).read_text()
     seq = re.findall(r"^\s*\d+\s+([\d.]+) us\s+(\S+)", text.split("kernels in order:")[1], re.M)
     first = [name for _, name in seq].index("_unified_attn_kernel") - 1
     layers = [seq[i:i + 6] for i in range(first, len(seq) - 5, 6)]
     assert all([n for _, n in layer][1] == "_unified_attn_kernel" for layer in layers)
-    seq_us[variant] = pd.DataFrame([[float(t) for t, _ in layer] for layer in layers], columns=PRODUCTS).median()
-seq_us = pd.DataFrame(seq_us)
+    return pd.DataFrame([[float(t) for t, _ in layer] for layer in layers], columns=PRODUCTS).median()
+
+
+seq_us = pd.DataFrame({variant: layer_kernels_us(f"2026-12-07d-h100-call8-prof-nopdl-seq-{variant}-w4a16.log")
+                       for variant in ("asis", "down_add_norm")})
 assert seq_us.loc["q/k/v", "down_add_norm"] > seq_us.loc["q/k/v", "asis"]  # fewer instructions, slower tile
 display(pairs.round(3))
 seq_us.round(2)
@@ -285,17 +289,9 @@ for path in sorted(raw_dir.glob("2026-12-07f-h100-call1-l-lat1-var*.json")):
 runs = pd.DataFrame(runs).pivot_table(index="variant", columns="format", values="ms")
 l2_change = 100 * (runs.drop(index="asis") / runs.loc["asis"] - 1)
 assert len(l2_change) == 4 and (l2_change > -0.5).all().all()   # none faster than the tree
-layer_us = {}
-for gpu, call in (("H200", "h200-call11"), ("H100", "h100-call2")):
-    for variant in ("asis", "l2_next_o"):
-        text = (raw_dir / f"2026-12-07f-{call}-prof-nopdl-seq-{variant}-w4a16.log").read_text()
-        seq = re.findall(r"^\\s*\\d+\\s+([\\d.]+) us\\s+(\\S+)", text.split("kernels in order:")[1], re.M)
-        first = [name for _, name in seq].index("_unified_attn_kernel") - 1
-        layers = [seq[i:i + 6] for i in range(first, len(seq) - 5, 6)]
-        assert all([n for _, n in layer][1] == "_unified_attn_kernel" for layer in layers)
-        layer_us[(gpu, variant)] = pd.DataFrame([[float(t) for t, _ in layer] for layer in layers],
-                                                columns=PRODUCTS).median()
-layer_us = pd.DataFrame(layer_us)
+layer_us = pd.DataFrame({(gpu, variant): layer_kernels_us(f"2026-12-07f-{call}-prof-nopdl-seq-{variant}-w4a16.log")
+                         for gpu, call in (("H200", "h200-call11"), ("H100", "h100-call2"))
+                         for variant in ("asis", "l2_next_o")})
 int4_rows = {"q/k/v": 6144, "o_proj": 4096, "gate-up": 28672, "down": 4096 * 3.5}  # rows x 4096 int4 + g128 scales
 for gpu, tbs in (("H200", 4.8), ("H100", 3.35)):
     layer_us[(gpu, "bytes at HBM speed")] = pd.Series({k: n * 4096 * (0.5 + 2 / 128) / tbs / 1e6 for k, n in int4_rows.items()})
