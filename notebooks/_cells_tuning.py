@@ -214,6 +214,8 @@ runs = pd.DataFrame(runs)
 pairs = runs.pivot_table(index=["call", "format"], columns="variant", values="ms")
 pairs["change"] = pairs[["gate_up_silu", "down_add_norm"]].max(axis=1) / pairs["asis"] - 1
 assert len(pairs) == 8 and (pairs["change"].abs() < 0.015).all()  # neither fusion moves decode by 1.5%
+
+
 def layer_kernels_us(log_name):
     # median us of each of a decoder layer's six kernels (PRODUCTS) over the whole layers
     # of a `var_prof` log's in-order list
