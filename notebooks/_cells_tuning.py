@@ -294,9 +294,9 @@ assert len(l2_change) == 4 and (l2_change > -0.5).all().all()   # none faster th
 layer_us = pd.DataFrame({(gpu, variant): layer_kernels_us(f"2026-12-07f-{call}-prof-nopdl-seq-{variant}-w4a16.log")
                          for gpu, call in (("H200", "h200-call11"), ("H100", "h100-call2"))
                          for variant in ("asis", "l2_next_o")})
-int4_rows = {"q/k/v": 6144, "o_proj": 4096, "gate-up": 28672, "down": 4096 * 3.5}  # rows x 4096 int4 + g128 scales
-for gpu, tbs in (("H200", 4.8), ("H100", 3.35)):
-    layer_us[(gpu, "bytes at HBM speed")] = pd.Series({k: n * 4096 * (0.5 + 2 / 128) / tbs / 1e6 for k, n in int4_rows.items()})
+int4_weights = {"q/k/v": 6144 * 4096, "o_proj": 4096 * 4096, "gate-up": 28672 * 4096, "down": 4096 * 14336}
+for gpu, tbs in (("H200", 4.8), ("H100", 3.35)):  # half a byte a weight, a bf16 scale a group of 128
+    layer_us[(gpu, "bytes at HBM speed")] = pd.Series({k: n * (0.5 + 2 / 128) / tbs / 1e6 for k, n in int4_weights.items()})
 assert (layer_us.loc["o_proj", ("H200", "l2_next_o")] > 3 * layer_us.loc["o_proj", ("H200", "bytes at HBM speed")])
 assert (layer_us.loc["q/k/v", (slice(None), "l2_next_o")].values > layer_us.loc["q/k/v", (slice(None), "asis")].values).all()
 display(l2_change.round(1))
