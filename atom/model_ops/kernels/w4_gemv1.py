@@ -619,6 +619,9 @@ if HAS_TRITON:
         w_up = up_rows.to(tl.int64) * stride_w
         s_up = up_rows.to(tl.int64) * stride_s
         z_up = up_rows.to(tl.int64) * stride_z
+        wpu = wp + w_up  # GATED: the up rows' pointers, advanced with the gate rows' (no sum a step)
+        spu = sp + s_up
+        zpu = zp + z_up
         # groups that tile a step advance the scale pointers by a constant; others (e.g. 96, or
         # channel-wise groups wider than a step) index each word's group
         GROUP_STEPS: tl.constexpr = (STEP * 8) % GROUP == 0
@@ -634,7 +637,7 @@ if HAS_TRITON:
         if AHEAD:
             word_next = tl.load(wp, cache_modifier=WCACHE)
             if GATED:
-                up_next = tl.load(wp + w_up, cache_modifier=WCACHE)
+                up_next = tl.load(wpu, cache_modifier=WCACHE)
         if SPF:  # the scale rows are weights: no kernel in the stream writes them
             row0 = tl.program_id(0) * BLOCK_N
             n_rows = tl.minimum(N - row0, BLOCK_N)
@@ -667,6 +670,8 @@ if HAS_TRITON:
             if not GROUP_STEPS:
                 sp = s_row + ((w0 + j2 * DW) * 8) // GROUP
                 zp = z_row + ((w0 + j2 * DW) * 8) // GROUP
+                spu = sp + s_up
+                zpu = zp + z_up
             ok = (rows < N)[:, None] & (w0 + j2 < n_words)  # [BLOCK_N, BLOCK_W] (unused when EVEN)
             x_ok = (w0 + js * DW < n_words) & (es < 8)
             if XPACK:
@@ -686,25 +691,25 @@ if HAS_TRITON:
                         nxt = tl.where(w0 + STEP < n_words, BLOCK_W, -(w0 // DW))
                         word_next = tl.load(wp + nxt, cache_modifier=WCACHE)
                         if GATED:
-                            up_next = tl.load(wp + w_up + nxt, cache_modifier=WCACHE)
+                            up_next = tl.load(wpu + nxt, cache_modifier=WCACHE)
                     else:
                         more = w0 + STEP + j2 * DW < n_words
                         word_next = tl.load(wp + BLOCK_W, mask=more, other=0, cache_modifier=WCACHE)
                         if GATED:
-                            up_next = tl.load(wp + w_up + BLOCK_W, mask=more, other=0, cache_modifier=WCACHE)
+                            up_next = tl.load(wpu + BLOCK_W, mask=more, other=0, cache_modifier=WCACHE)
                 else:
                     word = tl.load(wp, cache_modifier=WCACHE)[:, :, None]
                     if GATED:
-                        word_up = tl.load(wp + w_up, cache_modifier=WCACHE)[:, :, None]
+                        word_up = tl.load(wpu, cache_modifier=WCACHE)[:, :, None]
                 s_raw = _load_t(sp)[:, :, None]
                 if GATED:
-                    s_raw_up = _load_t(sp + s_up)[:, :, None]
+                    s_raw_up = _load_t(spu)[:, :, None]
             else:
                 word = tl.load(wp, mask=ok, other=0, cache_modifier=WCACHE)[:, :, None]
                 s_raw = _load_t(sp, ok, 0)[:, :, None]
                 if GATED:
-                    word_up = tl.load(wp + w_up, mask=ok, other=0, cache_modifier=WCACHE)[:, :, None]
-                    s_raw_up = _load_t(sp + s_up, ok, 0)[:, :, None]
+                    word_up = tl.load(wpu, mask=ok, other=0, cache_modifier=WCACHE)[:, :, None]
+                    s_raw_up = _load_t(spu, ok, 0)[:, :, None]
             if CHAIN:  # both words of the load in one fp16 chain (EVEN: DW = 2 runs even tiles only)
                 xa = tl.load(xp).to(tl.float32)
                 xb = tl.load(xp + 8).to(tl.float32)
@@ -714,7 +719,7 @@ if HAS_TRITON:
                     xb, sq = add_norm_cols(xb, xo + 8, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
                 acc += _word_sums2(word, s_raw, zp, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N, BLOCK_W)
                 if GATED:
-                    acc_up += _word_sums2(word_up, s_raw_up, zp + z_up, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N,
+                    acc_up += _word_sums2(word_up, s_raw_up, zpu, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N,
                                           BLOCK_W)
             else:
                 for h in tl.static_range(DW):  # the words of a load: columns h 8 .. h 8 + 7 of each thread's 8 DW
@@ -749,9 +754,11 @@ if HAS_TRITON:
                         acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
                                           BLOCK_W)
                         if GATED:
-                            acc_up += _word_sums(_half(word_up, h, DW), s_raw_up, zp + z_up, ok, xv, es, FMT, HALF2, HAS_ZP,
+                            acc_up += _word_sums(_half(word_up, h, DW), s_raw_up, zpu, ok, xv, es, FMT, HALF2, HAS_ZP,
                                                  EVEN, BLOCK_N, BLOCK_W)
             wp += BLOCK_W
+            if GATED:
+                wpu += BLOCK_W
             xp += STEP * 8
             if XPACK:
                 xkp += STEP * 8
@@ -759,6 +766,9 @@ if HAS_TRITON:
             if GROUP_STEPS:
                 sp += (STEP * 8) // GROUP
                 zp += (STEP * 8) // GROUP
+                if GATED:
+                    spu += (STEP * 8) // GROUP
+                    zpu += (STEP * 8) // GROUP
         if L2N > 0:  # the next products' weights into L2 while this program's epilogue and the kernels after run
             _bulk_prefetch_l2(l2a_ptr, l2a_count, l2a_chunk, BLOCK_W)
             if L2N > 1:
