@@ -303,6 +303,30 @@ display(l2_change.round(1))
 layer_us.round(2)
 """),
     ("md", """
+"w4_gate_up_silu" (SiLU-and-mul inside 4-bit gate-up) became a default once its gated loop
+carried the up rows' pointers instead of adding the up offset to every load's address each step
+(`raw/history.md` 2026-12-07g). The batch-1 decode runs of one H100, three of each: the tree
+before the change as the baseline, and the gated product; then the tiles and CHAIN forms timed
+beside them: none faster.
+"""),
+    ("code", """
+runs = []
+for path in sorted(raw_dir.glob("2026-12-07g-h100-call[13]-l-lat1-var*.json")):
+    call, variant, fmt = re.match(r".*-(call\\d)-l-lat1-var\\w_(\\w+?)-(w4a16|mxfp4_w4a16)\\.json", path.name).groups()
+    runs.append(dict(call=call, format=fmt, variant=variant, ms=json.loads(path.read_text())["results"][0]["ms_per_step"]))
+runs = pd.DataFrame(runs)
+gated = runs[runs["variant"].isin(["asis", "gate_up_silu"])].pivot_table(
+    index="variant", columns="format", values="ms", aggfunc=["mean", "count"])
+assert (gated["count"] == 3).all().all()
+assert (gated.loc["gate_up_silu", "mean"] < gated.loc["asis", "mean"]).all()  # faster in both formats
+others = runs[~runs["variant"].isin(["asis", "gate_up_silu"])].set_index(["variant", "format"])["ms"]
+base = gated["mean"].loc["asis"]
+change = pd.Series({k: 100 * (v / base[k[1]] - 1) for k, v in others.items()}, name="% against the mean tree")
+assert (change > -0.1).all()  # the DW = 2 tiles and CHAIN: none faster on this H100
+display(gated.round(3))
+change.round(1)
+"""),
+    ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
 H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in

@@ -54,7 +54,7 @@ def _count(monkeypatch, module, name, calls):
 def test_the_plan_has_shows_and_keeps_the_fusions(tmp_path):
     assert {"norm+quant", "silu+quant"} <= set(default_fusions("triton"))
     assert not set(OPT_IN) & set(default_fusions("triton"))  # opt-in (tuning/fusions.py says why)
-    for w4 in ("w4_norm_gemv", "w4_o_proj_add_norm", "fp4_pair_words"):  # the 4-bit kernels' fusions: Triton only
+    for w4 in ("w4_norm_gemv", "w4_o_proj_add_norm", "w4_gate_up_silu", "fp4_pair_words"):  # the 4-bit kernels' fusions: Triton only
         assert w4 in default_fusions("triton") and w4 not in default_fusions("aiter")
     assert not set(NEW) & set(default_fusions("aiter")) and default_fusions("torch") == ()
     plan = KernelPlan(backend="triton", fusions=NEW)

@@ -103,8 +103,11 @@ which computes the same thing with fewer kernels where the plan says so:
 - "w4_gate_up_silu" (with "w4_o_proj_add_norm"): there, gate-up's one-row GEMV also applies
   SiLU-and-mul (`w4_gemv1_rsq(gated=True)`: a program's gate rows and the matching up rows,
   `w4_gemv1.gated_tiles`), so that the SiLU-and-mul kernel between gate-up and down does not
-  run: one launch fewer a layer, the same bits. Opt-in: batch-1 decode no faster with it
-  (docs/perf; with the norm inside too, a gated gate-up measured slower: `w4_one_row`);
+  run: one launch fewer a layer, the same bits. A default on the Triton backend (where the
+  4-bit kernels run: NVIDIA) since the gated loop carries its up rows' pointers (int4's sm90
+  loop 350 instructions a step against 381 before, the plain tile's 343): batch-1 decode
+  measured faster with it in both 4-bit formats (docs/perf; with the norm inside too, a gated
+  gate-up measured slower: `w4_one_row`);
 - "w4_down_add_norm" (with "w4_o_proj_add_norm"): there, when the next decoder layer's q/k/v
   is 4-bit too, down's one-row GEMV adds the residual in its epilogue and writes the next
   layer's normed input as o_proj's does for gate-up (`normed_row.NormedRow`: h w with the sums
@@ -187,6 +190,7 @@ def default_fusions(backend: str) -> tuple[str, ...]:
     if backend == "triton":  # the 8-bit and 4-bit products' kernels (NVIDIA; ROCm's run the reference)
         out += ("norm+quant", "silu+quant", "w4_norm_gemv", "fp4_pair_words")
         out += ("w4_o_proj_add_norm",)
+        out += ("w4_gate_up_silu",)
     return out + ("shared_overlap",)
 
 

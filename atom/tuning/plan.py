@@ -63,7 +63,7 @@ FUSIONS = (
     "w4_prepared_x",     # batch 1, 4-bit gate-up / down: their input row prepared by the norm / SiLU kernel (opt-in)
     "w4_o_proj_norm",    # with w4_prepared_x: 4-bit o_proj adds the residual and prepares gate-up's input (opt-in)
     "w4_o_proj_add_norm",  # batch 1, 4-bit o_proj adds the residual and writes gate-up's normed input
-    "w4_gate_up_silu",   # with w4_o_proj_add_norm: 4-bit gate-up's one-row GEMV applies SiLU-and-mul (opt-in)
+    "w4_gate_up_silu",   # with w4_o_proj_add_norm: 4-bit gate-up's one-row GEMV applies SiLU-and-mul
     "w4_down_add_norm",  # with w4_o_proj_add_norm: 4-bit down adds the residual, writes the next q/k/v's input (opt-in)
     "w4_l2_next",        # with w4_norm_gemv, w4_o_proj_add_norm: 4-bit one-row GEMVs ask L2 for the next ones' weights (opt-in)
 )
