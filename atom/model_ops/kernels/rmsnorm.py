@@ -53,13 +53,22 @@ if HAS_TRITON:
         """The norm prologue of the one-row GEMVs, for the columns `cols` of x (fp32) that a
         step reads: with HAS_RES x + r rounded to ACT (the unfused add's dtype; program 0 stores
         it to rout) replaces x. Returns (x w, sq + x^2): the caller scales its dot products by
-        the row's 1 / rms once sq holds the whole row."""
+        the row's 1 / rms once sq holds the whole row. mask None: every column is in the row
+        (an even tile), loaded without a mask."""
         if HAS_RES:
-            s = (x + tl.load(r_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(ACT)
+            if mask is None:
+                r = tl.load(r_ptr + cols)
+            else:
+                r = tl.load(r_ptr + cols, mask=mask, other=0.0)
+            s = (x + r.to(tl.float32)).to(ACT)
             if tl.program_id(0) == 0:
                 tl.store(rout_ptr + cols, s, mask=mask)
             x = s.to(tl.float32)
-        return x * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32), sq + x * x
+        if mask is None:
+            w = tl.load(w_ptr + cols)
+        else:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        return x * w.to(tl.float32), sq + x * x
 
     @triton.jit
     def store_added(y, rows, N, r_ptr, rout_ptr, ACT: tl.constexpr):

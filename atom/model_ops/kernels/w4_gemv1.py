@@ -715,8 +715,8 @@ if HAS_TRITON:
                 xb = tl.load(xp + 8).to(tl.float32)
                 if NORM:
                     xo = w0 * 8 + js * 16 + es
-                    xa, sq = add_norm_cols(xa, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
-                    xb, sq = add_norm_cols(xb, xo + 8, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
+                    xa, sq = add_norm_cols(xa, xo, None, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)  # CHAIN: EVEN
+                    xb, sq = add_norm_cols(xb, xo + 8, None, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
                 acc += _word_sums2(word, s_raw, zp, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N, BLOCK_W)
                 if GATED:
                     acc_up += _word_sums2(word_up, s_raw_up, zpu, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N,
@@ -750,7 +750,10 @@ if HAS_TRITON:
                             xv = tl.load(xp, mask=x_ok, other=0.0).to(tl.float32)
                         if NORM:
                             xo = w0 * 8 + js * (8 * DW) + h * 8 + es  # x's columns, for the residual and the norm weight
-                            xv, sq = add_norm_cols(xv, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
+                            if EVEN:  # every column in the row: loads without a mask (no compare and predicate a step)
+                                xv, sq = add_norm_cols(xv, xo, None, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
+                            else:
+                                xv, sq = add_norm_cols(xv, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
                         acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
                                           BLOCK_W)
                         if GATED:
