@@ -196,15 +196,17 @@ def test_early_epilogue_operands_change_no_bit(device, fmt, group, monkeypatch):
 
 
 @pytest.mark.parametrize("device", [CPU])
-@pytest.mark.parametrize("fmt,group,zp", [("int4", 64, False), ("int4", 32, True), ("mxfp4", 32, False),
-                                          ("mxfp4_pairs", 32, False)])
+@pytest.mark.parametrize("fmt,group,zp", [("int4", 64, False), ("int4", 32, True), ("int4", 96, True),
+                                          ("mxfp4", 32, False), ("mxfp4_pairs", 32, False)])
 def test_gated_rsq_is_silu_and_mul_of_the_product(device, fmt, group, zp):
     """`w4_gemv1_rsq(gated=True)` (the float32 loop under the interpreter, 8 gate and 8 up rows
     a program against 16 rows of the [gate | up] product): SiLU-and-mul of the plain product's
     output, bit for bit (each product rounded to the row's dtype first, the same SiLU); the
-    default tile halves `tiles`' rows; odd row counts are refused."""
+    default tile halves `tiles`' rows; odd row counts are refused. Groups of 96 do not tile a
+    step (each step indexes its words' groups, the up rows' too) and 384 inputs leave a
+    partial step (the masked loop)."""
     from atom.model_ops.kernels.w4_gemv1 import gated_tiles, tiles, w4_gemv1_rsq
-    k, rows = 256, 96
+    k, rows = (384 if group == 96 else 256), 96
     packed, scales, zeros = _w4_layer(fmt, rows, k, group, device, 5, zp=zp)
     g = torch.Generator().manual_seed(1)
     hw = torch.randn(1, k, generator=g).to(torch.float16).to(device)
