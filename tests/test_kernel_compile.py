@@ -164,6 +164,11 @@ def _compile_all() -> dict:
         "w4_gemv1_int4_ahead": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=128, HAS_ZP=False, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
                                                             BLOCK_N=8, BLOCK_W=128, EVEN=True, AHEAD=True),
                                 dict(w_ptr="*i32")),
+        # int4's even gated loop with the scale and zero-point rows' strides compiled in, the words'
+        # at runtime (`FIXED_SCALE_STRIDES`)
+        "w4_gemv1_int4_scale_strides": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=True, FMT=0, GROUP=128, HAS_ZP=True, HAS_BIAS=False, PDL=True, SW=0, SS=32, SZ=32, DW=1,
+                                                                    BLOCK_N=8, BLOCK_W=128, EVEN=True, AHEAD=False, HALF2=True),
+                                        dict(w_ptr="*i32", z_ptr="*i8")),
         # the fp16 pair products (HALF2): the inline PTX's fp16 pair FMAs and the x pairs' packing
         "w4_gemv1_int4_half2": (w4g1._w4_gemv1_kernel, dict(CHAIN=False, NORM=False, HAS_RES=False, GATED=False, FMT=0, GROUP=128, HAS_ZP=True, HAS_BIAS=False, PDL=True, SW=0, SS=0, SZ=0, DW=1,
                                                              BLOCK_N=8, BLOCK_W=256, EVEN=True, AHEAD=False,
@@ -418,6 +423,7 @@ def test_kernels_compile_for_sm90():
                         "attention_3_stages_rows_ahead_True", "attention_fp8_f16_dots", "w4_gemv1_int4_masked",
                         "w4_gemv1_mxfp4_masked", "w4_gemv1_int4_ahead", "w4_gemv1_int4_half2",
                         "w4_gemv1_mxfp4_half2", "w4_gemv1_int4_norm_gated", "w4_gemv1_mxfp4_fixed_strides",
+                        "w4_gemv1_int4_scale_strides",
                         "w4_gemv1_mxfp4_pairs", "w4_gemv1_pair_words_chain", "w4_gemv1_int4_chain",
                         "w4_gemv1_pair_words_norm", "w4_gemv1_int4_l2_prefetch", "w4_gemv1_mxfp4_stages",
                         "w4_gemv1_mxfp4_words_cg", "w4_gemv1_int4_scale_rows_first", "w4_gemv1_mxfp4_prefetch_l1",

@@ -196,6 +196,47 @@ def test_one_row_gemv_pipelined_and_prefetching_tiles(fmt, N, K, g, zp, opts):
     assert rel_err(got, w4_linear_ref(x, packed, scales, zeros, None, fmt, g, K)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("kind", ["plain", "ahead", "norm", "gated"])
+@pytest.mark.parametrize("N, K, g, zp", [(8, 2048, 128, False), (8, 2048, 32, True), (4, 1536, 96, True)])
+def test_one_row_gemv_scale_strides_compiled_in_change_no_bit(monkeypatch, N, K, g, zp, kind):
+    """int4's even loops with only the scale and zero-point rows' strides compiled in
+    (`FIXED_SCALE_STRIDES`: SS, SZ with SW = 0) give the runtime strides' result bit for bit:
+    the plain tile, words ahead, the norm inside and the gated product, groups that tile a step
+    (32, 128) and groups that do not (96: each step indexes its words' groups), with and
+    without zero points. The launcher passes the constants (checked through the kernel call)."""
+    from atom.model_ops.kernels import w4_gemv1
+    from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_fused
+    packed, scales, zeros = random_w4("int4", N, K, g, zp, seed=K + N + 9)
+    torch.manual_seed(N + 9)
+    x = (torch.randn(1, K) * 3).to(torch.bfloat16)
+    nw = (torch.rand(K) + 0.5).to(torch.bfloat16)
+    cfg = dict(BLOCK_N=2, BLOCK_W=32, num_warps=1, num_stages=1, AHEAD=kind != "plain")
+    seen = []
+    kernel = w4_gemv1._w4_gemv1_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw.get("SS", 0), kw.get("SZ", 0)))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(w4_gemv1, "_w4_gemv1_kernel", Spy())
+
+    def run():
+        if kind in ("norm", "gated"):
+            return w4_gemv1_fused(x, None, nw, 1e-6, packed, scales, zeros, "int4", g, K, kind == "gated", cfg=cfg)[0]
+        return w4_linear_launch(x, packed, scales, zeros, None, "int4", g, K, config=dict(cfg, kernel="w4_gemv1"))
+
+    assert w4_gemv1.FIXED_SCALE_STRIDES["int4"]
+    got = run()
+    monkeypatch.setitem(w4_gemv1.FIXED_SCALE_STRIDES, "int4", False)
+    want = run()
+    z_stride = (zeros if zp else scales).stride(0)
+    assert seen == [(scales.stride(0), z_stride), (0, 0)]
+    assert torch.equal(got, want)
+
+
 def test_one_row_gemv_refuses_tile_options_that_do_not_combine():
     """STAGES pipelines the loads AHEAD would carry in registers (one or the other), L2D
     gives each of a warp's word and scale lines a lane (BLOCK_N x (DW + 1) lanes of 32), and
@@ -1032,6 +1073,31 @@ def test_gpu_one_row_gemv_with_the_norm_and_silu_inside(fmt, N, K, g, zp, gated)
     ref, ref_res = fused_ref(x, residual, nw, 1e-6, packed, scales, zeros, fmt, g, K, gated)
     assert rel_err(y.double(), ref) < TOL[torch.bfloat16]
     assert torch.equal(res, ref_res)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, N, K", [("plain", 4096, 4096), ("plain", 4096, 14336), ("norm", 6144, 4096),
+                                        ("gated", 28672, 4096)])
+@pytest.mark.parametrize("zp", [False, True], ids=["", "zp"])
+def test_gpu_scale_strides_compiled_in_change_no_bit(monkeypatch, kind, N, K, zp):
+    """int4's table tiles at Llama-3.1-8B's batch-1 products (HALF2 on the GPU) with the scale
+    and zero-point strides compiled in (`FIXED_SCALE_STRIDES`) give the runtime strides' bits:
+    o_proj, down, q/k/v with the norm inside, gate-up with SiLU-and-mul inside."""
+    from atom.model_ops.kernels.w4_gemv1 import gated_tiles, w4_gemv1_fused
+    packed, scales, zeros = random_w4("int4", N, K, 128, zp, device="cuda", seed=N + K + 3)
+    x = (torch.randn(1, K, device="cuda") * 3).bfloat16()
+    nw = (torch.rand(K, device="cuda") + 0.5).bfloat16()
+
+    def run():
+        if kind == "plain":
+            return torch.ops.atom.w4_linear(x, packed, scales, zeros, None, "int4", 128, K)
+        cfg = gated_tiles(N, "int4", K) if kind == "gated" else None
+        return w4_gemv1_fused(x, None, nw, 1e-6, packed, scales, zeros, "int4", 128, K, kind == "gated", cfg=cfg)[0]
+
+    assert w4_gemv1.FIXED_SCALE_STRIDES["int4"]
+    got = run()
+    monkeypatch.setitem(w4_gemv1.FIXED_SCALE_STRIDES, "int4", False)
+    assert torch.equal(got, run())
 
 
 def test_sass_load_cover_counts_the_work_before_the_first_wait():

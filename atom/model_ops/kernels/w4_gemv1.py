@@ -91,6 +91,14 @@ for _table in (TILES, TILES_WIDE, TILES_DEEP):
 #: SS, SZ): faster batch-1 decode for MXFP4, slower for int4 with the same tiles (its loop has
 #: fewer instructions to save); the figures are in docs/perf
 FIXED_STRIDES = {"int4": False, "mxfp4": True, "mxfp4_pairs": True}
+#: formats whose even loops compile in only the scale and zero-point rows' strides (the kernel's
+#: SS, SZ with SW = 0) where `FIXED_STRIDES` does not apply: each row's scale load at an immediate
+#: offset from one pointer instead of a 64-bit address sum a row and step, the words' strides
+#: left at runtime. int4's sm90 loops (`scripts/w4_gemv_sass.py --tables`): o_proj and down 229
+#: -> 221 instructions a step, q/k/v with the norm inside 305 -> 298, gate-up with SiLU inside
+#: 350 -> 332, 3-4 registers fewer. MXFP4's tiles carry their words ahead, so `FIXED_STRIDES`
+#: already covers them.
+FIXED_SCALE_STRIDES = {"int4": True, "mxfp4": False, "mxfp4_pairs": False}
 WIDE_N = 8192
 DEEP_K = 8192
 #: the kernel's EARLY for the add + norm split around products (`w4_gemv1_add_row`'s EPI_ROW,
@@ -532,7 +540,9 @@ if HAS_TRITON:
         each row's load is one instruction at an immediate offset from one pointer, where
         runtime strides cost a 64-bit address sum a row and step (~0.4 instructions a weight).
         Without the words ahead the compiler then spreads the word loads through the step,
-        each waited for in turn (slower on the H200), hence runtime strides there. AHEAD
+        each waited for in turn (slower on the H200), hence runtime strides there. SS, SZ
+        alone (SW = 0; even tiles of the `FIXED_SCALE_STRIDES` formats): the scale and
+        zero-point loads at immediate offsets, the words' strides at runtime. AHEAD
         (tiles that fit evenly only): the next step's words are loaded before this step's are
         used, two word tiles in flight per thread, and the first before waiting for the kernel
         in front (PDL: the weights do not depend on it).
@@ -595,6 +605,10 @@ if HAS_TRITON:
         tl.static_assert(STAGES is None or not AHEAD, "STAGES pipelines the loads that AHEAD would carry")
         if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
             stride_w = SW // DW
+            stride_s = SS
+            stride_z = SZ
+        elif SS > 0:  # the scale and zero-point rows' strides only (`FIXED_SCALE_STRIDES`)
+            stride_w = stride_wn // DW
             stride_s = SS
             stride_z = SZ
         else:
@@ -863,6 +877,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
     elif cfg.get("AHEAD") and FIXED_STRIDES[FORMATS[fmt_id]]:  # one compile per weight shape
         cfg.update(SW=words.stride(0), SS=scales.stride(0), SZ=z.stride(0))
+    elif FIXED_SCALE_STRIDES[FORMATS[fmt_id]]:  # one compile per K / group
+        cfg.update(SS=scales.stride(0), SZ=z.stride(0))
     pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
     b = bias if bias is not None else y
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
