@@ -107,7 +107,10 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     const = with_defaults(kernel, const)
     names = kernel.arg_names
     sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in names}
-    divisible = {"x_ptr", "y_ptr", "n_words", "xk_ptr"}  # the weight and scale pointers are not specialized on alignment
+    # as the launch specializes them (16-byte aligned rows: the residual, norm weight and epilogue rows
+    # load 8 columns at once); the weight and scale pointers are not specialized on alignment
+    divisible = {"x_ptr", "y_ptr", "n_words", "xk_ptr", "r_ptr", "nw_ptr", "rout_ptr", "rsq_ptr", "er_ptr", "erout_ptr",
+                 "enw_ptr", "ek_ptr", "esq_ptr"}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in divisible}
     options = dict(num_warps=warps, num_stages=stages)
     if maxnreg is not None:
