@@ -1123,6 +1123,20 @@ def test_sass_load_cover_counts_the_work_before_the_first_wait():
     assert mod.load_cover(sass) == [(0, "LDG.E.128", 1), (3, "LDG.E.64", 2)]
 
 
+def test_gated_tiles_take_the_formats_own_tile_over_wide_products():
+    """`gated_tiles`: int4's own tile (`GATED_TILES`: 8 + 8 rows over 2 warps, word pairs in
+    one fp16 chain) over more than WIDE_N [gate | up] rows, as at Llama's 28,672; `tiles`' tile
+    with half its rows for narrower products and for MXFP4 (no entry). A copy each call."""
+    from atom.model_ops.kernels import w4_gemv1 as g1
+    wide = g1.gated_tiles(28672, "int4", 4096)
+    assert wide == g1.GATED_TILES["int4"] and wide is not g1.GATED_TILES["int4"]
+    assert wide["BLOCK_W"] == 32 * wide["num_warps"] and wide["DW"] == 2 and wide["CHAIN"]
+    assert g1.gated_tiles(6144, "int4", 1024) == dict(g1.TILES["int4"], BLOCK_N=g1.TILES["int4"]["BLOCK_N"] // 2)
+    for fmt in ("mxfp4", "mxfp4_pairs"):
+        assert fmt not in g1.GATED_TILES
+        assert g1.gated_tiles(28672, fmt, 4096) == dict(g1.TILES_WIDE[fmt], BLOCK_N=g1.TILES_WIDE[fmt]["BLOCK_N"] // 2)
+
+
 def test_sass_tables_name_the_launchers_tiles():
     """`scripts/w4_gemv_sass.py --tables`: the tiles it compiles are the ones `w4_gemv1`
     picks at Llama-3.1-8B's batch-1 products (o_proj, gate-up, down, q/k/v with the norm
@@ -1139,8 +1153,8 @@ def test_sass_tables_name_the_launchers_tiles():
         assert rows[("gate-up", fmt)] == (4096, g1.TILES_WIDE[fmt], False, False, False)
         assert rows[("down", fmt)] == (14336, g1.TILES_DEEP[fmt], False, False, False)
         assert rows[("q/k/v+norm", fmt)] == (4096, g1.FUSED_TILES[False], True, False, False)
-        assert rows[("gate-up+silu", fmt)] == (4096, dict(g1.TILES_WIDE[fmt], BLOCK_N=g1.TILES_WIDE[fmt]["BLOCK_N"] // 2),
-                                               False, True, False)
+        halved = dict(g1.TILES_WIDE[fmt], BLOCK_N=g1.TILES_WIDE[fmt]["BLOCK_N"] // 2)
+        assert rows[("gate-up+silu", fmt)] == (4096, g1.GATED_TILES.get(fmt, halved), False, True, False)
         assert rows[("q/k/v+rsq", fmt)] == (4096, g1.TILES[fmt], False, False, True)
     assert mod.registers("MOV R1, c[0x0][0x28] ;\nIADD3 R17, R2, 0x1, RZ ;\nSTG.E desc[UR4][R4.64], R9 ;") == 18
     assert set(mod.GRID_ROWS) == {name for name, *_ in mod.table_tiles()}
