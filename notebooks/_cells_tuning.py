@@ -327,6 +327,30 @@ display(gated.round(3))
 change.round(1)
 """),
     ("md", """
+int4's gated gate-up runs a tile of its own (`w4_gemv1.GATED_TILES`: 8 gate + 8 up rows over 2
+warps, each thread's word pair in one fp16 chain), found by compiling the gated tiles for sm90
+on the CPU and timed on an H100 (`raw/history.md` 2026-12-07h): the tile `gated_tiles` picks per
+shape and format, then each variant's two batch-1 decode runs against the tree's (`asis`).
+"""),
+    ("code", """
+from atom.model_ops.kernels import w4_gemv1
+picks = pd.DataFrame({(fmt, rows): w4_gemv1.gated_tiles(rows, fmt, 4096) for fmt in ("int4", "mxfp4_pairs")
+                      for rows in (6144, 28672)}).T.fillna("")
+assert picks.loc[("int4", 28672), "CHAIN"] is True and picks.loc[("int4", 6144), "CHAIN"] == ""
+runs = []
+for path in sorted(raw_dir.glob("2026-12-07h-h100-call3-r[12]*-l-lat1-var*.json")):
+    variant, fmt = re.match(r".*-l-lat1-var(\\w+?)-(w4a16|mxfp4_w4a16)\\.json", path.name).groups()
+    runs.append(dict(format=fmt, variant=variant, ms=json.loads(path.read_text())["results"][0]["ms_per_step"]))
+runs = pd.DataFrame(runs).pivot_table(index=["format", "variant"], values="ms", aggfunc=["mean", "count"])
+base = runs["mean"]["ms"].xs("asis", level="variant")
+runs["% against asis"] = [100 * (m / base[f] - 1) for (f, _), m in runs["mean"]["ms"].items()]
+assert (runs["count"]["ms"] == 2).all()
+assert runs.loc[("w4a16", "gated_chain8"), "% against asis"].item() < -3  # kept: GATED_TILES["int4"]
+assert runs.loc[("mxfp4_w4a16", "gated_chain8"), "% against asis"].item() > 0  # MXFP4 keeps its tile
+display(picks)
+runs.round(3)
+"""),
+    ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
 H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in
