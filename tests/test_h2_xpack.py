@@ -222,6 +222,29 @@ def test_gated_rsq_is_silu_and_mul_of_the_product(device, fmt, group, zp):
 
 
 @pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("zp", [False, True], ids=["", "zp"])
+def test_gated_rsq_on_int4s_own_tile(device, zp):
+    """`w4_gemv1_rsq(gated=True)` on int4's `GATED_TILES` tile (8 + 8 rows a program, word pairs:
+    DW = 2; its CHAIN needs HALF2, which the interpreter's float32 loop drops) against
+    SiLU-and-mul of the plain product on single words: within float32's summation order, then
+    fp16's rounding of the products."""
+    from atom.model_ops.kernels.w4_gemv1 import GATED_TILES, w4_gemv1_rsq
+    k, rows, group = 1024, 32, 128
+    packed, scales, zeros = _w4_layer("int4", rows, k, group, device, 7, zp=zp)
+    g = torch.Generator().manual_seed(2)
+    hw = torch.randn(1, k, generator=g).to(torch.float16).to(device)
+    sums = (torch.rand(4, generator=g) * 50).to(device)
+    cfg = dict(GATED_TILES["int4"], num_stages=1)
+    assert (k // 8) % (2 * cfg["BLOCK_W"]) == 0 and cfg["DW"] == 2  # the launcher keeps the word pairs
+    plain = w4_gemv1_rsq(hw, sums, 1e-5, packed, scales, zeros, "int4", group, k,
+                         cfg=dict(BLOCK_N=16, BLOCK_W=32, num_warps=1, num_stages=1))
+    gated = w4_gemv1_rsq(hw, sums, 1e-5, packed, scales, zeros, "int4", group, k, cfg=cfg, gated=True)
+    want = silu_and_mul(plain).float()
+    assert gated.shape == (1, rows // 2)
+    assert ((gated.float() - want).abs().max() / want.abs().max()).item() < 2e-3
+
+
+@pytest.mark.parametrize("device", [CPU])
 @pytest.mark.parametrize("fmt", ["int4_g32_sym", "int4_g64_asym"])
 def test_prepared_fusions_against_the_unfused_mlp(device, fmt, monkeypatch):
     """The fusions' own code with the 4-bit kernels forced onto CPU tensors (the interpreter's
