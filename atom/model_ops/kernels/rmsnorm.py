@@ -49,6 +49,15 @@ if HAS_TRITON:
         return x * rstd * w
 
     @triton.jit
+    def _load_cols(ptrs, mask):
+        """tl.load of ptrs, 0 where mask is false; mask None: every lane loads, without a mask."""
+        if mask is None:
+            v = tl.load(ptrs)
+        else:
+            v = tl.load(ptrs, mask=mask, other=0.0)
+        return v
+
+    @triton.jit
     def add_norm_cols(x, cols, mask, r_ptr, w_ptr, rout_ptr, sq, ACT: tl.constexpr, HAS_RES: tl.constexpr):
         """The norm prologue of the one-row GEMVs, for the columns `cols` of x (fp32) that a
         step reads: with HAS_RES x + r rounded to ACT (the unfused add's dtype; program 0 stores
@@ -56,19 +65,11 @@ if HAS_TRITON:
         the row's 1 / rms once sq holds the whole row. mask None: every column is in the row
         (an even tile), loaded without a mask."""
         if HAS_RES:
-            if mask is None:
-                r = tl.load(r_ptr + cols)
-            else:
-                r = tl.load(r_ptr + cols, mask=mask, other=0.0)
-            s = (x + r.to(tl.float32)).to(ACT)
+            s = (x + _load_cols(r_ptr + cols, mask).to(tl.float32)).to(ACT)
             if tl.program_id(0) == 0:
                 tl.store(rout_ptr + cols, s, mask=mask)
             x = s.to(tl.float32)
-        if mask is None:
-            w = tl.load(w_ptr + cols)
-        else:
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        return x * w.to(tl.float32), sq + x * x
+        return x * _load_cols(w_ptr + cols, mask).to(tl.float32), sq + x * x
 
     @triton.jit
     def store_added(y, rows, N, r_ptr, rout_ptr, ACT: tl.constexpr):

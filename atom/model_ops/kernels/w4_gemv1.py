@@ -96,8 +96,9 @@ FIXED_STRIDES = {"int4": False, "mxfp4": True, "mxfp4_pairs": True}
 #: offset from one pointer instead of a 64-bit address sum a row and step, the words' strides
 #: left at runtime. int4's sm90 loops (`scripts/w4_gemv_sass.py --tables`): o_proj and down 229
 #: -> 221 instructions a step, q/k/v with the norm inside 274 -> 264, gate-up with SiLU inside
-#: (`GATED_TILES`) 534 -> 517. MXFP4's tiles carry their words ahead, so `FIXED_STRIDES` already
-#: covers them.
+#: (`GATED_TILES`) 534 -> 517. On for int4: batch-1 decode was timed with it and `GATED_TILES`
+#: together (alone, with the halved gated tile, it measured slower: docs/perf, variant
+#: `runtime_scale_strides`). MXFP4's tiles carry their words ahead, so `FIXED_STRIDES` covers them.
 FIXED_SCALE_STRIDES = {"int4": True, "mxfp4": False, "mxfp4_pairs": False}
 WIDE_N = 8192
 DEEP_K = 8192
@@ -119,8 +120,8 @@ def tiles(n: int, fmt: str = "int4", k: int = 0) -> dict:
 #: inside, "w4_gate_up_silu"): int4 8 gate + 8 up rows over 2 warps, each thread's word pair in one
 #: fp16 chain (DW = 2, CHAIN), no words ahead. sm90 (`scripts/w4_gemv_sass.py --tables`): 2.02 loop
 #: instructions a weight against 2.59 for `tiles`' tile with half its rows, 68 registers, 14 programs
-#: an SM, Llama's 1,792 programs in 0.97 waves against 1.70: batch-1 decode 3.6% faster on an H100
-#: (docs/perf; the variant `gated_table` times the halved tile). MXFP4's same tile was 2.4% slower.
+#: an SM, Llama's 1,792 programs in 0.97 waves against 1.70: faster batch-1 decode (docs/perf; the
+#: variant `gated_table` times the halved tile). MXFP4's same tile measured slower.
 GATED_TILES = {"int4": dict(BLOCK_N=8, BLOCK_W=64, num_warps=2, num_stages=3, HALF2=True, DW=2, CHAIN=True, SPF=True)}
 
 
@@ -615,16 +616,16 @@ if HAS_TRITON:
         tl.static_assert(L2D == 0 or (EVEN and not GATED and BLOCK_N * (DW + 1) <= 32),
                          "L2D prefetches even tiles' word and scale lines, a lane each")
         tl.static_assert(STAGES is None or not AHEAD, "STAGES pipelines the loads that AHEAD would carry")
-        if SW > 0:  # the row strides as compile-time constants (`w4_gemv1_launch`)
+        # each row stride a compile-time constant where the launcher gave one (`w4_gemv1_launch`),
+        # else the runtime argument; the words' in loads (DW words)
+        if SW > 0:
             stride_w = SW // DW
-            stride_s = SS
-            stride_z = SZ
-        elif SS > 0:  # the scale and zero-point rows' strides only (`FIXED_SCALE_STRIDES`)
+        else:
             stride_w = stride_wn // DW
+        if SS > 0:
             stride_s = SS
             stride_z = SZ
         else:
-            stride_w = stride_wn // DW  # in loads (DW words)
             stride_s = stride_sn
             stride_z = stride_zn
         STEP: tl.constexpr = BLOCK_W * DW  # words a row a step
