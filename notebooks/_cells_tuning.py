@@ -351,6 +351,22 @@ display(picks)
 runs.round(3)
 """),
     ("md", """
+The same choices on a second H100 (`raw/history.md` 2026-12-07i): each variant's batch-1 decode
+beside the tree in one call. The halved gated tile that `GATED_TILES` replaced and the scale
+strides at runtime are both slower, so both choices stay; int4's plain tiles on chained word pairs
+without words ahead are slower still (a pair load then covers o_proj's row in one step).
+"""),
+    ("code", """
+runs = {}
+for path in sorted(raw_dir.glob("2026-12-07i-h100-call1-r1int4-l-lat1-var*.json")):
+    variant = re.match(r".*-l-lat1-var(\\w+?)-w4a16\\.json", path.name).group(1)
+    runs[variant] = json.loads(path.read_text())["results"][0]["ms_per_step"]
+runs = pd.Series(runs, name="W4A16 ms/step")
+change = (100 * (runs / runs["asis"] - 1)).rename("% against asis")
+assert change["gated_table"] > 3 and change["runtime_scale_strides"] > 0 and change["plain_chain"] > 5
+pd.concat([runs, change], axis=1).round(3)
+"""),
+    ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
 H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in
