@@ -96,10 +96,7 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
     n_scales = k // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
                  NORM=norm, HAS_RES=norm, GATED=gated, RSQ=gated or rsq, EPI_ROW=epi_row, SW=0, SS=0, SZ=0, **tiles)
-    if g1.FIXED_STRIDES[fmt] and tiles.get("AHEAD"):  # the launcher compiles the row strides in (with AHEAD)
-        const.update(SW=k // 8, SS=n_scales, SZ=n_scales)
-    elif g1.FIXED_SCALE_STRIDES[fmt]:  # or the scale and zero-point rows' strides only
-        const.update(SS=n_scales, SZ=n_scales)
+    const.update(g1.stride_constants(fmt, bool(tiles.get("AHEAD")), k // 8, n_scales, n_scales))  # as the launcher
     scale = "*bf16" if fmt == "int4" else "*u8"
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=scale, z_ptr=scale, b_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16",
                  nw_ptr="*bf16", rout_ptr="*bf16", eps="fp32", xk_ptr="*i32", rsq_ptr="*fp32", er_ptr="*bf16",

@@ -102,6 +102,20 @@ FIXED_STRIDES = {"int4": False, "mxfp4": True, "mxfp4_pairs": True}
 FIXED_SCALE_STRIDES = {"int4": True, "mxfp4": False, "mxfp4_pairs": False}
 WIDE_N = 8192
 DEEP_K = 8192
+
+
+def stride_constants(fmt: str, ahead: bool, sw: int, ss: int, sz: int) -> dict:
+    """The row strides an even tile's loop compiles in (the kernel's SW, SS, SZ; the words' in
+    words, the scales' and zero points' in elements): all three for the `FIXED_STRIDES` formats
+    with the words ahead (one compile per weight shape), the scale and zero-point ones for the
+    `FIXED_SCALE_STRIDES` formats (one compile per K / group), else none (runtime strides)."""
+    if ahead and FIXED_STRIDES[fmt]:
+        return dict(SW=sw, SS=ss, SZ=sz)
+    if FIXED_SCALE_STRIDES[fmt]:
+        return dict(SS=ss, SZ=sz)
+    return {}
+
+
 #: the kernel's EARLY for the add + norm split around products (`w4_gemv1_add_row`'s EPI_ROW,
 #: `w4_gemv1_rsq`'s RSQ): the epilogue's and the 1 / rms's operands read before the loop, where
 #: their latency hides behind it, instead of after it. Off: batch-1 decode with it was level for
@@ -888,10 +902,9 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         cfg.pop("maxnreg", None)  # an option of Triton's NVIDIA backend only
     if not even:
         cfg.pop("AHEAD", None)  # the masked loop loads one step at a time
-    elif cfg.get("AHEAD") and FIXED_STRIDES[FORMATS[fmt_id]]:  # one compile per weight shape
-        cfg.update(SW=words.stride(0), SS=scales.stride(0), SZ=z.stride(0))
-    elif FIXED_SCALE_STRIDES[FORMATS[fmt_id]]:  # one compile per K / group
-        cfg.update(SS=scales.stride(0), SZ=z.stride(0))
+    else:
+        cfg.update(stride_constants(FORMATS[fmt_id], bool(cfg.get("AHEAD")), words.stride(0), scales.stride(0),
+                                    z.stride(0)))
     pdl = {k_: v for k_, v in common.items() if k_ in ("PDL", "launch_pdl")}
     b = bias if bias is not None else y
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)

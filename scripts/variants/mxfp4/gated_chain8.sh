@@ -7,12 +7,6 @@
 set -e
 cat >> atom/model_ops/kernels/w4_gemv1.py <<'PY'
 
-_table_gated_tiles = gated_tiles
-
-
-def gated_tiles(rows: int, fmt: str = "int4", k: int = 0) -> dict:
-    if fmt in ("mxfp4", "mxfp4_pairs") and rows > WIDE_N:
-        return dict(BLOCK_N=8, BLOCK_W=64, num_warps=2, num_stages=3, HALF2=True, DW=2, CHAIN=True, SPF=True,
-                    maxnreg=64)
-    return _table_gated_tiles(rows, fmt, k)
+GATED_TILES["mxfp4_pairs"] = dict(GATED_TILES["int4"], maxnreg=64)
+GATED_TILES["mxfp4"] = dict(GATED_TILES["mxfp4_pairs"])
 PY
