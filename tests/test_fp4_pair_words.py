@@ -311,6 +311,78 @@ def test_pair_words_arguments_and_reference():
                        w4_gemm.dequantize_w4(packed, scales, None, "mxfp4", 32, 256))
 
 
+def test_fold_range_makes_one_exact_float_of_both_scales():
+    """The one-row GEMV's folded scale on pair words (`w4_gemv1._h2_part`, FMT 2 with the opt-in
+    `FOLD_PAIR_SCALES`): for every x column exponent e the kernel forms (40..254) and every scale
+    byte s in `FOLD_SCALES`, the float32 whose bits are s 2^23 + ((e - 127) << 23) (int32
+    arithmetic) is 2^(e - 127) 2^(s - 127) exactly; one byte below or above the range breaks it
+    for some e (the range is tight)."""
+    e = torch.arange(40, 255, dtype=torch.int64)[:, None]
+
+    def folded(s: torch.Tensor) -> torch.Tensor:
+        bits = (s * 2 ** 23 + ((e - 127) << 23)) & 0xFFFFFFFF
+        return torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32).view(torch.float32).double()
+
+    lo, hi = fp4_pairs.FOLD_SCALES
+    s = torch.arange(lo, hi + 1, dtype=torch.int64)[None, :]
+    assert torch.equal(folded(s), torch.exp2((e + s - 254).double()))
+    for edge in (lo - 1, hi + 1):
+        s = torch.tensor([[edge]])
+        assert not torch.equal(folded(s), torch.exp2((e + s - 254).double()))
+
+
+def test_fold_scales_sets_zero_blocks_and_refuses_other_bytes():
+    words = words_of(3, 16, seed=5)
+    words[0, 4:8] = 0                   # block 1 of row 0: every code +0
+    words[2, 8:12] = -0x77777778        # 0x88888888: every code -0
+    scales = torch.full((3, 4), 120, dtype=torch.uint8)
+    scales[0, 1], scales[2, 2] = 0, 255
+    got = fp4_pairs.fold_scales(words, scales)
+    want = scales.clone()
+    want[0, 1] = want[2, 2] = fp4_pairs.ZERO_BLOCK_SCALE
+    assert torch.equal(got, want) and scales[0, 1] == 0  # a new tensor
+    lo, hi = fp4_pairs.FOLD_SCALES
+    for bad in (lo - 1, hi + 1):
+        out = scales.clone()
+        out[1, 3] = bad  # a block with nonzero codes
+        assert fp4_pairs.fold_scales(words, out) is None
+    with pytest.raises(ValueError, match="uint8, one per 4 words"):
+        fp4_pairs.fold_scales(words, scales[:, :3])
+
+
+def test_pair_words_under_the_fold_only_with_foldable_scales(monkeypatch):
+    """`use_pair_words` where it repacks (pending forced, as on a GPU) with the opt-in
+    `w4_gemv1.FOLD_PAIR_SCALES`: an all-zero block's scale byte becomes 127, the dequantized weight
+    the same; a layer with another block's byte outside `FOLD_SCALES` keeps the checkpoint's layout
+    and its scales. Without the fold (the default) that layer takes pair words, its scales as
+    they are."""
+    monkeypatch.setattr(mxfp4_mod.Mxfp4LinearMethod, "pair_words_pending",
+                        lambda self, m: not mxfp4_mod._has_pair_words(m))
+    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", True)
+    layer = LAYERS["mxfp4"]("linear")
+    layer.weight_packed.data[0, :16] = 0  # the first block of row 0: 32 zero codes
+    layer.weight_scale.data[0, 0] = 0
+    before, scales = layer.method.dequantized_weight(layer), layer.weight_scale.detach().clone()
+    assert layer.method.use_pair_words(layer) and layer.method.w4_operands(layer)[3] == "mxfp4_pairs"
+    assert layer.weight_scale[0, 0] == fp4_pairs.ZERO_BLOCK_SCALE
+    assert torch.equal(layer.weight_scale[:, 1:], scales[:, 1:]) and torch.equal(layer.weight_scale[1:], scales[1:])
+    assert torch.equal(layer.method.dequantized_weight(layer), before)
+
+    def out_of_range():
+        other = LAYERS["mxfp4"]("linear")
+        other.weight_scale.data[3, 2] = fp4_pairs.FOLD_SCALES[1] + 1
+        assert bool((other.weight_packed[3, 32:48] & 0x77).any())  # the block has a nonzero code
+        return other, other.weight_packed.detach().clone(), other.weight_scale.detach().clone()
+
+    other, packed, scales = out_of_range()
+    assert not other.method.use_pair_words(other) and other.method.w4_operands(other)[3] == "mxfp4"
+    assert torch.equal(other.weight_packed, packed) and torch.equal(other.weight_scale, scales)
+    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", False)
+    other, packed, scales = out_of_range()
+    assert other.method.use_pair_words(other) and other.method.w4_operands(other)[3] == "mxfp4_pairs"
+    assert torch.equal(other.weight_scale, scales) and not torch.equal(other.weight_packed, packed)
+
+
 # --- the method and the fusion --------------------------------------------------------------------
 
 def to_pair_words(layer) -> None:

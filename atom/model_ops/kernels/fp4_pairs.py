@@ -20,9 +20,10 @@ Bit places (the same in both halves; `+ 16` for code i + 4):
 No field crosses a half, and every shift is a plain left shift (no wrap-around), so the
 compiler may issue it on the multiply pipe.
 
-`pair_words` / `standard_words` convert (torch, any device); `pair_values` decodes a pair the
-way the kernel's PTX (`h2_ptx`) does, for the tests; `layout_frame` is the placement as a
-DataFrame (a row a word column).
+`pair_words` / `standard_words` convert (torch, any device); `fold_scales` checks and sets a
+layer's scale bytes for the one-row GEMV's opt-in folded scale multiply
+(`w4_gemv1.FOLD_PAIR_SCALES`); `pair_values` decodes a pair the way the kernel's PTX (`h2_ptx`)
+does, for the tests; `layout_frame` is the placement as a DataFrame (a row a word column).
 """
 from __future__ import annotations
 
@@ -47,6 +48,34 @@ def _moves() -> list[tuple[int, int, int]]:
 
 
 MOVES = tuple(_moves())
+
+
+#: the E8M0 scale bytes (blocks with a nonzero code) of a pair-word layer under the opt-in
+#: `w4_gemv1.FOLD_PAIR_SCALES`: the one-row GEMV's HALF2 loop then multiplies a chain's sum by
+#: 2^(e - 127) 2^(s - 127) as one float, the one whose exponent field is e + s - 127 (x's column
+#: exponent e lies in [40, 254]: `h2_xpack._h2_column_e`), a normal float and so exact for every e
+#: only while s lies in this range (blocks of 32 weights up to 6 x 2^-39 .. 6 in magnitude: real
+#: checkpoints' linear layers)
+FOLD_SCALES = (88, 127)
+#: the byte an all-zero block takes for the fold (its products are zero whatever its scale)
+ZERO_BLOCK_SCALE = 127
+
+
+def fold_scales(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """The scales a pair-word layer keeps under the fold: `scales` (uint8 [N, K / 32]) with each
+    block whose codes are all zero (+0 or -0; `words` int32 [N, K / 8] in the checkpoint's layout,
+    four words a block) set to ZERO_BLOCK_SCALE, if every other block's scale lies in FOLD_SCALES;
+    None if one does not (the layer then keeps the checkpoint's layout, whose loop applies each
+    scale on its own)."""
+    n, n_words = words.shape
+    if scales.dtype != torch.uint8 or scales.shape != (n, n_words // 4) or n_words % 4:
+        raise ValueError(f"fold_scales: scales {tuple(scales.shape)} {scales.dtype} do not match words "
+                         f"{tuple(words.shape)} (uint8, one per 4 words)")
+    zero = ((words & 0x77777777) == 0).reshape(n, n_words // 4, 4).all(dim=-1)  # each code's sign bit masked
+    lo, hi = FOLD_SCALES
+    if bool((~zero & ((scales < lo) | (scales > hi))).any()):
+        return None
+    return torch.where(zero, torch.full_like(scales, ZERO_BLOCK_SCALE), scales)
 
 
 CHUNK = 1 << 22  # words converted at a time: int64 temporaries of a few tens of MB, whatever the layer

@@ -41,7 +41,9 @@ bf16's output rounding; fp32 activations keep the float32 path. The PTX is gener
   widening, unscaling and scale multiply come once per 16 weights instead of once per 8; its
   rounding is `half2_ref(chain=2)`;
 - fmt "mxfp4_pairs": MXFP4 pair words (`fp4_pairs`, the layout the plan's "fp4_pair_words"
-  gives MXFP4 layers), 11 decode instructions a word instead of 15.
+  gives MXFP4 layers), 11 decode instructions a word instead of 15; with `FOLD_PAIR_SCALES`
+  their scale bytes lie in `fp4_pairs.FOLD_SCALES`, and a chain's unscaling and its E8M0 scale
+  are one float built by one multiply-add of the byte (no shift, max and second multiply).
 The compiled loops' instruction counts, with and without each (`scripts/w4_gemv_sass.py`), are
 in docs/perf/raw/history.md.
 """
@@ -122,6 +124,16 @@ def stride_constants(fmt: str, ahead: bool, sw: int, ss: int, sz: int) -> dict:
 #: W4A16 and ~4% slower for MXFP4, whose gate-up then issues its scale loads later in the step
 #: (docs/perf; variants `early_epilogue` in scripts/variants/int4 and scripts/variants/mxfp4)
 EARLY_EPILOGUE = False
+
+#: MXFP4 pair words' scale multiply folded (opt-in, untimed): "fp4_pair_words" then repacks only
+#: layers whose E8M0 bytes lie in `fp4_pairs.FOLD_SCALES` (all-zero blocks' bytes set to 127,
+#: `fp4_pairs.fold_scales`), and the HALF2 loop multiplies a chain's sum by 2^(e + s - 254) as one
+#: float built from the bits e + s - 127 (one multiply-add of the scale byte s; e: x's column
+#: exponent) instead of 2^(e - 127) and the E8M0 scale as two floats (a shift, a max for s = 0 and a
+#: second multiply a chain). sm90 (Triton 3.6) loop instructions a step with it: o_proj 394 against
+#: 410, gate-up 418 / 429, down 416 / 429, the gated gate-up 419 / 436, q/k/v with the norm 287 /
+#: 295 (variants `fold_e8m0`, `fold_chain` in scripts/variants/mxfp4 time it). Read at import.
+FOLD_PAIR_SCALES = False
 
 
 def tiles(n: int, fmt: str = "int4", k: int = 0) -> dict:
@@ -296,6 +308,7 @@ if HAS_TRITON:
     H2_INT4_2 = tl.constexpr(h2_ptx("int4", 2))
     H2_MXFP4_2 = tl.constexpr(h2_ptx("mxfp4", 2))
     H2_PAIRS_2 = tl.constexpr(h2_ptx("mxfp4_pairs", 2))
+    FOLD_PAIRS = tl.constexpr(FOLD_PAIR_SCALES)
     H2_ONE = tl.constexpr(h2_constraints(1))
     H2_TWO = tl.constexpr(h2_constraints(2))
 
@@ -367,10 +380,14 @@ if HAS_TRITON:
     def _h2_part(t, e, sx, s_raw, zp, ok, FMT: tl.constexpr, HAS_ZP: tl.constexpr, EVEN: tl.constexpr):
         """A HALF2 chain's sum t (float32) unscaled and scaled: int4 t = sum u x 2^(117 - e), less
         the zero point times sx (the chain's sum of x), times the group scale; MXFP4 t = sum v x
-        2^(127 - e), times the E8M0 scale (sx unused)."""
+        2^(127 - e), times the E8M0 scale (sx unused); with `FOLD_PAIR_SCALES`, pair words (FMT 2,
+        whose scale bytes s then lie in `fp4_pairs.FOLD_SCALES`) times 2^(e + s - 254) as one float,
+        its exponent field e + s - 127 one multiply-add of the scale byte (a normal float: exact)."""
         if FMT == 0:
             c = _zero_term(sx, zp, ok, HAS_ZP, EVEN)
             part = (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
+        elif FMT == 2 and FOLD_PAIRS:
+            part = t * (s_raw.to(tl.int32) * 8388608 + ((e - 127) << 23)).to(tl.float32, bitcast=True)
         else:
             part = (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
         return part

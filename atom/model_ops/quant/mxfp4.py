@@ -228,13 +228,22 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         fewer instructions; the other 4-bit kernels read them too: `kernels.w4_gemm`), once:
         the layout stays when the plan is replaced, since graphs captured with it read it
         (`ModelRunner.install_plan` refuses the fusion after capture where a layer would still
-        be repacked). Where `pair_words_pending` says so; returns whether the layer has pair words."""
+        be repacked). Where `pair_words_pending` says so, and with `w4_gemv1.FOLD_PAIR_SCALES` where
+        the scales allow the one-row GEMV's folded scale multiply (`fp4_pairs.fold_scales`: all-zero
+        blocks' scale bytes set to 127, the same values; a layer with other bytes outside
+        `fp4_pairs.FOLD_SCALES` keeps the checkpoint's layout); returns whether the layer has pair words."""
         if _has_pair_words(layer):
             return True
         if not self.pair_words_pending(layer):
             return False
-        from atom.model_ops.kernels.fp4_pairs import pair_words
+        from atom.model_ops.kernels import w4_gemv1
+        from atom.model_ops.kernels.fp4_pairs import fold_scales, pair_words
         words = getattr(layer, self.packed_name).data.view(torch.int32)
+        if w4_gemv1.FOLD_PAIR_SCALES:
+            scales = fold_scales(words, layer.weight_scale.data)
+            if scales is None:
+                return False
+            layer.weight_scale.data.copy_(scales)  # all-zero blocks' bytes: the same values
         words.copy_(pair_words(words))
         layer.fp4_layout = "pairs"
         return True
