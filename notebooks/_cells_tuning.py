@@ -367,6 +367,40 @@ assert change["gated_table"] > 3 and change["runtime_scale_strides"] > 0 and cha
 pd.concat([runs, change], axis=1).round(3)
 """),
     ("md", """
+The tiles prepared on the CPU for MXFP4's gated gate-up and int4's down, timed on a third H100
+(`raw/history.md` 2026-12-07j): none faster than the tree. Then the opt-in
+`w4_gemv1.FOLD_PAIR_SCALES`, untimed: the sm90 loop instructions a step of each MXFP4 table tile as
+committed, with the fold, and with the fold and CHAIN (`raw/2026-12-07j-cpu-sm90-fold-mix.txt`),
+and what `fp4_pairs.fold_scales` does to a layer's scale bytes (an all-zero block's byte becomes
+127; a byte outside `FOLD_SCALES` keeps the layer in the checkpoint's layout).
+"""),
+    ("code", """
+from atom.model_ops.kernels import fp4_pairs
+runs = {}
+for path in sorted(raw_dir.glob("2026-12-07j-h100-call[12]-l-lat1-var*.json")):
+    variant, fmt = re.match(r".*-l-lat1-var(\\w+?)-(w4a16|mxfp4_w4a16)\\.json", path.name).groups()
+    runs[(fmt, variant)] = json.loads(path.read_text())["results"][0]["ms_per_step"]
+runs = pd.Series(runs, name="ms/step")
+change = pd.Series({k: 100 * (v / runs[(k[0], "asis")] - 1) for k, v in runs.items()}, name="% against asis")
+assert (change.drop([("w4a16", "deep_chain8")]) >= 0).all() and abs(change[("w4a16", "deep_chain8")]) < 1
+display(pd.concat([runs, change], axis=1).round(3))
+mix, tree = {}, None
+for line in (raw_dir / "2026-12-07j-cpu-sm90-fold-mix.txt").read_text().splitlines():
+    if line.startswith("== "):
+        tree = {"main": "as committed", "var-fold_e8m0": "fold", "var-fold_chain": "fold + CHAIN"}[line.split()[1]]
+    elif line.strip():
+        name, steps = re.match(r"(\\S+) mxfp4_pairs: (\\d+) a step", line).groups()
+        mix[(name, tree)] = int(steps)
+mix = pd.Series(mix).unstack()[["as committed", "fold", "fold + CHAIN"]]
+assert (mix["fold"] < mix["as committed"]).all() and (mix["fold + CHAIN"] <= mix["fold"]).all()
+display(mix)
+words = torch.tensor([[0, 0, 0, 0, 0x12345678, 1, 2, 3]], dtype=torch.int32)
+scales = torch.tensor([[0, 120]], dtype=torch.uint8)
+assert fp4_pairs.fold_scales(words, scales).tolist() == [[127, 120]]
+assert fp4_pairs.fold_scales(words, torch.tensor([[0, 128]], dtype=torch.uint8)) is None
+fp4_pairs.FOLD_SCALES, fp4_pairs.fold_scales(words, scales)
+"""),
+    ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
 H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in
