@@ -562,6 +562,19 @@ def test_gpu_layer_with_pair_words_matches_mxfp4():
         assert torch.equal(layer(x), ref), x.shape
 
 
+@pytest.mark.gpu
+def test_gpu_pair_words_pending_follows_the_fold(monkeypatch):
+    """On the kernels' platform `pair_words_pending` agrees with `use_pair_words` under the opt-in
+    fold: a layer with a scale byte outside `FOLD_SCALES` is not pending (so the runner does not
+    refuse the plan after capture for a layer it would never repack), and is without the fold."""
+    layer = LAYERS["mxfp4"]("linear").cuda()
+    layer.weight_scale.data[3, 2] = fp4_pairs.FOLD_SCALES[1] + 1
+    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", True)
+    assert not layer.method.pair_words_pending(layer) and not layer.method.use_pair_words(layer)
+    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", False)
+    assert layer.method.pair_words_pending(layer) and layer.method.use_pair_words(layer)
+
+
 def test_layout_frame_lists_each_columns_places():
     """`fp4_pairs.layout_frame`: a row a column, its fields where `MOVES` puts them, and shifts
     that bring them to the fp16 half's places (9-11 and 15 in each half)."""

@@ -241,7 +241,7 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         words = getattr(layer, self.packed_name).data.view(torch.int32)
         if w4_gemv1.FOLD_PAIR_SCALES:
             scales = fold_scales(words, layer.weight_scale.data)
-            if scales is None:
+            if scales is None:  # `pair_words_pending` says no to these already
                 return False
             layer.weight_scale.data.copy_(scales)  # all-zero blocks' bytes: the same values
         words.copy_(pair_words(words))
@@ -250,11 +250,16 @@ class Mxfp4LinearMethod(QuantLinearMethod):
 
     def pair_words_pending(self, layer: nn.Module) -> bool:
         """Whether `use_pair_words` would repack this layer's weight now: not yet pair words, and
-        where the 4-bit kernels run it (NVIDIA CUDA weights, Triton), contiguous and 4-byte aligned."""
+        where the 4-bit kernels run it (NVIDIA CUDA weights, Triton), contiguous and 4-byte aligned;
+        with `w4_gemv1.FOLD_PAIR_SCALES`, scales that fold (`fp4_pairs.fold_scales`)."""
+        from atom.model_ops.kernels import w4_gemv1
+        from atom.model_ops.kernels.fp4_pairs import fold_scales
         from atom.model_ops.kernels.triton_import import HAS_TRITON
         weight = getattr(layer, self.packed_name)
-        return (not _has_pair_words(layer) and HAS_TRITON and weight.is_cuda and torch.version.hip is None
-                and weight.is_contiguous() and weight.storage_offset() % 4 == 0)
+        if not (not _has_pair_words(layer) and HAS_TRITON and weight.is_cuda and torch.version.hip is None
+                and weight.is_contiguous() and weight.storage_offset() % 4 == 0):
+            return False
+        return not w4_gemv1.FOLD_PAIR_SCALES or fold_scales(weight.view(torch.int32), layer.weight_scale) is not None
 
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
