@@ -253,6 +253,21 @@ def test_gemv_on_pair_words_gives_mxfp4_bits(N, K, cfg):
     assert rel_err(got, w4_linear_ref(x, packed, scales, None, None, "mxfp4", 32, K)) < TOL[torch.bfloat16]
 
 
+def test_fold_is_for_pair_words_and_leaves_the_float32_path_alone():
+    """The kernel's FOLD (the launcher sets it from `FOLD_PAIR_SCALES` for pair words): refused
+    for another format, naming it; on the float32 path (the interpreter), where it does not
+    apply, the same bits with and without it."""
+    packed, scales, _ = random_w4("mxfp4", 8, 512, 32, False, seed=11)
+    x = torch.randn(1, 512).bfloat16()
+    cfg = dict(BLOCK_N=4, BLOCK_W=32, num_warps=1, kernel="w4_gemv1", num_stages=1)
+    with pytest.raises(ValueError, match="FOLD folds MXFP4 pair words.*'mxfp4'"):
+        w4_linear_launch(x, packed, scales, None, None, "mxfp4", 32, 512, config=dict(cfg, FOLD=True))
+    pw = fp4_pairs.pair_words(packed.view(torch.int32))
+    on = w4_linear_launch(x, pw, scales, None, None, "mxfp4_pairs", 32, 512, config=dict(cfg, FOLD=True))
+    off = w4_linear_launch(x, pw, scales, None, None, "mxfp4_pairs", 32, 512, config=dict(cfg, FOLD=False))
+    assert torch.equal(on, off)
+
+
 def test_fused_norm_gemv_on_pair_words_gives_mxfp4_bits():
     from atom.model_ops.kernels.w4_gemv1 import w4_gemv1_fused
     packed, scales, _ = random_w4("mxfp4", 8, 1024, 32, False, seed=3)
@@ -560,6 +575,32 @@ def test_gpu_layer_with_pair_words_matches_mxfp4():
     assert torch.equal(fp4_pairs.standard_words(layer.weight_packed.view(torch.int32)), before.view(torch.int32))
     for x, ref in zip(xs, refs):  # the same products and tiles (pair words take MXFP4's)
         assert torch.equal(layer(x), ref), x.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chain", [False, True], ids=["", "chain"])
+@pytest.mark.parametrize("N, K", [(4096, 4096), (28672, 4096), (4096, 14336)])
+def test_gpu_folded_pair_scales_change_no_bit(N, K, chain):
+    """The kernel's FOLD (`FOLD_PAIR_SCALES`) on pair words with the table's tiles, with and without
+    CHAIN: scales in `FOLD_SCALES` and an all-zero block whose byte 0 `fold_scales` sets to 127 give
+    the bits of the unfolded loop on the checkpoint's scales (each chain's two multiplies by powers
+    of two, exact, become one), and `half2_ref`'s arithmetic."""
+    packed, scales, _ = random_w4("mxfp4", N, K, 32, False, device="cuda", seed=K + 7)
+    words = packed.view(torch.int32)
+    words[0, :4] = 0
+    scales[0, 0] = 0
+    folded_scales = fp4_pairs.fold_scales(words, scales)
+    assert folded_scales[0, 0] == fp4_pairs.ZERO_BLOCK_SCALE
+    w = fp4_pairs.pair_words(words)
+    x = half2_x(K, "outliers", torch.bfloat16, "cuda")
+    cfg = dict(w4_gemv1.tiles(N, "mxfp4_pairs", K), kernel="w4_gemv1", DW=2, CHAIN=chain)
+    if (K // 8) % (2 * cfg["BLOCK_W"]):
+        cfg.update(BLOCK_W=128, num_warps=4)
+    plain = w4_linear_launch(x, w, scales, None, None, "mxfp4_pairs", 32, K, config=dict(cfg, FOLD=False))
+    folded = w4_linear_launch(x, w, folded_scales, None, None, "mxfp4_pairs", 32, K, config=dict(cfg, FOLD=True))
+    assert torch.isfinite(folded).all() and torch.equal(folded, plain)
+    h2 = w4_gemv1.half2_ref(x, w, scales, None, None, 32, "mxfp4_pairs", chain=2 if chain else 1)
+    assert rel_err(folded, h2) < 4e-3
 
 
 @pytest.mark.gpu

@@ -130,9 +130,10 @@ EARLY_EPILOGUE = False
 #: `fp4_pairs.fold_scales`), and the HALF2 loop multiplies a chain's sum by 2^(e + s - 254) as one
 #: float built from the bits e + s - 127 (one multiply-add of the scale byte s; e: x's column
 #: exponent) instead of 2^(e - 127) and the E8M0 scale as two floats (a shift, a max for s = 0 and a
-#: second multiply a chain). sm90 (Triton 3.6) loop instructions a step with it: o_proj 394 against
-#: 410, gate-up 418 / 429, down 416 / 429, the gated gate-up 419 / 436, q/k/v with the norm 287 /
-#: 295 (variants `fold_e8m0`, `fold_chain` in scripts/variants/mxfp4 time it). Read at import.
+#: second multiply a chain: the kernel's FOLD, which `w4_gemv1_launch` sets for pair words from
+#: this flag; set it before an engine loads). sm90 (Triton 3.6) loop instructions a step with it:
+#: o_proj 394 against 410, gate-up 418 / 429, down 416 / 429, the gated gate-up 419 / 436, q/k/v
+#: with the norm 287 / 295 (variants `fold_e8m0`, `fold_chain` in scripts/variants/mxfp4 time it).
 FOLD_PAIR_SCALES = False
 
 
@@ -308,7 +309,6 @@ if HAS_TRITON:
     H2_INT4_2 = tl.constexpr(h2_ptx("int4", 2))
     H2_MXFP4_2 = tl.constexpr(h2_ptx("mxfp4", 2))
     H2_PAIRS_2 = tl.constexpr(h2_ptx("mxfp4_pairs", 2))
-    FOLD_PAIRS = tl.constexpr(FOLD_PAIR_SCALES)
     H2_ONE = tl.constexpr(h2_constraints(1))
     H2_TWO = tl.constexpr(h2_constraints(2))
 
@@ -377,16 +377,17 @@ if HAS_TRITON:
         return c
 
     @triton.jit
-    def _h2_part(t, e, sx, s_raw, zp, ok, FMT: tl.constexpr, HAS_ZP: tl.constexpr, EVEN: tl.constexpr):
+    def _h2_part(t, e, sx, s_raw, zp, ok, FMT: tl.constexpr, HAS_ZP: tl.constexpr, EVEN: tl.constexpr,
+                 FOLD: tl.constexpr = False):
         """A HALF2 chain's sum t (float32) unscaled and scaled: int4 t = sum u x 2^(117 - e), less
         the zero point times sx (the chain's sum of x), times the group scale; MXFP4 t = sum v x
-        2^(127 - e), times the E8M0 scale (sx unused); with `FOLD_PAIR_SCALES`, pair words (FMT 2,
-        whose scale bytes s then lie in `fp4_pairs.FOLD_SCALES`) times 2^(e + s - 254) as one float,
-        its exponent field e + s - 127 one multiply-add of the scale byte (a normal float: exact)."""
+        2^(127 - e), times the E8M0 scale (sx unused); FOLD (the kernel's), pair words (FMT 2, whose
+        scale bytes s then lie in `fp4_pairs.FOLD_SCALES`) times 2^(e + s - 254) as one float, its
+        exponent field e + s - 127 one multiply-add of the scale byte (a normal float: exact)."""
         if FMT == 0:
             c = _zero_term(sx, zp, ok, HAS_ZP, EVEN)
             part = (t * ((e + 10) << 23).to(tl.float32, bitcast=True) - c) * s_raw.to(tl.float32)
-        elif FMT == 2 and FOLD_PAIRS:
+        elif FMT == 2 and FOLD:
             part = t * (s_raw.to(tl.int32) * 8388608 + ((e - 127) << 23)).to(tl.float32, bitcast=True)
         else:
             part = (t * (e << 23).to(tl.float32, bitcast=True)) * _e8m0(s_raw.to(tl.int32))
@@ -394,7 +395,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _word_sums(word, s_raw, zp, ok, xv, es, FMT: tl.constexpr, HALF2: tl.constexpr, HAS_ZP: tl.constexpr,
-                   EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                   EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, FOLD: tl.constexpr = False):
         """One step's dot-product parts of a [BLOCK_N, BLOCK_W, 1] word tile with x [1, BLOCK_W, 8]
         (its scale tile s_raw, zero points at zp): float32 [BLOCK_N, BLOCK_W, 1]."""
         if FMT == 2 and not HALF2:  # MXFP4 pair words on the float32 path: the checkpoint's layout first
@@ -403,7 +404,7 @@ if HAS_TRITON:
         shape: tl.constexpr = [BLOCK_N, BLOCK_W]
         if HALF2:
             t, e = _h2_dot(tl.reshape(word, shape), xv, es, FMT, BLOCK_W)
-            part = _h2_part(t, e, tl.sum(xv, axis=2, keep_dims=True), s_raw, zp, ok, FMT, HAS_ZP, EVEN)
+            part = _h2_part(t, e, tl.sum(xv, axis=2, keep_dims=True), s_raw, zp, ok, FMT, HAS_ZP, EVEN, FOLD)
         elif FMT == 0:
             # nibble i kept at bit 4i (i <= 5) or 4i - 8 (i = 6, 7: one shift by 8 for both)
             right = tl.where(es >= 6, 8, 0)
@@ -432,7 +433,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _word_sums2(word, s_raw, zp, ok, xa, xb, es, FMT: tl.constexpr, HAS_ZP: tl.constexpr, EVEN: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, FOLD: tl.constexpr = False):
         """`_word_sums` (HALF2) of a thread's word pair (DW = 2: `word` the int64 of both, xa / xb
         the x of the low / high word) in one fp16 chain (CHAIN): both words' x scaled by one
         power of two (the exponent of the 16 columns' largest |x|), eight pair FMAs, then one
@@ -447,11 +448,12 @@ if HAS_TRITON:
                        tl.broadcast_to(b2, shape), tl.broadcast_to(b3, shape), FMT)
         t = t.to(tl.float32, bitcast=True)[:, :, None]
         sx = tl.sum(xa, axis=2, keep_dims=True) + tl.sum(xb, axis=2, keep_dims=True)
-        return _h2_part(t, e, sx, s_raw, zp, ok, FMT, HAS_ZP, EVEN)
+        return _h2_part(t, e, sx, s_raw, zp, ok, FMT, HAS_ZP, EVEN, FOLD)
 
     @triton.jit
     def _word_sums_packed(word, s_raw, zp, ok, pairs, e, sx, FMT: tl.constexpr, HAS_ZP: tl.constexpr,
-                          EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                          EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                          FOLD: tl.constexpr = False):
         """`_word_sums` (HALF2) with x's word columns prepared once by the kernel in front
         (XPACK: `h2_xpack`'s columns: the four fp16 pairs [1, BLOCK_W, 4], e and the bits of
         sum x [1, BLOCK_W]): the same products without each program scaling and packing x."""
@@ -462,7 +464,7 @@ if HAS_TRITON:
         t = _h2_word(tl.reshape(word, shape), tl.broadcast_to(x0, shape), tl.broadcast_to(x1, shape),
                      tl.broadcast_to(x2, shape), tl.broadcast_to(x3, shape), FMT)
         return _h2_part(t.to(tl.float32, bitcast=True)[:, :, None], e[:, :, None],
-                        sx.to(tl.float32, bitcast=True)[:, :, None], s_raw, zp, ok, FMT, HAS_ZP, EVEN)
+                        sx.to(tl.float32, bitcast=True)[:, :, None], s_raw, zp, ok, FMT, HAS_ZP, EVEN, FOLD)
 
     @triton.jit
     def _half(word, h: tl.constexpr, DW: tl.constexpr):
@@ -573,7 +575,7 @@ if HAS_TRITON:
                          RSQ_N: tl.constexpr = 1, L2D: tl.constexpr = 0, STAGES: tl.constexpr = None,
                          WCACHE: tl.constexpr = "", SPF: tl.constexpr = False, PF1: tl.constexpr = False,
                          EARLY: tl.constexpr = False, L2N: tl.constexpr = 0, l2a_ptr=None, l2a_count=0, l2a_chunk=0,
-                         l2b_ptr=None, l2b_count=0, l2b_chunk=0):
+                         l2b_ptr=None, l2b_count=0, l2b_chunk=0, FOLD: tl.constexpr = False):
         """Program p owns rows p BLOCK_N.. of y; a [BLOCK_N, BLOCK_W, 8] tile a step, one word
         per thread per row, its 8 x values one 16-byte load shared by the rows. The weight,
         scale and zero-point pointers and the row strides are not specialized on alignment,
@@ -634,7 +636,9 @@ if HAS_TRITON:
         sm90: inline PTX): after its loop each warp asks L2 for its share of the next products'
         weights, elements [0, l2a_count) from l2a_ptr (and from l2b_ptr), `_bulk_prefetch_l2`'s
         chunks, so that they stream while the epilogue and the kernels after this one run. None of
-        these changes the arithmetic."""
+        these changes the arithmetic. FOLD (FMT 2, HALF2; the launcher's `FOLD_PAIR_SCALES`): each
+        chain's unscaling and E8M0 scale as one float (`_h2_part`), exact for scale bytes in
+        `fp4_pairs.FOLD_SCALES` only."""
         act = x_ptr.dtype.element_ty
         tl.static_assert(not XPACK or (not CHAIN and not NORM and not GATED),
                          "prepared x (XPACK) feeds the products of a plain one-row GEMV")
@@ -775,10 +779,10 @@ if HAS_TRITON:
                     xo = w0 * 8 + js * 16 + es
                     xa, sq = add_norm_cols(xa, xo, None, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)  # CHAIN: EVEN
                     xb, sq = add_norm_cols(xb, xo + 8, None, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
-                acc += _word_sums2(word, s_raw, zp, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N, BLOCK_W)
+                acc += _word_sums2(word, s_raw, zp, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N, BLOCK_W, FOLD)
                 if GATED:
                     acc_up += _word_sums2(word_up, s_raw_up, zpu, ok, xa, xb, es, FMT, HAS_ZP, EVEN, BLOCK_N,
-                                          BLOCK_W)
+                                          BLOCK_W, FOLD)
             else:
                 for h in tl.static_range(DW):  # the words of a load: columns h 8 .. h 8 + 7 of each thread's 8 DW
                     if XPACK:  # the pairs [1, BLOCK_W, 4] and (e, sum x[, sum h^2, unused]) of each column
@@ -797,7 +801,7 @@ if HAS_TRITON:
                             e, sx = tl.split(meta)
                         if HALF2:
                             acc += _word_sums_packed(_half(word, h, DW), s_raw, zp, ok, pairs, e, sx, FMT, HAS_ZP,
-                                                     EVEN, BLOCK_N, BLOCK_W)
+                                                     EVEN, BLOCK_N, BLOCK_W, FOLD)
                         else:  # the float32 loop on the values the columns stand for
                             acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, unpack_cols(pairs, e, FMT == 0, BLOCK_W),
                                               es, FMT, False, HAS_ZP, EVEN, BLOCK_N, BLOCK_W)
@@ -813,10 +817,10 @@ if HAS_TRITON:
                             else:
                                 xv, sq = add_norm_cols(xv, xo, x_ok, r_ptr, nw_ptr, rout_ptr, sq, act, HAS_RES)
                         acc += _word_sums(_half(word, h, DW), s_raw, zp, ok, xv, es, FMT, HALF2, HAS_ZP, EVEN, BLOCK_N,
-                                          BLOCK_W)
+                                          BLOCK_W, FOLD)
                         if GATED:
                             acc_up += _word_sums(_half(word_up, h, DW), s_raw_up, zpu, ok, xv, es, FMT, HALF2, HAS_ZP,
-                                                 EVEN, BLOCK_N, BLOCK_W)
+                                                 EVEN, BLOCK_N, BLOCK_W, FOLD)
             wp += BLOCK_W
             if GATED:
                 wpu += BLOCK_W
@@ -876,8 +880,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
                     norm: dict | None = None, gated: bool = False, l2_next=()) -> None:
     """Runs `_w4_gemv1_kernel` into y [1, N]: `words` int32 [N, K/8] (MXFP4's bytes viewed as
     int32), `z` the zero points or any tensor, cfg: BLOCK_N, BLOCK_W, num_warps, num_stages and
-    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF, PF1) and launch options
-    (maxnreg).
+    the kernel's tile options (AHEAD, HALF2, DW, CHAIN, L2D, STAGES, WCACHE, SPF, PF1; FOLD, by
+    default `FOLD_PAIR_SCALES` for pair words) and launch options (maxnreg).
     `norm`: the kernel's NORM arguments (r_ptr, nw_ptr, rout_ptr, eps, HAS_RES); `gated`: words
     of a [gate | up] weight of 2N rows, y = silu(gate) up. `l2_next`: up to two (tensor, bytes)
     regions of the next products' weights the warps ask L2 for after their loop (L2N,
@@ -889,6 +893,10 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         words = words[:words.shape[0] // 2]  # the gate rows: the grid and the masks; up rows at up_rows
     if norm is not None:
         cfg.update(NORM=True, **norm)
+    if cfg.get("FOLD") and FORMATS[fmt_id] != "mxfp4_pairs":
+        raise ValueError(f"w4_linear: FOLD folds MXFP4 pair words' E8M0 scales (fmt 'mxfp4_pairs'), "
+                         f"not fmt {FORMATS[fmt_id]!r}: {cfg}")
+    cfg.setdefault("FOLD", FOLD_PAIR_SCALES and FORMATS[fmt_id] == "mxfp4_pairs")
     if cfg.get("HALF2") and not half2_applies(x, fmt_id):
         cfg["HALF2"] = False  # the float32 products: fp32 activations, or not an NVIDIA GPU (the interpreter)
     N, n_words = words.shape
