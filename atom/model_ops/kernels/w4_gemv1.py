@@ -131,9 +131,8 @@ EARLY_EPILOGUE = False
 #: float built from the bits e + s - 127 (one multiply-add of the scale byte s; e: x's column
 #: exponent) instead of 2^(e - 127) and the E8M0 scale as two floats (a shift, a max for s = 0 and a
 #: second multiply a chain: the kernel's FOLD, which `w4_gemv1_launch` sets for pair words from
-#: this flag; set it before an engine loads). sm90 (Triton 3.6) loop instructions a step with it:
-#: o_proj 394 against 410, gate-up 418 / 429, down 416 / 429, the gated gate-up 419 / 436, q/k/v
-#: with the norm 287 / 295 (variants `fold_e8m0`, `fold_chain` in scripts/variants/mxfp4 time it).
+#: this flag; set it before an engine loads). Its sm90 loop counts and the variants that time it
+#: (`fold_e8m0`, `fold_chain` in scripts/variants/mxfp4): docs/perf/raw/history.md, 2026-12-07j.
 FOLD_PAIR_SCALES = False
 
 
@@ -907,6 +906,8 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
         cfg["DW"] = 1  # words that do not pair into aligned 8-byte loads over even tiles
     if cfg.get("CHAIN") and not (cfg.get("HALF2") and cfg.get("DW", 1) == 2):
         cfg["CHAIN"] = False  # the chain is of a word pair's fp16 products
+    if cfg.get("FOLD") and not cfg.get("HALF2"):
+        cfg["FOLD"] = False  # the fold is of the fp16 chains' scale multiply
     if cfg.get("STAGES") and cfg.get("AHEAD"):
         raise ValueError("w4_linear: a one-row GEMV tile pipelines its loads (STAGES) or carries them (AHEAD), "
                          f"not both: {cfg}")

@@ -256,10 +256,10 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         from atom.model_ops.kernels.fp4_pairs import fold_scales
         from atom.model_ops.kernels.triton_import import HAS_TRITON
         weight = getattr(layer, self.packed_name)
-        if not (not _has_pair_words(layer) and HAS_TRITON and weight.is_cuda and torch.version.hip is None
-                and weight.is_contiguous() and weight.storage_offset() % 4 == 0):
-            return False
-        return not w4_gemv1.FOLD_PAIR_SCALES or fold_scales(weight.view(torch.int32), layer.weight_scale) is not None
+        ready = (not _has_pair_words(layer) and HAS_TRITON and weight.is_cuda and torch.version.hip is None
+                 and weight.is_contiguous() and weight.storage_offset() % 4 == 0)
+        return ready and (not w4_gemv1.FOLD_PAIR_SCALES
+                          or fold_scales(weight.view(torch.int32), layer.weight_scale) is not None)
 
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
