@@ -327,7 +327,7 @@ def test_pair_words_arguments_and_reference():
 
 
 def test_fold_range_makes_one_exact_float_of_both_scales():
-    """The one-row GEMV's folded scale on pair words (`w4_gemv1._h2_part`, FMT 2 with the opt-in
+    """The one-row GEMV's folded scale on pair words (`w4_gemv1._h2_part`, FMT 2 with
     `FOLD_PAIR_SCALES`): for every x column exponent e the kernel forms (40..254) and every scale
     byte s in `FOLD_SCALES`, the float32 whose bits are s 2^23 + ((e - 127) << 23) (int32
     arithmetic) is 2^(e - 127) 2^(s - 127) exactly; one byte below or above the range breaks it
@@ -366,11 +366,10 @@ def test_fold_scales_sets_zero_blocks_and_refuses_other_bytes():
 
 
 def test_pair_words_under_the_fold_only_with_foldable_scales(monkeypatch):
-    """`use_pair_words` where it repacks (pending forced, as on a GPU) with the opt-in
+    """`use_pair_words` where it repacks (pending forced, as on a GPU) with
     `w4_gemv1.FOLD_PAIR_SCALES`: an all-zero block's scale byte becomes 127, the dequantized weight
     the same; a layer with another block's byte outside `FOLD_SCALES` keeps the checkpoint's layout
-    and its scales. Without the fold (the default) that layer takes pair words, its scales as
-    they are."""
+    and its scales. Without the fold that layer takes pair words, its scales as they are."""
     monkeypatch.setattr(mxfp4_mod.Mxfp4LinearMethod, "pair_words_pending",
                         lambda self, m: not mxfp4_mod._has_pair_words(m))
     monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", True)
@@ -605,7 +604,7 @@ def test_gpu_folded_pair_scales_change_no_bit(N, K, chain):
 
 @pytest.mark.gpu
 def test_gpu_pair_words_pending_follows_the_fold(monkeypatch):
-    """On the kernels' platform `pair_words_pending` agrees with `use_pair_words` under the opt-in
+    """On the kernels' platform `pair_words_pending` agrees with `use_pair_words` under
     fold: a layer with a scale byte outside `FOLD_SCALES` is not pending (so the runner does not
     refuse the plan after capture for a layer it would never repack), and is without the fold."""
     layer = LAYERS["mxfp4"]("linear").cuda()

@@ -21,7 +21,7 @@ No field crosses a half, and every shift is a plain left shift (no wrap-around),
 compiler may issue it on the multiply pipe.
 
 `pair_words` / `standard_words` convert (torch, any device); `fold_scales` checks and sets a
-layer's scale bytes for the one-row GEMV's opt-in folded scale multiply
+layer's scale bytes for the one-row GEMV's folded scale multiply
 (`w4_gemv1.FOLD_PAIR_SCALES`); `pair_values` decodes a pair the way the kernel's PTX (`h2_ptx`)
 does, for the tests; `layout_frame` is the placement as a DataFrame (a row a word column).
 """
@@ -50,7 +50,7 @@ def _moves() -> list[tuple[int, int, int]]:
 MOVES = tuple(_moves())
 
 
-#: the E8M0 scale bytes (blocks with a nonzero code) of a pair-word layer under the opt-in
+#: the E8M0 scale bytes (blocks with a nonzero code) of a pair-word layer under
 #: `w4_gemv1.FOLD_PAIR_SCALES`: the one-row GEMV's HALF2 loop then multiplies a chain's sum by
 #: 2^(e - 127) 2^(s - 127) as one float, the one whose exponent field is e + s - 127 (x's column
 #: exponent e lies in [40, 254]: `h2_xpack._h2_column_e`), a normal float and so exact for every e

@@ -125,15 +125,16 @@ def stride_constants(fmt: str, ahead: bool, sw: int, ss: int, sz: int) -> dict:
 #: (docs/perf; variants `early_epilogue` in scripts/variants/int4 and scripts/variants/mxfp4)
 EARLY_EPILOGUE = False
 
-#: MXFP4 pair words' scale multiply folded (opt-in, untimed): "fp4_pair_words" then repacks only
-#: layers whose E8M0 bytes lie in `fp4_pairs.FOLD_SCALES` (all-zero blocks' bytes set to 127,
-#: `fp4_pairs.fold_scales`), and the HALF2 loop multiplies a chain's sum by 2^(e + s - 254) as one
-#: float built from the bits e + s - 127 (one multiply-add of the scale byte s; e: x's column
-#: exponent) instead of 2^(e - 127) and the E8M0 scale as two floats (a shift, a max for s = 0 and a
-#: second multiply a chain: the kernel's FOLD, which `w4_gemv1_launch` sets for pair words from
-#: this flag; set it before an engine loads). Its sm90 loop counts and the variants that time it
-#: (`fold_e8m0`, `fold_chain` in scripts/variants/mxfp4): docs/perf/raw/history.md, 2026-12-07j.
-FOLD_PAIR_SCALES = False
+#: MXFP4 pair words' scale multiply folded: "fp4_pair_words" repacks only layers whose E8M0 bytes
+#: lie in `fp4_pairs.FOLD_SCALES` (all-zero blocks' bytes set to 127, `fp4_pairs.fold_scales`; a
+#: layer with other bytes keeps the checkpoint's layout and its loop), and the HALF2 loop multiplies
+#: a chain's sum by 2^(e + s - 254) as one float built from the bits e + s - 127 (one multiply-add of
+#: the scale byte s; e: x's column exponent) instead of 2^(e - 127) and the E8M0 scale as two floats
+#: (a shift, a max for s = 0 and a second multiply a chain: the kernel's FOLD, which
+#: `w4_gemv1_launch` sets for pair words from this flag; set it before an engine loads). Fewer loop
+#: instructions a step and Llama-3.1-8B's MXFP4 batch-1 decode ~2% faster; with CHAIN on top it was
+#: not (docs/perf; variants `no_fold` and `chain_mx` in scripts/variants/mxfp4).
+FOLD_PAIR_SCALES = True
 
 
 def tiles(n: int, fmt: str = "int4", k: int = 0) -> dict:
