@@ -401,6 +401,26 @@ assert fp4_pairs.fold_scales(words, torch.tensor([[0, 128]], dtype=torch.uint8))
 fp4_pairs.FOLD_SCALES, fp4_pairs.fold_scales(words, scales)
 """),
     ("md", """
+The fold timed (`raw/history.md` 2026-12-08a): on an H100, two calls, each variant beside the tree
+as it then was (the fold off), Llama-3.1-8B MXFP4 batch-1 decode. The fold alone is ~2% faster
+in both calls and is now the default (`FOLD_PAIR_SCALES`); CHAIN over it is level with the tree.
+Below: the flag as the tree has it, and the table tile o_proj's pair words take (the launcher
+adds the kernel's FOLD from the flag).
+"""),
+    ("code", """
+from atom.model_ops.kernels import w4_gemv1
+runs = {}
+for path in sorted(raw_dir.glob("2026-12-08a-h100-call[12]-l-lat1-var*-mxfp4_w4a16.json")):
+    call, variant = re.match(r".*-(call\\d)-l-lat1-var(\\w+?)-mxfp4_w4a16\\.json", path.name).groups()
+    runs[(call, variant)] = json.loads(path.read_text())["results"][0]["ms_per_step"]
+runs = pd.Series(runs, name="MXFP4 ms/step").unstack()
+change = (100 * runs.div(runs["asis"], axis=0) - 100).round(2).add_suffix(" %")
+assert (change["fold_e8m0 %"] < -2).all() and change.loc["call1", "fold_chain %"] > change.loc["call1", "fold_e8m0 %"]
+display(pd.concat([runs, change], axis=1))
+assert w4_gemv1.FOLD_PAIR_SCALES
+w4_gemv1.FOLD_PAIR_SCALES, w4_gemv1.tiles(4096, "mxfp4_pairs", 4096)
+"""),
+    ("md", """
 Two words of a row a load (`w4_gemv1`'s DW = 2: one 8-byte load split in its int32 halves, so a
 load, an address sum and a scale load serve 16 weights): the best tile each way from a later
 H200 sweep, and what the tables load per shape. MXFP4's tables read pairs (faster alone and in
