@@ -365,14 +365,16 @@ def test_fold_scales_sets_zero_blocks_and_refuses_other_bytes():
         fp4_pairs.fold_scales(words, scales[:, :3])
 
 
-def test_pair_words_under_the_fold_only_with_foldable_scales(monkeypatch):
-    """`use_pair_words` where it repacks (pending forced, as on a GPU) with
-    `w4_gemv1.FOLD_PAIR_SCALES`: an all-zero block's scale byte becomes 127, the dequantized weight
-    the same; a layer with another block's byte outside `FOLD_SCALES` keeps the checkpoint's layout
-    and its scales. Without the fold that layer takes pair words, its scales as they are."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_pair_words_only_with_foldable_scales_whatever_the_flag(monkeypatch, fold):
+    """`use_pair_words` where it repacks (the platform check forced, as on a GPU), with
+    `w4_gemv1.FOLD_PAIR_SCALES` on or off alike: an all-zero block's scale byte becomes 127, the
+    dequantized weight the same; a layer with another block's byte outside `FOLD_SCALES` keeps
+    the checkpoint's layout and its scales. So every pair-word layer's scales fold, and the flag
+    may change after the engine loaded."""
     monkeypatch.setattr(mxfp4_mod.Mxfp4LinearMethod, "pair_words_pending",
                         lambda self, m: not mxfp4_mod._has_pair_words(m))
-    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", True)
+    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", fold)
     layer = LAYERS["mxfp4"]("linear")
     layer.weight_packed.data[0, :16] = 0  # the first block of row 0: 32 zero codes
     layer.weight_scale.data[0, 0] = 0
@@ -381,20 +383,15 @@ def test_pair_words_under_the_fold_only_with_foldable_scales(monkeypatch):
     assert layer.weight_scale[0, 0] == fp4_pairs.ZERO_BLOCK_SCALE
     assert torch.equal(layer.weight_scale[:, 1:], scales[:, 1:]) and torch.equal(layer.weight_scale[1:], scales[1:])
     assert torch.equal(layer.method.dequantized_weight(layer), before)
+    assert fp4_pairs.fold_scales(fp4_pairs.standard_words(layer.weight_packed.view(torch.int32)),
+                                 layer.weight_scale) is not None
 
-    def out_of_range():
-        other = LAYERS["mxfp4"]("linear")
-        other.weight_scale.data[3, 2] = fp4_pairs.FOLD_SCALES[1] + 1
-        assert bool((other.weight_packed[3, 32:48] & 0x77).any())  # the block has a nonzero code
-        return other, other.weight_packed.detach().clone(), other.weight_scale.detach().clone()
-
-    other, packed, scales = out_of_range()
+    other = LAYERS["mxfp4"]("linear")
+    other.weight_scale.data[3, 2] = fp4_pairs.FOLD_SCALES[1] + 1
+    assert bool((other.weight_packed[3, 32:48] & 0x77).any())  # the block has a nonzero code
+    packed, scales = other.weight_packed.detach().clone(), other.weight_scale.detach().clone()
     assert not other.method.use_pair_words(other) and other.method.w4_operands(other)[3] == "mxfp4"
     assert torch.equal(other.weight_packed, packed) and torch.equal(other.weight_scale, scales)
-    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", False)
-    other, packed, scales = out_of_range()
-    assert other.method.use_pair_words(other) and other.method.w4_operands(other)[3] == "mxfp4_pairs"
-    assert torch.equal(other.weight_scale, scales) and not torch.equal(other.weight_packed, packed)
 
 
 # --- the method and the fusion --------------------------------------------------------------------
@@ -603,16 +600,17 @@ def test_gpu_folded_pair_scales_change_no_bit(N, K, chain):
 
 
 @pytest.mark.gpu
-def test_gpu_pair_words_pending_follows_the_fold(monkeypatch):
-    """On the kernels' platform `pair_words_pending` agrees with `use_pair_words` under
-    fold: a layer with a scale byte outside `FOLD_SCALES` is not pending (so the runner does not
-    refuse the plan after capture for a layer it would never repack), and is without the fold."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_gpu_pair_words_pending_only_with_foldable_scales(monkeypatch, fold):
+    """On the kernels' platform `pair_words_pending` agrees with `use_pair_words`, with the fold
+    on or off: a layer with a scale byte outside `FOLD_SCALES` is not pending (so the runner does
+    not refuse the plan after capture for a layer it would never repack); one inside is."""
+    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", fold)
     layer = LAYERS["mxfp4"]("linear").cuda()
     layer.weight_scale.data[3, 2] = fp4_pairs.FOLD_SCALES[1] + 1
-    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", True)
     assert not layer.method.pair_words_pending(layer) and not layer.method.use_pair_words(layer)
-    monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", False)
-    assert layer.method.pair_words_pending(layer) and layer.method.use_pair_words(layer)
+    inside = LAYERS["mxfp4"]("linear").cuda()
+    assert inside.method.pair_words_pending(inside) and inside.method.use_pair_words(inside)
 
 
 def test_layout_frame_lists_each_columns_places():

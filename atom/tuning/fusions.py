@@ -68,8 +68,8 @@ which computes the same thing with fewer kernels where the plan says so:
   (docs/perf has the layer timings);
 - "fp4_pair_words": MXFP4 layers store their weight as pair words (`kernels.fp4_pairs`: the
   same codes, bits placed so that the one-row GEMV's fp16 pair decode takes 11 instructions a
-  word instead of 15; with `w4_gemv1.FOLD_PAIR_SCALES` (the default) only layers whose E8M0 bytes
-  lie in `fp4_pairs.FOLD_SCALES`; the other 4-bit kernels read them too), converted in place once
+  word instead of 15, and its scale multiply folded: `w4_gemv1.FOLD_PAIR_SCALES`; only layers
+  whose E8M0 bytes lie in `fp4_pairs.FOLD_SCALES`; the other 4-bit kernels read them too), converted in place once
   (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is replaced, and the
   runner refuses the fusion after its graphs and torch.compile captured the model where it
   would still repack a layer: `pending_pair_words`). A default on the Triton backend (where

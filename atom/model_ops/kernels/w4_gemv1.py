@@ -41,9 +41,9 @@ bf16's output rounding; fp32 activations keep the float32 path. The PTX is gener
   widening, unscaling and scale multiply come once per 16 weights instead of once per 8; its
   rounding is `half2_ref(chain=2)`;
 - fmt "mxfp4_pairs": MXFP4 pair words (`fp4_pairs`, the layout the plan's "fp4_pair_words"
-  gives MXFP4 layers), 11 decode instructions a word instead of 15; with `FOLD_PAIR_SCALES`
-  their scale bytes lie in `fp4_pairs.FOLD_SCALES`, and a chain's unscaling and its E8M0 scale
-  are one float built by one multiply-add of the byte (no shift, max and second multiply).
+  gives MXFP4 layers), 11 decode instructions a word instead of 15; their scale bytes lie in
+  `fp4_pairs.FOLD_SCALES`, so with `FOLD_PAIR_SCALES` (the default) a chain's unscaling and its
+  E8M0 scale are one float built by one multiply-add of the byte (no shift, max and second multiply).
 The compiled loops' instruction counts, with and without each (`scripts/w4_gemv_sass.py`), are
 in docs/perf/raw/history.md.
 """
@@ -125,15 +125,17 @@ def stride_constants(fmt: str, ahead: bool, sw: int, ss: int, sz: int) -> dict:
 #: (docs/perf; variants `early_epilogue` in scripts/variants/int4 and scripts/variants/mxfp4)
 EARLY_EPILOGUE = False
 
-#: MXFP4 pair words' scale multiply folded: "fp4_pair_words" repacks only layers whose E8M0 bytes
-#: lie in `fp4_pairs.FOLD_SCALES` (all-zero blocks' bytes set to 127, `fp4_pairs.fold_scales`; a
-#: layer with other bytes keeps the checkpoint's layout and its loop), and the HALF2 loop multiplies
-#: a chain's sum by 2^(e + s - 254) as one float built from the bits e + s - 127 (one multiply-add of
-#: the scale byte s; e: x's column exponent) instead of 2^(e - 127) and the E8M0 scale as two floats
-#: (a shift, a max for s = 0 and a second multiply a chain: the kernel's FOLD, which
-#: `w4_gemv1_launch` sets for pair words from this flag; set it before an engine loads). Fewer loop
-#: instructions a step and Llama-3.1-8B's MXFP4 batch-1 decode ~2% faster; with CHAIN on top it was
-#: not (docs/perf; variants `no_fold` and `chain_mx` in scripts/variants/mxfp4).
+#: MXFP4 pair words' scale multiply folded: the HALF2 loop multiplies a chain's sum by
+#: 2^(e + s - 254) as one float built from the bits e + s - 127 (one multiply-add of the scale byte
+#: s; e: x's column exponent) instead of 2^(e - 127) and the E8M0 scale as two floats (a shift, a
+#: max for s = 0 and a second multiply a chain): the kernel's FOLD, which `w4_gemv1_launch` sets for
+#: pair words from this flag. Exact for every pair-word layer: "fp4_pair_words" repacks only layers
+#: whose E8M0 bytes lie in `fp4_pairs.FOLD_SCALES` (all-zero blocks' bytes set to 127,
+#: `fp4_pairs.fold_scales`; a layer with other bytes keeps the checkpoint's layout and its loop),
+#: whatever the flag says, so it may change at any time and engines loaded under either value
+#: both run under the other. Fewer loop instructions a step and Llama-3.1-8B's MXFP4 batch-1
+#: decode ~2% faster; with CHAIN on top it was not (docs/perf; variants `no_fold` and `chain_mx`
+#: in scripts/variants/mxfp4).
 FOLD_PAIR_SCALES = True
 
 

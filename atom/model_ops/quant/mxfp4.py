@@ -228,38 +228,36 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         fewer instructions; the other 4-bit kernels read them too: `kernels.w4_gemm`), once:
         the layout stays when the plan is replaced, since graphs captured with it read it
         (`ModelRunner.install_plan` refuses the fusion after capture where a layer would still
-        be repacked). Where `pair_words_pending` says so, and with `w4_gemv1.FOLD_PAIR_SCALES` where
-        the scales allow the one-row GEMV's folded scale multiply (`fp4_pairs.fold_scales`: all-zero
-        blocks' scale bytes set to 127, the same values; a layer with other bytes outside
-        `fp4_pairs.FOLD_SCALES` keeps the checkpoint's layout); returns whether the layer has pair words."""
+        be repacked). Where `pair_words_pending` says so: only layers whose scales fold
+        (`fp4_pairs.fold_scales`: all-zero blocks' scale bytes set to 127, the same values; a layer
+        with other bytes outside `fp4_pairs.FOLD_SCALES` keeps the checkpoint's layout), so that the
+        one-row GEMV's folded scale multiply (`w4_gemv1.FOLD_PAIR_SCALES`) is exact for every
+        pair-word layer whenever the flag is read, and toggling it never changes a layer's layout;
+        returns whether the layer has pair words."""
         if _has_pair_words(layer):
             return True
         if not self.pair_words_pending(layer):
             return False
-        from atom.model_ops.kernels import w4_gemv1
         from atom.model_ops.kernels.fp4_pairs import fold_scales, pair_words
         words = getattr(layer, self.packed_name).data.view(torch.int32)
-        if w4_gemv1.FOLD_PAIR_SCALES:
-            scales = fold_scales(words, layer.weight_scale.data)
-            if scales is None:  # `pair_words_pending` says no to these already
-                return False
-            layer.weight_scale.data.copy_(scales)  # all-zero blocks' bytes: the same values
+        scales = fold_scales(words, layer.weight_scale.data)
+        if scales is None:  # `pair_words_pending` says no to these already
+            return False
+        layer.weight_scale.data.copy_(scales)  # all-zero blocks' bytes: the same values
         words.copy_(pair_words(words))
         layer.fp4_layout = "pairs"
         return True
 
     def pair_words_pending(self, layer: nn.Module) -> bool:
         """Whether `use_pair_words` would repack this layer's weight now: not yet pair words, and
-        where the 4-bit kernels run it (NVIDIA CUDA weights, Triton), contiguous and 4-byte aligned;
-        with `w4_gemv1.FOLD_PAIR_SCALES`, scales that fold (`fp4_pairs.fold_scales`)."""
-        from atom.model_ops.kernels import w4_gemv1
+        where the 4-bit kernels run it (NVIDIA CUDA weights, Triton), contiguous and 4-byte aligned,
+        with scales that fold (`fp4_pairs.fold_scales`), whatever `w4_gemv1.FOLD_PAIR_SCALES` says."""
         from atom.model_ops.kernels.fp4_pairs import fold_scales
         from atom.model_ops.kernels.triton_import import HAS_TRITON
         weight = getattr(layer, self.packed_name)
         ready = (not _has_pair_words(layer) and HAS_TRITON and weight.is_cuda and torch.version.hip is None
                  and weight.is_contiguous() and weight.storage_offset() % 4 == 0)
-        return ready and (not w4_gemv1.FOLD_PAIR_SCALES
-                          or fold_scales(weight.view(torch.int32), layer.weight_scale) is not None)
+        return ready and fold_scales(weight.view(torch.int32), layer.weight_scale) is not None
 
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
