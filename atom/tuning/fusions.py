@@ -69,8 +69,8 @@ which computes the same thing with fewer kernels where the plan says so:
 - "fp4_pair_words": MXFP4 layers store their weight as pair words (`kernels.fp4_pairs`: the
   same codes, bits placed so that the one-row GEMV's fp16 pair decode takes 11 instructions a
   word instead of 15, and its scale multiply folded: `w4_gemv1.FOLD_PAIR_SCALES`; only layers
-  whose E8M0 bytes lie in `fp4_pairs.FOLD_SCALES`; the other 4-bit kernels read them too), converted in place once
-  (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is replaced, and the
+  whose E8M0 bytes lie in `fp4_pairs.FOLD_SCALES`; the other 4-bit kernels read them too),
+  converted in place once (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is replaced, and the
   runner refuses the fusion after its graphs and torch.compile captured the model where it
   would still repack a layer: `pending_pair_words`). A default on the Triton backend (where
   the 4-bit kernels run: NVIDIA): batch-1 MXFP4 decode measured 4% faster with it, and the

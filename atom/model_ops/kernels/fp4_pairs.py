@@ -51,11 +51,11 @@ MOVES = tuple(_moves())
 
 
 #: the E8M0 scale bytes (blocks with a nonzero code) of a pair-word layer (`Mxfp4LinearMethod`
-#: repacks no other), for `w4_gemv1.FOLD_PAIR_SCALES`: the one-row GEMV's HALF2 loop multiplies a chain's sum by
-#: 2^(e - 127) 2^(s - 127) as one float, the one whose exponent field is e + s - 127 (x's column
-#: exponent e lies in [40, 254]: `h2_xpack._h2_column_e`), a normal float and so exact for every e
-#: only while s lies in this range (blocks of 32 weights up to 6 x 2^-39 .. 6 in magnitude: real
-#: checkpoints' linear layers)
+#: repacks no other), for `w4_gemv1.FOLD_PAIR_SCALES`: the one-row GEMV's HALF2 loop multiplies a
+#: chain's sum by 2^(e - 127) 2^(s - 127) as one float, the one whose exponent field is
+#: e + s - 127 (x's column exponent e lies in [40, 254]: `h2_xpack._h2_column_e`), a normal float
+#: and so exact for every e only while s lies in this range (blocks of 32 weights up to
+#: 6 x 2^-39 .. 6 in magnitude: real checkpoints' linear layers)
 FOLD_SCALES = (88, 127)
 #: the byte an all-zero block takes for the fold (its products are zero whatever its scale)
 ZERO_BLOCK_SCALE = 127
