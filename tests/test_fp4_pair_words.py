@@ -392,6 +392,9 @@ def test_pair_words_only_with_foldable_scales_whatever_the_flag(monkeypatch, fol
     packed, scales = other.weight_packed.detach().clone(), other.weight_scale.detach().clone()
     assert not other.method.use_pair_words(other) and other.method.w4_operands(other)[3] == "mxfp4"
     assert torch.equal(other.weight_packed, packed) and torch.equal(other.weight_scale, scales)
+    # the per-layer table tells the two apart
+    assert layer.method.kernel_for(layer).endswith(mxfp4_mod.PAIR_WORDS_NOTE)
+    assert mxfp4_mod.PAIR_WORDS_NOTE not in other.method.kernel_for(other)
 
 
 # --- the method and the fusion --------------------------------------------------------------------

@@ -140,6 +140,10 @@ def fake_quant_mxfp4(x: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:
     return (fp4_round(g / s) * s).flatten(-2)
 
 
+#: what `Mxfp4LinearMethod.kernel_for` adds for a layer stored as pair words
+PAIR_WORDS_NOTE = "; weight as fp4 pair words (scales folded)"
+
+
 def _has_pair_words(layer: nn.Module) -> bool:
     """Whether `Mxfp4LinearMethod.use_pair_words` repacked this layer's weight."""
     return layer.__dict__.get("fp4_layout") == "pairs"
@@ -263,8 +267,11 @@ class Mxfp4LinearMethod(QuantLinearMethod):
     kernel = KERNEL_DESCRIPTION
 
     def kernel_for(self, layer: nn.Module) -> str:
-        """What runs this layer's product (the per-layer table's `kernel` column)."""
-        return kernel_for_weight(getattr(layer, self.packed_name))
+        """What runs this layer's product (the per-layer table's `kernel` column), with the
+        weight's layout where "fp4_pair_words" repacked it (a layer whose scale bytes do not
+        fold keeps the checkpoint's, and says nothing more)."""
+        kernel = kernel_for_weight(getattr(layer, self.packed_name))
+        return kernel + PAIR_WORDS_NOTE if _has_pair_words(layer) else kernel
 
     def format_spec(self) -> str:
         if self.act == "none":
