@@ -93,7 +93,7 @@ def compile_gemv1(fmt: str, group: int, half2: bool = False, dw: int = 1, chain:
         tiles = {key: v for key, v in tile.items() if key not in ("num_warps", "num_stages", "maxnreg", "SPF")}
         warps, stages = tile["num_warps"], tile["num_stages"]
     dw = tiles.get("DW", 1)
-    tiles.setdefault("FOLD", g1.FOLD_PAIR_SCALES and fmt == "mxfp4_pairs")  # as the launcher
+    tiles.setdefault("FOLD", g1.fold_default(fmt))  # as the launcher
     n_scales = k // group
     const = dict(FMT=FORMATS.index(fmt), GROUP=group, HAS_ZP=False, HAS_BIAS=False, PDL=True, EVEN=True,
                  NORM=norm, HAS_RES=norm, GATED=gated, RSQ=gated or rsq, EPI_ROW=epi_row, SW=0, SS=0, SZ=0, **tiles)

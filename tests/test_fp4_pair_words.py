@@ -372,8 +372,7 @@ def test_pair_words_only_with_foldable_scales_whatever_the_flag(monkeypatch, fol
     dequantized weight the same; a layer with another block's byte outside `FOLD_SCALES` keeps
     the checkpoint's layout and its scales. So every pair-word layer's scales fold, and the flag
     may change after the engine loaded."""
-    monkeypatch.setattr(mxfp4_mod.Mxfp4LinearMethod, "pair_words_pending",
-                        lambda self, m: not mxfp4_mod._has_pair_words(m))
+    monkeypatch.setattr(mxfp4_mod.Mxfp4LinearMethod, "_repackable", lambda self, m: not mxfp4_mod._has_pair_words(m))
     monkeypatch.setattr(w4_gemv1, "FOLD_PAIR_SCALES", fold)
     layer = LAYERS["mxfp4"]("linear")
     layer.weight_packed.data[0, :16] = 0  # the first block of row 0: 32 zero codes

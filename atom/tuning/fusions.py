@@ -70,9 +70,9 @@ which computes the same thing with fewer kernels where the plan says so:
   same codes, bits placed so that the one-row GEMV's fp16 pair decode takes 11 instructions a
   word instead of 15, and its scale multiply folded: `w4_gemv1.FOLD_PAIR_SCALES`; only layers
   whose E8M0 bytes lie in `fp4_pairs.FOLD_SCALES`; the other 4-bit kernels read them too),
-  converted in place once (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan is replaced, and the
-  runner refuses the fusion after its graphs and torch.compile captured the model where it
-  would still repack a layer: `pending_pair_words`). A default on the Triton backend (where
+  converted in place once (`Mxfp4LinearMethod.use_pair_words`; the layout stays when the plan
+  is replaced, and the runner refuses the fusion after its graphs and torch.compile captured
+  the model where it would still repack a layer: `pending_pair_words`). A default on the Triton backend (where
   the 4-bit kernels run: NVIDIA): batch-1 MXFP4 decode measured 4% faster with it, and the
   workload the same with and without it, since products of 65 rows or more run on the weight
   written out (`w4_gemm.W4_DEQUANT_MIN_M`; before, the batched kernels' slower decode of pair

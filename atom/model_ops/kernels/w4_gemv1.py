@@ -139,6 +139,12 @@ EARLY_EPILOGUE = False
 FOLD_PAIR_SCALES = True
 
 
+def fold_default(fmt: str) -> bool:
+    """The kernel's FOLD where a launch's tile does not set it: `FOLD_PAIR_SCALES`, read now,
+    for MXFP4 pair words."""
+    return FOLD_PAIR_SCALES and fmt == "mxfp4_pairs"
+
+
 def tiles(n: int, fmt: str = "int4", k: int = 0) -> dict:
     """The tile config for a layer of n outputs from k inputs of format `fmt`."""
     table = TILES_WIDE if n > WIDE_N else TILES_DEEP if k > DEEP_K else TILES
@@ -898,7 +904,7 @@ def w4_gemv1_launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     if cfg.get("FOLD") and FORMATS[fmt_id] != "mxfp4_pairs":
         raise ValueError(f"w4_linear: FOLD folds MXFP4 pair words' E8M0 scales (fmt 'mxfp4_pairs'), "
                          f"not fmt {FORMATS[fmt_id]!r}: {cfg}")
-    cfg.setdefault("FOLD", FOLD_PAIR_SCALES and FORMATS[fmt_id] == "mxfp4_pairs")
+    cfg.setdefault("FOLD", fold_default(FORMATS[fmt_id]))
     if cfg.get("HALF2") and not half2_applies(x, fmt_id):
         cfg["HALF2"] = False  # the float32 products: fp32 activations, or not an NVIDIA GPU (the interpreter)
     N, n_words = words.shape

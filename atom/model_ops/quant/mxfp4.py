@@ -141,7 +141,7 @@ def fake_quant_mxfp4(x: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:
 
 
 #: what `Mxfp4LinearMethod.kernel_for` adds for a layer stored as pair words
-PAIR_WORDS_NOTE = "; weight as fp4 pair words (scales folded)"
+PAIR_WORDS_NOTE = "; weight as fp4 pair words"
 
 
 def _has_pair_words(layer: nn.Module) -> bool:
@@ -240,28 +240,32 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         returns whether the layer has pair words."""
         if _has_pair_words(layer):
             return True
-        if not self.pair_words_pending(layer):
+        if not self._repackable(layer):
             return False
         from atom.model_ops.kernels.fp4_pairs import fold_scales, pair_words
         words = getattr(layer, self.packed_name).data.view(torch.int32)
-        scales = fold_scales(words, layer.weight_scale.data)
-        if scales is None:  # `pair_words_pending` says no to these already
+        scales = fold_scales(words, layer.weight_scale.data)  # one pass over the weight
+        if scales is None:
             return False
         layer.weight_scale.data.copy_(scales)  # all-zero blocks' bytes: the same values
         words.copy_(pair_words(words))
         layer.fp4_layout = "pairs"
         return True
 
-    def pair_words_pending(self, layer: nn.Module) -> bool:
-        """Whether `use_pair_words` would repack this layer's weight now: not yet pair words, and
-        where the 4-bit kernels run it (NVIDIA CUDA weights, Triton), contiguous and 4-byte aligned,
-        with scales that fold (`fp4_pairs.fold_scales`), whatever `w4_gemv1.FOLD_PAIR_SCALES` says."""
-        from atom.model_ops.kernels.fp4_pairs import fold_scales
+    def _repackable(self, layer: nn.Module) -> bool:
+        """Not yet pair words, and where the 4-bit kernels run the weight (NVIDIA CUDA weights,
+        Triton), contiguous and 4-byte aligned: what `use_pair_words` needs before its scales."""
         from atom.model_ops.kernels.triton_import import HAS_TRITON
         weight = getattr(layer, self.packed_name)
-        ready = (not _has_pair_words(layer) and HAS_TRITON and weight.is_cuda and torch.version.hip is None
-                 and weight.is_contiguous() and weight.storage_offset() % 4 == 0)
-        return ready and fold_scales(weight.view(torch.int32), layer.weight_scale) is not None
+        return (not _has_pair_words(layer) and HAS_TRITON and weight.is_cuda and torch.version.hip is None
+                and weight.is_contiguous() and weight.storage_offset() % 4 == 0)
+
+    def pair_words_pending(self, layer: nn.Module) -> bool:
+        """Whether `use_pair_words` would repack this layer's weight now: `_repackable`, with
+        scales that fold (`fp4_pairs.fold_scales`), whatever `w4_gemv1.FOLD_PAIR_SCALES` says."""
+        from atom.model_ops.kernels.fp4_pairs import fold_scales
+        weight = getattr(layer, self.packed_name)
+        return self._repackable(layer) and fold_scales(weight.view(torch.int32), layer.weight_scale) is not None
 
     #: the GPU kernel (CPU runs the torch reference)
     kernel = KERNEL_DESCRIPTION
